@@ -1,0 +1,31 @@
+# The README's commands. Every target installs what it needs first (idempotent, fast when done).
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+ICEKV   := $(VENV)/bin/icekv
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup fetch demo test test-all clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $@
+
+fetch: setup
+	$(ICEKV) fetch
+
+demo: fetch
+	$(ICEKV) demo
+
+test: fetch
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: fetch
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

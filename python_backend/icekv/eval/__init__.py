@@ -1,0 +1,1 @@
+"""RULER-style evaluation: task generation, runners, reports."""

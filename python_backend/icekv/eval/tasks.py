@@ -1,0 +1,128 @@
+"""RULER-style retrieval tasks built from real prose with a seeded RNG.
+
+A sample is a prompt (haystack with needles inserted at chosen depths, then the question) and the
+expected answers. Wording follows RULER's needle-in-a-haystack templates, which a 135M model can
+follow; lengths are measured in tokens of the model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from icekv.errors import ConfigError
+from icekv.model import Tokenizer
+
+PREAMBLE = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n"
+)
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+QUESTION = (
+    "\nWhat is the special magic number for {key} mentioned in the provided text? "
+    "The special magic number for {key} mentioned in the provided text is"
+)
+# Our own small vocabulary for needle keys ("word-word"), so keys are ordinary tokens.
+KEY_WORDS = (
+    "amber anchor apple arrow autumn badge basket beacon berry blanket bottle breeze bridge "
+    "brook candle canyon carpet castle cedar chimney clover comet copper coral cottage crystal "
+    "dawn desert falcon feather fern forest fountain garden glacier granite harbor hazel helmet "
+    "island ivory jacket jasmine kettle lantern lemon maple marble meadow mirror mountain needle "
+    "orchid otter pebble pepper pillow pine planet quartz rabbit raven ribbon river saddle "
+    "salmon silver spruce starling summit thistle thunder timber tulip velvet violet walnut "
+    "willow window winter"
+).split()
+
+
+@dataclass(frozen=True)
+class Sample:
+    task: str
+    prompt: str
+    answers: tuple[str, ...]  # every one must appear in the output
+    depths: tuple[float, ...]
+    prompt_tokens: int
+
+    def score(self, output: str) -> float:
+        """1.0 when every expected answer appears in the output, else the share that did."""
+        return sum(a in output for a in self.answers) / len(self.answers)
+
+
+def _key(rng: random.Random, used: set[str]) -> str:
+    while True:
+        key = f"{rng.choice(KEY_WORDS)}-{rng.choice(KEY_WORDS)}"
+        if key not in used:
+            used.add(key)
+            return key
+
+
+def _value(rng: random.Random, used: set[str]) -> str:
+    while True:
+        value = str(rng.randrange(1_000_000, 10_000_000))
+        if value not in used:
+            used.add(value)
+            return value
+
+
+class HaystackSampler:
+    """Cuts token-exact stretches of a haystack and inserts needles at sentence boundaries."""
+
+    def __init__(self, text: str, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.text = re.sub(r"[ \t]+", " ", text)
+        self.ids = tokenizer.encode(self.text)
+
+    def make(
+        self,
+        task: str,
+        length: int,
+        seed: int,
+        depth: float | None = None,
+        num_needles: int = 1,
+        num_values: int = 1,
+    ) -> Sample:
+        """Build one sample of about ``length`` prompt tokens.
+
+        ``niah_single``: one needle; ``niah_multikey``: ``num_needles`` needles with distinct
+        keys, one asked; ``niah_multivalue``: one key with ``num_values`` values, all asked.
+        """
+        if task not in ("niah_single", "niah_multikey", "niah_multivalue"):
+            raise ConfigError(f"unknown task {task!r}")
+        rng = random.Random(seed)
+        keys_used: set[str] = set()
+        values_used: set[str] = set()
+        query = _key(rng, keys_used)
+        if task == "niah_multivalue":
+            needles = [(query, _value(rng, values_used)) for _ in range(num_values)]
+            answers = tuple(v for _, v in needles)
+        else:
+            needles = [(query, _value(rng, values_used))]
+            answers = (needles[0][1],)
+            if task == "niah_multikey":
+                needles += [(_key(rng, keys_used), _value(rng, values_used)) for _ in range(num_needles - 1)]
+        n_needles = len(needles)
+        depths = [depth if depth is not None else rng.random()] if n_needles == 1 else [rng.random() for _ in needles]
+        if n_needles > 1:
+            rng.shuffle(needles)
+        needle_texts = [NEEDLE.format(key=k, value=v) for k, v in needles]
+        question = QUESTION.format(key=query)
+        overhead = len(self.tokenizer.encode(PREAMBLE + " ".join(needle_texts) + question)) + 2
+        budget = length - overhead
+        if budget < 64:
+            raise ConfigError(f"length {length} is too short for the task ({overhead} tokens of needles and question)")
+        if budget > len(self.ids):
+            raise ConfigError(f"length {length} exceeds the haystack ({len(self.ids)} tokens)")
+        start = rng.randrange(0, len(self.ids) - budget + 1)
+        context = self.tokenizer.decode(self.ids[start : start + budget])
+        for needle, d in sorted(zip(needle_texts, depths), key=lambda x: -x[1]):
+            context = _insert_at_sentence(context, needle, d)
+        prompt = PREAMBLE + context + question
+        return Sample(task, prompt, answers, tuple(depths), len(self.tokenizer.encode(prompt)))
+
+
+def _insert_at_sentence(text: str, needle: str, depth: float) -> str:
+    """Insert ``needle`` at the sentence boundary nearest to ``depth`` (0 = start, 1 = end)."""
+    target = int(len(text) * depth)
+    bounds = [0] + [m.end() for m in re.finditer(r"[.!?]\s", text)] + [len(text)]
+    at = min(bounds, key=lambda b: abs(b - target))
+    return text[:at] + needle + " " + text[at:]

@@ -1,0 +1,7 @@
+"""Page layout, page table, allocator and the paged KV pool."""
+
+from icekv.kv.allocator import PageAllocator
+from icekv.kv.page_table import PageTable
+from icekv.kv.paged_cache import PagedKVCache
+
+__all__ = ["PageAllocator", "PageTable", "PagedKVCache"]

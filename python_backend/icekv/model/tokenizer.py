@@ -1,0 +1,31 @@
+"""Text <-> token ids with the model folder's ``tokenizer.json`` (no transformers import)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from icekv.errors import ModelLoadError
+
+
+class Tokenizer:
+    """Encodes prompts as the Hugging Face tokenizer of the same folder does, and decodes streams."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"no tokenizer.json in model directory {model_dir}")
+        self._tok = _HFTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self._bos_id = self._tok.token_to_id(cfg["bos_token"]) if cfg.get("add_bos_token") else None
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self._bos_id] if self._bos_id is not None else []) + ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)

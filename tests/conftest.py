@@ -1,0 +1,64 @@
+"""Shared fixtures: the real default model (fetched once into ICEKV_CACHE) and tiny HF models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from icekv.assets import Assets
+
+
+@pytest.fixture(scope="session")
+def assets() -> Assets:
+    return Assets()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(assets):
+    return assets.model_dir()
+
+
+@pytest.fixture(scope="session")
+def engine(smollm2_dir):
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+
+    return Engine(EngineConfig(model_dir=str(smollm2_dir)))
+
+
+@pytest.fixture(scope="session")
+def essays_text(assets) -> str:
+    return assets.haystack_text("essays")
+
+
+TINY_CONFIGS = {
+    "llama": dict(
+        cls="LlamaForCausalLM", cfg="LlamaConfig",
+        extra=dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}),
+    ),
+    "mistral": dict(cls="MistralForCausalLM", cfg="MistralConfig", extra=dict(sliding_window=None)),
+    "qwen2": dict(cls="Qwen2ForCausalLM", cfg="Qwen2Config", extra=dict(use_sliding_window=False)),
+    "qwen3": dict(cls="Qwen3ForCausalLM", cfg="Qwen3Config", extra=dict(head_dim=32, use_sliding_window=False)),
+}
+
+
+def make_tiny_hf_model(arch: str, path, num_kv_heads: int = 2):
+    """A random-weight HF model of ``arch`` saved to ``path``; returns the HF model."""
+    import transformers
+
+    spec = TINY_CONFIGS[arch]
+    config = getattr(transformers, spec["cfg"])(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
+        tie_word_embeddings=False, **spec["extra"],
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, spec["cls"])(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases so a missed one changes the output
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model

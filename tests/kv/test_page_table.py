@@ -1,0 +1,36 @@
+import pytest
+import torch
+
+from icekv.errors import CacheFullError
+from icekv.kv import PageAllocator, PageTable
+
+
+def test_csr_layout_for_a_batch():
+    table = PageTable.build([[4, 1], [], [7, 2, 9]], [20, 0, 33], page_size=16)
+    assert table.indptr.tolist() == [0, 2, 2, 5]
+    assert table.indices.tolist() == [4, 1, 7, 2, 9]
+    assert table.last_page_len.tolist() == [4, 0, 1]
+    assert [table.seq_len(i) for i in range(3)] == [20, 0, 33]
+    assert table.pages(2).tolist() == [7, 2, 9]
+    assert table.batch_size == 3
+
+
+def test_full_last_page_has_page_size_tokens():
+    table = PageTable.build([[0, 1]], [32], page_size=16)
+    assert table.last_page_len.tolist() == [16]
+
+
+def test_page_count_must_match_length():
+    with pytest.raises(ValueError):
+        PageTable.build([[0]], [17], page_size=16)
+
+
+def test_allocator_hands_out_distinct_pages_and_refuses_overflow():
+    alloc = PageAllocator(4)
+    a = alloc.allocate(3)
+    assert len(set(a)) == 3 and alloc.num_free == 1
+    assert not alloc.can_allocate(2)
+    with pytest.raises(CacheFullError, match="exhausted"):
+        alloc.allocate(2)
+    alloc.free(a)
+    assert alloc.num_free == 4

@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from icekv.config import PagingConfig
+from icekv.errors import CacheFullError
+from icekv.kv import PagedKVCache
+
+
+def _cache(max_tokens=128, page=16):
+    return PagedKVCache(2, 3, 8, PagingConfig(page_size=page, max_context_tokens=max_tokens))
+
+
+@pytest.mark.parametrize("chunks", [[1], [16], [5, 11, 1, 20], [33, 1, 1]])
+def test_write_then_gather_returns_tokens_in_order(chunks):
+    cache = _cache()
+    cache.add(0)
+    cache.add(1)  # an interleaved second sequence must not disturb the first
+    ks, vs = [], []
+    for n in chunks:
+        start = cache.extend(0, n)
+        k, v = torch.randn(n, 3, 8), torch.randn(n, 3, 8)
+        cache.write(1, 0, start, k, v)
+        s1 = cache.extend(1, 2)
+        cache.write(1, 1, s1, torch.zeros(2, 3, 8), torch.zeros(2, 3, 8))
+        ks.append(k)
+        vs.append(v)
+    keys, values = cache.gather(1, 0)  # [Hkv, L, D]
+    assert keys.shape == (3, sum(chunks), 8)
+    torch.testing.assert_close(keys, torch.cat(ks).transpose(0, 1), rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.cat(vs).transpose(0, 1), rtol=0, atol=0)
+    table = cache.page_table([0, 1])
+    assert table.seq_len(0) == sum(chunks)
+    assert set(table.pages(0).tolist()).isdisjoint(table.pages(1).tolist())
+
+
+def test_full_pool_is_refused_and_free_returns_pages():
+    cache = _cache(max_tokens=32)
+    cache.add(0)
+    cache.extend(0, 32)
+    cache.add(1)
+    with pytest.raises(CacheFullError, match="KV cache full"):
+        cache.extend(1, 1)
+    cache.free(0)
+    cache.extend(1, 17)
+    assert cache.sequence_bytes(1) == 2 * cache.bytes_per_page
+    assert cache.bytes_per_page == 2 * 2 * 3 * 16 * 8 * 4  # layers * (K,V) * heads * P * D * fp32

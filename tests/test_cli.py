@@ -1,0 +1,50 @@
+"""The installed ``icekv`` console script, run as a user would."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def icekv(*args, timeout=600):
+    exe = os.path.join(os.path.dirname(sys.executable), "icekv")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.model
+def test_generate_json_answers_paris(smollm2_dir):
+    proc = icekv("generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "Paris" in out["text"]
+    for key in ("prompt_tokens", "new_tokens", "prefill_s", "decode_s", "tpot_s"):
+        assert key in out
+    assert out["kv"]["resident_bytes"] > 0 and out["kv"]["total_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--prompt", "hi", "--model", "/nonexistent/model"], "does not exist"),
+        (["generate", "--prompt", "   "], "prompt is empty"),
+        (["generate", "--prompt", "hi", "--max-tokens", "-3"], "--max-tokens must be >= 1"),
+        (["generate", "--prompt-file", "/nonexistent.txt"], "--prompt-file"),
+        (["generate"], "--prompt"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message):
+    proc = icekv(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.model
+def test_prompt_longer_than_the_cache_is_refused(smollm2_dir, tmp_path):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("word " * 400)
+    proc = icekv("generate", "--prompt-file", str(prompt), "--max-context", "256")
+    assert proc.returncode == 2
+    assert "exceeds the KV cache capacity of 256 tokens" in proc.stderr
