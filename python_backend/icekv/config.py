@@ -71,6 +71,85 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+POLICIES = ("full", "streaming", "quest", "icecache", "icecache_r")
+
+
+@dataclass(frozen=True)
+class IceCacheConfig:
+    """DCI-tree settings (IceCache paper defaults).
+
+    About ``ratio_1`` of indexed tokens are promoted to level 1 and ``ratio_2`` of each level one
+    level higher, deterministically in sequence order; the query walk keeps the best
+    ``max(fov_fraction * seq_len, fov_min)`` nodes per level.
+    """
+
+    ratio_1: float = 0.02
+    ratio_2: float = 0.2
+    max_level: int = 4
+    fov_min: int = 30
+    fov_fraction: float = 1.5e-3
+    layer_group: int = 3  # icecache_r: layers per group sharing one index
+    seed: int = 0  # the random projection that orders a node's children
+
+    def __post_init__(self) -> None:
+        if not (0 < self.ratio_1 <= 0.5):
+            raise ConfigError(f"ratio_1 must be in (0, 0.5], got {self.ratio_1}")
+        if not (0 < self.ratio_2 <= 0.5):
+            raise ConfigError(f"ratio_2 must be in (0, 0.5], got {self.ratio_2}")
+        if self.max_level < 1 or self.fov_min < 1 or self.layer_group < 1:
+            raise ConfigError("max_level, fov_min and layer_group must be >= 1")
+
+    def field_of_view(self, seq_len: int) -> int:
+        return max(int(self.fov_fraction * seq_len), self.fov_min)
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """Which tokens each decode step attends to.
+
+    ``budget`` is tokens attended per layer per KV head, sink and window included; the first
+    ``n_unlimited_layers`` layers keep their full cache. ``full`` ignores the budget. Sink and
+    window default to 2 pages each (the paper's setting), shrunk to a quarter of the budget's pages
+    each for small budgets (64 tokens: 1 + 1 pages, 2 selected) so selection always has room.
+    """
+
+    policy: str = "full"
+    budget: int = 256
+    page_size: int = 16
+    n_sink_pages: int | None = None
+    n_win_pages: int | None = None
+    n_unlimited_layers: int = 2
+    icecache: IceCacheConfig = field(default_factory=IceCacheConfig)
+
+    def __post_init__(self) -> None:
+        default_pages = max(1, min(2, self.budget // self.page_size // 4))
+        if self.n_sink_pages is None:
+            object.__setattr__(self, "n_sink_pages", default_pages)
+        if self.n_win_pages is None:
+            object.__setattr__(self, "n_win_pages", default_pages)
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.budget < 1:
+            raise ConfigError(f"budget must be >= 1 token, got {self.budget}")
+        if self.n_sink_pages < 0 or self.n_win_pages < 1 or self.n_unlimited_layers < 0:
+            raise ConfigError("n_sink_pages must be >= 0, n_win_pages >= 1, n_unlimited_layers >= 0")
+        if self.policy == "full":
+            return
+        if self.budget % self.page_size:
+            raise ConfigError(f"budget {self.budget} is not a multiple of the page size {self.page_size}")
+        fixed = (self.n_sink_pages + self.n_win_pages) * self.page_size
+        if self.budget <= fixed:
+            raise ConfigError(
+                f"budget {self.budget} must exceed sink + window = {fixed} tokens "
+                f"({self.n_sink_pages} + {self.n_win_pages} pages of {self.page_size})"
+            )
+
+    @property
+    def selected_pages(self) -> int:
+        """Pages picked per step per KV head, besides sink and window."""
+        return self.budget // self.page_size - self.n_sink_pages - self.n_win_pages
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to load a model and run requests on it.
@@ -82,6 +161,7 @@ class EngineConfig:
     model_dir: str | None = None
     dtype: str = "float32"
     paging: PagingConfig = field(default_factory=PagingConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     prefill_chunk_tokens: int = 512
     num_threads: int | None = None
 
@@ -94,3 +174,8 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.selection.page_size != self.paging.page_size:
+            raise ConfigError(
+                f"selection.page_size {self.selection.page_size} differs from paging.page_size "
+                f"{self.paging.page_size}"
+            )

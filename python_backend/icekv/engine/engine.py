@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from icekv.config import EngineConfig, SamplingConfig
+from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
 from icekv.engine.full_attention import FullCacheAttention
 from icekv.engine.sampling import sample_next
+from icekv.engine.sparse_attention import SparseCacheAttention
 from icekv.engine.text_stream import TextStream
 from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import Tokenizer, load_model
+from icekv.select import make_selector
 
 OnText = Callable[[str], None]
 OnProgress = Callable[[int, int], None]
@@ -24,11 +26,13 @@ OnProgress = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class KVStats:
-    """Bytes of KV cache the request held on the compute device and in total (all layers)."""
+    """KV cache of one request: bytes on the compute device vs in total (all layers), and traffic."""
 
     resident_bytes: int
     total_bytes: int
     pages: int
+    bytes_moved: int = 0
+    slot_hit_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,23 @@ class Generation:
     decode_s: float
     tpot_s: float
     kv: KVStats
+    policy: str = "full"
+    budget: int | None = None
+    timings: dict = field(default_factory=dict)  # select_s, transfer_s, attention_s, index_build_s
+    layer_stats: dict = field(default_factory=dict)  # probe: layer -> {"recall", "cosine"}
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Prefilled:
+    """A prompt whose KV is in the pool; decode it (possibly several times), then release it."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    logits: torch.Tensor  # [V] for the token after the prompt
+    prefill_s: float
 
 
 def resolve_model_dir(model_dir: str | None) -> Path:
@@ -89,35 +107,71 @@ class Engine:
         sampling: SamplingConfig = SamplingConfig(),
         on_text: OnText | None = None,
         on_progress: OnProgress | None = None,
+        selection: SelectionConfig | None = None,
     ) -> Generation:
         """Prefill ``prompt`` in chunks, then decode until EOS, a stop string or ``max_tokens``."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_fits(len(ids), sampling.max_tokens)
+        req = self.prefill(ids, on_progress)
+        try:
+            return self.decode(req, sampling, selection, on_text)
+        finally:
+            self.release(req)
+
+    def prefill(self, ids: list[int], on_progress: OnProgress | None = None) -> Prefilled:
+        """Run the prompt through the model with full attention, ``prefill_chunk_tokens`` at a time."""
+        if not ids:
+            raise ConfigError("prompt is empty")
         seq_id = next(self._seq_ids)
         self.cache.add(seq_id)
         try:
-            return self._run(seq_id, ids, sampling, on_text, on_progress)
-        finally:
+            backend = FullCacheAttention(self.cache, seq_id)
+            chunk = self.config.prefill_chunk_tokens
+            t0 = time.perf_counter()
+            for start in range(0, len(ids), chunk):
+                tokens = torch.tensor(ids[start : start + chunk])  # [C]
+                positions = backend.begin_step(len(tokens))
+                logits = self.model(tokens, positions, backend, logit_rows=torch.tensor([-1]))  # [1, V]
+                if on_progress:
+                    on_progress(min(start + chunk, len(ids)), len(ids))
+        except BaseException:
             self.cache.free(seq_id)
+            raise
+        return Prefilled(seq_id, list(ids), logits[-1], time.perf_counter() - t0)
 
-    def _run(self, seq_id, ids, sampling, on_text, on_progress) -> Generation:
-        backend = FullCacheAttention(self.cache, seq_id)
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        chunk = self.config.prefill_chunk_tokens
+    def release(self, req: Prefilled) -> None:
+        self.cache.free(req.seq_id)
+
+    def decode(
+        self,
+        req: Prefilled,
+        sampling: SamplingConfig = SamplingConfig(),
+        selection: SelectionConfig | None = None,
+        on_text: OnText | None = None,
+        probe: bool = False,
+    ) -> Generation:
+        """Decode after a prefilled prompt under ``selection``; leaves the prompt's KV as it was,
+        so the same prefill can be decoded again (e.g. under another policy)."""
+        selection = selection or self.config.selection
+        self.check_fits(len(req.prompt_ids), sampling.max_tokens)
+        selector = make_selector(selection)
         t0 = time.perf_counter()
-        for start in range(0, len(ids), chunk):
-            tokens = torch.tensor(ids[start : start + chunk])  # [C]
-            positions = backend.begin_step(len(tokens))
-            logits = self.model(tokens, positions, backend, logit_rows=torch.tensor([-1]))  # [1, V]
-            if on_progress:
-                on_progress(min(start + chunk, len(ids)), len(ids))
-        prefill_s = time.perf_counter() - t0
+        if selector is None:
+            backend = FullCacheAttention(self.cache, req.seq_id)
+        else:
+            backend = SparseCacheAttention(self.cache, req.seq_id, self.model.args, selection, selector, probe)
+        try:
+            return self._decode_loop(req, backend, sampling, selection, on_text, t0)
+        finally:
+            self.cache.truncate(req.seq_id, len(req.prompt_ids))
+
+    def _decode_loop(self, req, backend, sampling, selection, on_text, t0) -> Generation:
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         stream = TextStream(self.tokenizer, sampling.stop)
         eos = set() if sampling.ignore_eos else set(self.model.args.eos_token_ids)
-        finish = "length"
-        t1 = time.perf_counter()
+        logits, finish = req.logits, "length"
         while True:
-            token = sample_next(logits[-1], sampling, generator)
+            token = sample_next(logits, sampling, generator)
             if token in eos:
                 finish = "stop"
                 break
@@ -130,21 +184,36 @@ class Engine:
             if len(stream.token_ids) >= sampling.max_tokens:
                 break
             positions = backend.begin_step(1)
-            logits = self.model(torch.tensor([token]), positions, backend)  # [1, V]
+            logits = self.model(torch.tensor([token]), positions, backend)[-1]  # [V]
+            backend.end_step()
         tail = stream.flush()
         if on_text and tail:
             on_text(tail)
-        decode_s = time.perf_counter() - t1
+        decode_s = time.perf_counter() - t0
         new = stream.token_ids
-        total = self.cache.sequence_bytes(seq_id)
+        total = self.cache.sequence_bytes(req.seq_id)
+        sparse = isinstance(backend, SparseCacheAttention)
+        kv = KVStats(
+            resident_bytes=backend.resident_bytes() if sparse else total,
+            total_bytes=total,
+            pages=total // self.cache.bytes_per_page,
+            **(backend.transfer_stats() if sparse else {}),
+        )
         return Generation(
             text=stream.text,
             token_ids=new,
-            prompt_tokens=len(ids),
+            prompt_tokens=len(req.prompt_ids),
             new_tokens=len(new),
             finish_reason=finish,
-            prefill_s=prefill_s,
+            prefill_s=req.prefill_s,
             decode_s=decode_s,
             tpot_s=decode_s / max(len(new) - 1, 1),  # n tokens take n-1 decode steps
-            kv=KVStats(resident_bytes=total, total_bytes=total, pages=total // self.cache.bytes_per_page),
+            kv=kv,
+            policy=selection.policy,
+            budget=None if selection.policy == "full" else selection.budget,
+            timings=dict(backend.timings) if sparse else {},
+            layer_stats={
+                layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}
+                for layer, v in (backend.layer_stats.items() if sparse else ())
+            },
         )

@@ -25,6 +25,9 @@ class FullCacheAttention:
         self.positions = torch.arange(self.start, self.start + n_tokens)
         return self.positions
 
+    def end_step(self) -> None:
+        """Called after every layer has run the step; full attention has nothing to do."""
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.seq_id, self.start, k, v)
         keys, values = self.cache.gather(layer, self.seq_id)  # [Hkv, L, D] each

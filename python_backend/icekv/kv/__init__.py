@@ -1,7 +1,8 @@
 """Page layout, page table, allocator and the paged KV pool."""
 
 from icekv.kv.allocator import PageAllocator
+from icekv.kv.device_cache import DevicePageCache, TransferPlan
 from icekv.kv.page_table import PageTable
 from icekv.kv.paged_cache import PagedKVCache
 
-__all__ = ["PageAllocator", "PageTable", "PagedKVCache"]
+__all__ = ["DevicePageCache", "TransferPlan", "PageAllocator", "PageTable", "PagedKVCache"]

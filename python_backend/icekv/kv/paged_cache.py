@@ -103,6 +103,33 @@ class PagedKVCache:
         kv = kv.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, : seq.length]  # [2, Hkv, length, D]
         return kv[0], kv[1]
 
+    def gather_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions ``start .. end-1``: two [Hkv, end-start, D] tensors."""
+        pages = self._seqs[seq_id].pages[start // self.page_size : -(-end // self.page_size)]
+        kv = self.pool[layer, pages].permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2, Hkv, n*P, D]
+        offset = start % self.page_size
+        kv = kv[:, :, offset : offset + end - start]
+        return kv[0], kv[1]
+
+    def gather_tokens(
+        self, layer: int, seq_id: int, heads: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of arbitrary tokens, one KV head per row: heads [n], positions [n, P] (-1 = none)
+        -> two [n, P, D] tensors, zero where the position is -1."""
+        valid = positions >= 0  # [n, P]
+        pos = positions.clamp_min(0)
+        pages = torch.tensor(self._seqs[seq_id].pages)[pos // self.page_size]  # [n, P]
+        kv = self.pool[layer, pages, :, heads[:, None], pos % self.page_size]  # [n, P, 2, D]
+        kv = kv * valid[:, :, None, None]
+        return kv[:, :, 0], kv[:, :, 1]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Forget every token from ``length`` on and free the pages no longer needed."""
+        seq = self._seqs[seq_id]
+        keep = -(-length // self.page_size)
+        self.allocator.free(seq.pages[keep:])
+        seq.pages, seq.length = seq.pages[:keep], min(seq.length, length)
+
     def page_table(self, seq_ids: list[int]) -> PageTable:
         seqs = [self._seqs[s] for s in seq_ids]
         return PageTable.build([s.pages for s in seqs], [s.length for s in seqs], self.page_size)

@@ -1,0 +1,132 @@
+"""The attention backend for budgeted decoding: sink + selected pages + window, per KV head.
+
+The request's paged pool (:class:`PagedKVCache`) is the host page pool: it owns every token of
+every layer. Per layer and KV head, the tokens between the sink pages and the window pages are the
+*indexed region*; a selector groups them into pages and picks ``k`` per step, and only those move
+into the layer's :class:`DevicePageCache` slots. The first ``n_unlimited_layers`` layers attend
+their full cache. When the window grows past ``n_win_pages`` pages its oldest page is flushed into
+the index, so every token is always reachable (window until flushed, index afterwards).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from icekv.attention import sparse_paged_attention
+from icekv.config import SelectionConfig
+from icekv.engine.full_attention import FullCacheAttention
+from icekv.kv import DevicePageCache, PagedKVCache
+from icekv.model import ModelArgs
+from icekv.select import PageSelector
+
+
+class SparseCacheAttention(FullCacheAttention):
+    """Built after prefill, from the request's full cache; decodes one token per step."""
+
+    def __init__(self, cache: PagedKVCache, seq_id: int, args: ModelArgs, cfg: SelectionConfig,
+                 selector: PageSelector, probe: bool = False):
+        super().__init__(cache, seq_id)
+        self.cfg, self.selector, self.probe = cfg, selector, probe
+        p = cfg.page_size
+        self.sparse_layers = range(min(cfg.n_unlimited_layers, args.num_layers), args.num_layers)
+        self.sink_end = cfg.n_sink_pages * p
+        length = cache.length(seq_id)
+        self.win_start = self._window_start(length)
+        self.timings = defaultdict(float)  # select_s, transfer_s, attention_s, index_build_s
+        self.layer_stats: dict[int, list[tuple[float, float]]] = defaultdict(list)  # probe: (recall, cosine)
+        t0 = time.perf_counter()
+        for layer in self.sparse_layers:
+            keys, _ = cache.gather_range(layer, seq_id, self.sink_end, max(self.win_start, self.sink_end))
+            selector.build(layer, keys, self.sink_end)
+        self.timings["index_build_s"] = time.perf_counter() - t0
+        self.device = {
+            layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, p, args.head_dim, cache.pool.dtype)
+            for layer in self.sparse_layers
+        }
+
+    def _window_start(self, length: int) -> int:
+        """First position of the window: the page of the newest token and the pages before it."""
+        newest_page = (length - 1) // self.cfg.page_size
+        return max(self.sink_end, (newest_page - self.cfg.n_win_pages + 1) * self.cfg.page_size)
+
+    def attend(self, layer, q, k, v):
+        if layer not in self.device:
+            return super().attend(layer, q, k, v)
+        if q.shape[0] != 1:
+            raise ValueError("sparse attention decodes one token per step")
+        self.cache.write(layer, self.seq_id, self.start, k, v)
+        length = self.start + 1
+        t0 = time.perf_counter()
+        selection = self.selector.select(layer, q[0], self.cfg.selected_pages)  # per head [k_h]
+        versions = [self.selector.page_versions(layer, h, s) for h, s in enumerate(selection)]
+        t1 = time.perf_counter()
+        dev = self.device[layer]
+        plan = dev.plan(selection, versions)
+        if len(plan):
+            positions = torch.cat([
+                self.selector.page_positions(layer, h, plan.pages[plan.heads == h])
+                for h in range(len(selection))
+            ])  # [n, P] in plan order (plan is grouped by head)
+            pk, pv = self.cache.gather_tokens(layer, self.seq_id, plan.heads, positions)
+            dev.load(plan, pk, pv, (positions >= 0).sum(-1))
+        t2 = time.perf_counter()
+        sink_k, sink_v = self.cache.gather_range(layer, self.seq_id, 0, min(self.sink_end, length))
+        win_k, win_v = self.cache.gather_range(layer, self.seq_id, min(self.win_start, length), length)
+        out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)
+        t3 = time.perf_counter()
+        self.timings["select_s"] += t1 - t0
+        self.timings["transfer_s"] += t2 - t1
+        self.timings["attention_s"] += t3 - t2
+        if self.probe:
+            self._measure(layer, q[0], out, selection, length)
+        return out[None]
+
+    def end_step(self) -> None:
+        """After every layer has run: flush window pages that fell out of the window."""
+        length = self.start + self.positions.numel()
+        target = self._window_start(length)
+        while self.win_start < target:
+            t0 = time.perf_counter()
+            for layer in self.sparse_layers:
+                keys, _ = self.cache.gather_range(layer, self.seq_id, self.win_start, self.win_start + self.cfg.page_size)
+                self.selector.insert(layer, keys)
+            self.timings["insert_s"] += time.perf_counter() - t0
+            self.win_start += self.cfg.page_size
+
+    # ---- statistics
+    def resident_bytes(self) -> int:
+        """Bytes on the compute device: full layers, plus sink, window and slots of sparse ones."""
+        length = self.cache.length(self.seq_id)
+        per_token_layer = self.cache.bytes_per_token // self.cache.num_layers
+        full_layers = self.cache.num_layers - len(self.sparse_layers)
+        sink_win = min(self.sink_end, length) + max(length - self.win_start, 0)
+        slots = sum(d.resident_bytes for d in self.device.values())
+        return full_layers * length * per_token_layer + len(self.sparse_layers) * sink_win * per_token_layer + slots
+
+    def transfer_stats(self) -> dict:
+        moved = sum(d.bytes_moved for d in self.device.values())
+        hits = sum(d.hits for d in self.device.values())
+        lookups = sum(d.lookups for d in self.device.values())
+        return {"bytes_moved": moved, "slot_hit_rate": hits / lookups if lookups else 0.0}
+
+    def _measure(self, layer, q, out, selection, length):
+        """Share of the full softmax mass on the attended tokens, and output cosine vs full."""
+        keys, values = self.cache.gather_range(layer, self.seq_id, 0, length)  # [Hkv, T, D]
+        hkv = keys.shape[0]
+        group = q.shape[0] // hkv
+        scores = torch.einsum("hgd,htd->hgt", q.view(hkv, group, -1), keys) / keys.shape[-1] ** 0.5
+        probs = scores.softmax(-1)  # [Hkv, G, T]
+        full_out = torch.einsum("hgt,htd->hgd", probs, values).reshape(q.shape)  # [Hq, D]
+        attended = torch.zeros(hkv, length, dtype=torch.bool)
+        attended[:, : min(self.sink_end, length)] = True
+        attended[:, min(self.win_start, length):] = True
+        for h, pages in enumerate(selection):
+            pos = self.selector.page_positions(layer, h, pages).flatten()
+            attended[h, pos[pos >= 0]] = True
+        recall = (probs * attended[:, None, :]).sum(-1).mean().item()
+        cosine = F.cosine_similarity(out.float(), full_out.float(), dim=-1).mean().item()
+        self.layer_stats[layer].append((recall, cosine))

@@ -1,0 +1,247 @@
+"""The DCI-tree of one (layer, KV head): IceCache's semantic page index.
+
+Keys become points of a nearest-neighbour problem through the MIPS transform
+``k -> [k, sqrt(M^2 - |k|^2)]`` (M^2: the running max squared norm), so the nearest transformed key
+of a query ``[q/|q|, 0]`` is the key with the largest ``q.k``. Tokens are promoted to levels
+deterministically in sequence order; each token's parent is its nearest neighbour among the next
+non-empty level above. A node's children, ordered by a 1-D random projection, are cut into leaves
+of at most ``page_size`` tokens: **a leaf is a page**, the unit that is selected, transferred and
+attended. Every indexed token is in exactly one page.
+
+Tokens are numbered locally ``0..n-1`` in insertion (= sequence) order. Node -> child pages is
+kept in CSR form (``indptr`` over owners, root first), rebuilt lazily after insertions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from icekv.config import IceCacheConfig
+
+ROOT = -1
+
+
+def promotion_levels(j: torch.Tensor, cfg: IceCacheConfig) -> torch.Tensor:
+    """Level of the tokens with local indices ``j`` [n]: a deterministic schedule in sequence order.
+
+    Every ``1/ratio_1``-th token reaches level 1, every ``1/ratio_2``-th of those level 2, and so
+    on up to ``max_level``; token 0 always sits at the top level.
+    """
+    step1, step2 = max(round(1 / cfg.ratio_1), 1), max(round(1 / cfg.ratio_2), 2)
+    level = torch.zeros_like(j)
+    promoted = j % step1 == 0
+    q = j // step1
+    for up in range(cfg.max_level):
+        level += promoted.long()
+        promoted = promoted & (q % step2 ** (up + 1) == 0)
+    return level
+
+
+def balanced_cut(rank: torch.Tensor, count: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut each group of ``count`` ranked items into ``ceil(count/P)`` near-equal pages.
+
+    rank, count [n] -> (page index within the group [n], slot within the page [n], pages per
+    group [n]). Pages hold between ``floor(count/m)`` and ``ceil(count/m) <= P`` items, so at
+    least ``P/2`` once a group has ``P`` or more items.
+    """
+    m = (count + page_size - 1) // page_size  # [n]
+    page = rank * m // count  # [n]
+    first = (page * count + m - 1) // m  # [n] rank of the page's first item
+    return page, rank - first, m
+
+
+class DCITree:
+    """Build once from the prefill keys, insert each flushed window page, query every step."""
+
+    def __init__(self, keys: torch.Tensor, page_size: int, cfg: IceCacheConfig, projection: torch.Tensor):
+        """keys [n, D] in sequence order; projection [D + 1] a unit vector shared per request."""
+        self.cfg, self.page_size = cfg, page_size
+        self.u = projection.to(torch.float32)  # [D + 1]
+        n, d = keys.shape
+        cap = max(64, 2 * n)
+        self.n = n
+        self.keys = torch.zeros(cap, d)  # [cap, D]
+        self.norm2 = torch.zeros(cap)  # [cap]
+        self.proj = torch.zeros(cap)  # [cap]
+        self.parent = torch.full((cap,), ROOT, dtype=torch.long)  # [cap]
+        self.level = torch.zeros(cap, dtype=torch.long)  # [cap]
+        self.keys[:n] = keys.float()
+        self.norm2[:n] = self.keys[:n].pow(2).sum(-1)
+        self.max_norm2 = float(self.norm2[:n].max()) if n else 0.0
+        self.level[:n] = promotion_levels(torch.arange(n), cfg)
+        self.proj[:n] = self._project(self.keys[:n], self.norm2[:n])
+        self._assign_parents()
+        self._cut_pages()
+
+    # ---- geometry of the MIPS transform
+    def _aug(self, norm2: torch.Tensor) -> torch.Tensor:
+        return (self.max_norm2 - norm2).clamp_min(0).sqrt()
+
+    def _project(self, keys: torch.Tensor, norm2: torch.Tensor) -> torch.Tensor:
+        return keys @ self.u[:-1] + self._aug(norm2) * self.u[-1]  # [n]
+
+    def _nearest(self, who: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+        """For local tokens ``who`` [a], their nearest neighbour (transformed space) in ``among`` [b]."""
+        sim = self.keys[who] @ self.keys[among].T  # [a, b]
+        sim += self._aug(self.norm2[who])[:, None] * self._aug(self.norm2[among])[None, :]
+        return among[sim.argmax(-1)]  # [a]
+
+    # ---- build
+    def _assign_parents(self) -> None:
+        level = self.level[: self.n]
+        present = torch.unique(level).tolist()  # ascending
+        for below, above in zip(present[:-1], present[1:]):
+            who = torch.nonzero(level == below).flatten()
+            self.parent[who] = self._nearest(who, torch.nonzero(level == above).flatten())
+
+    def _cut_pages(self) -> None:
+        n, p = self.n, self.page_size
+        owner = self.parent[:n]  # [n]
+        order = torch.argsort(self.proj[:n], stable=True)
+        order = order[torch.argsort(owner[order], stable=True)]  # by owner, then projection
+        sorted_owner = owner[order]
+        uniq, counts = torch.unique_consecutive(sorted_owner, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        group = torch.repeat_interleave(torch.arange(len(uniq)), counts)  # [n]
+        rank = torch.arange(n) - starts[group]
+        page_in_group, slot, pages_per_group = balanced_cut(rank, counts[group], p)
+        group_pages = (counts + p - 1) // p  # [groups]
+        page_base = torch.cumsum(group_pages, 0) - group_pages
+        page = page_base[group] + page_in_group  # [n]
+        num_pages = int(group_pages.sum())
+        cap = max(64, 2 * num_pages)
+        self.num_pages = num_pages
+        self.page_tokens = torch.full((cap, p), -1, dtype=torch.long)  # [cap, P]
+        self.page_tokens[page, slot] = order
+        self.page_len = torch.zeros(cap, dtype=torch.long)  # [cap]
+        self.page_len[:num_pages] = (self.page_tokens[:num_pages] >= 0).sum(-1)
+        self.page_owner = torch.full((cap,), ROOT, dtype=torch.long)  # [cap]
+        self.page_owner[page] = sorted_owner
+        self.page_version = torch.zeros(cap, dtype=torch.long)  # [cap] bumped on every change
+        self._csr_dirty = True
+
+    # ---- CSR: owner -> pages
+    def _csr(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._csr_dirty:
+            owner_key = self.page_owner[: self.num_pages] + 1  # root -> 0
+            self._csr_pages = torch.argsort(owner_key, stable=True)
+            counts = torch.bincount(owner_key, minlength=self.n + 1)
+            self._csr_indptr = torch.zeros(self.n + 2, dtype=torch.long)
+            self._csr_indptr[1:] = torch.cumsum(counts, 0)
+            self._csr_dirty = False
+        return self._csr_indptr, self._csr_pages
+
+    def child_pages(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Pages holding the children of ``nodes`` [m] (local ids, ROOT allowed) -> page ids."""
+        indptr, pages = self._csr()
+        lo, hi = indptr[nodes + 1], indptr[nodes + 2]
+        counts = hi - lo
+        if int(counts.sum()) == 0:
+            return torch.zeros(0, dtype=torch.long)
+        offsets = torch.repeat_interleave(lo - (torch.cumsum(counts, 0) - counts), counts)
+        return pages[torch.arange(int(counts.sum())) + offsets]
+
+    # ---- query
+    def page_scores(self, q: torch.Tensor, field_of_view: int) -> torch.Tensor:
+        """q [G, D] (one KV head's query heads) -> page scores [G, num_pages].
+
+        Each query head walks the tree top-down: score the children pages of its best
+        ``field_of_view`` nodes exactly, descend. A page's score is the best ``q.k`` among its
+        tokens, ``-inf`` where the walk never visited it.
+        """
+        g = q.shape[0]
+        q = q.float()
+        scores = torch.full((g, self.num_pages), float("-inf"))  # [G, num_pages]
+        pages = self.child_pages(torch.tensor([ROOT]))  # [m]
+        owner_ok = torch.ones(g, len(pages), dtype=torch.bool)  # [G, m] page reached by head g
+        while len(pages):
+            toks = self.page_tokens[pages]  # [m, P]
+            s = torch.einsum("gd,mpd->gmp", q, self.keys[toks.clamp_min(0)])  # [G, m, P]
+            s = s.masked_fill((toks < 0)[None] | ~owner_ok[:, :, None], float("-inf"))
+            scores[:, pages] = s.amax(-1)
+            flat = s.flatten(1)  # [G, m*P]
+            best = flat.topk(min(field_of_view, flat.shape[1]), dim=-1)  # [G, fov]
+            nodes = toks.flatten()[best.indices]  # [G, fov]
+            nodes = torch.where(torch.isfinite(best.values), nodes, -2)  # -2: not a node
+            uniq = torch.unique(nodes[nodes >= 0])
+            pages = self.child_pages(uniq)
+            owners = self.page_owner[pages]  # [m']
+            owner_ok = (nodes[:, :, None] == owners[None, None, :]).any(1)  # [G, m']
+        return scores
+
+    # ---- dynamic insertion
+    def insert(self, keys: torch.Tensor) -> set[int]:
+        """Append tokens (keys [m, D], next in sequence order) without a rebuild.
+
+        Returns the ids of pages that changed (new tokens, splits, new pages).
+        """
+        changed: set[int] = set()
+        for key in keys.float():
+            changed |= self._insert_one(key)
+        return changed
+
+    def _grow(self) -> None:
+        if self.n == len(self.keys):
+            for name in ("keys", "norm2", "proj", "parent", "level"):
+                t = getattr(self, name)
+                fill = ROOT if name == "parent" else 0
+                setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
+        if self.num_pages + 1 >= len(self.page_len):
+            self.page_tokens = torch.cat([self.page_tokens, torch.full_like(self.page_tokens, -1)])
+            for name, fill in (("page_len", 0), ("page_owner", ROOT), ("page_version", 0)):
+                t = getattr(self, name)
+                setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
+
+    def _insert_one(self, key: torch.Tensor) -> set[int]:
+        self._grow()
+        t = self.n
+        self.n += 1
+        self.keys[t] = key
+        self.norm2[t] = key.pow(2).sum()
+        self.max_norm2 = max(self.max_norm2, float(self.norm2[t]))
+        lvl = int(promotion_levels(torch.tensor([t]), self.cfg)[0])
+        self.level[t] = lvl
+        self.proj[t] = self._project(key[None], self.norm2[t : t + 1])[0]
+        higher = self.level[:t][self.level[:t] > lvl]
+        owner = ROOT
+        if len(higher):
+            among = torch.nonzero(self.level[:t] == int(higher.min())).flatten()
+            owner = int(self._nearest(torch.tensor([t]), among)[0])
+        self.parent[t] = owner
+        self._csr_dirty = True
+        return self._place(t, owner)
+
+    def _place(self, t: int, owner: int) -> set[int]:
+        """Put token ``t`` into the page of ``owner`` whose projection range fits it best."""
+        mine = torch.nonzero(self.page_owner[: self.num_pages] == owner).flatten()
+        if len(mine) == 0:
+            return {self._new_page(owner, torch.tensor([t]))}
+        toks = self.page_tokens[mine]  # [m, P]
+        proj = self.proj[toks.clamp_min(0)].masked_fill(toks < 0, float("nan"))
+        lo, hi = proj.nan_to_num(float("inf")).amin(-1), proj.nan_to_num(float("-inf")).amax(-1)
+        pt = self.proj[t]
+        gap = torch.maximum(lo - pt, pt - hi).clamp_min(0)  # 0 inside a page's range
+        page = int(mine[gap.argmin()])
+        n_in = int(self.page_len[page])
+        self.page_version[page] += 1
+        if n_in < self.page_size:
+            self.page_tokens[page, n_in] = t
+            self.page_len[page] += 1
+            return {page}
+        members = torch.cat([self.page_tokens[page], torch.tensor([t])])  # [P + 1]
+        members = members[torch.argsort(self.proj[members], stable=True)]
+        keep = (len(members) + 1) // 2
+        self.page_tokens[page] = -1
+        self.page_tokens[page, :keep] = members[:keep]
+        self.page_len[page] = keep
+        return {page, self._new_page(owner, members[keep:])}
+
+    def _new_page(self, owner: int, tokens: torch.Tensor) -> int:
+        page = self.num_pages
+        self.num_pages += 1
+        self.page_tokens[page, : len(tokens)] = tokens
+        self.page_len[page] = len(tokens)
+        self.page_owner[page] = owner
+        self.page_version[page] += 1
+        self._csr_dirty = True
+        return page

@@ -1,0 +1,91 @@
+"""The device page cache of one layer: ``n_slots`` page slots per KV head, filled from the host.
+
+Each step the selector names the pages each KV head needs; :meth:`DevicePageCache.plan` diffs
+them against what the slots already hold (same page, same version) and lists only the missing
+ones; :meth:`load` writes them into free slots in one staged bulk copy. On CUDA the staging buffer
+is pinned and the copy is asynchronous; on a CPU-only machine the "device" is CPU memory, but the
+slots, the diff and the byte accounting are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Copy host page ``pages[i]`` of KV head ``heads[i]`` into slot ``slots[i]``."""
+
+    heads: torch.Tensor  # [n]
+    pages: torch.Tensor  # [n]
+    versions: torch.Tensor  # [n]
+    slots: torch.Tensor  # [n]
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
+class DevicePageCache:
+    def __init__(self, num_kv_heads: int, n_slots: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (num_kv_heads, n_slots, page_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [Hkv, S, P, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page = torch.full((num_kv_heads, n_slots), -1, dtype=torch.long)  # resident page id
+        self.version = torch.full((num_kv_heads, n_slots), -1, dtype=torch.long)
+        self.length = torch.zeros((num_kv_heads, n_slots), dtype=torch.long)  # valid tokens
+        self.selected = torch.zeros((num_kv_heads, n_slots), dtype=torch.bool)  # attended this step
+        self.bytes_moved = 0
+        self.hits = 0
+        self.lookups = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.k[0, 0].numel() * self.k.element_size()
+
+    def plan(self, selection: list[torch.Tensor], versions: list[torch.Tensor]) -> TransferPlan:
+        """Per KV head: selected page ids [k_h] and their versions -> the copies still needed.
+
+        Also marks which slots this step attends (hits now, misses once loaded).
+        """
+        heads, pages, vers, slots = [], [], [], []
+        self.selected.zero_()
+        for h, (sel, ver) in enumerate(zip(selection, versions)):
+            match = (self.page[h][None, :] == sel[:, None]) & (self.version[h][None, :] == ver[:, None])  # [k, S]
+            hit = match.any(1)  # [k]
+            self.selected[h] |= match.any(0)
+            self.hits += int(hit.sum())
+            self.lookups += len(sel)
+            miss = torch.nonzero(~hit).flatten()
+            free = torch.nonzero(~self.selected[h]).flatten()[: len(miss)]
+            heads.append(torch.full((len(miss),), h, dtype=torch.long))
+            pages.append(sel[miss])
+            vers.append(ver[miss])
+            slots.append(free)
+            self.selected[h, free] = True
+        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)
+        return TransferPlan(cat(heads), cat(pages), cat(vers), cat(slots))
+
+    def load(self, plan: TransferPlan, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Write the planned pages: k, v [n, P, D] gathered from the host, lengths [n]."""
+        if len(plan) == 0:
+            return
+        staging = torch.stack([k, v])  # [2, n, P, D] one contiguous buffer
+        if self.k.is_cuda:
+            staging = staging.pin_memory().to(self.k.device, non_blocking=True)
+        self.k[plan.heads, plan.slots] = staging[0].to(self.k.dtype)
+        self.v[plan.heads, plan.slots] = staging[1].to(self.v.dtype)
+        self.page[plan.heads, plan.slots] = plan.pages
+        self.version[plan.heads, plan.slots] = plan.versions
+        self.length[plan.heads, plan.slots] = lengths
+        self.bytes_moved += len(plan) * self.page_bytes
+
+    def attended_lengths(self) -> torch.Tensor:
+        """Valid tokens per slot for this step's attention, 0 for slots not selected [Hkv, S]."""
+        return torch.where(self.selected, self.length, 0)

@@ -1,0 +1,51 @@
+"""What every decode-time page selector provides, and the sequence-ordered page layout.
+
+A selector owns the page index of one request. It sees the *indexed region* of each layer: the
+tokens between the sink and the window, in sequence order, starting at position ``base``. It
+decides which tokens form a page (contiguous runs, or semantic clusters for IceCache) and which
+``k`` pages each KV head attends at each step.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class PageSelector(Protocol):
+    def build(self, layer: int, keys: torch.Tensor, base: int) -> None:
+        """Index the region's keys [Hkv, n, D] (post-RoPE), first at position ``base``."""
+
+    def insert(self, layer: int, keys: torch.Tensor) -> None:
+        """Append the next full page of keys [Hkv, P, D] (flushed out of the window)."""
+
+    def select(self, layer: int, q: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """q [Hq, D] -> per KV head, up to ``k`` page ids (best first)."""
+
+    def page_positions(self, layer: int, head: int, pages: torch.Tensor) -> torch.Tensor:
+        """pages [m] -> token positions [m, P] of their tokens (-1 = empty slot)."""
+
+    def page_versions(self, layer: int, head: int, pages: torch.Tensor) -> torch.Tensor:
+        """pages [m] -> a counter that changes whenever a page's contents change."""
+
+
+class SequencePages:
+    """Pages as contiguous, always-full runs of ``page_size`` tokens of the indexed region."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.base: dict[int, int] = {}
+        self.num_pages: dict[int, int] = {}
+
+    def add_region(self, layer: int, n_tokens: int, base: int) -> None:
+        self.base[layer], self.num_pages[layer] = base, n_tokens // self.page_size
+
+    def grow(self, layer: int) -> None:
+        self.num_pages[layer] += 1
+
+    def positions(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        return self.base[layer] + pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]
+
+    def versions(self, pages: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(pages)  # contiguous pages never change once full

@@ -1,0 +1,68 @@
+"""IceCache: per KV head, a DCI-tree clusters keys into pages; each step a tree walk picks them.
+
+``layer_reuse`` gives IceCache(r): layers form groups of ``layer_group``; only a group's first
+layer has trees and runs the walk, the others lay out their tokens in the same pages and reuse its
+selection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from icekv.config import IceCacheConfig
+from icekv.index import DCITree
+from icekv.select.gqa import merge_ranked
+
+
+@dataclass
+class IceCacheSelector:
+    page_size: int = 16
+    config: IceCacheConfig = field(default_factory=IceCacheConfig)
+    layer_reuse: bool = False
+    first_sparse_layer: int = 2
+    trees: dict = field(init=False, default_factory=dict)  # leader layer -> [DCITree per KV head]
+    base: dict = field(init=False, default_factory=dict)  # layer -> position of local token 0
+    _last: dict = field(init=False, default_factory=dict)  # leader layer -> its latest selection
+
+    def leader(self, layer: int) -> int:
+        """The layer whose trees serve ``layer``."""
+        if not self.layer_reuse:
+            return layer
+        group = self.config.layer_group
+        return self.first_sparse_layer + (layer - self.first_sparse_layer) // group * group
+
+    def _projection(self, dim: int) -> torch.Tensor:
+        u = torch.randn(dim + 1, generator=torch.Generator().manual_seed(self.config.seed))
+        return u / u.norm()
+
+    def build(self, layer, keys, base):
+        self.base[layer] = base
+        if self.leader(layer) != layer:
+            return
+        u = self._projection(keys.shape[-1])
+        self.trees[layer] = [DCITree(k, self.page_size, self.config, u) for k in keys]
+
+    def insert(self, layer, keys):
+        if self.leader(layer) == layer:
+            for tree, k in zip(self.trees[layer], keys):
+                tree.insert(k)
+
+    def select(self, layer, q, k):
+        lead = self.leader(layer)
+        if lead != layer:
+            return self._last[lead]
+        trees = self.trees[layer]
+        fov = self.config.field_of_view(self.base[layer] + trees[0].n)
+        picks = [merge_ranked(t.page_scores(qh, fov), k) for t, qh in zip(trees, q.chunk(len(trees), 0))]
+        self._last[layer] = picks
+        return picks
+
+    def page_positions(self, layer, head, pages):
+        tree = self.trees[self.leader(layer)][head]
+        toks = tree.page_tokens[pages]  # [m, P] local ids
+        return torch.where(toks >= 0, toks + self.base[layer], -1)
+
+    def page_versions(self, layer, head, pages):
+        return self.trees[self.leader(layer)][head].page_version[pages]

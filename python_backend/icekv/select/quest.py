@@ -1,0 +1,53 @@
+"""Quest: contiguous pages ranked by an upper bound of q.k from per-page key min/max."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from icekv.select.base import SequencePages
+from icekv.select.gqa import merge_ranked
+
+
+@dataclass
+class QuestSelector:
+    """Page score = sum over dims of max(q_d * min_d, q_d * max_d) >= q.k of any key in the page."""
+
+    page_size: int = 16
+    pages: SequencePages = field(init=False)
+    key_min: dict = field(init=False, default_factory=dict)  # layer -> [Hkv, n_pages, D]
+    key_max: dict = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pages = SequencePages(self.page_size)
+
+    def build(self, layer, keys, base):
+        hkv, n, d = keys.shape
+        self.pages.add_region(layer, n, base)
+        paged = keys[:, : n - n % self.page_size].float().reshape(hkv, -1, self.page_size, d)
+        self.key_min[layer], self.key_max[layer] = paged.amin(2), paged.amax(2)
+
+    def insert(self, layer, keys):
+        self.pages.grow(layer)
+        self.key_min[layer] = torch.cat([self.key_min[layer], keys.float().amin(1, keepdim=True)], 1)
+        self.key_max[layer] = torch.cat([self.key_max[layer], keys.float().amax(1, keepdim=True)], 1)
+
+    def upper_bounds(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [Hq, D] -> page score bounds [Hq, n_pages]."""
+        kmin, kmax = self.key_min[layer], self.key_max[layer]  # [Hkv, n, D]
+        group = q.shape[0] // kmin.shape[0]
+        kmin, kmax = kmin.repeat_interleave(group, 0), kmax.repeat_interleave(group, 0)  # [Hq, n, D]
+        qf = q.float()[:, None, :]  # [Hq, 1, D]
+        return torch.maximum(qf * kmin, qf * kmax).sum(-1)
+
+    def select(self, layer, q, k):
+        bounds = self.upper_bounds(layer, q)  # [Hq, n]
+        hkv = self.key_min[layer].shape[0]
+        return [merge_ranked(g, k) for g in bounds.chunk(hkv, dim=0)]
+
+    def page_positions(self, layer, head, pages):
+        return self.pages.positions(layer, pages)
+
+    def page_versions(self, layer, head, pages):
+        return self.pages.versions(pages)
