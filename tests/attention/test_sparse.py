@@ -1,0 +1,47 @@
+"""Sparse paged attention against a plain softmax over exactly the attended tokens."""
+
+import math
+
+import pytest
+import torch
+
+from icekv.attention import sparse_paged_attention
+
+
+def reference(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v):
+    hq, hkv = q.shape[0], sink_k.shape[0]
+    out = torch.empty_like(q)
+    for h in range(hq):
+        kv = h // (hq // hkv)
+        ks = [sink_k[kv]] + [page_k[kv, j, : page_len[kv, j]] for j in range(page_k.shape[1])] + [win_k[kv]]
+        vs = [sink_v[kv]] + [page_v[kv, j, : page_len[kv, j]] for j in range(page_v.shape[1])] + [win_v[kv]]
+        k, v = torch.cat(ks), torch.cat(vs)
+        out[h] = torch.softmax(k @ q[h] / math.sqrt(q.shape[-1]), 0) @ v
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (8, 1)])
+@pytest.mark.parametrize("sink,n_pages,win", [(2, 3, 5), (0, 1, 1), (1, 0, 3), (4, 5, 16)])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_matches_reference_over_awkward_shapes(hq, hkv, sink, n_pages, win, head_dim):
+    g = torch.Generator().manual_seed(hq * 100 + n_pages)
+    p = 4
+    rnd = lambda *s: torch.randn(*s, generator=g)
+    q = rnd(hq, head_dim)
+    page_len = torch.randint(0, p + 1, (hkv, n_pages), generator=g)  # partial and empty pages
+    args = (rnd(hkv, sink, head_dim), rnd(hkv, sink, head_dim), rnd(hkv, n_pages, p, head_dim),
+            rnd(hkv, n_pages, p, head_dim), page_len, rnd(hkv, win, head_dim), rnd(hkv, win, head_dim))
+    torch.testing.assert_close(sparse_paged_attention(q, *args), reference(q, *args), rtol=1e-5, atol=1e-5)
+
+
+def test_garbage_in_unattended_slots_is_ignored():
+    q = torch.randn(2, 8)
+    page_k = torch.randn(1, 2, 4, 8)
+    page_v = torch.randn(1, 2, 4, 8)
+    lens = torch.tensor([[2, 0]])
+    sink = torch.randn(1, 1, 8)
+    a = sparse_paged_attention(q, sink, sink, page_k, page_v, lens, sink, sink)
+    page_k[0, 0, 2:], page_k[0, 1] = 1e4, 1e4
+    page_v[0, 0, 2:], page_v[0, 1] = 1e4, -1e4  # stale data from earlier steps
+    b = sparse_paged_attention(q, sink, sink, page_k, page_v, lens, sink, sink)
+    torch.testing.assert_close(a, b)

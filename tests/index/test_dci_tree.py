@@ -1,0 +1,112 @@
+"""DCI-tree invariants, exactness of the walk when it sees everything, and dynamic insertion."""
+
+import pytest
+import torch
+
+from icekv.config import IceCacheConfig
+from icekv.index import DCITree, promotion_levels
+from icekv.index.dci_tree import balanced_cut
+
+
+def _keys(n, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g) * torch.rand(n, 1, generator=g) * 3  # varied norms
+
+
+def _tree(keys, page=16, cfg=IceCacheConfig()):
+    u = torch.randn(keys.shape[1] + 1, generator=torch.Generator().manual_seed(1))
+    return DCITree(keys, page, cfg, u / u.norm())
+
+
+def assert_invariants(tree, page=16):
+    pages = tree.page_tokens[: tree.num_pages]
+    members = pages[pages >= 0]
+    assert sorted(members.tolist()) == list(range(tree.n)), "every token in exactly one page"
+    lens = tree.page_len[: tree.num_pages]
+    assert torch.equal((pages >= 0).sum(-1), lens)
+    assert int(lens.min()) >= 1 and int(lens.max()) <= page
+    # a page holds children of one node: its owner is every member's parent
+    owner = tree.page_owner[: tree.num_pages]
+    parents = tree.parent[pages.clamp_min(0)]
+    assert bool(((parents == owner[:, None]) | (pages < 0)).all())
+    # a parent is always at a higher level than its child
+    has_parent = tree.parent[: tree.n] >= 0
+    assert bool((tree.level[tree.parent[: tree.n][has_parent]] > tree.level[: tree.n][has_parent]).all())
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 200, 3000])
+def test_build_invariants(n):
+    assert_invariants(_tree(_keys(n)))
+
+
+def test_pages_cut_from_large_groups_are_at_least_half_full():
+    rank = torch.arange(50)
+    page, slot, m = balanced_cut(rank, torch.full((50,), 50), 16)
+    sizes = torch.bincount(page)
+    assert int(m[0]) == 4 and sizes.tolist() == [13, 12, 13, 12]
+    assert int(slot.max()) < 16
+
+
+def test_levels_follow_the_ratio_schedule():
+    cfg = IceCacheConfig(ratio_1=0.02, ratio_2=0.2, max_level=4)
+    level = promotion_levels(torch.arange(100_000), cfg)
+    assert int(level[0]) == 4
+    counts = [(level >= k).sum().item() for k in range(1, 5)]
+    assert counts == [2000, 400, 80, 16]
+
+
+@pytest.mark.parametrize("n", [40, 1000, 2500])
+def test_walk_with_full_field_of_view_is_exact(n):
+    keys = _keys(n)
+    tree = _tree(keys)
+    q = torch.randn(3, keys.shape[1])
+    scores = tree.page_scores(q, field_of_view=10**9)  # [G, pages]
+    toks = tree.page_tokens[: tree.num_pages]
+    exact = (q @ keys.T)[:, toks.clamp_min(0)].masked_fill(toks[None] < 0, float("-inf")).amax(-1)
+    torch.testing.assert_close(scores, exact)
+    k = min(12, tree.num_pages)
+    assert torch.equal(scores.topk(k).indices.sort().values, exact.topk(k).indices.sort().values)
+
+
+def test_small_field_of_view_visits_a_subset():
+    tree = _tree(_keys(3000))
+    scores = tree.page_scores(torch.randn(2, 32), field_of_view=5)
+    visited = torch.isfinite(scores).sum(-1)
+    assert bool((visited > 0).all()) and bool((visited < tree.num_pages).all())
+
+
+def test_insertion_keeps_invariants_and_exactness():
+    keys = _keys(600)
+    tree = _tree(keys)
+    extra = _keys(800, seed=5) * 2.5  # larger norms: M^2 must grow
+    for chunk in extra.split(16):
+        changed = tree.insert(chunk)
+        assert changed
+    assert tree.n == 1400 and tree.max_norm2 >= float(extra.pow(2).sum(-1).max()) - 1e-3
+    assert_invariants(tree)
+    all_keys = torch.cat([keys, extra])
+    q = torch.randn(3, 32)
+    scores = tree.page_scores(q, field_of_view=10**9)
+    toks = tree.page_tokens[: tree.num_pages]
+    exact = (q @ all_keys.T)[:, toks.clamp_min(0)].masked_fill(toks[None] < 0, float("-inf")).amax(-1)
+    torch.testing.assert_close(scores, exact)
+
+
+def test_a_full_page_splits_and_versions_change():
+    tree = _tree(_keys(17))  # token 0 under the root; tokens 1..16 its children: one full page
+    assert tree.num_pages == 2
+    full = int(torch.nonzero(tree.page_len[:2] == 16)[0])
+    before = tree.page_version[full].item()
+    changed = tree.insert(_keys(1, seed=9))
+    assert tree.num_pages == 3 and changed == {full, 2}
+    assert tree.page_version[full].item() > before
+    assert sorted(tree.page_len[[full, 2]].tolist()) == [8, 9]
+    assert_invariants(tree)
+
+
+def test_empty_tree_selects_nothing():
+    tree = _tree(torch.zeros(0, 32))
+    assert tree.num_pages == 0
+    assert tree.page_scores(torch.randn(3, 32), 30).shape == (3, 0)
+    tree.insert(_keys(3))
+    assert_invariants(tree)

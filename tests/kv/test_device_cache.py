@@ -1,0 +1,52 @@
+"""The device page cache moves only pages it does not already hold, with real bytes."""
+
+import torch
+
+from icekv.kv import DevicePageCache
+
+
+def _load(dev, plan, host_k):
+    k = host_k[plan.heads, plan.pages]  # [n, P, D]
+    dev.load(plan, k, -k, torch.full((len(plan),), 4))
+
+
+def test_unchanged_selection_moves_nothing():
+    host_k = torch.randn(2, 10, 4, 8)  # [Hkv, pages, P, D]
+    dev = DevicePageCache(2, 3, 4, 8)
+    sel = [torch.tensor([1, 5, 7]), torch.tensor([0, 2])]
+    ver = [torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.long)]
+    plan = dev.plan(sel, ver)
+    assert len(plan) == 5
+    _load(dev, plan, host_k)
+    moved = dev.bytes_moved
+    assert moved == 5 * 2 * 4 * 8 * 4
+    again = dev.plan(sel, ver)
+    assert len(again) == 0 and dev.bytes_moved == moved
+    # slots hold the right bytes
+    for h, pages in enumerate(sel):
+        for page in pages.tolist():
+            slot = int(torch.nonzero(dev.page[h] == page)[0])
+            assert torch.equal(dev.k[h, slot], host_k[h, page]) and torch.equal(dev.v[h, slot], -host_k[h, page])
+    assert dev.hits == 5 and dev.lookups == 10
+
+
+def test_partial_change_reuses_slots_and_stale_versions_reload():
+    host_k = torch.randn(1, 10, 4, 8)
+    dev = DevicePageCache(1, 3, 4, 8)
+    zeros = torch.zeros(3, dtype=torch.long)
+    _load(dev, dev.plan([torch.tensor([1, 2, 3])], [zeros]), host_k)
+    plan = dev.plan([torch.tensor([3, 1, 9])], [zeros])
+    assert plan.pages.tolist() == [9]
+    assert int(plan.slots[0]) == int(torch.nonzero(dev.page[0] == 2)[0])  # evicts the unselected page
+    _load(dev, plan, host_k)
+    stale = dev.plan([torch.tensor([3, 1, 9])], [torch.tensor([0, 1, 0])])  # page 1 changed
+    assert stale.pages.tolist() == [1]
+
+
+def test_attended_lengths_mask_unselected_slots():
+    host_k = torch.randn(1, 10, 4, 8)
+    dev = DevicePageCache(1, 3, 4, 8)
+    _load(dev, dev.plan([torch.tensor([1, 2, 3])], [torch.zeros(3, dtype=torch.long)]), host_k)
+    dev.plan([torch.tensor([2])], [torch.zeros(1, dtype=torch.long)])
+    lens = dev.attended_lengths()
+    assert lens.sum().item() == 4 and lens[0, int(torch.nonzero(dev.page[0] == 2)[0])].item() == 4

@@ -1,0 +1,70 @@
+"""Streaming, Quest and GQA merging behave as specified; configs refuse bad budgets."""
+
+import pytest
+import torch
+
+from icekv.config import SelectionConfig
+from icekv.errors import ConfigError
+from icekv.select import QuestSelector, StreamingSelector, make_selector
+from icekv.select.gqa import merge_ranked
+
+
+def test_merge_interleaves_by_rank_and_drops_duplicates():
+    scores = torch.tensor([[9.0, 8.0, 1.0, 0.0, 7.0], [0.0, 1.0, 9.0, 8.0, 7.5]])
+    # head 0 ranks 0,1,4,...; head 1 ranks 2,3,4,... -> 0,2,1,3,4
+    assert merge_ranked(scores, 5).tolist() == [0, 2, 1, 3, 4]
+    assert merge_ranked(scores, 3).tolist() == [0, 2, 1]
+
+
+def test_merge_skips_unvisited_pages_and_handles_empty():
+    scores = torch.tensor([[float("-inf"), 2.0, float("-inf")]])
+    assert merge_ranked(scores, 3).tolist() == [1]
+    assert merge_ranked(torch.zeros(2, 0), 4).numel() == 0
+
+
+def test_streaming_picks_the_most_recent_pages():
+    sel = StreamingSelector(page_size=4)
+    sel.build(0, torch.randn(2, 40, 8), base=8)  # 10 pages at positions 8..47
+    picks = sel.select(0, torch.randn(4, 8), k=3)
+    assert [p.tolist() for p in picks] == [[9, 8, 7], [9, 8, 7]]
+    sel.insert(0, torch.randn(2, 4, 8))
+    assert sel.select(0, torch.randn(4, 8), k=2)[0].tolist() == [10, 9]
+    assert sel.page_positions(0, 0, torch.tensor([10])).tolist() == [[48, 49, 50, 51]]
+
+
+def test_quest_bound_is_an_upper_bound_and_finds_the_hot_page():
+    torch.manual_seed(0)
+    keys = torch.randn(1, 64, 8)
+    keys[0, 37] = 10 * torch.ones(8)  # page 9 (positions 36..39) holds the hottest key
+    sel = QuestSelector(page_size=4)
+    sel.build(0, keys, base=0)
+    q = torch.ones(2, 8)
+    bounds = sel.upper_bounds(0, q)  # [Hq, 16]
+    true_max = (q @ keys[0].T).view(2, 16, 4).amax(-1)
+    assert bool((bounds >= true_max - 1e-5).all())
+    assert int(sel.select(0, q, k=1)[0][0]) == 9
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(policy="magic"), "unknown policy"),
+        (dict(policy="icecache", budget=64, n_sink_pages=2, n_win_pages=2), "must exceed sink \\+ window"),
+        (dict(policy="quest", budget=100), "not a multiple of the page size"),
+        (dict(policy="icecache", budget=0), "budget must be >= 1"),
+    ],
+)
+def test_bad_selection_settings(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SelectionConfig(**kwargs)
+
+
+def test_small_budgets_shrink_sink_and_window():
+    cfg = SelectionConfig(policy="icecache", budget=64)
+    assert (cfg.n_sink_pages, cfg.n_win_pages, cfg.selected_pages) == (1, 1, 2)
+    assert SelectionConfig(policy="icecache", budget=256).selected_pages == 12
+
+
+def test_full_needs_no_selector():
+    assert make_selector(SelectionConfig(policy="full")) is None
+    assert make_selector(SelectionConfig(policy="icecache_r")).layer_reuse
