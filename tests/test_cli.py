@@ -32,6 +32,9 @@ def test_generate_json_answers_paris(smollm2_dir):
         (["generate", "--prompt", "hi", "--max-tokens", "-3"], "--max-tokens must be >= 1"),
         (["generate", "--prompt-file", "/nonexistent.txt"], "--prompt-file"),
         (["generate"], "--prompt"),
+        (["generate", "--prompt", "hi", "--policy", "magic"], "unknown policy"),
+        (["generate", "--prompt", "hi", "--policy", "icecache", "--budget", "32"], "must exceed sink + window"),
+        (["generate", "--prompt", "hi", "--policy", "quest", "--budget", "250"], "not a multiple of the page size"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message):

@@ -45,13 +45,77 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=_positive_int("--page-size"), default=None)
     gen.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
                      help="KV pool capacity in tokens")
+    gen.add_argument("--policy", default="full", help="full | streaming | quest | icecache | icecache_r")
+    gen.add_argument("--budget", type=_positive_int("--budget"), default=256,
+                     help="tokens attended per layer per KV head (sink and window included)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    ev = sub.add_parser("eval", help="RULER-style accuracy across lengths, policies and budgets")
+    ev.add_argument("--task", default="niah_single", help="comma list: niah_single, niah_multikey, niah_multivalue, passkey")
+    ev.add_argument("--haystack", default="essays", help="essays | kjv | PATH to a text file")
+    ev.add_argument("--lengths", default="2000", help="comma list of prompt lengths in tokens")
+    ev.add_argument("--depths", default=None, help="comma list of needle depths in 0..1 (default: spread)")
+    ev.add_argument("--policies", default="full,icecache")
+    ev.add_argument("--budgets", default="256")
+    ev.add_argument("--samples", type=_positive_int("--samples"), default=10)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--num-needles", type=_positive_int("--num-needles"), default=2)
+    ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
+    ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
 
     demo = sub.add_parser("demo", help="answer a needle question over a long essay context")
     demo.add_argument("--length", type=_positive_int("--length"), default=3000, help="prompt tokens")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
     return parser
+
+
+def _csv(flag: str, text: str, cast):
+    try:
+        values = tuple(cast(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise IcekvError(f"{flag}: cannot read {text!r} as a comma-separated list") from None
+    if not values:
+        raise IcekvError(f"{flag} is empty")
+    return values
+
+
+def _cmd_eval(args) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from icekv.assets import Assets
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+    from icekv.eval.report import write_report
+    from icekv.eval.runner import EvalConfig, run_eval
+
+    depths = _csv("--depths", args.depths, float) if args.depths else None
+    if depths and not all(0 <= d <= 1 for d in depths):
+        raise IcekvError("--depths must lie in 0..1")
+    cfg = EvalConfig(
+        tasks=_csv("--task", args.task, str), haystack=args.haystack,
+        lengths=_csv("--lengths", args.lengths, int), policies=_csv("--policies", args.policies, str),
+        budgets=_csv("--budgets", args.budgets, int), samples=args.samples, seed=args.seed,
+        depths=depths, num_needles=args.num_needles,
+    )
+    text = Assets().haystack_text(args.haystack)
+    engine = Engine(EngineConfig(model_dir=args.model))
+    bar = tqdm(desc="eval", unit="decode", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    t0 = time.perf_counter()
+    records = run_eval(engine, cfg, text, progress)
+    bar.close()
+    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
+            "wall_s": round(time.perf_counter() - t0, 1), "torch_threads": __import__("torch").get_num_threads()}
+    write_report(records, args.out, meta)
+    print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
+    return 0
 
 
 def _cmd_fetch(args) -> int:
@@ -73,7 +137,7 @@ def _cmd_generate(args) -> int:
 
     from tqdm import tqdm
 
-    from icekv.config import EngineConfig, PagingConfig, SamplingConfig
+    from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
     from icekv.engine import Engine
 
     if args.prompt_file is not None:
@@ -92,7 +156,8 @@ def _cmd_generate(args) -> int:
     sampling = SamplingConfig(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
+    selection = SelectionConfig(policy=args.policy, budget=args.budget, page_size=paging.page_size)
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging, selection=selection))
     bar = None
 
     def progress(done: int, total: int) -> None:
@@ -151,7 +216,7 @@ def _cmd_demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo}
+    handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval}
     try:
         return handlers[args.command](args)
     except IcekvError as e:

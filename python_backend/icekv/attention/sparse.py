@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from icekv.attention.dense import decode_attention
 
 
 def sparse_paged_attention(
@@ -36,9 +37,4 @@ def sparse_paged_attention(
         ],
         dim=1,
     )  # [Hkv, L]
-    group = q.shape[0] // hkv
-    mask = mask.repeat_interleave(group, dim=0)[:, None, :]  # [Hq, 1, L]
-    out = F.scaled_dot_product_attention(
-        q[:, None, :], keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=True
-    )  # [Hq, 1, D]
-    return out[:, 0]
+    return decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)

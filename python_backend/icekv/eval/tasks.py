@@ -23,6 +23,14 @@ QUESTION = (
     "\nWhat is the special magic number for {key} mentioned in the provided text? "
     "The special magic number for {key} mentioned in the provided text is"
 )
+PASSKEY_PREAMBLE = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. Find it "
+    "and memorize it. I will quiz you about it afterwards.\n"
+)
+PASSKEY_FILLER = "The river runs to the sea. The hills are quiet. The day is long. On we go. "
+PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key. "
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "passkey")
 # Our own small vocabulary for needle keys ("word-word"), so keys are ordinary tokens.
 KEY_WORDS = (
     "amber anchor apple arrow autumn badge basket beacon berry blanket bottle breeze bridge "
@@ -86,9 +94,11 @@ class HaystackSampler:
         ``niah_single``: one needle; ``niah_multikey``: ``num_needles`` needles with distinct
         keys, one asked; ``niah_multivalue``: one key with ``num_values`` values, all asked.
         """
-        if task not in ("niah_single", "niah_multikey", "niah_multivalue"):
-            raise ConfigError(f"unknown task {task!r}")
+        if task not in TASKS:
+            raise ConfigError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
         rng = random.Random(seed)
+        if task == "passkey":
+            return self._passkey(length, rng, depth)
         keys_used: set[str] = set()
         values_used: set[str] = set()
         query = _key(rng, keys_used)
@@ -118,6 +128,18 @@ class HaystackSampler:
             context = _insert_at_sentence(context, needle, d)
         prompt = PREAMBLE + context + question
         return Sample(task, prompt, answers, tuple(depths), len(self.tokenizer.encode(prompt)))
+
+
+    def _passkey(self, length: int, rng: random.Random, depth: float | None) -> Sample:
+        value = str(rng.randrange(10_000, 100_000))
+        depth = depth if depth is not None else rng.random()
+        needle = PASSKEY_NEEDLE.format(value=value)
+        fixed = len(self.tokenizer.encode(PASSKEY_PREAMBLE + needle + PASSKEY_QUESTION))
+        per_filler = len(self.tokenizer.encode(PASSKEY_FILLER * 10)) / 10
+        n = max(int((length - fixed) / per_filler), 1)
+        at = round(n * depth)
+        prompt = PASSKEY_PREAMBLE + PASSKEY_FILLER * at + needle + PASSKEY_FILLER * (n - at) + PASSKEY_QUESTION
+        return Sample("passkey", prompt, (value,), (depth,), len(self.tokenizer.encode(prompt)))
 
 
 def _insert_at_sentence(text: str, needle: str, depth: float) -> str:

@@ -125,6 +125,7 @@ class DCITree:
         if self._csr_dirty:
             owner_key = self.page_owner[: self.num_pages] + 1  # root -> 0
             self._csr_pages = torch.argsort(owner_key, stable=True)
+            self._csr_owner = owner_key[self._csr_pages]  # owner key of each page, CSR order
             counts = torch.bincount(owner_key, minlength=self.n + 1)
             self._csr_indptr = torch.zeros(self.n + 2, dtype=torch.long)
             self._csr_indptr[1:] = torch.cumsum(counts, 0)
@@ -133,13 +134,14 @@ class DCITree:
 
     def child_pages(self, nodes: torch.Tensor) -> torch.Tensor:
         """Pages holding the children of ``nodes`` [m] (local ids, ROOT allowed) -> page ids."""
-        indptr, pages = self._csr()
-        lo, hi = indptr[nodes + 1], indptr[nodes + 2]
-        counts = hi - lo
-        if int(counts.sum()) == 0:
-            return torch.zeros(0, dtype=torch.long)
-        offsets = torch.repeat_interleave(lo - (torch.cumsum(counts, 0) - counts), counts)
-        return pages[torch.arange(int(counts.sum())) + offsets]
+        return self._csr()[1][self.node_mask(nodes[None])[0, self._csr_owner]]
+
+    def node_mask(self, nodes: torch.Tensor) -> torch.Tensor:
+        """nodes [G, m] (local ids, ROOT allowed, < -1 ignored) -> membership [G, n + 1] over owner keys."""
+        mask = torch.zeros(nodes.shape[0], self.n + 2, dtype=torch.bool)  # last column: ignored ids
+        keys = torch.where(nodes >= ROOT, nodes + 1, self.n + 1)
+        mask.scatter_(1, keys, True)
+        return mask[:, : self.n + 1]
 
     # ---- query
     def page_scores(self, q: torch.Tensor, field_of_view: int) -> torch.Tensor:
@@ -152,7 +154,8 @@ class DCITree:
         g = q.shape[0]
         q = q.float()
         scores = torch.full((g, self.num_pages), float("-inf"))  # [G, num_pages]
-        pages = self.child_pages(torch.tensor([ROOT]))  # [m]
+        indptr, csr_pages = self._csr()
+        pages = csr_pages[int(indptr[0]) : int(indptr[1])]  # [m] the root's pages
         owner_ok = torch.ones(g, len(pages), dtype=torch.bool)  # [G, m] page reached by head g
         while len(pages):
             toks = self.page_tokens[pages]  # [m, P]
@@ -163,10 +166,10 @@ class DCITree:
             best = flat.topk(min(field_of_view, flat.shape[1]), dim=-1)  # [G, fov]
             nodes = toks.flatten()[best.indices]  # [G, fov]
             nodes = torch.where(torch.isfinite(best.values), nodes, -2)  # -2: not a node
-            uniq = torch.unique(nodes[nodes >= 0])
-            pages = self.child_pages(uniq)
-            owners = self.page_owner[pages]  # [m']
-            owner_ok = (nodes[:, :, None] == owners[None, None, :]).any(1)  # [G, m']
+            mine = self.node_mask(nodes)  # [G, n + 1] nodes each head keeps
+            reached = mine[:, self._csr_owner]  # [G, num_pages] in CSR order
+            pick = reached.any(0)
+            pages, owner_ok = csr_pages[pick], reached[:, pick]  # [m'], [G, m']
         return scores
 
     # ---- dynamic insertion

@@ -1,8 +1,10 @@
 """A preallocated paged KV pool shared by the requests of one engine.
 
-Layout ``[num_layers, num_pages, 2, n_kv_heads, page_size, head_dim]``: one page id names the
-same token slots in every layer (as in vLLM / nano-vllm), and within a layer FlashInfer's
-``[num_pages, 2, H, P, D]`` ("HND") layout, so a page's keys for one head are contiguous.
+Layout ``[num_layers, 2, n_kv_heads, num_pages, page_size, head_dim]``: one page id names the
+same token slots in every layer and head (as in vLLM / nano-vllm). Head-major rather than
+FlashInfer's page-major ``[num_pages, 2, H, P, D]``: every consumer here works per KV head
+(IceCache's pages, selections and device slots are per head), and gathering a request's pages
+for one layer is then a single ``index_select`` whose result is already ``[H, tokens, D]``.
 """
 
 from __future__ import annotations
@@ -40,17 +42,17 @@ class PagedKVCache:
         self.num_layers = num_layers
         # torch.empty: the OS maps pages lazily, so an unused pool costs address space, not RAM
         self.pool = torch.empty(
-            (num_layers, paging.num_pages, 2, num_kv_heads, paging.page_size, head_dim),
+            (num_layers, 2, num_kv_heads, paging.num_pages, paging.page_size, head_dim),
             dtype=dtype,
             device=device,
-        )  # [L, num_pages, 2, Hkv, P, D]
+        )  # [L, 2, Hkv, num_pages, P, D]
         self.allocator = PageAllocator(paging.num_pages)
         self._seqs: dict[int, _Sequence] = {}
 
     @property
     def bytes_per_page(self) -> int:
         """Bytes of one page across all layers (K and V)."""
-        return self.pool[:, 0].numel() * self.pool.element_size()
+        return self.pool[:, :, :, 0].numel() * self.pool.element_size()
 
     @property
     def bytes_per_token(self) -> int:
@@ -93,20 +95,19 @@ class PagedKVCache:
         pos = torch.arange(start, start + k.shape[0])  # [T]
         pages = torch.tensor(self._seqs[seq_id].pages)[pos // self.page_size]  # [T]
         slots = pos % self.page_size  # [T]
-        self.pool[layer, pages, 0, :, slots] = k  # pool[...] indexed -> [T, Hkv, D]
-        self.pool[layer, pages, 1, :, slots] = v
+        self.pool[layer, 0, :, pages, slots] = k.transpose(0, 1)  # indexed view: [Hkv, T, D]
+        self.pool[layer, 1, :, pages, slots] = v.transpose(0, 1)
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's keys and values in sequence order: two [Hkv, length, D] tensors."""
         seq = self._seqs[seq_id]
-        kv = self.pool[layer, seq.pages]  # [n_pages, 2, Hkv, P, D]
-        kv = kv.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, : seq.length]  # [2, Hkv, length, D]
-        return kv[0], kv[1]
+        return self.gather_range(layer, seq_id, 0, seq.length)
 
     def gather_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``start .. end-1``: two [Hkv, end-start, D] tensors."""
         pages = self._seqs[seq_id].pages[start // self.page_size : -(-end // self.page_size)]
-        kv = self.pool[layer, pages].permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2, Hkv, n*P, D]
+        index = torch.tensor(pages)
+        kv = self.pool[layer].index_select(2, index).flatten(2, 3)  # [2, Hkv, n*P, D]
         offset = start % self.page_size
         kv = kv[:, :, offset : offset + end - start]
         return kv[0], kv[1]
@@ -119,9 +120,9 @@ class PagedKVCache:
         valid = positions >= 0  # [n, P]
         pos = positions.clamp_min(0)
         pages = torch.tensor(self._seqs[seq_id].pages)[pos // self.page_size]  # [n, P]
-        kv = self.pool[layer, pages, :, heads[:, None], pos % self.page_size]  # [n, P, 2, D]
-        kv = kv * valid[:, :, None, None]
-        return kv[:, :, 0], kv[:, :, 1]
+        kv = self.pool[layer, :, heads[:, None], pages, pos % self.page_size]  # [2, n, P, D]
+        kv = kv * valid[None, :, :, None]
+        return kv[0], kv[1]
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Forget every token from ``length`` on and free the pages no longer needed."""

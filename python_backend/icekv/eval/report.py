@@ -1,0 +1,79 @@
+"""Write an evaluation's results.json, report.md (tables) and accuracy.png (accuracy vs budget)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def _fmt(x, pct=True):
+    return "-" if x is None else (f"{100 * x:.0f}%" if pct else f"{x:.3f}")
+
+
+def write_report(records: list[dict], out: Path, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    (out / "report.md").write_text(render_markdown(records, meta))
+    plot_accuracy(records, out / "accuracy.png")
+
+
+def render_markdown(records: list[dict], meta: dict) -> str:
+    lines = ["# icekv eval", "", "```", meta.get("command", ""), "```", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items() if k != "command"] + [""]
+    by_task = defaultdict(list)
+    for r in records:
+        by_task[(r["task"], r["haystack"])].append(r)
+    for (task, hay), rs in sorted(by_task.items()):
+        lengths = sorted({r["length"] for r in rs})
+        rows = sorted({(r["policy"], r["budget"] or 0) for r in rs}, key=lambda x: (x[0] != "full", x[0], x[1]))
+        lines += [f"## {task} on {hay}", "", "accuracy (ratio to full cache) | attention recall | output cosine", ""]
+        lines.append("| policy | budget | " + " | ".join(f"{n} tokens" for n in lengths) + " | recall | cosine |")
+        lines.append("|---|---|" + "---|" * len(lengths) + "---|---|")
+        for pol, bud in rows:
+            cells, rec, cos = [], [], []
+            for n in lengths:
+                r = next((r for r in rs if r["policy"] == pol and (r["budget"] or 0) == bud and r["length"] == n), None)
+                if r is None:
+                    cells.append("-")
+                    continue
+                ratio = "" if r["ratio_to_full"] is None or pol == "full" else f" ({_fmt(r['ratio_to_full'])})"
+                cells.append(f"{_fmt(r['accuracy'])}{ratio} n={r['n']}")
+                if r["recall"] is not None:
+                    rec.append(r["recall"])
+                    cos.append(r["cosine"])
+            mean = lambda xs: sum(xs) / len(xs) if xs else None
+            lines.append(f"| {pol} | {bud or 'all'} | " + " | ".join(cells) + f" | {_fmt(mean(rec), False)} | {_fmt(mean(cos), False)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_accuracy(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({(r["task"], r["haystack"]) for r in records})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    for ax, (task, hay) in zip(axes[0], tasks):
+        rs = [r for r in records if r["task"] == task and r["haystack"] == hay]
+        curves = defaultdict(lambda: defaultdict(list))
+        for r in rs:
+            curves[r["policy"]][r["budget"]].append((r["accuracy"], r["n"]))
+        for pol, pts in sorted(curves.items()):
+            mean = {b: sum(a * n for a, n in v) / sum(n for _, n in v) for b, v in pts.items()}
+            if pol == "full":
+                ax.axhline(mean[None], color="black", linestyle="--", label="full")
+                continue
+            xs = sorted(mean)
+            ax.plot(xs, [mean[x] for x in xs], marker="o", label=pol)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tokens per layer per KV head)")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{task} / {hay} (all lengths)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
