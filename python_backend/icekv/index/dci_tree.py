@@ -176,43 +176,44 @@ class DCITree:
     def insert(self, keys: torch.Tensor) -> set[int]:
         """Append tokens (keys [m, D], next in sequence order) without a rebuild.
 
-        Returns the ids of pages that changed (new tokens, splits, new pages).
+        Levels, norms, projections and parents are computed for the whole batch at once; only
+        the placement into pages (which may split a full page) goes token by token. Returns the
+        ids of the pages that changed (new tokens, splits, new pages).
         """
+        m = keys.shape[0]
+        self._grow(m)
+        new = torch.arange(self.n, self.n + m)  # [m] local ids
+        self.n += m
+        self.keys[new] = keys.float()
+        self.norm2[new] = self.keys[new].pow(2).sum(-1)
+        self.max_norm2 = max(self.max_norm2, float(self.norm2[new].max()))
+        self.level[new] = promotion_levels(new, self.cfg)
+        self.proj[new] = self._project(self.keys[new], self.norm2[new])
+        level = self.level[: self.n]
+        for lvl in sorted(set(self.level[new].tolist()), reverse=True):
+            who = new[self.level[new] == lvl]
+            higher = level[level > lvl]
+            if len(higher) == 0:
+                self.parent[who] = ROOT
+            else:
+                self.parent[who] = self._nearest(who, torch.nonzero(level == int(higher.min())).flatten())
+        self._csr_dirty = True
         changed: set[int] = set()
-        for key in keys.float():
-            changed |= self._insert_one(key)
+        for t in new.tolist():
+            changed |= self._place(t, int(self.parent[t]))
         return changed
 
-    def _grow(self) -> None:
-        if self.n == len(self.keys):
+    def _grow(self, m: int) -> None:
+        """Make room for ``m`` more tokens and ``m`` more pages (capacities double)."""
+        while self.n + m > len(self.keys):
             for name in ("keys", "norm2", "proj", "parent", "level"):
                 t = getattr(self, name)
-                fill = ROOT if name == "parent" else 0
-                setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
-        if self.num_pages + 1 >= len(self.page_len):
+                setattr(self, name, torch.cat([t, torch.full_like(t, ROOT if name == "parent" else 0)]))
+        while self.num_pages + m > len(self.page_len):
             self.page_tokens = torch.cat([self.page_tokens, torch.full_like(self.page_tokens, -1)])
             for name, fill in (("page_len", 0), ("page_owner", ROOT), ("page_version", 0)):
                 t = getattr(self, name)
                 setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
-
-    def _insert_one(self, key: torch.Tensor) -> set[int]:
-        self._grow()
-        t = self.n
-        self.n += 1
-        self.keys[t] = key
-        self.norm2[t] = key.pow(2).sum()
-        self.max_norm2 = max(self.max_norm2, float(self.norm2[t]))
-        lvl = int(promotion_levels(torch.tensor([t]), self.cfg)[0])
-        self.level[t] = lvl
-        self.proj[t] = self._project(key[None], self.norm2[t : t + 1])[0]
-        higher = self.level[:t][self.level[:t] > lvl]
-        owner = ROOT
-        if len(higher):
-            among = torch.nonzero(self.level[:t] == int(higher.min())).flatten()
-            owner = int(self._nearest(torch.tensor([t]), among)[0])
-        self.parent[t] = owner
-        self._csr_dirty = True
-        return self._place(t, owner)
 
     def _place(self, t: int, owner: int) -> set[int]:
         """Put token ``t`` into the page of ``owner`` whose projection range fits it best."""
