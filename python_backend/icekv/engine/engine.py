@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Generator
 
 import torch
 
@@ -22,6 +22,18 @@ from icekv.select import make_selector
 
 OnText = Callable[[str], None]
 OnProgress = Callable[[int, int], None]
+Steps = Generator[str, None, "Generation"]
+
+
+def drain(steps: Generator, on_text: OnText | None = None):
+    """Run engine steps to the end; returns their result, passing text pieces to ``on_text``."""
+    while True:
+        try:
+            delta = next(steps)
+        except StopIteration as done:
+            return done.value
+        if on_text and delta:
+            on_text(delta)
 
 
 @dataclass(frozen=True)
@@ -110,34 +122,32 @@ class Engine:
         selection: SelectionConfig | None = None,
     ) -> Generation:
         """Prefill ``prompt`` in chunks, then decode until EOS, a stop string or ``max_tokens``."""
+        return drain(self.stream(prompt, sampling, selection, on_progress), on_text)
+
+    def stream(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingConfig = SamplingConfig(),
+        selection: SelectionConfig | None = None,
+        on_progress: OnProgress | None = None,
+    ) -> Steps:
+        """One request as a sequence of engine steps, for schedulers that interleave requests.
+
+        Yields after every prefill chunk ('') and every decode step (the new text, maybe '');
+        returns the :class:`Generation`. Closing the generator early (cancellation) frees the
+        request's pages.
+        """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_fits(len(ids), sampling.max_tokens)
-        req = self.prefill(ids, on_progress)
+        req = yield from self._prefill_steps(ids, on_progress)
         try:
-            return self.decode(req, sampling, selection, on_text)
+            return (yield from self._decode_steps(req, sampling, selection))
         finally:
             self.release(req)
 
     def prefill(self, ids: list[int], on_progress: OnProgress | None = None) -> Prefilled:
         """Run the prompt through the model with full attention, ``prefill_chunk_tokens`` at a time."""
-        if not ids:
-            raise ConfigError("prompt is empty")
-        seq_id = next(self._seq_ids)
-        self.cache.add(seq_id)
-        try:
-            backend = FullCacheAttention(self.cache, seq_id)
-            chunk = self.config.prefill_chunk_tokens
-            t0 = time.perf_counter()
-            for start in range(0, len(ids), chunk):
-                tokens = torch.tensor(ids[start : start + chunk])  # [C]
-                positions = backend.begin_step(len(tokens))
-                logits = self.model(tokens, positions, backend, logit_rows=torch.tensor([-1]))  # [1, V]
-                if on_progress:
-                    on_progress(min(start + chunk, len(ids)), len(ids))
-        except BaseException:
-            self.cache.free(seq_id)
-            raise
-        return Prefilled(seq_id, list(ids), logits[-1], time.perf_counter() - t0)
+        return drain(self._prefill_steps(ids, on_progress))
 
     def release(self, req: Prefilled) -> None:
         self.cache.free(req.seq_id)
@@ -152,6 +162,30 @@ class Engine:
     ) -> Generation:
         """Decode after a prefilled prompt under ``selection``; leaves the prompt's KV as it was,
         so the same prefill can be decoded again (e.g. under another policy)."""
+        return drain(self._decode_steps(req, sampling, selection, probe), on_text)
+
+    def _prefill_steps(self, ids: list[int], on_progress: OnProgress | None) -> Generator[str, None, Prefilled]:
+        if not ids:
+            raise ConfigError("prompt is empty")
+        seq_id = next(self._seq_ids)
+        self.cache.add(seq_id)
+        try:
+            backend = FullCacheAttention(self.cache, seq_id)
+            chunk = self.config.prefill_chunk_tokens
+            t0 = time.perf_counter()
+            for start in range(0, len(ids), chunk):
+                tokens = torch.tensor(ids[start : start + chunk])  # [C]
+                positions = backend.begin_step(len(tokens))
+                logits = self.model(tokens, positions, backend, logit_rows=torch.tensor([-1]))  # [1, V]
+                if on_progress:
+                    on_progress(min(start + chunk, len(ids)), len(ids))
+                yield ""
+        except BaseException:  # errors and early close both give the pages back
+            self.cache.free(seq_id)
+            raise
+        return Prefilled(seq_id, list(ids), logits[-1], time.perf_counter() - t0)
+
+    def _decode_steps(self, req, sampling, selection, probe=False) -> Steps:
         selection = selection or self.config.selection
         self.check_fits(len(req.prompt_ids), sampling.max_tokens)
         selector = make_selector(selection)
@@ -161,11 +195,11 @@ class Engine:
         else:
             backend = SparseCacheAttention(self.cache, req.seq_id, self.model.args, selection, selector, probe)
         try:
-            return self._decode_loop(req, backend, sampling, selection, on_text, t0)
+            return (yield from self._decode_loop(req, backend, sampling, selection, t0))
         finally:
             self.cache.truncate(req.seq_id, len(req.prompt_ids))
 
-    def _decode_loop(self, req, backend, sampling, selection, on_text, t0) -> Generation:
+    def _decode_loop(self, req, backend, sampling, selection, t0) -> Steps:
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         stream = TextStream(self.tokenizer, sampling.stop)
         eos = set() if sampling.ignore_eos else set(self.model.args.eos_token_ids)
@@ -175,9 +209,7 @@ class Engine:
             if token in eos:
                 finish = "stop"
                 break
-            delta = stream.push(token)
-            if on_text and delta:
-                on_text(delta)
+            yield stream.push(token)
             if stream.stopped:
                 finish = "stop"
                 break
@@ -186,9 +218,7 @@ class Engine:
             positions = backend.begin_step(1)
             logits = self.model(torch.tensor([token]), positions, backend)[-1]  # [V]
             backend.end_step()
-        tail = stream.flush()
-        if on_text and tail:
-            on_text(tail)
+        yield stream.flush()
         decode_s = time.perf_counter() - t0
         new = stream.token_ids
         total = self.cache.sequence_bytes(req.seq_id)
