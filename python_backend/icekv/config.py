@@ -179,3 +179,68 @@ class EngineConfig:
                 f"selection.page_size {self.selection.page_size} differs from paging.page_size "
                 f"{self.paging.page_size}"
             )
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The Triton model's settings: the engine plus request admission limits.
+
+    Filled from the ``parameters`` of ``config.pbtxt`` by :meth:`from_triton_parameters`.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_active_requests: int = 8  # requests interleaved on the engine at once
+    max_queued_requests: int = 64  # waiting for memory or a turn; beyond this: 'busy'
+    default_max_tokens: int = 128
+    max_tokens_limit: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_active_requests < 1 or self.max_queued_requests < 0:
+            raise ConfigError("max_active_requests must be >= 1 and max_queued_requests >= 0")
+        if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
+            raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")
+
+    @classmethod
+    def from_triton_parameters(cls, params: dict) -> "ServingConfig":
+        """``params``: config.pbtxt parameters, ``{key: {"string_value": ...}}`` or plain strings."""
+        values = {k: (v.get("string_value") if isinstance(v, dict) else v) for k, v in params.items()}
+        values = {k: v for k, v in values.items() if v not in (None, "")}
+        known = {"model_dir", "dtype", "policy", "budget", "page_size", "host_pool_tokens",
+                 "prefill_chunk_tokens", "num_threads", "max_active_requests", "max_queued_requests",
+                 "default_max_tokens", "max_tokens_limit"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
+
+        def number(key: str, default):
+            if key not in values:
+                return default
+            try:
+                return int(values[key])
+            except ValueError:
+                raise ConfigError(f"parameter {key} must be an integer, got {values[key]!r}") from None
+
+        paging = PagingConfig(
+            page_size=number("page_size", PagingConfig.page_size),
+            max_context_tokens=number("host_pool_tokens", PagingConfig.max_context_tokens),
+        )
+        selection = SelectionConfig(
+            policy=values.get("policy", SelectionConfig.policy),
+            budget=number("budget", SelectionConfig.budget),
+            page_size=paging.page_size,
+        )
+        engine = EngineConfig(
+            model_dir=values.get("model_dir"),
+            dtype=values.get("dtype", EngineConfig.dtype),
+            paging=paging,
+            selection=selection,
+            prefill_chunk_tokens=number("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens),
+            num_threads=number("num_threads", None),
+        )
+        return cls(
+            engine=engine,
+            max_active_requests=number("max_active_requests", cls.max_active_requests),
+            max_queued_requests=number("max_queued_requests", cls.max_queued_requests),
+            default_max_tokens=number("default_max_tokens", cls.default_max_tokens),
+            max_tokens_limit=number("max_tokens_limit", cls.max_tokens_limit),
+        )

@@ -57,6 +57,16 @@ def test_small_budget_differs_but_stays_bounded(policy, tmp_path):
         assert int(dev.attended_lengths().sum()) <= 2 * 16 * model.args.num_kv_heads
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prompts_shorter_than_sink_and_window_decode(policy, tmp_path):
+    make_tiny_hf_model("llama", tmp_path)
+    model = load_model(tmp_path)
+    full, _ = _decode_logits(model, [1, 2, 3, 4, 5], list(range(50)))
+    sel = SelectionConfig(policy=policy, budget=128, n_unlimited_layers=0)
+    sparse, backend = _decode_logits(model, [1, 2, 3, 4, 5], list(range(50)), sel)
+    torch.testing.assert_close(sparse, full, rtol=1e-4, atol=1e-4)  # 55 tokens < budget: all attended
+
+
 @pytest.mark.model
 def test_real_model_budget_covering_context_matches_full(engine):
     ids = engine.tokenizer.encode("The history of the city begins " * 40)[:260]

@@ -44,6 +44,7 @@ class KVStats:
     total_bytes: int
     pages: int
     bytes_moved: int = 0
+    pages_moved: int = 0  # (layer, KV head) pages copied host -> device
     slot_hit_rate: float = 0.0
 
 
@@ -101,6 +102,17 @@ class Engine:
             args.num_layers, args.num_kv_heads, args.head_dim, config.paging, getattr(torch, config.dtype)
         )
         self._seq_ids = itertools.count()
+        self._decoding: dict[int, SparseCacheAttention] = {}  # seq id -> its sparse backend
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """(resident, host) KV bytes of all live requests: what the compute device holds (the full
+        cache while prefilling or under full attention; sink, window, slots and unlimited layers
+        under a budget) and what the page pool holds."""
+        cache = self.cache
+        host = (cache.allocator.num_pages - cache.allocator.num_free) * cache.bytes_per_page
+        sparse = sum(b.resident_bytes() for b in self._decoding.values())
+        dense = host - sum(cache.sequence_bytes(s) for s in self._decoding)
+        return dense + sparse, host
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse up front a request the KV pool could never hold."""
@@ -194,9 +206,11 @@ class Engine:
             backend = FullCacheAttention(self.cache, req.seq_id)
         else:
             backend = SparseCacheAttention(self.cache, req.seq_id, self.model.args, selection, selector, probe)
+            self._decoding[req.seq_id] = backend
         try:
             return (yield from self._decode_loop(req, backend, sampling, selection, t0))
         finally:
+            self._decoding.pop(req.seq_id, None)
             self.cache.truncate(req.seq_id, len(req.prompt_ids))
 
     def _decode_loop(self, req, backend, sampling, selection, t0) -> Steps:

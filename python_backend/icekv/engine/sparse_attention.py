@@ -111,7 +111,8 @@ class SparseCacheAttention(FullCacheAttention):
         moved = sum(d.bytes_moved for d in self.device.values())
         hits = sum(d.hits for d in self.device.values())
         lookups = sum(d.lookups for d in self.device.values())
-        return {"bytes_moved": moved, "slot_hit_rate": hits / lookups if lookups else 0.0}
+        pages = sum(d.bytes_moved // d.page_bytes for d in self.device.values())
+        return {"bytes_moved": moved, "pages_moved": pages, "slot_hit_rate": hits / lookups if lookups else 0.0}
 
     def _measure(self, layer, q, out, selection, length):
         """Share of the full softmax mass on the attended tokens, and output cosine vs full."""

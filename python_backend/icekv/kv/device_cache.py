@@ -28,15 +28,18 @@ class TransferPlan:
 
 
 class DevicePageCache:
-    def __init__(self, num_kv_heads: int, n_slots: int, page_size: int, head_dim: int,
+    """Slots are allocated as selections first need them, up to ``max_slots`` (the budget's
+    selected pages), so a short request never holds more device memory than it can use."""
+
+    def __init__(self, num_kv_heads: int, max_slots: int, page_size: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (num_kv_heads, n_slots, page_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [Hkv, S, P, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.page = torch.full((num_kv_heads, n_slots), -1, dtype=torch.long)  # resident page id
-        self.version = torch.full((num_kv_heads, n_slots), -1, dtype=torch.long)
-        self.length = torch.zeros((num_kv_heads, n_slots), dtype=torch.long)  # valid tokens
-        self.selected = torch.zeros((num_kv_heads, n_slots), dtype=torch.bool)  # attended this step
+        self.max_slots = max_slots
+        self.k = torch.zeros((num_kv_heads, 0, page_size, head_dim), dtype=dtype, device=device)  # [Hkv, S, P, D]
+        self.v = torch.zeros_like(self.k)
+        self.page = torch.full((num_kv_heads, 0), -1, dtype=torch.long)  # resident page id per slot
+        self.version = torch.full((num_kv_heads, 0), -1, dtype=torch.long)
+        self.length = torch.zeros((num_kv_heads, 0), dtype=torch.long)  # valid tokens
+        self.selected = torch.zeros((num_kv_heads, 0), dtype=torch.bool)  # attended this step
         self.bytes_moved = 0
         self.hits = 0
         self.lookups = 0
@@ -47,13 +50,14 @@ class DevicePageCache:
 
     @property
     def page_bytes(self) -> int:
-        return 2 * self.k[0, 0].numel() * self.k.element_size()
+        return 2 * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
 
     def plan(self, selection: list[torch.Tensor], versions: list[torch.Tensor]) -> TransferPlan:
         """Per KV head: selected page ids [k_h] and their versions -> the copies still needed.
 
         Also marks which slots this step attends (hits now, misses once loaded).
         """
+        self._grow(min(max((len(s) for s in selection), default=0), self.max_slots))
         heads, pages, vers, slots = [], [], [], []
         self.selected.zero_()
         for h, (sel, ver) in enumerate(zip(selection, versions)):
@@ -71,6 +75,15 @@ class DevicePageCache:
             self.selected[h, free] = True
         cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)
         return TransferPlan(cat(heads), cat(pages), cat(vers), cat(slots))
+
+    def _grow(self, n_slots: int) -> None:
+        extra = n_slots - self.k.shape[1]
+        if extra <= 0:
+            return
+        pad = lambda t, fill: torch.cat([t, torch.full((t.shape[0], extra, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)], 1)
+        self.k, self.v = pad(self.k, 0), pad(self.v, 0)
+        self.page, self.version = pad(self.page, -1), pad(self.version, -1)
+        self.length, self.selected = pad(self.length, 0), pad(self.selected, False)
 
     def load(self, plan: TransferPlan, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
         """Write the planned pages: k, v [n, P, D] gathered from the host, lengths [n]."""

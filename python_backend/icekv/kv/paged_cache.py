@@ -93,7 +93,7 @@ class PagedKVCache:
     def write(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] of positions ``start .. start+T-1``."""
         pos = torch.arange(start, start + k.shape[0])  # [T]
-        pages = torch.tensor(self._seqs[seq_id].pages)[pos // self.page_size]  # [T]
+        pages = torch.tensor(self._seqs[seq_id].pages, dtype=torch.long)[pos // self.page_size]  # [T]
         slots = pos % self.page_size  # [T]
         self.pool[layer, 0, :, pages, slots] = k.transpose(0, 1)  # indexed view: [Hkv, T, D]
         self.pool[layer, 1, :, pages, slots] = v.transpose(0, 1)
@@ -106,7 +106,7 @@ class PagedKVCache:
     def gather_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``start .. end-1``: two [Hkv, end-start, D] tensors."""
         pages = self._seqs[seq_id].pages[start // self.page_size : -(-end // self.page_size)]
-        index = torch.tensor(pages)
+        index = torch.tensor(pages, dtype=torch.long)
         kv = self.pool[layer].index_select(2, index).flatten(2, 3)  # [2, Hkv, n*P, D]
         offset = start % self.page_size
         kv = kv[:, :, offset : offset + end - start]
@@ -119,7 +119,7 @@ class PagedKVCache:
         -> two [n, P, D] tensors, zero where the position is -1."""
         valid = positions >= 0  # [n, P]
         pos = positions.clamp_min(0)
-        pages = torch.tensor(self._seqs[seq_id].pages)[pos // self.page_size]  # [n, P]
+        pages = torch.tensor(self._seqs[seq_id].pages, dtype=torch.long)[pos // self.page_size]  # [n, P]
         kv = self.pool[layer, :, heads[:, None], pages, pos % self.page_size]  # [2, n, P, D]
         kv = kv * valid[None, :, :, None]
         return kv[0], kv[1]

@@ -1,0 +1,167 @@
+"""Start a real tritonserver with the icekv model: find the binary, prepare backend and env, wait.
+
+Works with the server bundled in the ``nvidia-pytriton`` wheel (CPU machines, CI) and with an NGC
+image's ``/opt/tritonserver``. The Python backend's stub runs ``model.py`` with the first
+``python3`` on ``PATH``, so the current interpreter's ``bin`` goes first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from icekv.errors import IcekvError
+from icekv.serving.repository import write_model_repository
+
+NGC_ROOT = Path("/opt/tritonserver")
+
+
+class ServerError(IcekvError):
+    """tritonserver could not be found, started or reached."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_dir: Path
+    lib_dirs: tuple[Path, ...] = ()
+
+    @classmethod
+    def find(cls, work_dir: Path) -> "TritonInstall":
+        """The NGC install if present, else the pytriton wheel's (its backend copied to work_dir)."""
+        if (NGC_ROOT / "bin" / "tritonserver").is_file():
+            return cls(NGC_ROOT / "bin" / "tritonserver", NGC_ROOT / "backends")
+        spec = importlib.util.find_spec("pytriton")
+        if spec is None or not spec.submodule_search_locations:
+            raise ServerError("no tritonserver: install nvidia-pytriton==0.7.0 (make setup) or use an NGC Triton image")
+        root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+        py = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = root / "python_backend_stubs" / py / "triton_python_backend_stub"
+        if not stub.is_file():
+            raise ServerError(f"the pytriton wheel has no Python backend stub for Python {py}")
+        backend = work_dir / "backends" / "python"
+        backend.mkdir(parents=True, exist_ok=True)
+        for src in (root / "backends/python/libtriton_python.so", root / "backends/python/triton_python_backend_utils.py", stub):
+            shutil.copy2(src, backend / src.name)
+        libs = root.parent.parent / "nvidia_pytriton.libs"
+        return cls(root / "bin" / "tritonserver", work_dir / "backends", (libs,) if libs.is_dir() else ())
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver process serving icekv; use as a context manager or call start()/stop()."""
+
+    parameters: dict[str, str] = field(default_factory=dict)  # config.pbtxt parameter overrides
+    model_repository: Path | None = None  # None: write one into the work dir
+    host: str = "127.0.0.1"
+    http_port: int = 0  # 0: pick a free port
+    grpc_port: int = 0
+    metrics_port: int = 0
+    startup_timeout_s: float = 300.0
+    log_path: Path | None = None
+    process: subprocess.Popen | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.http_port = self.http_port or free_port()
+        self.grpc_port = self.grpc_port or free_port()
+        self.metrics_port = self.metrics_port or free_port()
+        self._work = Path(tempfile.mkdtemp(prefix="icekv-triton-"))
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def command(self, install: TritonInstall, repo: Path) -> list[str]:
+        return [
+            str(install.binary), f"--model-repository={repo}", f"--backend-directory={install.backend_dir}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-on-error=true",
+            "--log-verbose=0",
+        ]
+
+    def environment(self, install: TritonInstall) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        libs = [str(p) for p in install.lib_dirs] + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else [])
+        if libs:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+        return env
+
+    def start(self) -> "TritonServer":
+        install = TritonInstall.find(self._work)
+        repo = self.model_repository or write_model_repository(self._work / "models", self.parameters)
+        log_path = self.log_path or self._work / "tritonserver.log"
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(
+            self.command(install, repo), env=self.environment(install), stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.log_path = log_path
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"tritonserver not ready after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (Triton drains and unloads the model), then SIGKILL if it hangs."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+        shutil.rmtree(self._work, ignore_errors=True)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,113 @@
+"""Turn a Triton request's inputs and parameters into a validated :class:`GenerateRequest`.
+
+Every field may arrive as an input tensor (tritonclient, or a top-level key of the generate
+endpoint's JSON) or as a request parameter (the JSON ``parameters`` object); the tensor wins.
+Anything wrong raises :class:`RequestError` with a message the client sees as an HTTP 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from icekv.config import SamplingConfig, SelectionConfig, ServingConfig
+from icekv.errors import ConfigError, IcekvError
+
+INPUT_NAMES = ("text_input", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
+               "policy", "budget", "context_key")
+
+
+class RequestError(IcekvError, ValueError):
+    """The client sent something invalid (HTTP 400 / INVALID_ARG)."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    text: str
+    sampling: SamplingConfig
+    selection: SelectionConfig
+    stream: bool
+    context_key: str | None
+
+
+def _scalar(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        if value.size != 1:
+            return [_scalar(v) for v in value.flatten()]
+        value = value.flatten()[0]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError("string inputs must be UTF-8") from None
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise RequestError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise RequestError(f"{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingConfig) -> GenerateRequest:
+    """inputs: name -> numpy array (absent inputs omitted); params: the request's parameters."""
+    fields = {k: v for k, v in params.items() if k in INPUT_NAMES}
+    fields.update({k: _scalar(v) for k, v in inputs.items() if v is not None})
+    text = fields.get("text_input")
+    if text is None:
+        raise RequestError("text_input is required")
+    text = _str("text_input", text)
+    if not text.strip():
+        raise RequestError("text_input is empty")
+    max_tokens = _int("max_tokens", fields.get("max_tokens", cfg.default_max_tokens))
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens > cfg.max_tokens_limit:
+        raise RequestError(f"max_tokens {max_tokens} exceeds this server's limit of {cfg.max_tokens_limit}")
+    stop = fields.get("stop", ())
+    stop = tuple(_str("stop", s) for s in (stop if isinstance(stop, list) else [stop])) if stop else ()
+    seed = fields.get("seed")
+    engine_sel = cfg.engine.selection
+    try:
+        sampling = SamplingConfig(
+            max_tokens=max_tokens,
+            temperature=_float("temperature", fields.get("temperature", 0.0)),
+            top_p=_float("top_p", fields.get("top_p", 1.0)),
+            seed=None if seed is None else _int("seed", seed),
+            stop=stop,
+        )
+        selection = engine_sel
+        if "policy" in fields or "budget" in fields:
+            selection = SelectionConfig(
+                policy=_str("policy", fields.get("policy", engine_sel.policy)),
+                budget=_int("budget", fields.get("budget", engine_sel.budget)),
+                page_size=engine_sel.page_size,
+                n_unlimited_layers=engine_sel.n_unlimited_layers,
+                icecache=engine_sel.icecache,
+            )
+    except ConfigError as e:
+        raise RequestError(str(e)) from None
+    context_key = fields.get("context_key")
+    if context_key is not None:
+        context_key = _str("context_key", context_key)
+    return GenerateRequest(text, sampling, selection, _bool("stream", fields.get("stream", False)), context_key)
