@@ -63,11 +63,65 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
     ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
 
-    demo = sub.add_parser("demo", help="answer a needle question over a long essay context")
+    serve = sub.add_parser("serve", help="run tritonserver with the icekv model until SIGINT/SIGTERM")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    serve.add_argument("--http-port", type=_positive_int("--http-port"), default=8000)
+    serve.add_argument("--grpc-port", type=_positive_int("--grpc-port"), default=8001)
+    serve.add_argument("--metrics-port", type=_positive_int("--metrics-port"), default=8002)
+    serve.add_argument("--model-repository", type=Path, default=None,
+                       help="serve this repository as is (default: generate one from the flags below)")
+    _serving_flags(serve)
+
+    demo = sub.add_parser("demo", help="serve with Triton and stream a needle answer over a long context")
     demo.add_argument("--length", type=_positive_int("--length"), default=3000, help="prompt tokens")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _serving_flags(demo)
     return parser
+
+
+def _serving_flags(parser) -> None:
+    parser.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    parser.add_argument("--policy", default=None, help="default page selection policy (config: icecache)")
+    parser.add_argument("--budget", type=_positive_int("--budget"), default=None)
+    parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
+                        help="KV page pool capacity in tokens, shared by all requests")
+    parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None)
+
+
+def _serving_parameters(args) -> dict[str, str]:
+    """CLI flags -> config.pbtxt parameters, validated here so a typo fails before the server starts."""
+    from icekv.config import ServingConfig
+
+    params = {"model_dir": args.model and str(Path(args.model).resolve()), "policy": args.policy,
+              "budget": args.budget, "host_pool_tokens": args.host_pool_tokens,
+              "max_active_requests": args.max_active_requests}
+    params = {k: str(v) for k, v in params.items() if v is not None}
+    ServingConfig.from_triton_parameters(params)
+    return params
+
+
+def _cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from icekv.serving.launcher import TritonServer
+
+    params = _serving_parameters(args)
+    if args.model_repository is not None and params:
+        raise IcekvError("--model-repository is served as is: set parameters in its config.pbtxt, not with flags")
+    server = TritonServer(params, args.model_repository, args.host, args.http_port, args.grpc_port, args.metrics_port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"icekv serving: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}", file=sys.stderr)
+    try:
+        while not stop.wait(1.0):
+            if server.process.poll() is not None:
+                raise IcekvError(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
+    finally:
+        server.stop()
+    return 0
 
 
 def _csv(flag: str, text: str, cast):
@@ -187,28 +241,37 @@ def _cmd_generate(args) -> int:
 
 def _cmd_demo(args) -> int:
     from icekv.assets import Assets
-    from icekv.config import EngineConfig, SamplingConfig
-    from icekv.engine import Engine
     from icekv.eval.tasks import HaystackSampler
+    from icekv.model import Tokenizer
+    from icekv.serving.client import Final, stream_generate
+    from icekv.serving.launcher import TritonServer
 
-    engine = Engine(EngineConfig(model_dir=args.model))
-    sample = HaystackSampler(Assets().haystack_text("essays"), engine.tokenizer).make(
+    params = _serving_parameters(args)
+    assets = Assets()
+    model_dir = Path(args.model) if args.model else assets.model_dir()
+    sample = HaystackSampler(assets.haystack_text("essays"), Tokenizer(model_dir)).make(
         "niah_single", args.length, seed=args.seed
     )
-    print(f"prompt: {sample.prompt_tokens} tokens of Paul Graham essays with one hidden needle")
-    print("question:" + sample.prompt.rsplit("\n", 1)[-1])
-    print("answer:", end="", flush=True)
-    result = engine.generate(
-        sample.prompt,
-        SamplingConfig(max_tokens=16, stop=("\n",)),
-        on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()),
-    )
-    print(f"\nexpected: {sample.answers[0]} -> {'correct' if sample.score(result.text) == 1 else 'WRONG'}")
-    kv = result.kv
+    print("starting tritonserver with the icekv model ...", file=sys.stderr)
+    with TritonServer(params) as server:
+        print(f"server ready: HTTP {server.http_url}, gRPC {server.grpc_url}")
+        print(f"prompt: {sample.prompt_tokens} tokens of Paul Graham essays with one hidden needle")
+        print("question:" + sample.prompt.rsplit("\n", 1)[-1])
+        print("answer (streamed over gRPC):", end="", flush=True)
+        text = ""
+        for piece in stream_generate(server.grpc_url, sample.prompt, max_tokens=16, stop=["\n"]):
+            if isinstance(piece, Final):
+                final = piece
+            else:
+                text += piece
+                print(piece, end="", flush=True)
+    verdict = "correct" if sample.score(text) == 1 else "WRONG"
+    print(f"\nexpected: {sample.answers[0]} -> {verdict}")
     print(
-        f"prefill {result.prefill_s:.2f} s, {result.tpot_s * 1000:.1f} ms per output token; "
-        f"KV cache: {kv.pages} pages, {kv.resident_bytes / 2**20:.1f} MiB resident of "
-        f"{kv.total_bytes / 2**20:.1f} MiB"
+        f"policy {final.policy} (budget {final.budget} tokens per layer per KV head): "
+        f"{final.prompt_tokens} prompt + {final.new_tokens} new tokens; KV cache "
+        f"{final.kv_resident_bytes / 2**20:.1f} MiB resident on the device of "
+        f"{final.kv_total_bytes / 2**20:.1f} MiB in the host pool, {final.kv_bytes_moved / 2**20:.1f} MiB moved"
     )
     return 0
 
@@ -216,7 +279,8 @@ def _cmd_demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval}
+    handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval,
+                "serve": _cmd_serve}
     try:
         return handlers[args.command](args)
     except IcekvError as e:

@@ -39,7 +39,7 @@ class Sink(Protocol):
     def done(self, result: Generation) -> None: ...
 
     def error(self, message: str, kind: str) -> None:
-        """kind: "client" (bad request), "busy" (retry later) or "internal" (our bug)."""
+        """kind: "client" (bad request), "busy" (retry later), "cancelled" or "internal" (our bug)."""
 
 
 @dataclass
@@ -140,6 +140,7 @@ class Scheduler:
                 job.steps.close()  # frees the request's pages
                 self.stats.cancelled += 1
                 self._finish(job)
+                job.sink.error("request cancelled", kind="cancelled")  # Triton needs a final response
                 return
             delta = next(job.steps)
             if delta:

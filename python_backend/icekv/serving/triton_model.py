@@ -66,7 +66,8 @@ class TritonSink:
 
     def error(self, message: str, kind: str) -> None:
         errors = self.pb.TritonError
-        code = {"client": errors.INVALID_ARG, "busy": errors.UNAVAILABLE}.get(kind, errors.INTERNAL)
+        code = {"client": errors.INVALID_ARG, "busy": errors.UNAVAILABLE,
+                "cancelled": errors.CANCELLED}.get(kind, errors.INTERNAL)
         self._send(self.pb.InferenceResponse(error=self.pb.TritonError(message, code)), True)
 
 

@@ -1,0 +1,75 @@
+"""A small tritonclient (gRPC streaming) helper: send one generate request, iterate its pieces.
+
+Used by ``icekv demo``, the serving tests and the load benchmark; any Triton client works.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from icekv.serving.repository import INPUTS, OUTPUTS
+
+_DTYPES = {"TYPE_STRING": ("BYTES", np.object_), "TYPE_INT32": ("INT32", np.int32), "TYPE_INT64": ("INT64", np.int64),
+           "TYPE_FP32": ("FP32", np.float32), "TYPE_BOOL": ("BOOL", np.bool_)}
+
+
+@dataclass
+class Final:
+    """The last response of a request: usage and KV statistics."""
+
+    finish_reason: str
+    prompt_tokens: int
+    new_tokens: int
+    policy: str
+    budget: int
+    kv_resident_bytes: int
+    kv_total_bytes: int
+    kv_bytes_moved: int
+
+
+class GenerateError(RuntimeError):
+    """The server answered the request with an error."""
+
+
+def _inputs(grpcclient, fields: dict) -> list:
+    out = []
+    for name, ttype, dims, _ in INPUTS:
+        if name not in fields:
+            continue
+        wire, dtype = _DTYPES[ttype]
+        value = fields[name]
+        values = value if isinstance(value, (list, tuple)) else [value]
+        arr = np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=dtype)
+        tensor = grpcclient.InferInput(name, list(arr.shape), wire)
+        tensor.set_data_from_numpy(arr)
+        out.append(tensor)
+    return out
+
+
+def stream_generate(url: str, text: str, model: str = "icekv", timeout_s: float = 600, **fields) -> Iterator[str | Final]:
+    """Yield text pieces as they arrive, then one :class:`Final`. Raises GenerateError."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(model, _inputs(grpcclient, {"text_input": text, "stream": True, **fields}))
+        while True:
+            result, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                raise GenerateError(str(error))
+            if result.as_numpy("finish_reason") is not None:
+                values = {name: result.as_numpy(name)[0] for name, _ in OUTPUTS if name != "text_output"}
+                yield Final(**{k: v.decode() if isinstance(v, bytes) else int(v) for k, v in values.items()})
+                return
+            piece = result.as_numpy("text_output")[0].decode()
+            if piece:
+                yield piece
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()

@@ -1,0 +1,58 @@
+"""A real tritonserver with the icekv model on 127.0.0.1, shared by the serving tests."""
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from icekv.serving.launcher import TritonServer
+
+HOST_POOL_TOKENS = 8192
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    srv = TritonServer({"host_pool_tokens": str(HOST_POOL_TOKENS), "max_active_requests": "4"}, log_path=log)
+    srv.start()
+    yield srv
+    srv.stop()
+    assert srv.process.returncode == 0, srv.log_tail()
+
+
+def post(server, path: str, body, timeout=300):
+    """POST JSON (or raw bytes) -> (status, parsed JSON or SSE events)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=data)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode() or "{}")
+    if path.endswith("generate_stream"):
+        return status, [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+    return status, json.loads(text)
+
+
+def metrics(server) -> dict[str, float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("icekv_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0]] = float(value)
+    return out
+
+
+def wait_idle(server, timeout_s=120) -> dict[str, float]:
+    """Metrics once no request is active or queued and the page pool is empty."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m["icekv_active_requests"] == 0 and m["icekv_queued_requests"] == 0 and m["icekv_kv_host_bytes"] == 0:
+            return m
+        time.sleep(0.5)
+    raise AssertionError(f"server not idle: {metrics(server)}")

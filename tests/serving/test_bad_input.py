@@ -1,0 +1,68 @@
+"""Every kind of bad request gets a clear error, and the server keeps serving with nothing leaked."""
+
+import http.client
+import json
+
+import pytest
+
+from tests.serving.conftest import HOST_POOL_TOKENS, post, wait_idle
+
+pytestmark = [pytest.mark.server, pytest.mark.model]
+GEN = "/v2/models/icekv/generate"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"max_tokens": 4}, "text_input"),
+        ({"text_input": "  "}, "text_input is empty"),
+        ({"text_input": "hi", "max_tokens": -2}, "max_tokens must be >= 1"),
+        ({"text_input": "hi", "max_tokens": 10**6}, "exceeds this server's limit"),
+        ({"text_input": "hi", "policy": "magic"}, "unknown policy 'magic'"),
+        ({"text_input": "hi", "policy": "icecache", "budget": 32}, "must exceed sink + window"),
+        ({"text_input": "hi", "policy": "icecache", "budget": 100}, "not a multiple of the page size"),
+        ({"text_input": "hi", "top_p": 0}, "top_p must be in (0, 1]"),
+        ({"text_input": "hi", "context_key": "deadbeef"}, "unknown context_key 'deadbeef'"),
+        ({"text_input": "word " * (HOST_POOL_TOKENS + 10)}, "exceeds the KV cache capacity"),
+    ],
+)
+def test_bad_request_is_a_400_with_a_message(server, body, message):
+    status, out = post(server, GEN, body)
+    assert status == 400, out
+    assert message in out["error"]
+
+
+@pytest.mark.parametrize("body", [
+    {"text_input": "hi", "max_tokens": "ten"},
+    {"text_input": "hi", "parameters": {"max_tokens": "ten"}},
+    {"text_input": "hi", "temperature": "hot"},
+    {"text_input": 42},
+])
+def test_wrong_datatypes_are_refused(server, body):
+    """Declared inputs are converted by Triton's HTTP frontend, which rejects a wrong JSON type
+    itself (status 500, 'Unable to parse ...') before icekv sees the request."""
+    status, out = post(server, GEN, body)
+    assert status in (400, 500) and "parse" in out["error"].lower()
+
+
+def test_malformed_json_is_refused(server):
+    """Triton's HTTP frontend parses the body and answers 500 with the parser's message."""
+    status, out = post(server, GEN, b'{"text_input": "hi", ')
+    assert status in (400, 500) and "json" in out["error"].lower()
+
+
+def test_client_disconnect_mid_stream_frees_pages(server):
+    conn = http.client.HTTPConnection(server.http_url, timeout=60)
+    body = json.dumps({"text_input": "The capital of France is " * 40, "max_tokens": 300, "stream": True})
+    conn.request("POST", "/v2/models/icekv/generate_stream", body=body)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data:")  # the first piece arrived
+    conn.close()  # hang up mid-stream
+    wait_idle(server, timeout_s=180)
+
+
+def test_server_still_serves_after_bad_input(server):
+    status, out = post(server, GEN, {"text_input": "The capital of France is", "max_tokens": 8})
+    assert status == 200 and "Paris" in out["text_output"]
+    wait_idle(server)

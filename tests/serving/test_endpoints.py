@@ -1,0 +1,95 @@
+"""HTTP generate, SSE generate_stream and gRPC streaming against a real tritonserver."""
+
+import threading
+
+import pytest
+
+from icekv.serving.client import Final, GenerateError, stream_generate
+from tests.serving.conftest import metrics, post, wait_idle
+
+pytestmark = [pytest.mark.server, pytest.mark.model]
+PARIS = "The capital of France is"
+
+
+def test_generate_returns_text_and_kv_statistics(server):
+    status, out = post(server, "/v2/models/icekv/generate", {"text_input": PARIS, "max_tokens": 8})
+    assert status == 200, out
+    assert "Paris" in out["text_output"]
+    assert out["new_tokens"] == 8 and out["prompt_tokens"] == 5 and out["finish_reason"] == "length"
+    assert out["policy"] == "icecache" and out["budget"] == 256
+    assert out["kv_total_bytes"] > 0 and out["kv_resident_bytes"] > 0
+
+
+def test_generate_stream_sends_one_event_per_piece(server):
+    _, whole = post(server, "/v2/models/icekv/generate", {"text_input": PARIS, "max_tokens": 8})
+    status, events = post(server, "/v2/models/icekv/generate_stream", {"text_input": PARIS, "max_tokens": 8, "stream": True})
+    assert status == 200
+    pieces = [e["text_output"] for e in events]
+    assert len([p for p in pieces if p]) >= 3
+    assert "".join(pieces) == whole["text_output"]
+    assert events[-1]["finish_reason"] == "length" and events[-1]["new_tokens"] == 8
+
+
+def test_grpc_streaming_with_tritonclient(server):
+    parts = list(stream_generate(server.grpc_url, PARIS, max_tokens=8))
+    final = parts[-1]
+    assert isinstance(final, Final) and final.new_tokens == 8
+    assert "Paris" in "".join(parts[:-1])
+
+
+def test_parameters_are_honoured(server):
+    _, short = post(server, "/v2/models/icekv/generate", {"text_input": PARIS, "max_tokens": 3})
+    assert short["new_tokens"] == 3
+    _, full = post(server, "/v2/models/icekv/generate", {"text_input": PARIS, "max_tokens": 4, "policy": "full"})
+    assert full["policy"] == "full" and full["kv_bytes_moved"] == 0 and full["kv_resident_bytes"] == full["kv_total_bytes"]
+    _, quest = post(server, "/v2/models/icekv/generate",
+                    {"text_input": PARIS, "max_tokens": 4, "parameters": {"policy": "quest", "budget": 128}})
+    assert quest["policy"] == "quest" and quest["budget"] == 128
+    _, stopped = post(server, "/v2/models/icekv/generate", {"text_input": PARIS, "max_tokens": 8, "stop": ["."]})
+    assert stopped["text_output"] == " Paris" and stopped["finish_reason"] == "stop"
+    sampled = lambda seed: post(server, "/v2/models/icekv/generate", {
+        "text_input": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": seed})[1]["text_output"]
+    assert sampled(5) == sampled(5)
+    assert len({sampled(s) for s in (1, 2, 3)}) > 1
+
+
+def test_metrics_are_exposed_and_move(server):
+    before = metrics(server)
+    for name in ("icekv_kv_resident_bytes", "icekv_kv_host_bytes", "icekv_pages_moved_total",
+                 "icekv_selection_seconds_total", "icekv_context_store_hits_total", "icekv_active_requests"):
+        assert name in before
+    post(server, "/v2/models/icekv/generate", {"text_input": PARIS * 60, "max_tokens": 6})
+    after = wait_idle(server)
+    assert after["icekv_generated_tokens_total"] >= before["icekv_generated_tokens_total"] + 6
+    assert after["icekv_selection_seconds_total"] > before["icekv_selection_seconds_total"]
+    assert after["icekv_pages_moved_total"] > before["icekv_pages_moved_total"]
+
+
+def test_concurrent_streams_all_complete_with_their_own_answers(server):
+    prompts = [f"Question {i}: the capital of France is" for i in range(6)]
+    expected = {p: post(server, "/v2/models/icekv/generate", {"text_input": p, "max_tokens": 10})[1]["text_output"]
+                for p in prompts}
+    got, errors = {}, []
+
+    def run(p):
+        try:
+            got[p] = "".join(x for x in stream_generate(server.grpc_url, p, max_tokens=10) if isinstance(x, str))
+        except Exception as e:  # collected, asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and got == expected
+    wait_idle(server)
+
+
+def test_grpc_cancel_frees_the_request(server):
+    before = metrics(server)
+    stream = stream_generate(server.grpc_url, PARIS * 50, max_tokens=400, stop=[])
+    assert isinstance(next(stream), str)
+    stream.close()  # stops the stream with cancel_requests=True
+    after = wait_idle(server)
+    assert after["icekv_requests_cancelled_total"] >= before["icekv_requests_cancelled_total"] + 1

@@ -1,0 +1,57 @@
+"""Request validation without a server: tensors and parameters, types and ranges."""
+
+import numpy as np
+import pytest
+
+from icekv.config import ServingConfig
+from icekv.serving.request import RequestError, parse_request
+
+CFG = ServingConfig()
+
+
+def test_tensors_and_parameters_are_read_and_tensors_win():
+    req = parse_request(
+        {"text_input": np.array([b"hello"], dtype=object), "max_tokens": np.array([7], dtype=np.int32)},
+        {"max_tokens": 99, "policy": "quest", "budget": 128, "stop": ["."], "stream": True},
+        CFG,
+    )
+    assert req.text == "hello" and req.sampling.max_tokens == 7 and req.stream
+    assert req.selection.policy == "quest" and req.selection.budget == 128 and req.sampling.stop == (".",)
+
+
+def test_defaults_come_from_the_serving_config():
+    req = parse_request({"text_input": np.array([b"x"], dtype=object)}, {}, CFG)
+    assert req.sampling.max_tokens == CFG.default_max_tokens and req.selection == CFG.engine.selection
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"max_tokens": "ten"}, "max_tokens must be an integer"),
+    ({"max_tokens": 2.5}, "max_tokens must be an integer"),
+    ({"max_tokens": True}, "max_tokens must be an integer"),
+    ({"temperature": "hot"}, "temperature must be a number"),
+    ({"stream": "yes"}, "stream must be true or false"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"policy": 3}, "policy must be a string"),
+    ({"stop": [1]}, "stop must be a string"),
+])
+def test_wrong_types_in_parameters(params, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request({"text_input": np.array([b"x"], dtype=object)}, params, CFG)
+
+
+def test_invalid_utf8_is_refused():
+    with pytest.raises(RequestError, match="UTF-8"):
+        parse_request({"text_input": np.array([b"\xff\xfe"], dtype=object)}, {}, CFG)
+
+
+def test_serving_config_from_triton_parameters():
+    cfg = ServingConfig.from_triton_parameters({
+        "policy": {"string_value": "quest"}, "budget": {"string_value": "128"},
+        "host_pool_tokens": {"string_value": "4096"}, "max_active_requests": {"string_value": "2"},
+    })
+    assert cfg.engine.selection.policy == "quest" and cfg.engine.paging.max_context_tokens == 4096
+    assert cfg.max_active_requests == 2
+    with pytest.raises(Exception, match="unknown model parameters"):
+        ServingConfig.from_triton_parameters({"polcy": {"string_value": "quest"}})
+    with pytest.raises(Exception, match="budget must be an integer"):
+        ServingConfig.from_triton_parameters({"budget": {"string_value": "lots"}})
