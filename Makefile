@@ -5,7 +5,7 @@ ICEKV   := $(VENV)/bin/icekv
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup fetch demo test test-all clean
+.PHONY: setup fetch demo serve test test-all bench-eval bench-serving clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,15 @@ fetch: setup
 
 demo: fetch
 	$(ICEKV) demo
+
+serve: fetch
+	$(ICEKV) serve
+
+bench-eval: fetch
+	bash bench/icecache_eval.sh
+
+bench-serving: fetch
+	$(PY) bench/serving_load.py
 
 test: fetch
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

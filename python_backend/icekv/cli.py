@@ -48,7 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", default="full", help="full | streaming | quest | icecache | icecache_r")
     gen.add_argument("--budget", type=_positive_int("--budget"), default=256,
                      help="tokens attended per layer per KV head (sink and window included)")
+    gen.add_argument("--context-key", default=None, help="answer over a stored compressed context (icekv compress)")
+    gen.add_argument("--store", default=None, help="context store: a directory or redis://host:port (default: cache dir)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    comp = sub.add_parser("compress", help="compress a reusable context once and store it")
+    comp.add_argument("--context-file", type=Path, required=True)
+    comp.add_argument("--method", default="kv2", help="kv2 | kvzip | snapkv | keydiff | streaming")
+    comp.add_argument("--kv-budget", type=float, default=0.05, help="share of the context's KV to keep, in (0, 1]")
+    comp.add_argument("--rho", type=float, default=None, help="kv2: share of each chunk re-fed (default: the budget)")
+    comp.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="kv2: refinement rounds")
+    comp.add_argument("--store", default=None, help="a directory or redis://host:port (default: cache dir)")
+    comp.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    comp.add_argument("--json", action="store_true")
 
     ev = sub.add_parser("eval", help="RULER-style accuracy across lengths, policies and budgets")
     ev.add_argument("--task", default="niah_single", help="comma list: niah_single, niah_multikey, niah_multivalue, passkey")
@@ -121,6 +133,71 @@ def _cmd_serve(args) -> int:
                 raise IcekvError(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
     finally:
         server.stop()
+    return 0
+
+
+def _open_store(location: str | None, engine):
+    from icekv.config import default_cache_dir
+    from icekv.store import ContextStore
+
+    return ContextStore.open(location or str(default_cache_dir() / "contexts"), engine.model_id)
+
+
+def _compressor_settings(args) -> dict:
+    if args.method != "kv2":
+        if args.rho is not None or args.rounds != 1:
+            raise IcekvError("--rho and --rounds apply to --method kv2 only")
+        return {}
+    return {k: v for k, v in (("rho", args.rho), ("rounds", args.rounds)) if v is not None and (k != "rounds" or v != 1)}
+
+
+def _cmd_compress(args) -> int:
+    import resource
+    import time
+
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+    from icekv.store import StoreError
+
+    if not args.context_file.is_file():
+        raise IcekvError(f"--context-file {args.context_file} is not a readable file")
+    if not (0 < args.kv_budget <= 1):
+        raise IcekvError(f"--kv-budget must be in (0, 1], got {args.kv_budget}")
+    text = args.context_file.read_text()
+    if not text.strip():
+        raise IcekvError(f"--context-file {args.context_file} is empty")
+    engine = Engine(EngineConfig(model_dir=args.model))
+    ids = engine.tokenizer.encode(text)
+    engine.check_fits(len(ids), 1)
+    settings = _compressor_settings(args)
+    store = _open_store(args.store, engine)
+    key = store.key(ids, args.method, args.kv_budget, settings)
+    cached = None
+    try:
+        cached = store.load(key)
+    except StoreError as e:
+        print(f"icekv: stored entry refused ({e}); recomputing", file=sys.stderr)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    ctx = cached or engine.compress(ids, args.method, args.kv_budget, **settings)
+    wall = time.perf_counter() - t0
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
+    stored = store.save(key, ctx) if cached is None else None
+    kept = [layer.kept_per_head for layer in ctx.layers]
+    report = {
+        "key": key, "method": args.method, "kv_budget": args.kv_budget, "context_tokens": len(ids),
+        "store_hit": cached is not None, "kept_tokens_per_layer_head": kept,
+        "kept_tokens": sum(map(sum, kept)), "bytes_before": ctx.full_bytes, "bytes_after": ctx.kv_bytes,
+        "stored_bytes": stored, "wall_s": round(wall, 3), "peak_memory_growth_bytes": peak,
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"key: {key}{'  (already stored)' if cached is not None else ''}")
+        print(f"kept {report['kept_tokens']} of {len(ids) * len(kept) * len(kept[0])} (layer, head, token) entries; "
+              f"KV bytes {ctx.full_bytes / 2**20:.1f} MiB -> {ctx.kv_bytes / 2**20:.2f} MiB")
+        print("kept tokens per layer (per KV head): " + "; ".join(f"{i}:{'/'.join(map(str, k))}" for i, k in enumerate(kept)))
+        print(f"wall {wall:.1f} s, peak memory growth {peak / 2**20:.0f} MiB")
     return 0
 
 
@@ -212,6 +289,11 @@ def _cmd_generate(args) -> int:
     )
     selection = SelectionConfig(policy=args.policy, budget=args.budget, page_size=paging.page_size)
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging, selection=selection))
+    context = None
+    if args.context_key is not None:
+        context = _open_store(args.store, engine).load(args.context_key)
+        if context is None:
+            raise IcekvError(f"--context-key {args.context_key} is not in the context store")
     bar = None
 
     def progress(done: int, total: int) -> None:
@@ -222,7 +304,7 @@ def _cmd_generate(args) -> int:
         bar.update(done - bar.n)
 
     stream_out = None if args.json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
-    result = engine.generate(prompt, sampling, on_text=stream_out, on_progress=progress)
+    result = engine.generate(prompt, sampling, on_text=stream_out, on_progress=progress, context=context)
     if bar:
         bar.close()
     if args.json:
@@ -280,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval,
-                "serve": _cmd_serve}
+                "serve": _cmd_serve, "compress": _cmd_compress}
     try:
         return handlers[args.command](args)
     except IcekvError as e:

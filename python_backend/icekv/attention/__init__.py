@@ -1,6 +1,6 @@
 """Attention over cached keys and values (torch references; kernels dispatch here later)."""
 
 from icekv.attention.dense import causal_attention, decode_attention
-from icekv.attention.sparse import sparse_paged_attention
+from icekv.attention.sparse import paged_prefix_attention, sparse_paged_attention
 
-__all__ = ["causal_attention", "decode_attention", "sparse_paged_attention"]
+__all__ = ["causal_attention", "decode_attention", "paged_prefix_attention", "sparse_paged_attention"]

@@ -4,7 +4,34 @@ from __future__ import annotations
 
 import torch
 
-from icekv.attention.dense import decode_attention
+
+
+def paged_prefix_attention(
+    q: torch.Tensor,
+    page_k: torch.Tensor,
+    page_v: torch.Tensor,
+    page_len: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+) -> torch.Tensor:
+    """The last N tokens of a request attend to per-head pages plus a contiguous tail.
+
+    q [N, Hq, D] are the queries of the tail's last N tokens; page_k/v [Hkv, K, P, D] with
+    ``page_len`` [Hkv, K] valid tokens per page (0 = empty) are visible to every query; tail_k/v
+    [Hkv, W, D] are visible causally (query i sees tail tokens 0 .. W-N+i). Returns [N, Hq, D].
+    """
+    hkv, n_pages, page_size, d = page_k.shape
+    n, w = q.shape[0], tail_k.shape[1]
+    keys = torch.cat([page_k.reshape(hkv, n_pages * page_size, d), tail_k], dim=1).to(q.dtype)  # [Hkv, L, D]
+    values = torch.cat([page_v.reshape(hkv, n_pages * page_size, d), tail_v], dim=1).to(q.dtype)
+    page_mask = (torch.arange(page_size)[None, None, :] < page_len[:, :, None]).reshape(hkv, 1, -1)  # [Hkv, 1, K*P]
+    tail_mask = torch.arange(w)[None, :] <= torch.arange(w - n, w)[:, None]  # [N, W]
+    mask = torch.cat([page_mask.expand(hkv, n, -1), tail_mask.expand(hkv, n, w)], dim=2)  # [Hkv, N, L]
+    qh = q.permute(1, 0, 2).reshape(hkv, -1, n, d)  # [Hkv, G, N, D]
+    scores = torch.matmul(qh, keys[:, None].transpose(2, 3)) * d**-0.5  # [Hkv, G, N, L]
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    out = torch.matmul(scores.softmax(-1), values[:, None])  # [Hkv, G, N, D]
+    return out.reshape(-1, n, d).transpose(0, 1)  # [N, Hq, D]
 
 
 def sparse_paged_attention(
@@ -24,17 +51,5 @@ def sparse_paged_attention(
     reads KV head ``h // (Hq / Hkv)``. Returns [Hq, D]. Order of keys does not matter: the decode
     query may see every cached token, so no causal mask is needed.
     """
-    hkv, n_pages, page_size, d = page_k.shape
-    keys = torch.cat([sink_k, page_k.reshape(hkv, n_pages * page_size, d), win_k], dim=1)  # [Hkv, L, D]
-    values = torch.cat([sink_v, page_v.reshape(hkv, n_pages * page_size, d), win_v], dim=1)
-    slot = torch.arange(page_size)  # [P]
-    page_mask = (slot[None, None, :] < page_len[:, :, None]).reshape(hkv, n_pages * page_size)
-    mask = torch.cat(
-        [
-            torch.ones(hkv, sink_k.shape[1], dtype=torch.bool),
-            page_mask,
-            torch.ones(hkv, win_k.shape[1], dtype=torch.bool),
-        ],
-        dim=1,
-    )  # [Hkv, L]
-    return decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
+    tail_k, tail_v = torch.cat([sink_k, win_k], dim=1), torch.cat([sink_v, win_v], dim=1)  # order is free
+    return paged_prefix_attention(q[None], page_k, page_v, page_len, tail_k, tail_v)[0]

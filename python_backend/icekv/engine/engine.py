@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from dataclasses import asdict, dataclass, field
@@ -11,6 +12,8 @@ from typing import Callable, Generator
 import torch
 
 from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
+from icekv.compress import CompressedContext, evict, make_compressor
+from icekv.engine.compressed_attention import CompressedPrefixAttention
 from icekv.engine.full_attention import FullCacheAttention
 from icekv.engine.sampling import sample_next
 from icekv.engine.sparse_attention import SparseCacheAttention
@@ -76,6 +79,15 @@ class Prefilled:
     prompt_ids: list[int]
     logits: torch.Tensor  # [V] for the token after the prompt
     prefill_s: float
+    context: CompressedContext | None = None  # a compressed context the prompt continues
+
+
+def model_identity(model_dir: Path, dtype: str) -> str:
+    """A stable id for stored artefacts: the config's hash, the weights' sizes and the dtype."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return f"{digest.hexdigest()[:24]}:{dtype}"
 
 
 def resolve_model_dir(model_dir: str | None) -> Path:
@@ -102,6 +114,7 @@ class Engine:
             args.num_layers, args.num_kv_heads, args.head_dim, config.paging, getattr(torch, config.dtype)
         )
         self._seq_ids = itertools.count()
+        self.model_id = model_identity(self.model_dir, config.dtype)
         self._decoding: dict[int, SparseCacheAttention] = {}  # seq id -> its sparse backend
 
     def kv_bytes(self) -> tuple[int, int]:
@@ -132,9 +145,13 @@ class Engine:
         on_text: OnText | None = None,
         on_progress: OnProgress | None = None,
         selection: SelectionConfig | None = None,
+        context: CompressedContext | None = None,
     ) -> Generation:
-        """Prefill ``prompt`` in chunks, then decode until EOS, a stop string or ``max_tokens``."""
-        return drain(self.stream(prompt, sampling, selection, on_progress), on_text)
+        """Prefill ``prompt`` in chunks, then decode until EOS, a stop string or ``max_tokens``.
+
+        With ``context``, the prompt continues a compressed context (e.g. a question about a
+        document compressed once with :meth:`compress`)."""
+        return drain(self.stream(prompt, sampling, selection, on_progress, context), on_text)
 
     def stream(
         self,
@@ -142,6 +159,7 @@ class Engine:
         sampling: SamplingConfig = SamplingConfig(),
         selection: SelectionConfig | None = None,
         on_progress: OnProgress | None = None,
+        context: CompressedContext | None = None,
     ) -> Steps:
         """One request as a sequence of engine steps, for schedulers that interleave requests.
 
@@ -151,7 +169,7 @@ class Engine:
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_fits(len(ids), sampling.max_tokens)
-        req = yield from self._prefill_steps(ids, on_progress)
+        req = yield from self._prefill_steps(ids, on_progress, context)
         try:
             return (yield from self._decode_steps(req, sampling, selection))
         finally:
@@ -176,13 +194,14 @@ class Engine:
         so the same prefill can be decoded again (e.g. under another policy)."""
         return drain(self._decode_steps(req, sampling, selection, probe), on_text)
 
-    def _prefill_steps(self, ids: list[int], on_progress: OnProgress | None) -> Generator[str, None, Prefilled]:
+    def _prefill_steps(self, ids: list[int], on_progress: OnProgress | None,
+                       context: CompressedContext | None = None) -> Generator[str, None, Prefilled]:
         if not ids:
             raise ConfigError("prompt is empty")
         seq_id = next(self._seq_ids)
         self.cache.add(seq_id)
         try:
-            backend = FullCacheAttention(self.cache, seq_id)
+            backend = self._dense_backend(seq_id, context)
             chunk = self.config.prefill_chunk_tokens
             t0 = time.perf_counter()
             for start in range(0, len(ids), chunk):
@@ -195,15 +214,35 @@ class Engine:
         except BaseException:  # errors and early close both give the pages back
             self.cache.free(seq_id)
             raise
-        return Prefilled(seq_id, list(ids), logits[-1], time.perf_counter() - t0)
+        return Prefilled(seq_id, list(ids), logits[-1], time.perf_counter() - t0, context)
+
+    def _dense_backend(self, seq_id: int, context: CompressedContext | None):
+        if context is None:
+            return FullCacheAttention(self.cache, seq_id)
+        if context.page_size != self.cache.page_size or len(context.layers) != self.model.args.num_layers:
+            raise ConfigError("the compressed context was made for another model or page size")
+        return CompressedPrefixAttention(self.cache, seq_id, context)
+
+    def compress(self, context_ids: list[int], method: str, kv_budget: float, **settings) -> CompressedContext:
+        """Prefill a context once, score it with ``method`` and keep ``kv_budget`` of its KV."""
+        compressor = make_compressor(method, **settings)
+        req = self.prefill(context_ids)
+        try:
+            scores = compressor.score(self, req.seq_id, list(context_ids), kv_budget)  # [L, Hkv, T]
+            keep = evict(scores, kv_budget)
+            return CompressedContext.from_cache(self.cache, req.seq_id, keep, method, kv_budget)
+        finally:
+            self.release(req)
 
     def _decode_steps(self, req, sampling, selection, probe=False) -> Steps:
         selection = selection or self.config.selection
         self.check_fits(len(req.prompt_ids), sampling.max_tokens)
         selector = make_selector(selection)
+        if req.context is not None and selector is not None:
+            raise ConfigError(f"policy {selection.policy!r} over a compressed context is not supported yet; use 'full'")
         t0 = time.perf_counter()
         if selector is None:
-            backend = FullCacheAttention(self.cache, req.seq_id)
+            backend = self._dense_backend(req.seq_id, req.context)
         else:
             backend = SparseCacheAttention(self.cache, req.seq_id, self.model.args, selection, selector, probe)
             self._decoding[req.seq_id] = backend
@@ -237,9 +276,10 @@ class Engine:
         new = stream.token_ids
         total = self.cache.sequence_bytes(req.seq_id)
         sparse = isinstance(backend, SparseCacheAttention)
+        compressed = isinstance(backend, CompressedPrefixAttention)
         kv = KVStats(
-            resident_bytes=backend.resident_bytes() if sparse else total,
-            total_bytes=total,
+            resident_bytes=backend.resident_bytes() if sparse or compressed else total,
+            total_bytes=total + (req.context.full_bytes if compressed else 0),
             pages=total // self.cache.bytes_per_page,
             **(backend.transfer_stats() if sparse else {}),
         )

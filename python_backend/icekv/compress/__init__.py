@@ -1,0 +1,8 @@
+"""Prefix-time compression of reusable contexts: scoring methods, one global eviction threshold,
+and the physically smaller compressed cache."""
+
+from icekv.compress.compressed import CompressedContext, CompressedLayer
+from icekv.compress.evict import evict
+from icekv.compress.methods import COMPRESSORS, make_compressor
+
+__all__ = ["COMPRESSORS", "CompressedContext", "CompressedLayer", "evict", "make_compressor"]

@@ -1,0 +1,97 @@
+"""A compressed context: per layer and KV head, only the kept tokens' K/V, packed in pages.
+
+Heads keep different numbers of tokens (the global threshold gives per-layer, per-head budgets),
+so each layer stores its pages packed head after head with a CSR ``head_indptr``; nothing of the
+evicted tokens remains. Keys are post-RoPE; ``positions`` keeps each token's original position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from icekv.kv import PagedKVCache
+
+
+@dataclass
+class CompressedLayer:
+    k: torch.Tensor  # [n_pages, P, D]
+    v: torch.Tensor  # [n_pages, P, D]
+    page_len: torch.Tensor  # [n_pages] int32
+    positions: torch.Tensor  # [n_pages, P] int32, -1 = empty slot
+    head_indptr: torch.Tensor  # [Hkv + 1] int64: head h owns pages head_indptr[h]:head_indptr[h+1]
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pages regrouped per head for attention: k, v [Hkv, K, P, D], page_len [Hkv, K] (0 = pad)."""
+        counts = self.head_indptr.diff()  # [Hkv]
+        hkv, kmax = counts.numel(), int(counts.max()) if counts.numel() else 0
+        slot = torch.arange(kmax)[None, :]  # [1, K]
+        valid = slot < counts[:, None]  # [Hkv, K]
+        index = (self.head_indptr[:-1, None] + slot).clamp_max(max(len(self.page_len) - 1, 0))  # [Hkv, K]
+        if len(self.page_len) == 0:
+            shape = (hkv, 0, *self.k.shape[1:])
+            return self.k.new_zeros(shape), self.v.new_zeros(shape), torch.zeros(hkv, 0, dtype=torch.long)
+        return self.k[index], self.v[index], torch.where(valid, self.page_len[index].long(), 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.page_len, self.positions, self.head_indptr))
+
+    @property
+    def kept_per_head(self) -> list[int]:
+        return [int(self.page_len[a:b].sum()) for a, b in zip(self.head_indptr[:-1], self.head_indptr[1:])]
+
+
+@dataclass
+class CompressedContext:
+    """What a context store holds: the compressed KV of one context, plus how it was made."""
+
+    length: int  # tokens of the original context: the question starts at this position
+    page_size: int
+    layers: list[CompressedLayer]
+    method: str
+    kv_budget: float
+    full_bytes: int  # bytes the uncompressed KV of this context would take
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K/V pages only (what attention reads)."""
+        return sum(2 * l.k.numel() * l.k.element_size() for l in self.layers)
+
+    @classmethod
+    def from_cache(cls, cache: PagedKVCache, seq_id: int, keep: torch.Tensor, method: str,
+                   kv_budget: float) -> "CompressedContext":
+        """Copy the kept tokens (keep [L, Hkv, T] bool) of a prefilled request into packed pages."""
+        n_layers, hkv, length = keep.shape
+        p = cache.page_size
+        layers = []
+        for layer in range(n_layers):
+            k_all, v_all = cache.gather_range(layer, seq_id, 0, length)  # [Hkv, T, D]
+            ks, vs, lens, poss, counts = [], [], [], [], []
+            for h in range(hkv):
+                pos = torch.nonzero(keep[layer, h]).flatten()  # [n_h] ascending
+                n_pages = -(-len(pos) // p)
+                padded = torch.full((n_pages * p,), -1, dtype=torch.long)
+                padded[: len(pos)] = pos
+                page_pos = padded.view(n_pages, p)  # [n_pages, P]
+                ks.append(k_all[h][page_pos.clamp_min(0)] * (page_pos >= 0)[..., None])
+                vs.append(v_all[h][page_pos.clamp_min(0)] * (page_pos >= 0)[..., None])
+                lens.append((page_pos >= 0).sum(-1))
+                poss.append(page_pos)
+                counts.append(n_pages)
+            d = k_all.shape[-1]
+            cat = lambda xs, shape: torch.cat(xs) if xs else torch.zeros(shape)
+            layers.append(CompressedLayer(
+                k=cat(ks, (0, p, d)).to(cache.pool.dtype).contiguous(),
+                v=cat(vs, (0, p, d)).to(cache.pool.dtype).contiguous(),
+                page_len=cat(lens, (0,)).to(torch.int32),
+                positions=cat(poss, (0, p)).to(torch.int32),
+                head_indptr=torch.tensor([0] + counts).cumsum(0),
+            ))
+        full = length * cache.bytes_per_token
+        return cls(length, p, layers, method, kv_budget, full)
