@@ -86,7 +86,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving_load.json").write_text(json.dumps(result, indent=1))
-    md = [f"# Serving load test", "", f"`{result['command']}` on {result['machine']}", "",
+    md = ["# Serving load test", "", f"`{result['command']}` on {result['machine']}", "",
           "| requests | completed | errors | correct answers | wall s | req/s | tok/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s |",
           "|---|---|---|---|---|---|---|---|---|---|---|",
           f"| {result['requests']} | {result['completed']} | {len(errors)} | {result['correct']} | {wall:.1f} | "

@@ -44,13 +44,13 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_hf_model(arch: str, path, num_kv_heads: int = 2):
+def make_tiny_hf_model(arch: str, path, num_kv_heads: int = 2, vocab_size: int = 512):
     """A random-weight HF model of ``arch`` saved to ``path``; returns the HF model."""
     import transformers
 
     spec = TINY_CONFIGS[arch]
     config = getattr(transformers, spec["cfg"])(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
         tie_word_embeddings=False, **spec["extra"],
     )

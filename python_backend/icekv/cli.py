@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--samples", type=_positive_int("--samples"), default=10)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--num-needles", type=_positive_int("--num-needles"), default=2)
+    ev.add_argument("--compress", default=None,
+                    help="reusable-context mode: comma list of kv2, kvzip, snapkv, keydiff, streaming")
+    ev.add_argument("--kv-budgets", default="0.02,0.05,0.1,0.25", help="with --compress: shares of the KV kept")
+    ev.add_argument("--questions", type=_positive_int("--questions"), default=4, help="with --compress: per context")
+    ev.add_argument("--rho", type=float, default=None, help="with --compress: kv2 re-feed share (default: the budget)")
+    ev.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="with --compress: kv2 refinement rounds")
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
     ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
 
@@ -98,6 +104,7 @@ def _serving_flags(parser) -> None:
     parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
                         help="KV page pool capacity in tokens, shared by all requests")
     parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None)
+    parser.add_argument("--store", default=None, help="context store for context_key requests: a directory or redis://")
 
 
 def _serving_parameters(args) -> dict[str, str]:
@@ -106,7 +113,7 @@ def _serving_parameters(args) -> dict[str, str]:
 
     params = {"model_dir": args.model and str(Path(args.model).resolve()), "policy": args.policy,
               "budget": args.budget, "host_pool_tokens": args.host_pool_tokens,
-              "max_active_requests": args.max_active_requests}
+              "max_active_requests": args.max_active_requests, "store": args.store}
     params = {k: str(v) for k, v in params.items() if v is not None}
     ServingConfig.from_triton_parameters(params)
     return params
@@ -222,6 +229,8 @@ def _cmd_eval(args) -> int:
     from icekv.eval.report import write_report
     from icekv.eval.runner import EvalConfig, run_eval
 
+    if args.compress:
+        return _cmd_eval_compression(args)
     depths = _csv("--depths", args.depths, float) if args.depths else None
     if depths and not all(0 <= d <= 1 for d in depths):
         raise IcekvError("--depths must lie in 0..1")
@@ -245,6 +254,41 @@ def _cmd_eval(args) -> int:
     meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
             "wall_s": round(time.perf_counter() - t0, 1), "torch_threads": __import__("torch").get_num_threads()}
     write_report(records, args.out, meta)
+    print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
+    return 0
+
+
+def _cmd_eval_compression(args) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from icekv.assets import Assets
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+    from icekv.eval.compression import CompressionEvalConfig, run_compression_eval
+    from icekv.eval.report import write_compression_report
+
+    kv2 = {k: v for k, v in (("rho", args.rho), ("rounds", args.rounds)) if v is not None and (k != "rounds" or v != 1)}
+    cfg = CompressionEvalConfig(
+        methods=_csv("--compress", args.compress, str), kv_budgets=_csv("--kv-budgets", args.kv_budgets, float),
+        haystack=args.haystack, lengths=_csv("--lengths", args.lengths, int), samples=args.samples,
+        questions=args.questions, seed=args.seed, settings=(("kv2", kv2),) if kv2 else (),
+    )
+    text = Assets().haystack_text(args.haystack)
+    engine = Engine(EngineConfig(model_dir=args.model))
+    bar = tqdm(desc="eval", unit="compression", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    t0 = time.perf_counter()
+    records = run_compression_eval(engine, cfg, text, progress)
+    bar.close()
+    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    write_compression_report(records, args.out, meta)
     print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
     return 0
 

@@ -193,6 +193,8 @@ class ServingConfig:
     max_queued_requests: int = 64  # waiting for memory or a turn; beyond this: 'busy'
     default_max_tokens: int = 128
     max_tokens_limit: int = 4096
+    store: str | None = None  # context store: a directory or redis://host:port; None: no store
+    store_max_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         if self.max_active_requests < 1 or self.max_queued_requests < 0:
@@ -207,7 +209,7 @@ class ServingConfig:
         values = {k: v for k, v in values.items() if v not in (None, "")}
         known = {"model_dir", "dtype", "policy", "budget", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "max_active_requests", "max_queued_requests",
-                 "default_max_tokens", "max_tokens_limit"}
+                 "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
@@ -243,4 +245,6 @@ class ServingConfig:
             max_queued_requests=number("max_queued_requests", cls.max_queued_requests),
             default_max_tokens=number("default_max_tokens", cls.default_max_tokens),
             max_tokens_limit=number("max_tokens_limit", cls.max_tokens_limit),
+            store=values.get("store"),
+            store_max_bytes=number("store_max_bytes", cls.store_max_bytes),
         )

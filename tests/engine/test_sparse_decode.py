@@ -50,7 +50,7 @@ def test_small_budget_differs_but_stays_bounded(policy, tmp_path):
     ids = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(1)).tolist()
     sel = SelectionConfig(policy=policy, budget=64, n_unlimited_layers=1)
     _, backend = _decode_logits(model, ids, [5, 6, 7], sel)
-    per_layer = backend.cache.bytes_per_token // backend.cache.num_layers
+    backend.cache.bytes_per_token // backend.cache.num_layers
     # device residency: 1 full layer + per sparse layer (sink + window tokens + 2 page slots)
     assert backend.resident_bytes() < 0.5 * 403 * backend.cache.bytes_per_token
     for dev in backend.device.values():

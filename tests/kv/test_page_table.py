@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from icekv.errors import CacheFullError
 from icekv.kv import PageAllocator, PageTable

@@ -15,7 +15,10 @@ HOST_POOL_TOKENS = 8192
 @pytest.fixture(scope="session")
 def server(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    srv = TritonServer({"host_pool_tokens": str(HOST_POOL_TOKENS), "max_active_requests": "4"}, log_path=log)
+    store = tmp_path_factory.mktemp("contexts")
+    srv = TritonServer({"host_pool_tokens": str(HOST_POOL_TOKENS), "max_active_requests": "4", "store": str(store)},
+                       log_path=log)
+    srv.store_dir = store
     srv.start()
     yield srv
     srv.stop()

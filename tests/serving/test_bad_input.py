@@ -23,6 +23,7 @@ GEN = "/v2/models/icekv/generate"
         ({"text_input": "hi", "policy": "icecache", "budget": 100}, "not a multiple of the page size"),
         ({"text_input": "hi", "top_p": 0}, "top_p must be in (0, 1]"),
         ({"text_input": "hi", "context_key": "deadbeef"}, "unknown context_key 'deadbeef'"),
+        ({"text_input": "hi", "context_key": "../etc"}, "invalid context key"),
         ({"text_input": "word " * (HOST_POOL_TOKENS + 10)}, "exceeds the KV cache capacity"),
     ],
 )

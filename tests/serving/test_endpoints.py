@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from icekv.serving.client import Final, GenerateError, stream_generate
+from icekv.serving.client import Final, stream_generate
 from tests.serving.conftest import metrics, post, wait_idle
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
@@ -93,3 +93,22 @@ def test_grpc_cancel_frees_the_request(server):
     stream.close()  # stops the stream with cancel_requests=True
     after = wait_idle(server)
     assert after["icekv_requests_cancelled_total"] >= before["icekv_requests_cancelled_total"] + 1
+
+
+def test_context_key_answers_over_a_stored_compressed_context(server, engine):
+    from icekv.store import ContextStore
+
+    context = "The secret code of the vault is 4417. " + "The weather was mild and the market was busy. " * 30
+    ids = engine.tokenizer.encode(context)
+    store = ContextStore.open(str(server.store_dir), engine.model_id)
+    key = store.key(ids, "snapkv", 1.0)
+    store.save(key, engine.compress(ids, "snapkv", 1.0))
+    question = " Question: what is the secret code of the vault? Answer: The secret code is"
+    direct = engine.generate(context + question, __import__("icekv.config", fromlist=["SamplingConfig"]).SamplingConfig(max_tokens=6))
+    before = metrics(server)
+    status, out = post(server, "/v2/models/icekv/generate", {"text_input": question, "max_tokens": 6, "context_key": key})
+    assert status == 200, out
+    assert out["text_output"] == direct.text and out["policy"] == "full"
+    assert out["prompt_tokens"] == len(engine.tokenizer.encode(question))
+    after = wait_idle(server)
+    assert after["icekv_context_store_hits_total"] == before["icekv_context_store_hits_total"] + 1

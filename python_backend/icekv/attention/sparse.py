@@ -27,10 +27,10 @@ def paged_prefix_attention(
     page_mask = (torch.arange(page_size)[None, None, :] < page_len[:, :, None]).reshape(hkv, 1, -1)  # [Hkv, 1, K*P]
     tail_mask = torch.arange(w)[None, :] <= torch.arange(w - n, w)[:, None]  # [N, W]
     mask = torch.cat([page_mask.expand(hkv, n, -1), tail_mask.expand(hkv, n, w)], dim=2)  # [Hkv, N, L]
-    qh = q.permute(1, 0, 2).reshape(hkv, -1, n, d)  # [Hkv, G, N, D]
-    scores = torch.matmul(qh, keys[:, None].transpose(2, 3)) * d**-0.5  # [Hkv, G, N, L]
+    qh = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*N, D] (no K/V copy per query head)
+    scores = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, keys.shape[1]) * d**-0.5  # [Hkv, G, N, L]
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    out = torch.matmul(scores.softmax(-1), values[:, None])  # [Hkv, G, N, D]
+    out = torch.bmm(scores.softmax(-1).view(hkv, -1, keys.shape[1]), values)  # [Hkv, G*N, D]
     return out.reshape(-1, n, d).transpose(0, 1)  # [N, Hq, D]
 
 

@@ -38,11 +38,12 @@ class ScoringAttention:
         keys, values = torch.cat([ctx_k, fed_k], 1), torch.cat([ctx_v, fed_v], 1)  # [Hkv, T+F, D]
         causal = torch.arange(f)[None, :] <= torch.arange(f - n, f)[:, None]  # [N, F]
         mask = torch.cat([self.allowed[None, :].expand(n, -1), causal], 1)  # [N, T+F]
-        qh = q.permute(1, 0, 2).reshape(hkv, -1, n, d)  # [Hkv, G, N, D]
-        probs = (torch.matmul(qh, keys[:, None].transpose(2, 3)) * d**-0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+        qh = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*N, D]
+        logits = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, keys.shape[1]) * d**-0.5  # [Hkv, G, N, T+F]
+        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)
         score = probs[..., : self.length].amax(dim=(1, 2))  # [Hkv, T]
         self.scores[layer] = score if self.scores[layer] is None else torch.maximum(self.scores[layer], score)
-        out = torch.matmul(probs, values[:, None])  # [Hkv, G, N, D]
+        out = torch.bmm(probs.view(hkv, -1, keys.shape[1]), values)  # [Hkv, G*N, D]
         return out.reshape(-1, n, d).transpose(0, 1)
 
 

@@ -142,6 +142,24 @@ class HaystackSampler:
         return Sample("passkey", prompt, (value,), (depth,), len(self.tokenizer.encode(prompt)))
 
 
+@dataclass(frozen=True)
+class ReusableSample:
+    """One context with several needles, and one question per needle (asked after it)."""
+
+    context: str
+    questions: tuple[tuple[str, str], ...]  # (question text, expected answer)
+    context_tokens: int
+
+
+def make_reusable(sampler: HaystackSampler, length: int, seed: int, num_questions: int = 4) -> ReusableSample:
+    """A ``niah_multikey`` context whose every needle is asked once: compress once, ask many."""
+    sample = sampler.make("niah_multikey", length, seed, num_needles=num_questions)
+    context = sample.prompt[: sample.prompt.rindex(QUESTION.split("{")[0])]
+    pairs = re.findall(r"One of the special magic numbers for ([\w-]+) is: (\d+)\.", context)
+    questions = tuple((QUESTION.format(key=k), v) for k, v in pairs)
+    return ReusableSample(context, questions, len(sampler.tokenizer.encode(context)))
+
+
 def _insert_at_sentence(text: str, needle: str, depth: float) -> str:
     """Insert ``needle`` at the sentence boundary nearest to ``depth`` (0 = start, 1 = end)."""
     target = int(len(text) * depth)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import time
 from typing import Callable, Protocol
 
-from icekv.config import ServingConfig
+from icekv.config import SelectionConfig, ServingConfig
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
 from icekv.serving.request import GenerateRequest
@@ -48,6 +48,7 @@ class Job:
     prompt_ids: list[int]
     sink: Sink
     pages: int  # worst-case pages promised to this request
+    context: object = None  # a CompressedContext the prompt continues
     steps: object = field(default=None)
 
 
@@ -61,6 +62,7 @@ class SchedulerStats:
     pages_moved: int = 0
     select_s: float = 0.0
     generated_tokens: int = 0
+    store_hits: int = 0
 
 
 class Scheduler:
@@ -78,7 +80,7 @@ class Scheduler:
         self._thread.start()
 
     # ---- called from Triton's threads
-    def submit(self, request: GenerateRequest, sink: Sink) -> None:
+    def submit(self, request: GenerateRequest, sink: Sink, context=None) -> None:
         """Queue a validated request; raises IcekvError (client fault) or BusyError."""
         ids = self.engine.tokenizer.encode(request.text)
         self.engine.check_fits(len(ids), request.sampling.max_tokens)
@@ -86,7 +88,7 @@ class Scheduler:
         with self._wake:
             if len(self._queue) >= self.cfg.max_queued_requests:
                 raise BusyError(f"server busy: {len(self._queue)} requests already waiting, retry later")
-            self._queue.append(Job(request, ids, sink, pages))
+            self._queue.append(Job(request, ids, sink, pages, context))
             self.stats.queued = len(self._queue)
             self._wake.notify()
 
@@ -108,7 +110,10 @@ class Scheduler:
                     break  # wait for memory: the head of the queue goes first (no starvation)
                 self._queue.popleft()
                 r = job.request
-                job.steps = self.engine.stream(job.prompt_ids, r.sampling, r.selection)
+                selection = r.selection
+                if job.context is not None and selection.policy != "full":
+                    selection = SelectionConfig(policy="full")  # compressed contexts decode in full
+                job.steps = self.engine.stream(job.prompt_ids, r.sampling, selection, context=job.context)
                 self._active.append(job)
             self.stats.queued, self.stats.active = len(self._queue), len(self._active)
             if not self._active and not self._stopping:

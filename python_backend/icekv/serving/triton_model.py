@@ -107,6 +107,7 @@ class Metrics:
         for name, value in (("icekv_pages_moved_total", s.pages_moved), ("icekv_selection_seconds_total", s.select_s),
                             ("icekv_requests_completed_total", s.completed), ("icekv_requests_failed_total", s.failed),
                             ("icekv_requests_cancelled_total", s.cancelled),
+                            ("icekv_context_store_hits_total", s.store_hits),
                             ("icekv_generated_tokens_total", s.generated_tokens)):
             delta = value - self._last.get(name, 0)
             if delta:
@@ -125,6 +126,11 @@ class TritonModel:
         self.cfg = ServingConfig.from_triton_parameters(model_config.get("parameters", {}))
         t0 = time.perf_counter()
         self.engine = Engine(self.cfg.engine)
+        self.store = None
+        if self.cfg.store:
+            from icekv.store import ContextStore
+
+            self.store = ContextStore.open(self.cfg.store, self.engine.model_id, self.cfg.store_max_bytes)
         self.metrics = Metrics(self.pb)
         self.scheduler = Scheduler(self.engine, self.cfg, on_tick=lambda: self.metrics.update(self.scheduler, self.engine))
         log.warning("icekv: loaded %s in %.1f s (policy %s)", self.engine.model_dir, time.perf_counter() - t0,
@@ -141,15 +147,24 @@ class TritonModel:
                         inputs[name] = tensor.as_numpy()
                 params = json.loads(request.parameters() or "{}")
                 req = parse_request(inputs, params, self.cfg)
-                if req.context_key is not None:
-                    raise RequestError(f"unknown context_key {req.context_key!r}: no context store is configured")
+                context = self._context(req.context_key) if req.context_key is not None else None
                 sink.stream = req.stream
-                self.scheduler.submit(req, sink)
+                self.scheduler.submit(req, sink, context)
             except BusyError as e:
                 sink.error(str(e), kind="busy")
             except (IcekvError, json.JSONDecodeError) as e:
                 sink.error(str(e), kind="client")
         return None
+
+    def _context(self, key: str):
+        """The stored compressed context for ``key``; a clear client error when there is none."""
+        if self.store is None:
+            raise RequestError(f"unknown context_key {key!r}: no context store is configured")
+        context = self.store.load(key)  # StoreError (corrupt/foreign) is a client-visible error too
+        if context is None:
+            raise RequestError(f"unknown context_key {key!r}: not in the context store (run icekv compress)")
+        self.scheduler.stats.store_hits += 1
+        return context
 
     def finalize(self) -> None:
         self.scheduler.stop()

@@ -1,0 +1,142 @@
+"""KV² scoring against a slow direct computation, exact-budget eviction, physically smaller caches."""
+
+import math
+
+import pytest
+import torch
+
+from icekv.compress import COMPRESSORS, CompressedContext, evict
+from icekv.compress.scoring import keydiff_scores, refeed_scores
+from icekv.config import EngineConfig, PagingConfig, SamplingConfig
+from icekv.engine import Engine
+from tests.conftest import make_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory, smollm2_dir):
+    """A tiny random Qwen2 (GQA 4:2) with the real SmolLM2 tokenizer files (vocab fits)."""
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_hf_model("qwen2", path, vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((smollm2_dir / name).read_bytes())
+    return Engine(EngineConfig(model_dir=str(path), paging=PagingConfig(16, 2048)))
+
+
+class NaiveRefeed:
+    """Reference: loops over layers' heads and queries, explicit softmax, no batching."""
+
+    def __init__(self, cache, seq_id, allowed):
+        self.cache, self.seq_id, self.allowed, self.fed, self.scores = cache, seq_id, allowed, {}, {}
+
+    def attend(self, layer, q, k, v):
+        ctx_k, ctx_v = self.cache.gather_range(layer, self.seq_id, 0, len(self.allowed))
+        fk, fv = self.fed.setdefault(layer, ([], []))
+        fk.extend(k), fv.extend(v)
+        n, hq, d = q.shape
+        hkv = k.shape[1]
+        out = torch.zeros_like(q)
+        score = self.scores.setdefault(layer, torch.zeros(hkv, len(self.allowed)))
+        for i in range(n):
+            me = len(fk) - n + i
+            for h in range(hq):
+                kv = h // (hq // hkv)
+                keys = [ctx_k[kv, t] for t in range(len(self.allowed)) if self.allowed[t]] + [fk[j][kv] for j in range(me + 1)]
+                vals = [ctx_v[kv, t] for t in range(len(self.allowed)) if self.allowed[t]] + [fv[j][kv] for j in range(me + 1)]
+                logits = torch.stack([q[i, h] @ key / math.sqrt(d) for key in keys])
+                p = torch.softmax(logits, 0)
+                out[i, h] = sum(pj * vj for pj, vj in zip(p, vals))
+                ctx_idx = [t for t in range(len(self.allowed)) if self.allowed[t]]
+                for pj, t in zip(p[: len(ctx_idx)], ctx_idx):
+                    score[kv, t] = max(score[kv, t], pj)
+        return out
+
+
+def test_refeed_scores_match_a_direct_computation(tiny_engine):
+    e = tiny_engine
+    ids = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    req = e.prefill(ids)
+    try:
+        allowed = torch.zeros(70, dtype=torch.bool)
+        allowed[:4] = True
+        allowed[30:60] = True  # sinks + one chunk, as KV² restricts each chunk's scoring
+        fed = [ids[i] for i in (33, 41, 42, 57)]
+        fast = refeed_scores(e.model, e.cache, req.seq_id, fed, list(range(70, 74)), allowed, chunk=3)
+        ref = NaiveRefeed(e.cache, req.seq_id, allowed)
+        e.model(torch.tensor(fed), torch.arange(70, 74), ref)
+        slow = torch.stack([ref.scores[l] for l in range(e.model.args.num_layers)])
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
+        assert bool((fast[..., ~allowed] == 0).all())
+    finally:
+        e.release(req)
+
+
+def test_keydiff_is_negative_cosine_to_the_mean_direction(tiny_engine):
+    e = tiny_engine
+    req = e.prefill(list(range(40)))
+    try:
+        s = keydiff_scores(e.cache, req.seq_id, e.model.args.num_layers, chunk=4096)
+        k, _ = e.cache.gather_range(1, req.seq_id, 0, 40)  # [Hkv, T, D]
+        kn = torch.nn.functional.normalize(k, dim=-1)
+        anchor = kn.mean(1, keepdim=True)
+        expected = -torch.nn.functional.cosine_similarity(k, anchor, dim=-1)
+        torch.testing.assert_close(s[1], expected, rtol=1e-5, atol=1e-5)
+    finally:
+        e.release(req)
+
+
+@pytest.mark.parametrize("budget", [0.02, 0.1, 0.37, 1.0])
+def test_global_threshold_keeps_exactly_the_budget(budget):
+    scores = torch.rand(5, 3, 200, generator=torch.Generator().manual_seed(0))
+    keep = evict(scores, budget)
+    assert int(keep.sum()) == round(budget * scores.numel())
+    assert bool(keep[..., :4].all())  # sinks
+    kept_min = scores.masked_fill(~keep, float("inf"))[..., 4:].min()
+    dropped_max = scores.masked_fill(keep, float("-inf"))[..., 4:].max()
+    assert kept_min >= dropped_max  # one threshold for all layers and heads
+    per_head = keep.sum(-1)
+    if 0.1 <= budget < 1:  # (at 2% the budget is exactly the sinks)
+        assert len(set(per_head.flatten().tolist())) > 1  # budgets differ per layer/head
+
+
+@pytest.mark.parametrize("method", sorted(COMPRESSORS))
+def test_full_budget_compressed_decode_equals_full_decode(tiny_engine, method):
+    e = tiny_engine
+    ctx_ids = torch.randint(0, 512, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    question = [5, 6, 7, 8, 9]
+    sampling = SamplingConfig(max_tokens=12, ignore_eos=True)
+    full = e.generate(ctx_ids + question, sampling)
+    ctx = e.compress(ctx_ids, method, 1.0)
+    out = e.generate(question, sampling, context=ctx)
+    assert out.token_ids == full.token_ids
+
+
+def test_compressed_bytes_scale_with_the_budget(tiny_engine):
+    e = tiny_engine
+    ids = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(2)).tolist()
+    sizes = {b: e.compress(ids, "keydiff", b) for b in (0.05, 0.25, 1.0)}
+    full = sizes[1.0].full_bytes
+    for b, ctx in sizes.items():
+        kept = sum(map(sum, (layer.kept_per_head for layer in ctx.layers)))
+        assert kept == round(b * 400 * e.model.args.num_layers * e.model.args.num_kv_heads)
+        # pages are per head; at most one partly filled page per (layer, head) on top
+        slack = e.model.args.num_layers * e.model.args.num_kv_heads * 16 * full / (400 * e.model.args.num_kv_heads * e.model.args.num_layers)
+        assert ctx.kv_bytes <= b * full + slack
+    assert sizes[0.05].kv_bytes < sizes[0.25].kv_bytes < sizes[1.0].kv_bytes
+
+
+def test_compressed_context_keeps_only_kept_tokens_with_positions(tiny_engine):
+    e = tiny_engine
+    ids = list(range(100, 180))
+    req = e.prefill(ids)
+    try:
+        keep = torch.zeros(e.model.args.num_layers, e.model.args.num_kv_heads, 80, dtype=torch.bool)
+        keep[:, 0, [0, 5, 70]] = True
+        keep[:, 1, :20] = True
+        ctx = CompressedContext.from_cache(e.cache, req.seq_id, keep, "test", 0.1)
+        layer = ctx.layers[1]
+        assert layer.kept_per_head == [3, 20]
+        assert layer.positions[layer.head_indptr[0]].tolist()[:3] == [0, 5, 70]
+        k, _ = e.cache.gather_range(1, req.seq_id, 0, 80)
+        torch.testing.assert_close(layer.k[0, 2], k[0, 70])
+    finally:
+        e.release(req)
