@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
     ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
 
+    sz = sub.add_parser("size", help="host pool and device memory for a model, context length and budget")
+    sz.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    sz.add_argument("--context", type=_positive_int("--context"), default=32768, help="tokens per request")
+    sz.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8, help="requests held at once")
+    sz.add_argument("--budget", type=_positive_int("--budget"), default=256)
+    sz.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    sz.add_argument("--json", action="store_true")
+
     serve = sub.add_parser("serve", help="run tritonserver with the icekv model until SIGINT/SIGTERM")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     serve.add_argument("--http-port", type=_positive_int("--http-port"), default=8000)
@@ -205,6 +213,27 @@ def _cmd_compress(args) -> int:
               f"KV bytes {ctx.full_bytes / 2**20:.1f} MiB -> {ctx.kv_bytes / 2**20:.2f} MiB")
         print("kept tokens per layer (per KV head): " + "; ".join(f"{i}:{'/'.join(map(str, k))}" for i, k in enumerate(kept)))
         print(f"wall {wall:.1f} s, peak memory growth {peak / 2**20:.0f} MiB")
+    return 0
+
+
+def _cmd_size(args) -> int:
+    from icekv.config import SelectionConfig
+    from icekv.engine.engine import resolve_model_dir
+    from icekv.model import ModelArgs
+    from icekv.sizing import size
+
+    model_args = ModelArgs.from_dir(resolve_model_dir(args.model))
+    plan = size(model_args, args.context, args.concurrent, SelectionConfig(policy="icecache", budget=args.budget),
+                args.dtype)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+        return 0
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+    print(f"KV per token (all {model_args.num_layers} layers, {args.dtype}): {plan.kv_bytes_per_token:,} bytes")
+    print(f"host page pool for {args.concurrent} x {args.context} tokens: {mib(plan.host_pool_bytes)} "
+          f"(--host-pool-tokens {args.concurrent * args.context})")
+    print(f"device KV per request: full attention {mib(plan.device_bytes_full)}; "
+          f"icecache budget {args.budget}: at most {mib(plan.device_bytes_budget)} ({plan.device_saving:.1f}x less)")
     return 0
 
 
@@ -406,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval,
-                "serve": _cmd_serve, "compress": _cmd_compress}
+                "serve": _cmd_serve, "compress": _cmd_compress, "size": _cmd_size}
     try:
         return handlers[args.command](args)
     except IcekvError as e:

