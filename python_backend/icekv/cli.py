@@ -81,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
     ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
 
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bd = bench_sub.add_parser("decode", help="time per output token by stage, across contexts and policies")
+    bd.add_argument("--contexts", default="4096,8192,16384,32768")
+    bd.add_argument("--policies", default="full,icecache,icecache_r")
+    bd.add_argument("--budget", type=_positive_int("--budget"), default=256)
+    bd.add_argument("--steps", type=_positive_int("--steps"), default=16)
+    bd.add_argument("--peer", choices=("none", "hf"), default="none", help="hf: also time transformers' decoding")
+    bd.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    bd.add_argument("--out", type=Path, default=None, help="write results.json + report.md + tpot.png here")
+    bd.add_argument("--json", action="store_true")
+
     sz = sub.add_parser("size", help="host pool and device memory for a model, context length and budget")
     sz.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
     sz.add_argument("--context", type=_positive_int("--context"), default=32768, help="tokens per request")
@@ -214,6 +226,44 @@ def _cmd_compress(args) -> int:
         print("kept tokens per layer (per KV head): " + "; ".join(f"{i}:{'/'.join(map(str, k))}" for i, k in enumerate(kept)))
         print(f"wall {wall:.1f} s, peak memory growth {peak / 2**20:.0f} MiB")
     return 0
+
+
+def _cmd_bench(args) -> int:
+    import platform
+    import time
+
+    import torch
+
+    from icekv.assets import Assets
+    from icekv.config import EngineConfig, PagingConfig
+    from icekv.engine import Engine
+    from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench
+
+    contexts = _csv("--contexts", args.contexts, int)
+    policies = _csv("--policies", args.policies, str)
+    for p in policies:
+        SelectionConfig_check(p, args.budget)
+    cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf")
+    paging = PagingConfig(max_context_tokens=max(contexts) + 2048 + args.steps + 16)
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
+    t0 = time.perf_counter()
+    records = run_decode_bench(engine, cfg, Assets().haystack_text("essays"), lambda m: print(m, file=sys.stderr))
+    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, torch threads {torch.get_num_threads()}",
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    if args.out:
+        from icekv.eval.report import write_decode_report
+
+        write_decode_report(records, args.out, meta)
+    print(json.dumps({"meta": meta, "records": records}) if args.json else
+          "\n".join(f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token" for r in records))
+    return 0
+
+
+def SelectionConfig_check(policy: str, budget: int) -> None:
+    from icekv.config import SelectionConfig
+
+    SelectionConfig(policy=policy, budget=budget)
 
 
 def _cmd_size(args) -> int:
@@ -435,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval,
-                "serve": _cmd_serve, "compress": _cmd_compress, "size": _cmd_size}
+                "serve": _cmd_serve, "compress": _cmd_compress, "size": _cmd_size,
+                "bench": _cmd_bench}
     try:
         return handlers[args.command](args)
     except IcekvError as e:

@@ -240,12 +240,12 @@ class Engine:
         selector = make_selector(selection)
         if req.context is not None and selector is not None:
             raise ConfigError(f"policy {selection.policy!r} over a compressed context is not supported yet; use 'full'")
-        t0 = time.perf_counter()
         if selector is None:
             backend = self._dense_backend(req.seq_id, req.context)
-        else:
+        else:  # builds the index: part of time to first token (timings["index_build_s"]), not of decode
             backend = SparseCacheAttention(self.cache, req.seq_id, self.model.args, selection, selector, probe)
             self._decoding[req.seq_id] = backend
+        t0 = time.perf_counter()
         try:
             return (yield from self._decode_loop(req, backend, sampling, selection, t0))
         finally:
@@ -295,7 +295,7 @@ class Engine:
             kv=kv,
             policy=selection.policy,
             budget=None if selection.policy == "full" else selection.budget,
-            timings=dict(backend.timings) if sparse else {},
+            timings=dict(getattr(backend, "timings", {})),
             layer_stats={
                 layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}
                 for layer, v in (backend.layer_stats.items() if sparse else ())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+
 import torch
 
 from icekv.attention import causal_attention
@@ -18,6 +21,7 @@ class FullCacheAttention:
         self.cache, self.seq_id = cache, seq_id
         self.start = 0
         self.positions = torch.zeros(0, dtype=torch.long)
+        self.timings: dict[str, float] = defaultdict(float)  # attention_s: gather + attend, all layers
 
     def begin_step(self, n_tokens: int) -> torch.Tensor:
         """Reserve room for ``n_tokens`` new tokens; returns their positions [n_tokens]."""
@@ -30,5 +34,8 @@ class FullCacheAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.seq_id, self.start, k, v)
+        t0 = time.perf_counter()
         keys, values = self.cache.gather(layer, self.seq_id)  # [Hkv, L, D] each
-        return causal_attention(q, keys, values, self.positions)
+        out = causal_attention(q, keys, values, self.positions)
+        self.timings["attention_s"] += time.perf_counter() - t0
+        return out

@@ -36,7 +36,7 @@ class SparseCacheAttention(FullCacheAttention):
         self.sink_end = cfg.n_sink_pages * p
         length = cache.length(seq_id)
         self.win_start = self._window_start(length)
-        self.timings = defaultdict(float)  # select_s, transfer_s, attention_s, index_build_s
+        self.timings.update(select_s=0.0, transfer_s=0.0, index_build_s=0.0, insert_s=0.0)
         self.layer_stats: dict[int, list[tuple[float, float]]] = defaultdict(list)  # probe: (recall, cosine)
         t0 = time.perf_counter()
         for layer in self.sparse_layers:

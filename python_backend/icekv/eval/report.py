@@ -116,3 +116,41 @@ def write_compression_report(records: list[dict], out: Path, meta: dict) -> None
     fig.tight_layout()
     fig.savefig(out / "accuracy.png", dpi=100)
     plt.close(fig)
+
+
+def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
+    """Decode benchmark: per-token time split by stage, resident KV, ratios to full attention."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    ms = lambda x: "-" if x is None else f"{1000 * x:.1f}"
+    full = {r["context"]: r for r in records if r["policy"] == "full"}
+    lines = ["# icekv bench decode", "", "```", meta.get("command", ""), "```", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items() if k != "command"] + [""]
+    lines += ["| context | policy | TPOT ms | select ms | transfer ms | attention ms | insert ms | other ms | "
+              "index build s | resident KV MiB | total KV MiB | TPOT / full |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        base = full.get(r["context"])
+        ratio = f"{r['tpot_s'] / base['tpot_s']:.2f}" if base else "-"
+        mib = lambda k: f"{r[k] / 2**20:.1f}" if k in r else "-"
+        lines.append(f"| {r['context']} | {r['policy']} | {ms(r['tpot_s'])} | {ms(r.get('select_s'))} | "
+                     f"{ms(r.get('transfer_s'))} | {ms(r.get('attention_s'))} | {ms(r.get('insert_s'))} | "
+                     f"{ms(r.get('other_s'))} | {r.get('index_build_s', 0):.2f} | {mib('resident_kv_bytes')} | "
+                     f"{mib('total_kv_bytes')} | {ratio} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in sorted({r["policy"] for r in records}):
+        rs = sorted((r for r in records if r["policy"] == policy), key=lambda r: r["context"])
+        ax.plot([r["context"] for r in rs], [1000 * r["tpot_s"] for r in rs], marker="o", label=policy)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("ms per output token")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tpot.png", dpi=100)
+    plt.close(fig)

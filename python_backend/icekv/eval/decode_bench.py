@@ -1,0 +1,100 @@
+"""Decode latency per output token across context lengths and policies, split by stage.
+
+Contexts longer than a short real prefill are *synthesized*: the KV of a real prefill of essay
+text is tiled until the cache has the asked length (latency does not depend on the text; the
+keys keep realistic norms and structure). The same synthesized cache serves every policy and,
+with ``peer_hf``, Hugging Face transformers' own full-cache decoding on the same model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from icekv.config import SamplingConfig, SelectionConfig
+from icekv.engine import Engine
+from icekv.engine.engine import Prefilled, drain
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    contexts: tuple[int, ...] = (4096, 8192, 16384, 32768)
+    policies: tuple[str, ...] = ("full", "icecache", "icecache_r")
+    budget: int = 256
+    steps: int = 16
+    seed_tokens: int = 1024  # real prefill that is tiled into the synthesized cache
+    peer_hf: bool = False
+
+
+def synthesize(engine: Engine, seed_ids: list[int], length: int) -> Prefilled:
+    """A request whose cache holds ``length`` tokens: a real prefill of ``seed_ids``, tiled."""
+    seed = engine.prefill(seed_ids)
+    n = len(seed_ids)
+    req = engine.prefill(seed_ids[:1])  # allocate a fresh sequence
+    cache = engine.cache
+    start = cache.extend(req.seq_id, length - 1)
+    for layer in range(engine.model.args.num_layers):
+        k, v = cache.gather(layer, seed.seq_id)  # [Hkv, n, D]
+        for pos in range(start, length, n):
+            m = min(n, length - pos)
+            cache.write(layer, req.seq_id, pos, k[:, :m].transpose(0, 1), v[:, :m].transpose(0, 1))
+    engine.release(seed)
+    return Prefilled(req.seq_id, [seed_ids[0]] * length, seed.logits, 0.0)
+
+
+def hf_decode_tpot(engine: Engine, req: Prefilled, steps: int) -> float:
+    """Seconds per token of transformers' own model + DynamicCache over the same KV."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    cache = DynamicCache()
+    for layer in range(engine.model.args.num_layers):
+        k, v = engine.cache.gather(layer, req.seq_id)  # [Hkv, L, D]
+        cache.update(k[None].clone(), v[None].clone(), layer)
+    length = len(req.prompt_ids)
+    token = torch.tensor([[int(req.logits.argmax())]])
+    with torch.no_grad():
+        model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[length]]))  # warm-up
+        t0 = time.perf_counter()
+        for i in range(steps):
+            out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[length + 1 + i]]))
+            token = out.logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - t0) / steps
+
+
+def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
+                     progress: Callable[[str], None] | None = None) -> list[dict]:
+    seed_ids = engine.tokenizer.encode(seed_text)[: cfg.seed_tokens]
+    sampling = SamplingConfig(max_tokens=cfg.steps + 1, ignore_eos=True)
+    records = []
+    for length in cfg.contexts:
+        req = synthesize(engine, seed_ids, length)
+        try:
+            for policy in cfg.policies:
+                sel = SelectionConfig(policy=policy, budget=cfg.budget)
+                gen = drain(engine._decode_steps(req, sampling, sel))
+                steps = max(gen.new_tokens - 1, 1)
+                t = {k: v / steps for k, v in gen.timings.items() if k not in ("index_build_s",)}
+                split = {k: t.get(k, 0.0) for k in ("select_s", "transfer_s", "attention_s", "insert_s")}
+                records.append({
+                    "context": length, "policy": policy, "budget": None if policy == "full" else cfg.budget,
+                    "tpot_s": gen.tpot_s, **split,
+                    "other_s": max(gen.tpot_s - sum(split.values()), 0.0),
+                    "index_build_s": gen.timings.get("index_build_s", 0.0),
+                    "resident_kv_bytes": gen.kv.resident_bytes, "total_kv_bytes": gen.kv.total_bytes,
+                    "steps": steps,
+                })
+                if progress:
+                    progress(f"{length} {policy}: {gen.tpot_s * 1000:.1f} ms/token")
+            if cfg.peer_hf:
+                tpot = hf_decode_tpot(engine, req, cfg.steps)
+                records.append({"context": length, "policy": "hf_transformers", "budget": None, "tpot_s": tpot,
+                                "steps": cfg.steps})
+                if progress:
+                    progress(f"{length} hf_transformers: {tpot * 1000:.1f} ms/token")
+        finally:
+            engine.release(req)
+    return records
