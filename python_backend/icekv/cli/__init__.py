@@ -1,0 +1,126 @@
+"""The ``icekv`` command line: fetch, generate, compress, eval, bench, size, serve, demo.
+
+Each subcommand lives in a small module (run, compress, measure); every user error prints
+``icekv: error: ...`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from icekv.cli.common import _positive_int, _serving_flags, _serving_parameters
+from icekv.errors import IcekvError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="icekv", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    fetch = sub.add_parser("fetch", help="download and convert the default model and haystack texts")
+    fetch.add_argument("--what", choices=("all", "model", "essays", "kjv"), default="all")
+    fetch.add_argument("--verify", action="store_true", help="re-hash every cached file")
+
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    gen.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=64)
+    gen.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--page-size", type=_positive_int("--page-size"), default=None)
+    gen.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
+                     help="KV pool capacity in tokens")
+    gen.add_argument("--policy", default="full", help="full | streaming | quest | icecache | icecache_r")
+    gen.add_argument("--budget", type=_positive_int("--budget"), default=256,
+                     help="tokens attended per layer per KV head (sink and window included)")
+    gen.add_argument("--context-key", default=None, help="answer over a stored compressed context (icekv compress)")
+    gen.add_argument("--store", default=None, help="context store: a directory or redis://host:port (default: cache dir)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    comp = sub.add_parser("compress", help="compress a reusable context once and store it")
+    comp.add_argument("--context-file", type=Path, required=True)
+    comp.add_argument("--method", default="kv2", help="kv2 | kvzip | snapkv | keydiff | streaming")
+    comp.add_argument("--kv-budget", type=float, default=0.05, help="share of the context's KV to keep, in (0, 1]")
+    comp.add_argument("--rho", type=float, default=None, help="kv2: share of each chunk re-fed (default: the budget)")
+    comp.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="kv2: refinement rounds")
+    comp.add_argument("--store", default=None, help="a directory or redis://host:port (default: cache dir)")
+    comp.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    comp.add_argument("--json", action="store_true")
+
+    ev = sub.add_parser("eval", help="RULER-style accuracy across lengths, policies and budgets")
+    ev.add_argument("--task", default="niah_single", help="comma list: niah_single, niah_multikey, niah_multivalue, passkey")
+    ev.add_argument("--haystack", default="essays", help="essays | kjv | PATH to a text file")
+    ev.add_argument("--lengths", default="2000", help="comma list of prompt lengths in tokens")
+    ev.add_argument("--depths", default=None, help="comma list of needle depths in 0..1 (default: spread)")
+    ev.add_argument("--policies", default="full,icecache")
+    ev.add_argument("--budgets", default="256")
+    ev.add_argument("--samples", type=_positive_int("--samples"), default=10)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--num-needles", type=_positive_int("--num-needles"), default=2)
+    ev.add_argument("--compress", default=None,
+                    help="reusable-context mode: comma list of kv2, kvzip, snapkv, keydiff, streaming")
+    ev.add_argument("--kv-budgets", default="0.02,0.05,0.1,0.25", help="with --compress: shares of the KV kept")
+    ev.add_argument("--questions", type=_positive_int("--questions"), default=4, help="with --compress: per context")
+    ev.add_argument("--rho", type=float, default=None, help="with --compress: kv2 re-feed share (default: the budget)")
+    ev.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="with --compress: kv2 refinement rounds")
+    ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
+    ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bd = bench_sub.add_parser("decode", help="time per output token by stage, across contexts and policies")
+    bd.add_argument("--contexts", default="4096,8192,16384,32768")
+    bd.add_argument("--policies", default="full,icecache,icecache_r")
+    bd.add_argument("--budget", type=_positive_int("--budget"), default=256)
+    bd.add_argument("--steps", type=_positive_int("--steps"), default=16)
+    bd.add_argument("--peer", choices=("none", "hf"), default="none", help="hf: also time transformers' decoding")
+    bd.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    bd.add_argument("--out", type=Path, default=None, help="write results.json + report.md + tpot.png here")
+    bd.add_argument("--json", action="store_true")
+
+    sz = sub.add_parser("size", help="host pool and device memory for a model, context length and budget")
+    sz.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    sz.add_argument("--context", type=_positive_int("--context"), default=32768, help="tokens per request")
+    sz.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8, help="requests held at once")
+    sz.add_argument("--budget", type=_positive_int("--budget"), default=256)
+    sz.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    sz.add_argument("--json", action="store_true")
+
+    serve = sub.add_parser("serve", help="run tritonserver with the icekv model until SIGINT/SIGTERM")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    serve.add_argument("--http-port", type=_positive_int("--http-port"), default=8000)
+    serve.add_argument("--grpc-port", type=_positive_int("--grpc-port"), default=8001)
+    serve.add_argument("--metrics-port", type=_positive_int("--metrics-port"), default=8002)
+    serve.add_argument("--model-repository", type=Path, default=None,
+                       help="serve this repository as is (default: generate one from the flags below)")
+    _serving_flags(serve)
+
+    demo = sub.add_parser("demo", help="serve with Triton and stream a needle answer over a long context")
+    demo.add_argument("--length", type=_positive_int("--length"), default=3000, help="prompt tokens")
+    demo.add_argument("--seed", type=int, default=0)
+    _serving_flags(demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from icekv.cli.compress import _cmd_compress
+    from icekv.cli.measure import _cmd_bench, _cmd_eval, _cmd_size
+    from icekv.cli.run import _cmd_demo, _cmd_fetch, _cmd_generate, _cmd_serve
+
+    handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval,
+                "serve": _cmd_serve, "compress": _cmd_compress, "size": _cmd_size,
+                "bench": _cmd_bench}
+    try:
+        return handlers[args.command](args)
+    except IcekvError as e:
+        print(f"icekv: error: {e}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["build_parser", "main", "_serving_parameters"]

@@ -1,0 +1,5 @@
+import sys
+
+from icekv.cli import main
+
+sys.exit(main())

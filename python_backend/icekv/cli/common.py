@@ -1,0 +1,60 @@
+"""Argument helpers shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from icekv.errors import IcekvError
+
+
+def _positive_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _csv(flag: str, text: str, cast):
+    try:
+        values = tuple(cast(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise IcekvError(f"{flag}: cannot read {text!r} as a comma-separated list") from None
+    if not values:
+        raise IcekvError(f"{flag} is empty")
+    return values
+
+
+def _serving_flags(parser) -> None:
+    parser.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    parser.add_argument("--policy", default=None, help="default page selection policy (config: icecache)")
+    parser.add_argument("--budget", type=_positive_int("--budget"), default=None)
+    parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
+                        help="KV page pool capacity in tokens, shared by all requests")
+    parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None)
+    parser.add_argument("--store", default=None, help="context store for context_key requests: a directory or redis://")
+
+
+def _serving_parameters(args) -> dict[str, str]:
+    """CLI flags -> config.pbtxt parameters, validated here so a typo fails before the server starts."""
+    from icekv.config import ServingConfig
+
+    params = {"model_dir": args.model and str(Path(args.model).resolve()), "policy": args.policy,
+              "budget": args.budget, "host_pool_tokens": args.host_pool_tokens,
+              "max_active_requests": args.max_active_requests, "store": args.store}
+    params = {k: str(v) for k, v in params.items() if v is not None}
+    ServingConfig.from_triton_parameters(params)
+    return params
+
+
+def _open_store(location: str | None, engine):
+    from icekv.config import default_cache_dir
+    from icekv.store import ContextStore
+
+    return ContextStore.open(location or str(default_cache_dir() / "contexts"), engine.model_id)

@@ -1,0 +1,137 @@
+"""`icekv eval`, `bench decode`, `size`: measuring accuracy, speed and memory."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from icekv.errors import IcekvError
+from icekv.cli.common import _csv
+
+
+def _cmd_eval(args) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from icekv.assets import Assets
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+    from icekv.eval.report import write_report
+    from icekv.eval.runner import EvalConfig, run_eval
+
+    if args.compress:
+        return _cmd_eval_compression(args)
+    depths = _csv("--depths", args.depths, float) if args.depths else None
+    if depths and not all(0 <= d <= 1 for d in depths):
+        raise IcekvError("--depths must lie in 0..1")
+    cfg = EvalConfig(
+        tasks=_csv("--task", args.task, str), haystack=args.haystack,
+        lengths=_csv("--lengths", args.lengths, int), policies=_csv("--policies", args.policies, str),
+        budgets=_csv("--budgets", args.budgets, int), samples=args.samples, seed=args.seed,
+        depths=depths, num_needles=args.num_needles,
+    )
+    text = Assets().haystack_text(args.haystack)
+    engine = Engine(EngineConfig(model_dir=args.model))
+    bar = tqdm(desc="eval", unit="decode", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    t0 = time.perf_counter()
+    records = run_eval(engine, cfg, text, progress)
+    bar.close()
+    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
+            "wall_s": round(time.perf_counter() - t0, 1), "torch_threads": __import__("torch").get_num_threads()}
+    write_report(records, args.out, meta)
+    print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
+    return 0
+
+
+def _cmd_eval_compression(args) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from icekv.assets import Assets
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+    from icekv.eval.compression import CompressionEvalConfig, run_compression_eval
+    from icekv.eval.report import write_compression_report
+
+    kv2 = {k: v for k, v in (("rho", args.rho), ("rounds", args.rounds)) if v is not None and (k != "rounds" or v != 1)}
+    cfg = CompressionEvalConfig(
+        methods=_csv("--compress", args.compress, str), kv_budgets=_csv("--kv-budgets", args.kv_budgets, float),
+        haystack=args.haystack, lengths=_csv("--lengths", args.lengths, int), samples=args.samples,
+        questions=args.questions, seed=args.seed, settings=(("kv2", kv2),) if kv2 else (),
+    )
+    text = Assets().haystack_text(args.haystack)
+    engine = Engine(EngineConfig(model_dir=args.model))
+    bar = tqdm(desc="eval", unit="compression", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    t0 = time.perf_counter()
+    records = run_compression_eval(engine, cfg, text, progress)
+    bar.close()
+    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    write_compression_report(records, args.out, meta)
+    print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    import platform
+    import time
+
+    import torch
+
+    from icekv.assets import Assets
+    from icekv.config import EngineConfig, PagingConfig, SelectionConfig
+    from icekv.engine import Engine
+    from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench
+
+    contexts = _csv("--contexts", args.contexts, int)
+    policies = _csv("--policies", args.policies, str)
+    for policy in policies:
+        SelectionConfig(policy=policy, budget=args.budget)  # a clear error before any work
+    cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf")
+    paging = PagingConfig(max_context_tokens=max(contexts) + 2048 + args.steps + 16)
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
+    t0 = time.perf_counter()
+    records = run_decode_bench(engine, cfg, Assets().haystack_text("essays"), lambda m: print(m, file=sys.stderr))
+    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, torch threads {torch.get_num_threads()}",
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    if args.out:
+        from icekv.eval.report import write_decode_report
+
+        write_decode_report(records, args.out, meta)
+    print(json.dumps({"meta": meta, "records": records}) if args.json else
+          "\n".join(f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token" for r in records))
+    return 0
+
+
+def _cmd_size(args) -> int:
+    from icekv.config import SelectionConfig
+    from icekv.engine.engine import resolve_model_dir
+    from icekv.model import ModelArgs
+    from icekv.sizing import size
+
+    model_args = ModelArgs.from_dir(resolve_model_dir(args.model))
+    plan = size(model_args, args.context, args.concurrent, SelectionConfig(policy="icecache", budget=args.budget),
+                args.dtype)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+        return 0
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+    print(f"KV per token (all {model_args.num_layers} layers, {args.dtype}): {plan.kv_bytes_per_token:,} bytes")
+    print(f"host page pool for {args.concurrent} x {args.context} tokens: {mib(plan.host_pool_bytes)} "
+          f"(--host-pool-tokens {args.concurrent * args.context})")
+    print(f"device KV per request: full attention {mib(plan.device_bytes_full)}; "
+          f"icecache budget {args.budget}: at most {mib(plan.device_bytes_budget)} ({plan.device_saving:.1f}x less)")
+    return 0

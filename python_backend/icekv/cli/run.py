@@ -1,0 +1,143 @@
+"""`icekv fetch`, `generate`, `demo`, `serve`: running the model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from icekv.errors import IcekvError
+from icekv.cli.common import _open_store, _serving_parameters
+
+
+def _cmd_fetch(args) -> int:
+    from icekv.assets import Assets
+
+    assets = Assets()
+    getters = {"model": assets.model_dir, "essays": assets.essays_dir, "kjv": lambda: assets.kjv_path().parent}
+    for name, get in getters.items():
+        if args.what in ("all", name):
+            path = get()
+            if args.verify:
+                assets.verify(path)
+            print(f"{name}: {path}")
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
+    from icekv.engine import Engine
+
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise IcekvError(f"--prompt-file {args.prompt_file} is not a readable file")
+        prompt = args.prompt_file.read_text()
+    else:
+        prompt = args.prompt
+    if not prompt.strip():
+        raise IcekvError("the prompt is empty (--prompt / --prompt-file)")
+    paging = PagingConfig()
+    if args.page_size is not None:
+        paging = replace(paging, page_size=args.page_size)
+    if args.max_context is not None:
+        paging = replace(paging, max_context_tokens=args.max_context)
+    sampling = SamplingConfig(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    selection = SelectionConfig(policy=args.policy, budget=args.budget, page_size=paging.page_size)
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging, selection=selection))
+    context = None
+    if args.context_key is not None:
+        context = _open_store(args.store, engine).load(args.context_key)
+        if context is None:
+            raise IcekvError(f"--context-key {args.context_key} is not in the context store")
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if total <= engine.config.prefill_chunk_tokens:
+            return
+        bar = bar or tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr)
+        bar.update(done - bar.n)
+
+    stream_out = None if args.json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+    result = engine.generate(prompt, sampling, on_text=stream_out, on_progress=progress, context=context)
+    if bar:
+        bar.close()
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print()
+        kv = result.kv
+        print(
+            f"[{result.prompt_tokens} prompt + {result.new_tokens} new tokens | prefill "
+            f"{result.prefill_s:.2f} s | {result.tpot_s * 1000:.1f} ms/token | KV resident "
+            f"{kv.resident_bytes / 2**20:.1f} MiB of {kv.total_bytes / 2**20:.1f} MiB]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from icekv.assets import Assets
+    from icekv.eval.tasks import HaystackSampler
+    from icekv.model import Tokenizer
+    from icekv.serving.client import Final, stream_generate
+    from icekv.serving.launcher import TritonServer
+
+    params = _serving_parameters(args)
+    assets = Assets()
+    model_dir = Path(args.model) if args.model else assets.model_dir()
+    sample = HaystackSampler(assets.haystack_text("essays"), Tokenizer(model_dir)).make(
+        "niah_single", args.length, seed=args.seed
+    )
+    print("starting tritonserver with the icekv model ...", file=sys.stderr)
+    with TritonServer(params) as server:
+        print(f"server ready: HTTP {server.http_url}, gRPC {server.grpc_url}")
+        print(f"prompt: {sample.prompt_tokens} tokens of Paul Graham essays with one hidden needle")
+        print("question:" + sample.prompt.rsplit("\n", 1)[-1])
+        print("answer (streamed over gRPC):", end="", flush=True)
+        text = ""
+        for piece in stream_generate(server.grpc_url, sample.prompt, max_tokens=16, stop=["\n"]):
+            if isinstance(piece, Final):
+                final = piece
+            else:
+                text += piece
+                print(piece, end="", flush=True)
+    verdict = "correct" if sample.score(text) == 1 else "WRONG"
+    print(f"\nexpected: {sample.answers[0]} -> {verdict}")
+    print(
+        f"policy {final.policy} (budget {final.budget} tokens per layer per KV head): "
+        f"{final.prompt_tokens} prompt + {final.new_tokens} new tokens; KV cache "
+        f"{final.kv_resident_bytes / 2**20:.1f} MiB resident on the device of "
+        f"{final.kv_total_bytes / 2**20:.1f} MiB in the host pool, {final.kv_bytes_moved / 2**20:.1f} MiB moved"
+    )
+    return 0
+
+
+def _cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from icekv.serving.launcher import TritonServer
+
+    params = _serving_parameters(args)
+    if args.model_repository is not None and params:
+        raise IcekvError("--model-repository is served as is: set parameters in its config.pbtxt, not with flags")
+    server = TritonServer(params, args.model_repository, args.host, args.http_port, args.grpc_port, args.metrics_port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"icekv serving: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}", file=sys.stderr)
+    try:
+        while not stop.wait(1.0):
+            if server.process.poll() is not None:
+                raise IcekvError(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
+    finally:
+        server.stop()
+    return 0

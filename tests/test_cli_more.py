@@ -1,0 +1,51 @@
+"""`icekv compress`, `generate --context-key`, `size` and `bench decode`, run as a user would."""
+
+import json
+
+import pytest
+
+from tests.test_cli import icekv
+
+
+@pytest.mark.model
+def test_compress_then_answer_from_the_store(tmp_path, smollm2_dir):
+    ctx = tmp_path / "doc.txt"
+    ctx.write_text("The secret code of the vault is 4417. " + "The market was busy and the weather mild. " * 25)
+    store = tmp_path / "store"
+    proc = icekv("compress", "--context-file", str(ctx), "--method", "snapkv", "--kv-budget", "0.5",
+                 "--store", str(store), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert not out["store_hit"] and out["bytes_after"] < 0.6 * out["bytes_before"]
+    assert len(out["kept_tokens_per_layer_head"]) == 30
+    again = json.loads(icekv("compress", "--context-file", str(ctx), "--method", "snapkv", "--kv-budget", "0.5",
+                             "--store", str(store), "--json").stdout)
+    assert again["store_hit"] and again["key"] == out["key"]
+    gen = icekv("generate", "--context-key", out["key"], "--store", str(store), "--prompt",
+                " Question: what is the secret code of the vault? Answer: The code is", "--max-tokens", "5", "--json")
+    assert gen.returncode == 0, gen.stderr
+    assert json.loads(gen.stdout)["kv"]["total_bytes"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compress", "--context-file", "/nonexistent.txt"], "--context-file"),
+    (["compress", "--context-file", "README.md", "--kv-budget", "2"], "--kv-budget must be in (0, 1]"),
+    (["compress", "--context-file", "README.md", "--method", "zip"], "unknown compression method"),
+    (["compress", "--context-file", "README.md", "--method", "snapkv", "--rho", "0.5"], "--rho and --rounds"),
+    (["generate", "--prompt", "x", "--context-key", "abc", "--store", "/tmp/icekv-empty-store"], "not in the context store"),
+    (["bench", "decode", "--policies", "magic"], "unknown policy"),
+    (["eval", "--compress", "zip", "--out", "/tmp/x"], "--compress: unknown method"),
+    (["eval", "--compress", "kv2", "--kv-budgets", "1.5", "--out", "/tmp/x"], "--kv-budgets"),
+])
+def test_bad_flags_are_clear_errors(args, message):
+    proc = icekv(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.model
+def test_size_matches_the_model_shape(smollm2_dir):
+    out = json.loads(icekv("size", "--context", "4096", "--concurrent", "2", "--budget", "256", "--json").stdout)
+    assert out["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    assert out["host_pool_bytes"] == 2 * 4096 * out["kv_bytes_per_token"]
+    assert out["device_bytes_budget"] < out["device_bytes_full"]
