@@ -5,18 +5,11 @@ from __future__ import annotations
 import json
 import sys
 
-from icekv.errors import IcekvError
 from icekv.cli.common import _csv
+from icekv.errors import IcekvError
 
 
 def _cmd_eval(args) -> int:
-    import time
-
-    from tqdm import tqdm
-
-    from icekv.assets import Assets
-    from icekv.config import EngineConfig
-    from icekv.engine import Engine
     from icekv.eval.report import write_report
     from icekv.eval.runner import EvalConfig, run_eval
 
@@ -31,32 +24,10 @@ def _cmd_eval(args) -> int:
         budgets=_csv("--budgets", args.budgets, int), samples=args.samples, seed=args.seed,
         depths=depths, num_needles=args.num_needles,
     )
-    text = Assets().haystack_text(args.haystack)
-    engine = Engine(EngineConfig(model_dir=args.model))
-    bar = tqdm(desc="eval", unit="decode", file=sys.stderr)
-
-    def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    t0 = time.perf_counter()
-    records = run_eval(engine, cfg, text, progress)
-    bar.close()
-    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
-            "wall_s": round(time.perf_counter() - t0, 1), "torch_threads": __import__("torch").get_num_threads()}
-    write_report(records, args.out, meta)
-    print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
-    return 0
+    return _run_and_report(args, lambda engine, text, progress: run_eval(engine, cfg, text, progress), write_report, "decode")
 
 
 def _cmd_eval_compression(args) -> int:
-    import time
-
-    from tqdm import tqdm
-
-    from icekv.assets import Assets
-    from icekv.config import EngineConfig
-    from icekv.engine import Engine
     from icekv.eval.compression import CompressionEvalConfig, run_compression_eval
     from icekv.eval.report import write_compression_report
 
@@ -66,20 +37,35 @@ def _cmd_eval_compression(args) -> int:
         haystack=args.haystack, lengths=_csv("--lengths", args.lengths, int), samples=args.samples,
         questions=args.questions, seed=args.seed, settings=(("kv2", kv2),) if kv2 else (),
     )
+    return _run_and_report(args, lambda engine, text, progress: run_compression_eval(engine, cfg, text, progress),
+                           write_compression_report, "compression")
+
+
+def _run_and_report(args, run, write, unit: str) -> int:
+    """Load the model and the haystack, run an evaluation with a progress bar on stderr, save it."""
+    import time
+
+    import torch
+    from tqdm import tqdm
+
+    from icekv.assets import Assets
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+
     text = Assets().haystack_text(args.haystack)
     engine = Engine(EngineConfig(model_dir=args.model))
-    bar = tqdm(desc="eval", unit="compression", file=sys.stderr)
+    bar = tqdm(desc="eval", unit=unit, file=sys.stderr)
 
     def progress(done: int, total: int) -> None:
         bar.total = total
         bar.update(done - bar.n)
 
     t0 = time.perf_counter()
-    records = run_compression_eval(engine, cfg, text, progress)
+    records = run(engine, text, progress)
     bar.close()
     meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
-            "wall_s": round(time.perf_counter() - t0, 1)}
-    write_compression_report(records, args.out, meta)
+            "wall_s": round(time.perf_counter() - t0, 1), "torch_threads": torch.get_num_threads()}
+    write(records, args.out, meta)
     print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
     return 0
 
