@@ -89,9 +89,12 @@ class DevicePageCache:
         """Write the planned pages: k, v [n, P, D] gathered from the host, lengths [n]."""
         if len(plan) == 0:
             return
-        staging = torch.stack([k, v])  # [2, n, P, D] one contiguous buffer
-        if self.k.is_cuda:
-            staging = staging.pin_memory().to(self.k.device, non_blocking=True)
+        staging = torch.stack([k, v])  # [2, n, P, D] one contiguous host buffer
+        if self.k.is_cuda:  # pinned staging, async copy on a side stream (not exercised on CPU CI)
+            copy_stream = torch.cuda.Stream(self.k.device)
+            with torch.cuda.stream(copy_stream):
+                staging = staging.pin_memory().to(self.k.device, non_blocking=True)
+            torch.cuda.current_stream(self.k.device).wait_stream(copy_stream)
         self.k[plan.heads, plan.slots] = staging[0].to(self.k.dtype)
         self.v[plan.heads, plan.slots] = staging[1].to(self.v.dtype)
         self.page[plan.heads, plan.slots] = plan.pages
