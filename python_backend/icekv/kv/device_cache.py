@@ -91,10 +91,10 @@ class DevicePageCache:
             return
         staging = torch.stack([k, v])  # [2, n, P, D] one contiguous host buffer
         if self.k.is_cuda:  # pinned staging, async copy on a side stream (not exercised on CPU CI)
-            copy_stream = torch.cuda.Stream(self.k.device)
-            with torch.cuda.stream(copy_stream):
+            self._copy_stream = getattr(self, "_copy_stream", None) or torch.cuda.Stream(self.k.device)
+            with torch.cuda.stream(self._copy_stream):
                 staging = staging.pin_memory().to(self.k.device, non_blocking=True)
-            torch.cuda.current_stream(self.k.device).wait_stream(copy_stream)
+            torch.cuda.current_stream(self.k.device).wait_stream(self._copy_stream)
         self.k[plan.heads, plan.slots] = staging[0].to(self.k.dtype)
         self.v[plan.heads, plan.slots] = staging[1].to(self.v.dtype)
         self.page[plan.heads, plan.slots] = plan.pages
