@@ -140,3 +140,32 @@ def test_compressed_context_keeps_only_kept_tokens_with_positions(tiny_engine):
         torch.testing.assert_close(layer.k[0, 2], k[0, 70])
     finally:
         e.release(req)
+
+
+@pytest.mark.parametrize("policy", ["icecache"])
+def test_icecache_over_a_compressed_context_equals_full_when_the_budget_covers_it(tiny_engine, policy):
+    from icekv.config import SelectionConfig
+
+    e = tiny_engine
+    ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(7)).tolist()
+    ctx = e.compress(ids, "keydiff", 0.5)
+    question = list(range(20, 60))  # 40 tokens + 30 new: the window flushes own pages into the index
+    sampling = SamplingConfig(max_tokens=30, ignore_eos=True)
+    dense = e.generate(question, sampling, context=ctx)
+    wide = SelectionConfig(policy=policy, budget=2048, n_unlimited_layers=1)
+    sparse = e.generate(question, sampling, context=ctx, selection=wide)
+    assert sparse.token_ids == dense.token_ids and sparse.kv.bytes_moved > 0
+
+
+def test_small_budget_over_a_compressed_context_selects_and_stays_bounded(tiny_engine):
+    from icekv.config import SelectionConfig
+
+    e = tiny_engine
+    ids = torch.randint(0, 512, (600,), generator=torch.Generator().manual_seed(8)).tolist()
+    ctx = e.compress(ids, "keydiff", 0.5)
+    sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=0)
+    out = e.generate(list(range(10, 50)), SamplingConfig(max_tokens=20, ignore_eos=True), context=ctx, selection=sel)
+    assert out.new_tokens == 20 and 0 < out.kv.resident_bytes < ctx.kv_bytes
+    for policy in ("quest", "streaming", "icecache_r"):
+        with pytest.raises(Exception, match="cannot select over a compressed context"):
+            e.generate([1, 2], SamplingConfig(max_tokens=2), context=ctx, selection=SelectionConfig(policy=policy, budget=64))

@@ -106,9 +106,14 @@ def test_context_key_answers_over_a_stored_compressed_context(server, engine):
     question = " Question: what is the secret code of the vault? Answer: The secret code is"
     direct = engine.generate(context + question, __import__("icekv.config", fromlist=["SamplingConfig"]).SamplingConfig(max_tokens=6))
     before = metrics(server)
-    status, out = post(server, "/v2/models/icekv/generate", {"text_input": question, "max_tokens": 6, "context_key": key})
+    body = {"text_input": question, "max_tokens": 6, "context_key": key}
+    status, out = post(server, "/v2/models/icekv/generate", {**body, "policy": "full"})
     assert status == 200, out
     assert out["text_output"] == direct.text and out["policy"] == "full"
     assert out["prompt_tokens"] == len(engine.tokenizer.encode(question))
+    status, sparse = post(server, "/v2/models/icekv/generate", {**body, "policy": "icecache", "budget": 128})
+    assert status == 200 and sparse["policy"] == "icecache" and sparse["new_tokens"] >= 1, sparse
+    status, bad = post(server, "/v2/models/icekv/generate", {**body, "policy": "quest"})
+    assert status == 400 and "cannot select over a compressed context" in bad["error"]
     after = wait_idle(server)
-    assert after["icekv_context_store_hits_total"] == before["icekv_context_store_hits_total"] + 1
+    assert after["icekv_context_store_hits_total"] == before["icekv_context_store_hits_total"] + 3

@@ -13,7 +13,7 @@ import torch
 
 from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
 from icekv.compress import CompressedContext, evict, make_compressor
-from icekv.engine.compressed_attention import CompressedPrefixAttention
+from icekv.engine.compressed_attention import CompressedPrefixAttention, CompressedSparseAttention
 from icekv.engine.full_attention import FullCacheAttention
 from icekv.engine.sampling import sample_next
 from icekv.engine.sparse_attention import SparseCacheAttention
@@ -238,10 +238,16 @@ class Engine:
         selection = selection or self.config.selection
         self.check_fits(len(req.prompt_ids), sampling.max_tokens)
         selector = make_selector(selection)
-        if req.context is not None and selector is not None:
-            raise ConfigError(f"policy {selection.policy!r} over a compressed context is not supported yet; use 'full'")
+        if req.context is not None and selection.policy not in ("full", "icecache"):
+            # quest/streaming assume contiguous pages; icecache_r shares one token-to-page map across
+            # layers, but compression keeps different tokens in each layer
+            raise ConfigError(f"policy {selection.policy!r} cannot select over a compressed context; "
+                              "use 'full' or 'icecache'")
         if selector is None:
             backend = self._dense_backend(req.seq_id, req.context)
+        elif req.context is not None:
+            backend = CompressedSparseAttention(self.cache, req.seq_id, self.model.args, selection, selector, req.context)
+            self._decoding[req.seq_id] = backend
         else:  # builds the index: part of time to first token (timings["index_build_s"]), not of decode
             backend = SparseCacheAttention(self.cache, req.seq_id, self.model.args, selection, selector, probe)
             self._decoding[req.seq_id] = backend
@@ -276,7 +282,7 @@ class Engine:
         new = stream.token_ids
         total = self.cache.sequence_bytes(req.seq_id)
         sparse = isinstance(backend, SparseCacheAttention)
-        compressed = isinstance(backend, CompressedPrefixAttention)
+        compressed = isinstance(backend, (CompressedPrefixAttention, CompressedSparseAttention))
         kv = KVStats(
             resident_bytes=backend.resident_bytes() if sparse or compressed else total,
             total_bytes=total + (req.context.full_bytes if compressed else 0),

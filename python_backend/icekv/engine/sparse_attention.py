@@ -33,20 +33,37 @@ class SparseCacheAttention(FullCacheAttention):
         self.cfg, self.selector, self.probe = cfg, selector, probe
         p = cfg.page_size
         self.sparse_layers = range(min(cfg.n_unlimited_layers, args.num_layers), args.num_layers)
-        self.sink_end = cfg.n_sink_pages * p
+        self.sink_end = self._sink_tokens()
         length = cache.length(seq_id)
         self.win_start = self._window_start(length)
         self.timings.update(select_s=0.0, transfer_s=0.0, index_build_s=0.0, insert_s=0.0)
         self.layer_stats: dict[int, list[tuple[float, float]]] = defaultdict(list)  # probe: (recall, cosine)
         t0 = time.perf_counter()
         for layer in self.sparse_layers:
-            keys, _ = cache.gather_range(layer, seq_id, self.sink_end, max(self.win_start, self.sink_end))
-            selector.build(layer, keys, self.sink_end)
+            selector.build(layer, self._region_keys(layer), self.sink_end)
         self.timings["index_build_s"] = time.perf_counter() - t0
         self.device = {
             layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, p, args.head_dim, cache.pool.dtype)
             for layer in self.sparse_layers
         }
+
+    # ---- where tokens live (the request's pool); CompressedSparseAttention overrides these
+    def _sink_tokens(self) -> int:
+        """Sink tokens at the start of the request's own pages."""
+        return self.cfg.n_sink_pages * self.cfg.page_size
+
+    def _region_keys(self, layer: int):
+        """Keys of the indexed region at build time, per KV head: [Hkv, n, D] (or a list of [n_h, D])."""
+        return self.cache.gather_range(layer, self.seq_id, self.sink_end, max(self.win_start, self.sink_end))[0]
+
+    def _gather_pages(self, layer: int, heads: torch.Tensor, refs: torch.Tensor):
+        """K/V of selected pages: heads [n], token refs [n, P] from the selector (-1 = empty)."""
+        return self.cache.gather_tokens(layer, self.seq_id, heads, refs)
+
+    def _sink_window(self, layer: int, length: int):
+        sink_k, sink_v = self.cache.gather_range(layer, self.seq_id, 0, min(self.sink_end, length))
+        win_k, win_v = self.cache.gather_range(layer, self.seq_id, min(self.win_start, length), length)
+        return sink_k, sink_v, win_k, win_v
 
     def _window_start(self, length: int) -> int:
         """First position of the window: the page of the newest token and the pages before it."""
@@ -71,11 +88,10 @@ class SparseCacheAttention(FullCacheAttention):
                 self.selector.page_positions(layer, h, plan.pages[plan.heads == h])
                 for h in range(len(selection))
             ])  # [n, P] in plan order (plan is grouped by head)
-            pk, pv = self.cache.gather_tokens(layer, self.seq_id, plan.heads, positions)
+            pk, pv = self._gather_pages(layer, plan.heads, positions)
             dev.load(plan, pk, pv, (positions >= 0).sum(-1))
         t2 = time.perf_counter()
-        sink_k, sink_v = self.cache.gather_range(layer, self.seq_id, 0, min(self.sink_end, length))
-        win_k, win_v = self.cache.gather_range(layer, self.seq_id, min(self.win_start, length), length)
+        sink_k, sink_v, win_k, win_v = self._sink_window(layer, length)
         out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)
         t3 = time.perf_counter()
         self.timings["select_s"] += t1 - t0

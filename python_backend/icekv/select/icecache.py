@@ -41,7 +41,7 @@ class IceCacheSelector:
         self.base[layer] = base
         if self.leader(layer) != layer:
             return
-        u = self._projection(keys.shape[-1])
+        u = self._projection(keys[0].shape[-1])  # keys: [Hkv, n, D] or per-head [n_h, D]
         self.trees[layer] = [DCITree(k, self.page_size, self.config, u) for k in keys]
 
     def insert(self, layer, keys):

@@ -102,6 +102,7 @@ class TritonServer:
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-on-error=true",
+            "--exit-timeout-secs=60",
             "--log-verbose=0",
         ]
 
@@ -147,7 +148,7 @@ class TritonServer:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 90.0) -> None:
         """SIGTERM (Triton drains and unloads the model), then SIGKILL if it hangs."""
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import time
 from typing import Callable, Protocol
 
-from icekv.config import SelectionConfig, ServingConfig
+from icekv.config import ServingConfig
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
 from icekv.serving.request import GenerateRequest
@@ -110,10 +110,7 @@ class Scheduler:
                     break  # wait for memory: the head of the queue goes first (no starvation)
                 self._queue.popleft()
                 r = job.request
-                selection = r.selection
-                if job.context is not None and selection.policy != "full":
-                    selection = SelectionConfig(policy="full")  # compressed contexts decode in full
-                job.steps = self.engine.stream(job.prompt_ids, r.sampling, selection, context=job.context)
+                job.steps = self.engine.stream(job.prompt_ids, r.sampling, r.selection, context=job.context)
                 self._active.append(job)
             self.stats.queued, self.stats.active = len(self._queue), len(self._active)
             if not self._active and not self._stopping:
