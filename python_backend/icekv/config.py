@@ -113,7 +113,7 @@ class SelectionConfig:
     each for small budgets (64 tokens: 1 + 1 pages, 2 selected) so selection always has room.
     """
 
-    policy: str = "full"
+    policy: str = "full"  # the engine default; the Triton model repository defaults to icecache
     budget: int = 256
     page_size: int = 16
     n_sink_pages: int | None = None

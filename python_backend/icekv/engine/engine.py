@@ -115,7 +115,7 @@ class Engine:
         )
         self._seq_ids = itertools.count()
         self.model_id = model_identity(self.model_dir, config.dtype)
-        self._decoding: dict[int, SparseCacheAttention] = {}  # seq id -> its sparse backend
+        self._decoding: dict[int, object] = {}  # seq id -> its backend, when it reports resident_bytes()
 
     def kv_bytes(self) -> tuple[int, int]:
         """(resident, host) KV bytes of all live requests: what the compute device holds (the full
@@ -245,6 +245,8 @@ class Engine:
                               "use 'full' or 'icecache'")
         if selector is None:
             backend = self._dense_backend(req.seq_id, req.context)
+            if req.context is not None:  # the compressed context's pages are resident too
+                self._decoding[req.seq_id] = backend
         elif req.context is not None:
             backend = CompressedSparseAttention(self.cache, req.seq_id, self.model.args, selection, selector, req.context)
             self._decoding[req.seq_id] = backend
