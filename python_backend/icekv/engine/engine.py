@@ -245,8 +245,6 @@ class Engine:
                               "use 'full' or 'icecache'")
         if selector is None:
             backend = self._dense_backend(req.seq_id, req.context)
-            if req.context is not None:  # the compressed context's pages are resident too
-                self._decoding[req.seq_id] = backend
         elif req.context is not None:
             backend = CompressedSparseAttention(self.cache, req.seq_id, self.model.args, selection, selector, req.context)
             self._decoding[req.seq_id] = backend

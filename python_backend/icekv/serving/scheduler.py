@@ -121,7 +121,7 @@ class Scheduler:
             self._admit()
             for job in list(self._active):
                 self._step(job)
-            if self._on_tick and time.monotonic() - self._last_tick >= self._tick_s:
+            if self._on_tick and not self._stopping and time.monotonic() - self._last_tick >= self._tick_s:
                 self._last_tick = time.monotonic()
                 try:
                     self._on_tick()

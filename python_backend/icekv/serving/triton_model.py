@@ -99,8 +99,15 @@ class Metrics:
                 self.metrics[name] = family.Metric(labels={"model": "icekv"})
 
     def update(self, scheduler: Scheduler, engine: Engine) -> None:
+        """Push changed values only: an idle server sends nothing to Triton, so a shutdown never
+        races a metrics message (seen: unload hanging while a background update was in flight)."""
         resident, host = engine.kv_bytes()
         s = scheduler.stats
+        snapshot = (resident, host, s.active, s.queued, s.pages_moved, s.select_s, s.completed, s.failed,
+                    s.cancelled, s.store_hits, s.generated_tokens)
+        if snapshot == self._last.get("snapshot"):
+            return
+        self._last["snapshot"] = snapshot
         for name, value in (("icekv_kv_resident_bytes", resident), ("icekv_kv_host_bytes", host),
                             ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued)):
             self.metrics[name].set(float(value))
@@ -168,3 +175,4 @@ class TritonModel:
 
     def finalize(self) -> None:
         self.scheduler.stop()
+        self.metrics = None
