@@ -27,7 +27,6 @@ class TritonSink:
 
     def __init__(self, pb, sender, stream: bool = False):
         self.pb, self.sender, self.stream = pb, sender, stream
-        self.text_so_far: list[str] = []
 
     def _send(self, response, final: bool) -> None:
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
@@ -43,10 +42,9 @@ class TritonSink:
         return bool(self.sender.is_cancelled())
 
     def text(self, delta: str) -> None:
+        """Streamed pieces go out at once; a non-streamed request gets the whole text in done()."""
         if self.stream:
             self._send(self.pb.InferenceResponse(output_tensors=[self._tensor("text_output", delta.encode(), np.object_)]), False)
-        else:
-            self.text_so_far.append(delta)
 
     def done(self, result: Generation) -> None:
         text = "" if self.stream else result.text
