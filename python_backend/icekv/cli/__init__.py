@@ -1,6 +1,6 @@
-"""The ``icekv`` command line: fetch, generate, compress, eval, bench, size, serve, demo.
+"""The ``icekv`` command line: fetch, generate, compress, eval, bench, size, build, serve, demo.
 
-Each subcommand lives in a small module (run, compress, measure); every user error prints
+Each subcommand lives in a small module (run, compress, measure, build); every user error prints
 ``icekv: error: ...`` and exits with status 2.
 """
 
@@ -99,6 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve this repository as is (default: generate one from the flags below)")
     _serving_flags(serve)
 
+    build = sub.add_parser("build", help="TensorRT engines of the decode step (or --ptx-only: the plugins' kernels)")
+    build.add_argument("--out", type=Path, required=True, help="directory for the engines / PTX")
+    build.add_argument("--model", help="Hugging Face model folder whose shapes to build for (default: embedded SmolLM2-135M)")
+    build.add_argument("--num-heads", type=_positive_int("--num-heads"), default=None, help="override the model's")
+    build.add_argument("--num-kv-heads", type=_positive_int("--num-kv-heads"), default=None, help="override the model's")
+    build.add_argument("--head-dim", type=_positive_int("--head-dim"), default=None, help="override the model's")
+    build.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    build.add_argument("--budget", type=_positive_int("--budget"), default=256, help="tokens attended per KV head")
+    build.add_argument("--page-size", type=_positive_int("--page-size"), default=16)
+    build.add_argument("--max-context", type=_positive_int("--max-context"), default=32768,
+                       help="longest context: sets the candidate pages page_select accepts")
+    build.add_argument("--max-batch", type=_positive_int("--max-batch"), default=8)
+    build.add_argument("--arch", type=_positive_int("--arch"), default=90, help="CUDA compute capability, e.g. 90 = sm_90")
+    build.add_argument("--ptx-only", action="store_true", help="write the kernels' PTX + kernels.json; no TensorRT needed")
+
     demo = sub.add_parser("demo", help="serve with Triton and stream a needle answer over a long context")
     demo.add_argument("--length", type=_positive_int("--length"), default=3000, help="prompt tokens")
     demo.add_argument("--seed", type=int, default=0)
@@ -109,13 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from icekv.cli.build import _cmd_build
     from icekv.cli.compress import _cmd_compress
     from icekv.cli.measure import _cmd_bench, _cmd_eval, _cmd_size
     from icekv.cli.run import _cmd_demo, _cmd_fetch, _cmd_generate, _cmd_serve
 
     handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval,
                 "serve": _cmd_serve, "compress": _cmd_compress, "size": _cmd_size,
-                "bench": _cmd_bench}
+                "bench": _cmd_bench, "build": _cmd_build}
     try:
         return handlers[args.command](args)
     except IcekvError as e:

@@ -1,0 +1,104 @@
+"""What a TensorRT build of the decode step is specialised for, and the plugins' shape and launch
+logic as plain functions (ints in tests; TensorRT's symbolic dims support the same + and *).
+
+Two engines per model shape, run by the Python backend once per sparse layer and step:
+  select: q [B, Hq, D], index_k [Hkv, S_idx, P, D], cand_ids/lens [B, Hkv, C] i32
+          -> ids, lens [B, Hkv, top_k] i32, scores [B, Hkv, C] fp32      (icekv::page_select)
+  attend: q [B, Hq, D], k/v_slots [Hkv, S, P, D], slot_ids/lens [B, Hkv, K] i32
+          -> out [B, Hq, D], lse [B, Hq] fp32                           (icekv::sparse_paged_attention)
+Between them the backend turns selected pages into device slots (host pool -> staging -> scatter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from icekv.config import EngineConfig
+from icekv.kernels import aot, launch
+from icekv.model import ModelArgs
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+PLUGIN_NAMESPACE = "icekv"
+
+
+@dataclass(frozen=True)
+class DecodeStepSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    top_k: int  # pages page_select keeps per KV head
+    max_candidates: int  # candidate pages per KV head the select engine accepts
+    max_slots: int  # device slots per KV head (selected + sink + window pages)
+    dtype: str = "float16"
+    max_batch: int = 8
+    arch: int = 90
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
+        launch.check_head_dim(self.head_dim)
+        launch.select_launch(1, self.num_kv_heads, self.group, self.max_candidates, self.page_size, self.head_dim)
+        for name in ("top_k", "max_candidates", "max_slots", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, args: ModelArgs, **overrides) -> "DecodeStepSpec":
+        """Shapes from the model, page budget from the selection config, candidates from the pool."""
+        sel = cfg.selection
+        values = dict(
+            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+            page_size=sel.page_size, top_k=sel.selected_pages,
+            max_candidates=math.ceil(cfg.paging.max_context_tokens / sel.page_size),
+            max_slots=sel.budget // sel.page_size,
+        )
+        return cls(**{**values, **overrides})
+
+    def kernel_specs(self) -> dict[str, aot.KernelSpec]:
+        """The specialisations the plugins embed (plus the scatter the backend launches itself)."""
+        dt = DTYPES[self.dtype]
+        return {
+            "page_select": aot.select_spec(dt, self.num_kv_heads, self.group, self.head_dim, self.page_size,
+                                           self.max_candidates),
+            "sparse_paged_attention": aot.decode_spec(dt, self.num_kv_heads, self.group, self.head_dim,
+                                                      self.page_size, num_splits=1),
+            "page_scatter": aot.scatter_spec(dt, self.page_size, self.head_dim),
+        }
+
+
+def attention_output_shapes(q_shape):
+    """icekv::sparse_paged_attention outputs: out [B, Hq, D], lse [B, Hq]."""
+    b, hq, d = q_shape
+    return (b, hq, d), (b, hq)
+
+
+def select_output_shapes(q_shape, index_shape, cand_shape, top_k: int):
+    """icekv::page_select outputs: ids and lens [B, Hkv, top_k], scores [B, Hkv, C]."""
+    b, hkv, c = q_shape[0], index_shape[0], cand_shape[2]
+    return (b, hkv, top_k), (b, hkv, top_k), (b, hkv, c)
+
+
+def check_plugin_inputs(q_shape, pages_shape, ids_shape, lens_shape) -> None:
+    """The static checks both plugins make on concrete shapes (a readable error, not a bad launch)."""
+    if len(q_shape) != 3 or len(pages_shape) != 4 or len(ids_shape) != 3:
+        raise ValueError(f"expected q [B, Hq, D], pages [Hkv, S, P, D], ids [B, Hkv, K]; got {q_shape}, {pages_shape}, {ids_shape}")
+    if q_shape[2] != pages_shape[3] or q_shape[1] % pages_shape[0]:
+        raise ValueError(f"q {q_shape} does not match pages {pages_shape} (head_dim, or heads not a multiple of KV heads)")
+    if tuple(ids_shape) != tuple(lens_shape) or ids_shape[1] != pages_shape[0]:
+        raise ValueError(f"ids {ids_shape} and lens {lens_shape} must be equal and [B, Hkv={pages_shape[0]}, K]")
+    launch.check_head_dim(q_shape[2])
+
+
+def plugin_grid(batch, num_kv_heads: int):
+    """Both plugin kernels run one program per (sequence, KV head): grid (B * Hkv, 1, 1)."""
+    return batch * num_kv_heads, 1, 1
