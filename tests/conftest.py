@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from icekv.assets import Assets
+
+
+def pytest_configure(config):
+    """Kernel tests on CPU run triton's interpreter, which must be chosen before anything imports
+    triton (its own library functions are decorated at import). Off for ICEKV_TEST_DEVICE=cuda."""
+    if os.environ.get("ICEKV_TEST_DEVICE") != "cuda":
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,20 @@ def reference(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v):
     return out
 
 
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    """The reference, and the kernel path the engine takes on CUDA (here in triton's interpreter)."""
+    if request.param == "triton":
+        pytest.importorskip("triton", reason="triton is pinned in requirements.txt")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("ICEKV_KERNELS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (8, 1)])
 @pytest.mark.parametrize("sink,n_pages,win", [(2, 3, 5), (0, 1, 1), (1, 0, 3), (4, 5, 16)])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_matches_reference_over_awkward_shapes(hq, hkv, sink, n_pages, win, head_dim):
+def test_matches_reference_over_awkward_shapes(backend, hq, hkv, sink, n_pages, win, head_dim):
     g = torch.Generator().manual_seed(hq * 100 + n_pages)
     p = 4
     rnd = lambda *s: torch.randn(*s, generator=g)
@@ -34,12 +44,12 @@ def test_matches_reference_over_awkward_shapes(hq, hkv, sink, n_pages, win, head
     torch.testing.assert_close(sparse_paged_attention(q, *args), reference(q, *args), rtol=1e-5, atol=1e-5)
 
 
-def test_garbage_in_unattended_slots_is_ignored():
-    q = torch.randn(2, 8)
-    page_k = torch.randn(1, 2, 4, 8)
-    page_v = torch.randn(1, 2, 4, 8)
+def test_garbage_in_unattended_slots_is_ignored(backend):
+    q = torch.randn(2, 16)
+    page_k = torch.randn(1, 2, 4, 16)
+    page_v = torch.randn(1, 2, 4, 16)
     lens = torch.tensor([[2, 0]])
-    sink = torch.randn(1, 1, 8)
+    sink = torch.randn(1, 1, 16)
     a = sparse_paged_attention(q, sink, sink, page_k, page_v, lens, sink, sink)
     page_k[0, 0, 2:], page_k[0, 1] = 1e4, 1e4
     page_v[0, 0, 2:], page_v[0, 1] = 1e4, -1e4  # stale data from earlier steps

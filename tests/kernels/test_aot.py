@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.kernels.conftest import HAS_TRITON
+from tests.kernels.conftest import HAS_TRITON, NATIVE
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pinned in requirements.txt)")
 
@@ -75,7 +75,8 @@ def test_specialisation_reaches_the_ptx(artifacts):
     assert manifest["decode_g3_d64_p8"]["constexprs"]["BLOCK_P"] == 16  # pages < 16 padded for tl.dot
 
 
-def test_interpreted_kernels_refuse_aot(interpret):
+@pytest.mark.skipif(NATIVE, reason="on a GPU the kernels load compiled, not interpreted")
+def test_interpreted_kernels_refuse_aot(kdev):
     import torch
 
     from icekv.kernels import aot, sparse_decode_attention

@@ -1,4 +1,4 @@
-"""Attention over cached keys and values (torch references; kernels dispatch here later)."""
+"""Attention over cached keys and values (torch references; sparse decode dispatches to kernels)."""
 
 from icekv.attention.dense import causal_attention, decode_attention
 from icekv.attention.sparse import paged_prefix_attention, sparse_paged_attention

@@ -1,9 +1,13 @@
-"""Reference sparse paged attention: one decode query over [sink | selected pages | window]."""
+"""Sparse paged attention: one decode query over [sink | selected pages | window].
+
+The torch reference is the specification; on CUDA (or when ``ICEKV_KERNELS=triton``)
+:func:`sparse_paged_attention` runs icekv's OpenAI-Triton kernel instead.
+"""
 
 from __future__ import annotations
 
 import torch
-
+import torch.nn.functional as F
 
 
 def paged_prefix_attention(
@@ -51,5 +55,26 @@ def sparse_paged_attention(
     reads KV head ``h // (Hq / Hkv)``. Returns [Hq, D]. Order of keys does not matter: the decode
     query may see every cached token, so no causal mask is needed.
     """
+    from icekv.kernels import kernel_backend, sparse_decode_attention
+
     tail_k, tail_v = torch.cat([sink_k, win_k], dim=1), torch.cat([sink_v, win_v], dim=1)  # order is free
-    return paged_prefix_attention(q[None], page_k, page_v, page_len, tail_k, tail_v)[0]
+    if kernel_backend(q.device) == "torch":
+        return paged_prefix_attention(q[None], page_k, page_v, page_len, tail_k, tail_v)[0]
+    pages_k, pages_v, lens = _append_tail_pages(page_k, page_v, page_len, tail_k, tail_v)
+    ids = torch.arange(pages_k.shape[1], dtype=torch.int32, device=q.device).expand(1, *lens.shape)
+    out, _ = sparse_decode_attention(q[None], pages_k, pages_v, ids.contiguous(), lens[None].int().contiguous())
+    return out[0]
+
+
+def _append_tail_pages(page_k, page_v, page_len, tail_k, tail_v):
+    """The contiguous tail cut into pages after the slots, so one kernel reads everything:
+    [Hkv, K + T', P, D] twice and lens [Hkv, K + T'] (the last tail page may be partial)."""
+    hkv, _, page_size, d = page_k.shape
+    n = tail_k.shape[1]
+    pad = (-n) % page_size
+    as_pages = lambda t: F.pad(t, (0, 0, 0, pad)).view(hkv, -1, page_size, d).to(page_k.dtype)  # [Hkv, T', P, D]
+    full = torch.full(((n + pad) // page_size,), page_size, dtype=page_len.dtype, device=page_len.device)
+    if pad:
+        full[-1] = page_size - pad
+    lens = torch.cat([page_len, full.expand(hkv, -1)], dim=1)  # [Hkv, K + T']
+    return torch.cat([page_k, as_pages(tail_k)], 1), torch.cat([page_v, as_pages(tail_v)], 1), lens

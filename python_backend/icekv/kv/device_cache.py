@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from icekv.kernels import scatter_pages
+
 
 @dataclass(frozen=True)
 class TransferPlan:
@@ -95,8 +97,7 @@ class DevicePageCache:
             with torch.cuda.stream(self._copy_stream):
                 staging = staging.pin_memory().to(self.k.device, non_blocking=True)
             torch.cuda.current_stream(self.k.device).wait_stream(self._copy_stream)
-        self.k[plan.heads, plan.slots] = staging[0].to(self.k.dtype)
-        self.v[plan.heads, plan.slots] = staging[1].to(self.v.dtype)
+        scatter_pages(self.k, self.v, staging[0], staging[1], plan.heads, plan.slots)
         self.page[plan.heads, plan.slots] = plan.pages
         self.version[plan.heads, plan.slots] = plan.versions
         self.length[plan.heads, plan.slots] = lengths

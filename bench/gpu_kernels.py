@@ -1,0 +1,111 @@
+"""Time the decode kernels on a CUDA device against full attention (torch SDPA), Llama-3.1-8B head
+shapes (32 query / 8 KV heads, head_dim 128), bf16, one sequence, budget 256 tokens.
+
+Per context it times, as medians of CUDA-event timings after warm-up:
+  full_sdpa       torch SDPA of one query over the whole contiguous KV (GQA)
+  select_all      page_select over every page of the context (exhaustive scoring: an upper bound)
+  select_index    page_select over 1/16 of the pages (the size of an index's upper level)
+  sparse_attn     sparse paged attention over the budget's 16 pages (split + merge)
+  sparse_attn_1k  the single-launch form (the TensorRT plugin's)
+  scatter         moving 12 pages (the selected ones) from a staging buffer into slots
+  sparse_torch    the torch reference of sparse attention, for scale
+Random weights and keys: latency does not depend on values. Writes one json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+
+def cuda_time(fn, warmup: int = 10, iters: int = 50) -> float:
+    """Median seconds of ``fn()`` on the current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def bench_context(tokens: int, hq=32, hkv=8, d=128, page=16, budget=256, dtype=torch.bfloat16) -> dict:
+    from icekv.kernels import reference, scatter_pages, select_pages, sparse_decode_attention
+
+    dev = "cuda"
+    n_pages = tokens // page
+    q = torch.randn(1, hq, d, device=dev, dtype=dtype)
+    k_all = torch.randn(1, hkv, tokens, d, device=dev, dtype=dtype)
+    v_all = torch.randn_like(k_all)
+    k_pages = k_all[0].view(hkv, n_pages, page, d)  # the same keys as pages [Hkv, C, P, D]
+    v_pages = v_all[0].view(hkv, n_pages, page, d)
+    q4 = q.view(1, hq, 1, d)
+    full = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k_all, v_all, enable_gqa=True)
+
+    def candidates(n):
+        ids = torch.randperm(n_pages, device=dev)[:n].int().expand(1, hkv, n).contiguous()
+        return ids, torch.full_like(ids, page)
+
+    all_ids, all_lens = candidates(n_pages)
+    idx_ids, idx_lens = candidates(max(n_pages // 16, 1))
+    sel_pages = budget // page
+    top_k = sel_pages - 4  # 2 sink + 2 window pages come without selection
+    slot_k = torch.randn(hkv, sel_pages, page, d, device=dev, dtype=dtype)
+    slot_v = torch.randn_like(slot_k)
+    slot_ids = torch.arange(sel_pages, device=dev, dtype=torch.int32).expand(1, hkv, sel_pages).contiguous()
+    slot_lens = torch.full_like(slot_ids, page)
+    stage_k = torch.randn(top_k, page, d, device=dev, dtype=dtype)
+    stage_v = torch.randn_like(stage_k)
+    heads = torch.arange(top_k, device=dev) % hkv
+    slots = torch.arange(top_k, device=dev) // hkv
+
+    seconds = {
+        "full_sdpa": cuda_time(full),
+        "select_all": cuda_time(lambda: select_pages(q, k_pages, all_ids, all_lens, top_k)),
+        "select_index": cuda_time(lambda: select_pages(q, k_pages, idx_ids, idx_lens, top_k)),
+        "sparse_attn": cuda_time(lambda: sparse_decode_attention(q, slot_k, slot_v, slot_ids, slot_lens)),
+        "sparse_attn_1k": cuda_time(lambda: sparse_decode_attention(q, slot_k, slot_v, slot_ids, slot_lens, max_splits=1)),
+        "scatter": cuda_time(lambda: scatter_pages(slot_k, slot_v, stage_k, stage_v, heads, slots)),
+        "sparse_torch": cuda_time(lambda: reference.sparse_decode_reference(q, slot_k, slot_v, slot_ids, slot_lens)),
+    }
+    sparse_total = seconds["select_index"] + seconds["sparse_attn"] + seconds["scatter"]
+    return {"context": tokens, "budget": budget, "dtype": str(dtype), "seconds": seconds,
+            "sparse_total_s": sparse_total, "sparse_vs_full": sparse_total / seconds["full_sdpa"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", default="32768,131072")
+    parser.add_argument("--out", type=Path, required=True, help="json file to write")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_kernels: no CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    records = [bench_context(int(c)) for c in args.contexts.split(",")]
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "shapes": "Llama-3.1-8B: 32 q / 8 kv heads, head_dim 128"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
+    for r in records:
+        s = r["seconds"]
+        print(f"{r['context']:>7} tokens: full {s['full_sdpa'] * 1e6:8.1f} us | select(index) {s['select_index'] * 1e6:7.1f}"
+              f" select(all) {s['select_all'] * 1e6:8.1f} attn {s['sparse_attn'] * 1e6:6.1f} scatter {s['scatter'] * 1e6:6.1f}"
+              f" | sparse/full {r['sparse_vs_full']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
