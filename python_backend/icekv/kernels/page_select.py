@@ -27,13 +27,24 @@ def _page_score(q, k_ptr, head_base, slot, length, g_mask,
 
 
 @triton.jit
-def _load_group_query(q_ptr, b, h, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr):
+def _score_candidates(q_ptr, k_ptr, ids_ptr, lens_ptr, scores_ptr, n_cand, n_slots, first, last,
+                      NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Scores of candidates [first, last) of this program's (sequence, KV head) row."""
+    pid = tl.program_id(0)
+    h = pid % NUM_KV_HEADS
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     g_mask = offs_g < GROUP
-    rows = (b * NUM_KV_HEADS * GROUP + h * GROUP + offs_g).to(tl.int64)
-    return tl.load(q_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0), g_mask
+    rows = (pid * GROUP + offs_g).to(tl.int64)  # query heads of KV head h in sequence pid // Hkv
+    q = tl.load(q_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0)  # [BG, D]
+    row_base = pid.to(tl.int64) * n_cand
+    head_base = h.to(tl.int64) * n_slots * PAGE_SIZE * HEAD_DIM
+    for j in range(first, last):
+        slot = tl.load(ids_ptr + row_base + j)
+        length = tl.load(lens_ptr + row_base + j)
+        score = _page_score(q, k_ptr, head_base, slot, length, g_mask, HEAD_DIM, PAGE_SIZE, BLOCK_P)
+        tl.store(scores_ptr + row_base + j, score)
 
 
 @triton.jit
@@ -62,18 +73,10 @@ def page_score_kernel(
     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, PAGES_PER_PROGRAM: tl.constexpr,
 ):
     """Grid (B * Hkv, ceil(C / PAGES_PER_PROGRAM)): scores [B, Hkv, C] fp32."""
-    pid = tl.program_id(0)
-    b = pid // NUM_KV_HEADS
-    h = pid % NUM_KV_HEADS
-    q, g_mask = _load_group_query(q_ptr, b, h, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_G)
-    row_base = pid.to(tl.int64) * n_cand
-    head_base = h.to(tl.int64) * n_slots * PAGE_SIZE * HEAD_DIM
     first = tl.program_id(1) * PAGES_PER_PROGRAM
-    for j in range(first, tl.minimum(first + PAGES_PER_PROGRAM, n_cand)):
-        slot = tl.load(ids_ptr + row_base + j)
-        length = tl.load(lens_ptr + row_base + j)
-        score = _page_score(q, k_ptr, head_base, slot, length, g_mask, HEAD_DIM, PAGE_SIZE, BLOCK_P)
-        tl.store(scores_ptr + row_base + j, score)
+    _score_candidates(q_ptr, k_ptr, ids_ptr, lens_ptr, scores_ptr, n_cand, n_slots, first,
+                      tl.minimum(first + PAGES_PER_PROGRAM, n_cand), NUM_KV_HEADS, GROUP, HEAD_DIM,
+                      PAGE_SIZE, BLOCK_G, BLOCK_P)
 
 
 @triton.jit
@@ -98,17 +101,8 @@ def page_select_kernel(
 ):
     """Scoring and top-k in one launch, grid (B * Hkv,) - the TensorRT plugin's single kernel.
     Each program scores its own row, waits for the whole block, then selects from that row."""
-    pid = tl.program_id(0)
-    b = pid // NUM_KV_HEADS
-    h = pid % NUM_KV_HEADS
-    q, g_mask = _load_group_query(q_ptr, b, h, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_G)
-    row_base = pid.to(tl.int64) * n_cand
-    head_base = h.to(tl.int64) * n_slots * PAGE_SIZE * HEAD_DIM
-    for j in range(0, n_cand):
-        slot = tl.load(ids_ptr + row_base + j)
-        length = tl.load(lens_ptr + row_base + j)
-        score = _page_score(q, k_ptr, head_base, slot, length, g_mask, HEAD_DIM, PAGE_SIZE, BLOCK_P)
-        tl.store(scores_ptr + row_base + j, score)
+    _score_candidates(q_ptr, k_ptr, ids_ptr, lens_ptr, scores_ptr, n_cand, n_slots, 0, n_cand,
+                      NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_P)
     tl.debug_barrier()  # the row's scores are visible to every thread of the program
-    _topk_row(scores_ptr, ids_ptr, lens_ptr, row_base, n_cand, k, out_ids_ptr, out_lens_ptr,
-              pid.to(tl.int64) * k, BLOCK_C)
+    row = tl.program_id(0).to(tl.int64)
+    _topk_row(scores_ptr, ids_ptr, lens_ptr, row * n_cand, n_cand, k, out_ids_ptr, out_lens_ptr, row * k, BLOCK_C)
