@@ -14,6 +14,7 @@ kept in CSR form (``indptr`` over owners, root first), rebuilt lazily after inse
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from icekv.config import IceCacheConfig
@@ -48,6 +49,14 @@ def balanced_cut(rank: torch.Tensor, count: torch.Tensor, page_size: int) -> tup
     page = rank * m // count  # [n]
     first = (page * count + m - 1) // m  # [n] rank of the page's first item
     return page, rank - first, m
+
+
+def _max_last(x: np.ndarray) -> np.ndarray:
+    """Max over a power-of-two last axis by halving: numpy reduces a short last axis slowly."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = np.maximum(x[..., :half], x[..., half:])
+    return x[..., 0]
 
 
 class DCITree:
@@ -132,45 +141,42 @@ class DCITree:
             self._csr_dirty = False
         return self._csr_indptr, self._csr_pages
 
-    def child_pages(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Pages holding the children of ``nodes`` [m] (local ids, ROOT allowed) -> page ids."""
-        return self._csr()[1][self.node_mask(nodes[None])[0, self._csr_owner]]
-
-    def node_mask(self, nodes: torch.Tensor) -> torch.Tensor:
-        """nodes [G, m] (local ids, ROOT allowed, < -1 ignored) -> membership [G, n + 1] over owner keys."""
-        mask = torch.zeros(nodes.shape[0], self.n + 2, dtype=torch.bool)  # last column: ignored ids
-        keys = torch.where(nodes >= ROOT, nodes + 1, self.n + 1)
-        mask.scatter_(1, keys, True)
-        return mask[:, : self.n + 1]
-
     # ---- query
     def page_scores(self, q: torch.Tensor, field_of_view: int) -> torch.Tensor:
         """q [G, D] (one KV head's query heads) -> page scores [G, num_pages].
 
         Each query head walks the tree top-down: score the children pages of its best
         ``field_of_view`` nodes exactly, descend. A page's score is the best ``q.k`` among its
-        tokens, ``-inf`` where the walk never visited it.
+        tokens, ``-inf`` where the walk never visited it. Runs on numpy views of the tree (the
+        walk is many small steps; numpy's per-call cost is a fraction of torch's).
         """
+        indptr, csr_pages = (t.numpy() for t in self._csr())
+        csr_owner, page_tokens, keys = self._csr_owner.numpy(), self.page_tokens.numpy(), self.keys.numpy()
+        q = q.float().numpy()
         g = q.shape[0]
-        q = q.float()
-        scores = torch.full((g, self.num_pages), float("-inf"))  # [G, num_pages]
-        indptr, csr_pages = self._csr()
-        pages = csr_pages[int(indptr[0]) : int(indptr[1])]  # [m] the root's pages
-        owner_ok = torch.ones(g, len(pages), dtype=torch.bool)  # [G, m] page reached by head g
+        heads = np.arange(g)[:, None]
+        scores = np.full((g, self.num_pages), -np.inf, dtype=np.float32)  # [G, num_pages]
+        pages = csr_pages[indptr[0] : indptr[1]]  # [m] the root's pages
+        owner_ok = np.ones((g, len(pages)), dtype=bool)  # [G, m] page reached by head g
         while len(pages):
-            toks = self.page_tokens[pages]  # [m, P]
-            s = torch.einsum("gd,mpd->gmp", q, self.keys[toks.clamp_min(0)])  # [G, m, P]
-            s = s.masked_fill((toks < 0)[None] | ~owner_ok[:, :, None], float("-inf"))
-            scores[:, pages] = s.amax(-1)
-            flat = s.flatten(1)  # [G, m*P]
-            best = flat.topk(min(field_of_view, flat.shape[1]), dim=-1)  # [G, fov]
-            nodes = toks.flatten()[best.indices]  # [G, fov]
-            nodes = torch.where(torch.isfinite(best.values), nodes, -2)  # -2: not a node
-            mine = self.node_mask(nodes)  # [G, n + 1] nodes each head keeps
-            reached = mine[:, self._csr_owner]  # [G, num_pages] in CSR order
-            pick = reached.any(0)
+            toks = page_tokens.take(pages, axis=0)  # [m, P]
+            k = keys.take(np.maximum(toks, 0), axis=0)  # [m, P, D]
+            s = (k.reshape(-1, k.shape[-1]) @ q.T).T.reshape(g, len(pages), -1)  # [G, m, P]
+            s[:, toks < 0] = -np.inf
+            s[~owner_ok] = -np.inf
+            scores[:, pages] = _max_last(s)
+            flat = s.reshape(g, -1)  # [G, m*P]
+            fov = min(field_of_view, flat.shape[1])
+            best = np.argpartition(flat, flat.shape[1] - fov, axis=1)[:, -fov:]  # [G, fov] unordered
+            nodes = np.where(np.isfinite(flat[heads, best]), toks.reshape(-1)[best], -2)  # -2: not a node
+            mine = np.zeros((g, self.n + 2), dtype=bool)  # [G, n + 2] over owner keys; last: ignored
+            mine[heads, np.where(nodes >= ROOT, nodes + 1, self.n + 1)] = True
+            reached = mine.take(csr_owner, axis=1)  # [G, num_pages] in CSR order
+            pick = reached[0].copy()
+            for row in reached[1:]:  # faster than any(0) for a handful of rows
+                pick |= row
             pages, owner_ok = csr_pages[pick], reached[:, pick]  # [m'], [G, m']
-        return scores
+        return torch.from_numpy(scores)
 
     # ---- dynamic insertion
     def insert(self, keys: torch.Tensor) -> set[int]:
