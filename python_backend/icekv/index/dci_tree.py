@@ -152,7 +152,7 @@ class DCITree:
         """
         indptr, csr_pages = (t.numpy() for t in self._csr())
         csr_owner, page_tokens, keys = self._csr_owner.numpy(), self.page_tokens.numpy(), self.keys.numpy()
-        q = q.float().numpy()
+        q_t = q.float().T.contiguous()  # [D, G]
         g = q.shape[0]
         heads = np.arange(g)[:, None]
         scores = np.full((g, self.num_pages), -np.inf, dtype=np.float32)  # [G, num_pages]
@@ -161,7 +161,8 @@ class DCITree:
         while len(pages):
             toks = page_tokens.take(pages, axis=0)  # [m, P]
             k = keys.take(np.maximum(toks, 0), axis=0)  # [m, P, D]
-            s = (k.reshape(-1, k.shape[-1]) @ q.T).T.reshape(g, len(pages), -1)  # [G, m, P]
+            # the product in torch: numpy's BLAS threads would fight torch's for the same cores
+            s = (torch.from_numpy(k.reshape(-1, k.shape[-1])) @ q_t).numpy().T.reshape(g, len(pages), -1)  # [G, m, P]
             s[:, toks < 0] = -np.inf
             s[~owner_ok] = -np.inf
             scores[:, pages] = _max_last(s)
