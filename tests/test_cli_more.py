@@ -49,3 +49,17 @@ def test_size_matches_the_model_shape(smollm2_dir):
     assert out["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
     assert out["host_pool_bytes"] == 2 * 4096 * out["kv_bytes_per_token"]
     assert out["device_bytes_budget"] < out["device_bytes_full"]
+
+
+@pytest.mark.model
+def test_bench_decode_times_stages_and_first_token(smollm2_dir):
+    proc = icekv("bench", "decode", "--contexts", "600", "--policies", "full,icecache", "--budget", "64",
+                   "--steps", "3", "--ttft-contexts", "600", "--model", str(smollm2_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    full, ice = json.loads(proc.stdout)["records"]
+    assert full["policy"] == "full" and ice["policy"] == "icecache"
+    assert full["prefill_s"] > 0 and full["ttft_s"] == full["prefill_s"]  # no index for full attention
+    assert ice["ttft_s"] == ice["prefill_s"] + ice["index_build_s"] and ice["index_build_s"] > 0
+    assert ice["select_s"] > 0 and ice["resident_kv_bytes"] < ice["total_kv_bytes"]
+    bad = icekv("bench", "decode", "--contexts", "600", "--ttft-contexts", "700", "--model", str(smollm2_dir))
+    assert bad.returncode == 2 and "--ttft-contexts" in bad.stderr

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--budget", type=_positive_int("--budget"), default=256)
     bd.add_argument("--steps", type=_positive_int("--steps"), default=16)
     bd.add_argument("--peer", choices=("none", "hf"), default="none", help="hf: also time transformers' decoding")
+    bd.add_argument("--ttft-contexts", default=None,
+                    help="comma list of --contexts to really prefill (slow) and report time to first token")
     bd.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
     bd.add_argument("--out", type=Path, default=None, help="write results.json + report.md + tpot.png here")
     bd.add_argument("--json", action="store_true")
