@@ -110,3 +110,17 @@ def test_empty_tree_selects_nothing():
     assert tree.page_scores(torch.randn(3, 32), 30).shape == (3, 0)
     tree.insert(_keys(3))
     assert_invariants(tree)
+
+
+def test_exhaustive_scores_equal_an_unlimited_walk_after_inserts():
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(700, 32, generator=g)
+    tree = _tree(keys[:500])
+    tree.insert(keys[500:600])
+    tree.insert(keys[600:])
+    q = torch.randn(3, 32, generator=g)
+    exact = tree.exact_page_scores(q)  # [G, pages]
+    assert exact.shape == (3, tree.num_pages) and torch.isfinite(exact).all()
+    torch.testing.assert_close(exact, tree.page_scores(q, field_of_view=10**9))
+    brute = torch.stack([(q @ keys[tree.page_tokens[p, : tree.page_len[p]]].T).amax(-1) for p in range(tree.num_pages)], 1)
+    torch.testing.assert_close(exact, brute)

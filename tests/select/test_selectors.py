@@ -68,3 +68,23 @@ def test_small_budgets_shrink_sink_and_window():
 def test_full_needs_no_selector():
     assert make_selector(SelectionConfig(policy="full")) is None
     assert make_selector(SelectionConfig(policy="icecache_r")).layer_reuse
+
+
+def test_icecache_exhaustive_search_picks_the_exact_top_pages():
+    from icekv.config import IceCacheConfig
+
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3000, 32, generator=g)  # [Hkv, n, D]
+    q = torch.randn(6, 32, generator=g)  # 3 query heads per KV head
+    walk = make_selector(SelectionConfig(policy="icecache", budget=256))
+    exact = make_selector(SelectionConfig(policy="icecache", budget=256, icecache=IceCacheConfig(search="exhaustive")))
+    for sel in (walk, exact):
+        sel.build(2, keys, base=16)
+    picks_walk, picks_exact = walk.select(2, q, 12), exact.select(2, q, 12)
+    for h, tree in enumerate(exact.trees[2]):
+        scores = torch.stack([(q[3 * h:3 * h + 3] @ keys[h, tree.page_tokens[p, : tree.page_len[p]]].T).amax(-1)
+                              for p in range(tree.num_pages)], 1)  # [G, pages] brute force
+        assert picks_exact[h].tolist() == merge_ranked(scores, 12).tolist()
+        assert len(picks_walk[h]) == 12  # the walk picks as many, from the pages it visited
+    with pytest.raises(ConfigError, match="search"):
+        IceCacheConfig(search="beam")

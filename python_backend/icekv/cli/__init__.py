@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--questions", type=_positive_int("--questions"), default=4, help="with --compress: per context")
     ev.add_argument("--rho", type=float, default=None, help="with --compress: kv2 re-feed share (default: the budget)")
     ev.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="with --compress: kv2 refinement rounds")
+    ev.add_argument("--search", choices=("walk", "exhaustive"), default="walk",
+                    help="icecache page search: the DCI tree walk, or every page scored exactly")
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
     ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
 
@@ -78,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--budget", type=_positive_int("--budget"), default=256)
     bd.add_argument("--steps", type=_positive_int("--steps"), default=16)
     bd.add_argument("--peer", choices=("none", "hf"), default="none", help="hf: also time transformers' decoding")
+    bd.add_argument("--search", choices=("walk", "exhaustive"), default="walk",
+                    help="icecache page search: the DCI tree walk, or every page scored exactly")
     bd.add_argument("--ttft-contexts", default=None,
                     help="comma list of --contexts to really prefill (slow) and report time to first token")
     bd.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from icekv.config import SamplingConfig, SelectionConfig
+from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.engine import Prefilled, drain
 
@@ -29,6 +29,7 @@ class DecodeBenchConfig:
     seed_tokens: int = 1024  # real prefill that is tiled into the synthesized cache
     peer_hf: bool = False
     ttft_contexts: tuple[int, ...] = ()  # contexts really prefilled (slow), to time the first token
+    icecache: IceCacheConfig = IceCacheConfig()  # e.g. search="exhaustive"
 
 
 def synthesize(engine: Engine, seed_ids: list[int], length: int) -> Prefilled:
@@ -80,13 +81,14 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
             req, prefill_s = synthesize(engine, seed_ids, length), None
         try:
             for policy in cfg.policies:
-                sel = SelectionConfig(policy=policy, budget=cfg.budget)
+                sel = SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache)
                 gen = drain(engine._decode_steps(req, sampling, sel))
                 steps = max(gen.new_tokens - 1, 1)
                 t = {k: v / steps for k, v in gen.timings.items() if k not in ("index_build_s",)}
                 split = {k: t.get(k, 0.0) for k in ("select_s", "transfer_s", "attention_s", "insert_s")}
                 records.append({
                     "context": length, "policy": policy, "budget": None if policy == "full" else cfg.budget,
+                    "search": cfg.icecache.search if policy.startswith("icecache") else None,
                     "tpot_s": gen.tpot_s, **split,
                     "other_s": max(gen.tpot_s - sum(split.values()), 0.0),
                     "index_build_s": gen.timings.get("index_build_s", 0.0),

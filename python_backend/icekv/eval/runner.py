@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from icekv.config import SamplingConfig, SelectionConfig
+from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.eval.tasks import TASKS, HaystackSampler
@@ -29,6 +29,7 @@ class EvalConfig:
     num_needles: int = 2  # niah_multikey: needles with distinct keys, one asked
     num_values: int = 2  # niah_multivalue: values of the one key, all asked
     probe: bool = True  # per-layer attention recall and output cosine vs full attention
+    icecache: IceCacheConfig = IceCacheConfig()  # e.g. search="exhaustive"
 
     def __post_init__(self) -> None:
         for t in self.tasks:
@@ -42,7 +43,8 @@ class EvalConfig:
 
     def selections(self) -> list[SelectionConfig]:
         out = [SelectionConfig(policy="full")] if "full" in self.policies else []
-        return out + [SelectionConfig(policy=p, budget=b) for p in self.policies if p != "full" for b in self.budgets]
+        return out + [SelectionConfig(policy=p, budget=b, icecache=self.icecache)
+                      for p in self.policies if p != "full" for b in self.budgets]
 
 
 def _sample_seed(cfg: EvalConfig, task: str, length: int, i: int) -> int:

@@ -179,6 +179,14 @@ class DCITree:
             pages, owner_ok = csr_pages[pick], reached[:, pick]  # [m'], [G, m']
         return torch.from_numpy(scores)
 
+    def exact_page_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """q [G, D] -> every page's exact score [G, num_pages] (best ``q.k`` of its tokens): what
+        the walk returns with an unlimited field of view, as one product over all keys."""
+        tok_scores = self.keys[: self.n] @ q.float().T  # [n, G]
+        toks = self.page_tokens[: self.num_pages]  # [pages, P]
+        per_page = tok_scores[toks.clamp_min(0)].masked_fill((toks < 0)[..., None], float("-inf"))  # [pages, P, G]
+        return per_page.amax(1).T.contiguous()  # [G, pages]
+
     # ---- dynamic insertion
     def insert(self, keys: torch.Tensor) -> set[int]:
         """Append tokens (keys [m, D], next in sequence order) without a rebuild.

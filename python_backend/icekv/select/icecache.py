@@ -55,7 +55,11 @@ class IceCacheSelector:
             return self._last[lead]
         trees = self.trees[layer]
         fov = self.config.field_of_view(self.base[layer] + trees[0].n)
-        picks = [merge_ranked(t.page_scores(qh, fov), k) for t, qh in zip(trees, q.chunk(len(trees), 0))]
+        if self.config.search == "walk":
+            score = lambda tree, qh: tree.page_scores(qh, fov)
+        else:
+            score = lambda tree, qh: tree.exact_page_scores(qh)
+        picks = [merge_ranked(score(t, qh), k) for t, qh in zip(trees, q.chunk(len(trees), 0))]
         self._last[layer] = picks
         return picks
 
