@@ -49,7 +49,6 @@ def bench_context(tokens: int, hq=32, hkv=8, d=128, page=16, budget=256, dtype=t
     k_all = torch.randn(1, hkv, tokens, d, device=dev, dtype=dtype)
     v_all = torch.randn_like(k_all)
     k_pages = k_all[0].view(hkv, n_pages, page, d)  # the same keys as pages [Hkv, C, P, D]
-    v_pages = v_all[0].view(hkv, n_pages, page, d)
     q4 = q.view(1, hq, 1, d)
     full = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k_all, v_all, enable_gqa=True)
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from icekv.cli.common import _positive_int, _serving_flags, _serving_parameters
+from icekv.config import SelectionConfig
 from icekv.errors import IcekvError
 
 
@@ -82,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--peer", choices=("none", "hf"), default="none", help="hf: also time transformers' decoding")
     bd.add_argument("--search", choices=("walk", "exhaustive"), default="walk",
                     help="icecache page search: the DCI tree walk, or every page scored exactly")
+    bd.add_argument("--unlimited-layers", type=int, default=SelectionConfig.n_unlimited_layers,
+                    help="first layers that keep their whole cache (0: every layer budgeted)")
     bd.add_argument("--ttft-contexts", default=None,
                     help="comma list of --contexts to really prefill (slow) and report time to first token")
     bd.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")

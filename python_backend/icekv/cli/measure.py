@@ -85,12 +85,13 @@ def _cmd_bench(args) -> int:
     contexts = _csv("--contexts", args.contexts, int)
     policies = _csv("--policies", args.policies, str)
     for policy in policies:
-        SelectionConfig(policy=policy, budget=args.budget)  # a clear error before any work
+        SelectionConfig(policy=policy, budget=args.budget, n_unlimited_layers=args.unlimited_layers)  # errors early
     ttft = _csv("--ttft-contexts", args.ttft_contexts, int) if args.ttft_contexts else ()
     if set(ttft) - set(contexts):
         raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
     cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf",
-                            ttft_contexts=ttft, icecache=IceCacheConfig(search=args.search))
+                            ttft_contexts=ttft, icecache=IceCacheConfig(search=args.search),
+                            unlimited_layers=args.unlimited_layers)
     paging = PagingConfig(max_context_tokens=max(contexts) + 2048 + args.steps + 16)
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
     t0 = time.perf_counter()

@@ -30,6 +30,7 @@ class DecodeBenchConfig:
     peer_hf: bool = False
     ttft_contexts: tuple[int, ...] = ()  # contexts really prefilled (slow), to time the first token
     icecache: IceCacheConfig = IceCacheConfig()  # e.g. search="exhaustive"
+    unlimited_layers: int = SelectionConfig.n_unlimited_layers  # first layers kept whole
 
 
 def synthesize(engine: Engine, seed_ids: list[int], length: int) -> Prefilled:
@@ -81,7 +82,8 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
             req, prefill_s = synthesize(engine, seed_ids, length), None
         try:
             for policy in cfg.policies:
-                sel = SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache)
+                sel = SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache,
+                                      n_unlimited_layers=cfg.unlimited_layers)
                 gen = drain(engine._decode_steps(req, sampling, sel))
                 steps = max(gen.new_tokens - 1, 1)
                 t = {k: v / steps for k, v in gen.timings.items() if k not in ("index_build_s",)}
