@@ -44,3 +44,20 @@ def test_full_pool_is_refused_and_free_returns_pages():
     cache.extend(1, 17)
     assert cache.sequence_bytes(1) == 2 * cache.bytes_per_page
     assert cache.bytes_per_page == 2 * 2 * 3 * 16 * 8 * 4  # layers * (K,V) * heads * P * D * fp32
+
+
+def test_view_range_equals_gather_and_shares_memory_only_when_pages_are_consecutive():
+    cache = _cache(max_tokens=256)
+    cache.add(0)
+    cache.add(1)
+    k = torch.randn(70, 3, 8)
+    cache.write(0, 0, cache.extend(0, 40), k[:40], -k[:40])  # pages 0..2: consecutive
+    cache.write(0, 1, cache.extend(1, 20), k[:20], k[:20])  # sequence 1 takes pages 3..4
+    cache.write(0, 0, cache.extend(0, 30), k[40:], -k[40:])  # sequence 0 continues on pages 5..
+    for start, end in [(0, 40), (3, 45), (20, 70), (0, 70), (47, 48), (10, 10)]:
+        view_k, view_v = cache.view_range(0, 0, start, end)
+        want_k, want_v = cache.gather_range(0, 0, start, end)
+        assert torch.equal(view_k, want_k) and torch.equal(view_v, want_v)
+    shares = lambda t: t.untyped_storage().data_ptr() == cache.pool.untyped_storage().data_ptr()
+    assert shares(cache.view_range(0, 0, 3, 45)[0])  # pages 0..2 are consecutive ids: no copy
+    assert not shares(cache.view_range(0, 0, 20, 70)[0])  # crosses from page 2 to page 5: gathered

@@ -35,7 +35,7 @@ class FullCacheAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.seq_id, self.start, k, v)
         t0 = time.perf_counter()
-        keys, values = self.cache.gather(layer, self.seq_id)  # [Hkv, L, D] each
+        keys, values = self.cache.view_range(layer, self.seq_id, 0, self.cache.length(self.seq_id))  # [Hkv, L, D]
         out = causal_attention(q, keys, values, self.positions)
         self.timings["attention_s"] += time.perf_counter() - t0
         return out

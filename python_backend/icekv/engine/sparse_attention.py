@@ -61,8 +61,8 @@ class SparseCacheAttention(FullCacheAttention):
         return self.cache.gather_tokens(layer, self.seq_id, heads, refs)
 
     def _sink_window(self, layer: int, length: int):
-        sink_k, sink_v = self.cache.gather_range(layer, self.seq_id, 0, min(self.sink_end, length))
-        win_k, win_v = self.cache.gather_range(layer, self.seq_id, min(self.win_start, length), length)
+        sink_k, sink_v = self.cache.view_range(layer, self.seq_id, 0, min(self.sink_end, length))
+        win_k, win_v = self.cache.view_range(layer, self.seq_id, min(self.win_start, length), length)
         return sink_k, sink_v, win_k, win_v
 
     def _window_start(self, length: int) -> int:

@@ -23,6 +23,14 @@ from icekv.kv.page_table import PageTable
 class _Sequence:
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    _runs: torch.Tensor | None = None  # [pages] count of page-id breaks so far; None = stale
+
+    def runs(self) -> torch.Tensor:
+        """runs[i] == runs[j] iff pages i..j are consecutive ids (then their tokens are one slice)."""
+        if self._runs is None:
+            ids = torch.tensor(self.pages, dtype=torch.long)
+            self._runs = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ids.diff() != 1, 0)])
+        return self._runs
 
 
 class PagedKVCache:
@@ -86,7 +94,9 @@ class PagedKVCache:
                 f"KV cache full: {seq.length + n_new} tokens need {need} more pages of "
                 f"{self.page_size}, {self.allocator.num_free} free"
             )
-        seq.pages += self.allocator.allocate(need)
+        if need:
+            seq.pages += self.allocator.allocate(need)
+            seq._runs = None
         start, seq.length = seq.length, seq.length + n_new
         return start
 
@@ -112,6 +122,20 @@ class PagedKVCache:
         kv = kv[:, :, offset : offset + end - start]
         return kv[0], kv[1]
 
+    def view_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like :meth:`gather_range`, but without a copy when the range's pages are consecutive
+        ids (the usual case for one request): then the result is a view of the pool - read it,
+        never write it, and do not keep it past the request's next write."""
+        seq = self._seqs[seq_id]
+        first, last = start // self.page_size, -(-end // self.page_size) - 1
+        if end <= start or seq.runs()[first] != seq.runs()[last]:
+            return self.gather_range(layer, seq_id, start, end)
+        p0 = seq.pages[first]
+        kv = self.pool[layer, :, :, p0 : p0 + last - first + 1].flatten(2, 3)  # [2, Hkv, n*P, D] a view
+        offset = start % self.page_size
+        kv = kv[:, :, offset : offset + end - start]
+        return kv[0], kv[1]
+
     def gather_tokens(
         self, layer: int, seq_id: int, heads: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +153,7 @@ class PagedKVCache:
         seq = self._seqs[seq_id]
         keep = -(-length // self.page_size)
         self.allocator.free(seq.pages[keep:])
-        seq.pages, seq.length = seq.pages[:keep], min(seq.length, length)
+        seq.pages, seq.length, seq._runs = seq.pages[:keep], min(seq.length, length), None
 
     def page_table(self, seq_ids: list[int]) -> PageTable:
         seqs = [self._seqs[s] for s in seq_ids]
