@@ -21,15 +21,18 @@ def kernel_backend(device: torch.device, backend: str | None = None) -> str:
     choice = backend or os.environ.get(ENV_VAR, "auto")
     if choice not in BACKENDS:
         raise ValueError(f"{ENV_VAR} / backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
-    has_triton = importlib.util.find_spec("triton") is not None
     if choice == "auto":
-        return "triton" if device.type == "cuda" and has_triton else "torch"
+        return "triton" if device.type == "cuda" and _has_triton() else "torch"
     if choice == "triton":
-        if not has_triton:
+        if not _has_triton():
             raise RuntimeError(f"{ENV_VAR}=triton but the triton package is not installed")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(f"{ENV_VAR}=triton on {device.type} tensors needs TRITON_INTERPRET=1")
     return choice
+
+
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _check_pages(q: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor, what: str) -> None:

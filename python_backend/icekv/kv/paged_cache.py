@@ -23,12 +23,21 @@ from icekv.kv.page_table import PageTable
 class _Sequence:
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    _ids: torch.Tensor | None = None  # [pages] the page list as a tensor; None = stale
     _runs: torch.Tensor | None = None  # [pages] count of page-id breaks so far; None = stale
+
+    def set_pages(self, pages: list[int]) -> None:
+        self.pages, self._ids, self._runs = pages, None, None
+
+    def ids(self) -> torch.Tensor:
+        if self._ids is None:
+            self._ids = torch.tensor(self.pages, dtype=torch.long)
+        return self._ids
 
     def runs(self) -> torch.Tensor:
         """runs[i] == runs[j] iff pages i..j are consecutive ids (then their tokens are one slice)."""
         if self._runs is None:
-            ids = torch.tensor(self.pages, dtype=torch.long)
+            ids = self.ids()
             self._runs = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ids.diff() != 1, 0)])
         return self._runs
 
@@ -95,15 +104,14 @@ class PagedKVCache:
                 f"{self.page_size}, {self.allocator.num_free} free"
             )
         if need:
-            seq.pages += self.allocator.allocate(need)
-            seq._runs = None
+            seq.set_pages(seq.pages + self.allocator.allocate(need))
         start, seq.length = seq.length, seq.length + n_new
         return start
 
     def write(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] of positions ``start .. start+T-1``."""
         pos = torch.arange(start, start + k.shape[0])  # [T]
-        pages = torch.tensor(self._seqs[seq_id].pages, dtype=torch.long)[pos // self.page_size]  # [T]
+        pages = self._seqs[seq_id].ids()[pos // self.page_size]  # [T]
         slots = pos % self.page_size  # [T]
         self.pool[layer, 0, :, pages, slots] = k.transpose(0, 1)  # indexed view: [Hkv, T, D]
         self.pool[layer, 1, :, pages, slots] = v.transpose(0, 1)
@@ -115,8 +123,7 @@ class PagedKVCache:
 
     def gather_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``start .. end-1``: two [Hkv, end-start, D] tensors."""
-        pages = self._seqs[seq_id].pages[start // self.page_size : -(-end // self.page_size)]
-        index = torch.tensor(pages, dtype=torch.long)
+        index = self._seqs[seq_id].ids()[start // self.page_size : -(-end // self.page_size)]
         kv = self.pool[layer].index_select(2, index).flatten(2, 3)  # [2, Hkv, n*P, D]
         offset = start % self.page_size
         kv = kv[:, :, offset : offset + end - start]
@@ -143,9 +150,11 @@ class PagedKVCache:
         -> two [n, P, D] tensors, zero where the position is -1."""
         valid = positions >= 0  # [n, P]
         pos = positions.clamp_min(0)
-        pages = torch.tensor(self._seqs[seq_id].pages, dtype=torch.long)[pos // self.page_size]  # [n, P]
-        kv = self.pool[layer, :, heads[:, None], pages, pos % self.page_size]  # [2, n, P, D]
-        kv = kv * valid[None, :, :, None]
+        pages = self._seqs[seq_id].ids()[pos // self.page_size]  # [n, P]
+        num_pages, page_size, d = self.pool.shape[3:]
+        rows = (heads[:, None] * num_pages + pages) * page_size + pos % page_size  # [n, P] into [Hkv*pages*P]
+        kv = self.pool[layer].view(2, -1, d).index_select(1, rows.flatten()).view(2, *rows.shape, d)  # [2, n, P, D]
+        kv.masked_fill_(~valid[None, :, :, None], 0)
         return kv[0], kv[1]
 
     def truncate(self, seq_id: int, length: int) -> None:
@@ -153,7 +162,8 @@ class PagedKVCache:
         seq = self._seqs[seq_id]
         keep = -(-length // self.page_size)
         self.allocator.free(seq.pages[keep:])
-        seq.pages, seq.length, seq._runs = seq.pages[:keep], min(seq.length, length), None
+        seq.set_pages(seq.pages[:keep])
+        seq.length = min(seq.length, length)
 
     def page_table(self, seq_ids: list[int]) -> PageTable:
         seqs = [self._seqs[s] for s in seq_ids]
