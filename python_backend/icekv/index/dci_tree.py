@@ -127,7 +127,16 @@ class DCITree:
         self.page_owner = torch.full((cap,), ROOT, dtype=torch.long)  # [cap]
         self.page_owner[page] = sorted_owner
         self.page_version = torch.zeros(cap, dtype=torch.long)  # [cap] bumped on every change
+        self.page_keys = torch.empty(cap, p, self.keys.shape[1])  # [cap, P, D] keys page-major (rows < num_pages synced)
+        self.page_pad = torch.full((cap, p), float("-inf"))  # [cap, P] 0 on a token, -inf on a hole
+        self._sync_pages(torch.arange(num_pages))
         self._csr_dirty = True
+
+    def _sync_pages(self, pages: torch.Tensor) -> None:
+        """Mirror the tokens of ``pages`` [m] into the page-major key copy used for scoring."""
+        toks = self.page_tokens[pages]  # [m, P]
+        self.page_keys[pages] = self.keys[toks.clamp_min(0)] * (toks >= 0)[..., None]
+        self.page_pad[pages] = torch.where(toks >= 0, 0.0, float("-inf"))
 
     # ---- CSR: owner -> pages
     def _csr(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +160,8 @@ class DCITree:
         walk is many small steps; numpy's per-call cost is a fraction of torch's).
         """
         indptr, csr_pages = (t.numpy() for t in self._csr())
-        csr_owner, page_tokens, keys = self._csr_owner.numpy(), self.page_tokens.numpy(), self.keys.numpy()
+        csr_owner, page_tokens = self._csr_owner.numpy(), self.page_tokens.numpy()
+        page_keys, page_pad = self.page_keys.numpy(), self.page_pad.numpy()
         q_t = q.float().T.contiguous()  # [D, G]
         g = q.shape[0]
         heads = np.arange(g)[:, None]
@@ -160,10 +170,10 @@ class DCITree:
         owner_ok = np.ones((g, len(pages)), dtype=bool)  # [G, m] page reached by head g
         while len(pages):
             toks = page_tokens.take(pages, axis=0)  # [m, P]
-            k = keys.take(np.maximum(toks, 0), axis=0)  # [m, P, D]
+            k = page_keys.take(pages, axis=0)  # [m, P, D]
             # the product in torch: numpy's BLAS threads would fight torch's for the same cores
             s = (torch.from_numpy(k.reshape(-1, k.shape[-1])) @ q_t).numpy().T.reshape(g, len(pages), -1)  # [G, m, P]
-            s[:, toks < 0] = -np.inf
+            s += page_pad.take(pages, axis=0)  # -inf on holes
             s[~owner_ok] = -np.inf
             scores[:, pages] = _max_last(s)
             flat = s.reshape(g, -1)  # [G, m*P]
@@ -182,10 +192,9 @@ class DCITree:
     def exact_page_scores(self, q: torch.Tensor) -> torch.Tensor:
         """q [G, D] -> every page's exact score [G, num_pages] (best ``q.k`` of its tokens): what
         the walk returns with an unlimited field of view, as one product over all keys."""
-        tok_scores = self.keys[: self.n] @ q.float().T  # [n, G]
-        toks = self.page_tokens[: self.num_pages]  # [pages, P]
-        per_page = tok_scores[toks.clamp_min(0)].masked_fill((toks < 0)[..., None], float("-inf"))  # [pages, P, G]
-        return per_page.amax(1).T.contiguous()  # [G, pages]
+        m, p, d = self.num_pages, self.page_size, self.keys.shape[1]
+        s = (self.page_keys[:m].view(m * p, d) @ q.float().T).view(m, p, -1)  # [pages, P, G]
+        return (s + self.page_pad[:m, :, None]).amax(1).T.contiguous()  # [G, pages]
 
     # ---- dynamic insertion
     def insert(self, keys: torch.Tensor) -> set[int]:
@@ -216,6 +225,7 @@ class DCITree:
         changed: set[int] = set()
         for t in new.tolist():
             changed |= self._place(t, int(self.parent[t]))
+        self._sync_pages(torch.tensor(sorted(changed), dtype=torch.long))
         return changed
 
     def _grow(self, m: int) -> None:
@@ -226,6 +236,8 @@ class DCITree:
                 setattr(self, name, torch.cat([t, torch.full_like(t, ROOT if name == "parent" else 0)]))
         while self.num_pages + m > len(self.page_len):
             self.page_tokens = torch.cat([self.page_tokens, torch.full_like(self.page_tokens, -1)])
+            self.page_keys = torch.cat([self.page_keys, torch.empty_like(self.page_keys)])
+            self.page_pad = torch.cat([self.page_pad, torch.full_like(self.page_pad, float("-inf"))])
             for name, fill in (("page_len", 0), ("page_owner", ROOT), ("page_version", 0)):
                 t = getattr(self, name)
                 setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
