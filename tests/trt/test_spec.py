@@ -86,6 +86,7 @@ def test_plugins_register_where_tensorrt_imports():
     assert register_plugins(spec) == ("icekv::page_select", "icekv::sparse_paged_attention")
 
 
+@pytest.mark.model
 def test_build_cli_without_tensorrt(tmp_path, smollm2_dir):
     """`icekv build --ptx-only` writes the plugins' kernels; a full build names what is missing."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ICEKV_KERNELS")}
