@@ -33,3 +33,15 @@ def test_allocator_hands_out_distinct_pages_and_refuses_overflow():
         alloc.allocate(2)
     alloc.free(a)
     assert alloc.num_free == 4
+
+
+def test_allocator_continues_a_run_when_it_can():
+    alloc = PageAllocator(8)
+    a = alloc.allocate(3)  # 0, 1, 2
+    b = alloc.allocate(2)  # 3, 4
+    assert alloc.allocate(1, after=a[-1]) == [5]  # 3 is taken: the next free page instead
+    alloc.free(b)
+    assert alloc.allocate(2, after=a[-1]) == [3, 4]  # freed pages right after the run come back to it
+    assert alloc.num_free == 2 and sorted(alloc.allocate(2)) == [6, 7]
+    with pytest.raises(CacheFullError):
+        alloc.allocate(1, after=7)

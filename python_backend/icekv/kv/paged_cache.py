@@ -104,7 +104,7 @@ class PagedKVCache:
                 f"{self.page_size}, {self.allocator.num_free} free"
             )
         if need:
-            seq.set_pages(seq.pages + self.allocator.allocate(need))
+            seq.set_pages(seq.pages + self.allocator.allocate(need, after=seq.pages[-1] if seq.pages else None))
         start, seq.length = seq.length, seq.length + n_new
         return start
 
