@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from icekv.attention import causal_attention
+from icekv.attention import causal_attention, decode_attention, decode_attention_chunks
 
 
 def naive(q, k, v, pos):
@@ -25,3 +25,12 @@ def test_matches_naive_softmax(hq, hkv, n, length):
     k, v = torch.randn(hkv, length, 16), torch.randn(hkv, length, 16)
     pos = torch.arange(length - n, length)
     torch.testing.assert_close(causal_attention(q, k, v, pos), naive(q, k, v, pos), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [5, 6], [3, 17, 30]])
+def test_decode_attention_over_chunks_equals_one_piece(cuts):
+    g = torch.Generator().manual_seed(len(cuts))
+    q, k, v = torch.randn(9, 16, generator=g), torch.randn(3, 40, 16, generator=g), torch.randn(3, 40, 16, generator=g)
+    bounds = [0, *cuts, 40]
+    chunks = [(k[:, a:b], v[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    torch.testing.assert_close(decode_attention_chunks(q, chunks), decode_attention(q, k, v))

@@ -61,3 +61,7 @@ def test_view_range_equals_gather_and_shares_memory_only_when_pages_are_consecut
     shares = lambda t: t.untyped_storage().data_ptr() == cache.pool.untyped_storage().data_ptr()
     assert shares(cache.view_range(0, 0, 3, 45)[0])  # pages 0..2 are consecutive ids: no copy
     assert not shares(cache.view_range(0, 0, 20, 70)[0])  # crosses from page 2 to page 5: gathered
+    runs = cache.view_runs(0, 0, 20, 70)  # ... or read in place as two runs
+    assert [r[0].shape[1] for r in runs] == [28, 22] and all(shares(k) for k, _ in runs)
+    torch.testing.assert_close(torch.cat([k for k, _ in runs], 1), cache.gather_range(0, 0, 20, 70)[0])
+    assert cache.view_runs(0, 0, 5, 5) == []

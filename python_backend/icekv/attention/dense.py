@@ -18,6 +18,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return torch.matmul(scores.softmax(-1), v).reshape(q.shape)  # [Hq, D]
 
 
+def decode_attention_chunks(q: torch.Tensor, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """:func:`decode_attention` over keys and values given in pieces [(k_i, v_i) [Hkv, L_i, D]]:
+    one softmax across all of them, without concatenating K/V (only the scores are joined)."""
+    if len(chunks) == 1:
+        return decode_attention(q, *chunks[0])
+    hkv, _, d = chunks[0][0].shape
+    qg = q.view(hkv, -1, d)  # [Hkv, G, D]
+    probs = torch.cat([torch.matmul(qg, k.transpose(1, 2)) for k, _ in chunks], -1).mul_(d**-0.5).softmax(-1)  # [Hkv, G, L]
+    out, at = 0, 0
+    for k, v in chunks:
+        out = out + torch.matmul(probs[..., at : at + k.shape[1]], v)  # [Hkv, G, D]
+        at += k.shape[1]
+    return out.reshape(q.shape)  # [Hq, D]
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor
 ) -> torch.Tensor:

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from icekv.attention import causal_attention
+from icekv.attention import causal_attention, decode_attention_chunks
 from icekv.kv import PagedKVCache
 
 
@@ -35,7 +35,11 @@ class FullCacheAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.seq_id, self.start, k, v)
         t0 = time.perf_counter()
-        keys, values = self.cache.view_range(layer, self.seq_id, 0, self.cache.length(self.seq_id))  # [Hkv, L, D]
-        out = causal_attention(q, keys, values, self.positions)
+        length = self.cache.length(self.seq_id)
+        if q.shape[0] == 1 and int(self.positions[0]) == length - 1:  # decode: read the pages in place
+            out = decode_attention_chunks(q[0], self.cache.view_runs(layer, self.seq_id, 0, length))[None]
+        else:
+            keys, values = self.cache.view_range(layer, self.seq_id, 0, length)  # [Hkv, L, D]
+            out = causal_attention(q, keys, values, self.positions)
         self.timings["attention_s"] += time.perf_counter() - t0
         return out

@@ -129,19 +129,32 @@ class PagedKVCache:
         kv = kv[:, :, offset : offset + end - start]
         return kv[0], kv[1]
 
+    def view_runs(self, layer: int, seq_id: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Positions ``start .. end-1`` as views of the pool, one (K, V) pair [Hkv, n_i, D] per run
+        of consecutive page ids, in sequence order. No copy: read them, never write them, and do
+        not keep them past the request's next write."""
+        if end <= start:
+            return []
+        seq, p = self._seqs[seq_id], self.page_size
+        first, last = start // p, -(-end // p) - 1
+        _, counts = torch.unique_consecutive(seq.runs()[first : last + 1], return_counts=True)
+        out, page = [], first
+        for n in counts.tolist():
+            lo, hi = max(start, page * p), min(end, (page + n) * p)  # token range of this run
+            p0 = seq.pages[page]
+            kv = self.pool[layer, :, :, p0 : p0 + n].flatten(2, 3)  # [2, Hkv, n*P, D] a view
+            kv = kv[:, :, lo - page * p : hi - page * p]
+            out.append((kv[0], kv[1]))
+            page += n
+        return out
+
     def view_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Like :meth:`gather_range`, but without a copy when the range's pages are consecutive
-        ids (the usual case for one request): then the result is a view of the pool - read it,
-        never write it, and do not keep it past the request's next write."""
-        seq = self._seqs[seq_id]
-        first, last = start // self.page_size, -(-end // self.page_size) - 1
-        if end <= start or seq.runs()[first] != seq.runs()[last]:
-            return self.gather_range(layer, seq_id, start, end)
-        p0 = seq.pages[first]
-        kv = self.pool[layer, :, :, p0 : p0 + last - first + 1].flatten(2, 3)  # [2, Hkv, n*P, D] a view
-        offset = start % self.page_size
-        kv = kv[:, :, offset : offset + end - start]
-        return kv[0], kv[1]
+        """Like :meth:`gather_range`, but a view of the pool (no copy) when the range's pages are
+        consecutive ids, the usual case; the same read-only rules as :meth:`view_runs`."""
+        runs = self.view_runs(layer, seq_id, start, end)
+        if len(runs) == 1:
+            return runs[0]
+        return self.gather_range(layer, seq_id, start, end)
 
     def gather_tokens(
         self, layer: int, seq_id: int, heads: torch.Tensor, positions: torch.Tensor
