@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The saved decode-speed runs (performance issue). SmolLM2-135M, fp32, CPU; run nothing else meanwhile.
+# Writes bench/results/decode*/{results.json,report.md,tpot.png}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+I=.venv/bin/icekv
+ARGS=(--contexts 4096,8192,16384,32768 --policies full,icecache,icecache_r --budget 256 --steps 16)
+$I bench decode "${ARGS[@]}" --peer hf --out bench/results/decode
+$I bench decode "${ARGS[@]}" --search exhaustive --out bench/results/decode_exhaustive
+$I bench decode "${ARGS[@]}" --unlimited-layers 0 --out bench/results/decode_all_layers_budgeted
+# time to first token needs real prefills (16k: ~4 minutes on 2 cores)
+$I bench decode --contexts 4096,16384 --policies full,icecache,icecache_r --budget 256 --steps 8 \
+    --ttft-contexts 4096,16384 --out bench/results/decode_ttft
