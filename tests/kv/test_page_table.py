@@ -45,3 +45,14 @@ def test_allocator_continues_a_run_when_it_can():
     assert alloc.num_free == 2 and sorted(alloc.allocate(2)) == [6, 7]
     with pytest.raises(CacheFullError):
         alloc.allocate(1, after=7)
+
+
+def test_allocator_free_list_stays_bounded_under_runs_continued_in_place():
+    alloc = PageAllocator(6)
+    for _ in range(100):  # a request grows page by page in place, then is freed; again and again
+        run = alloc.allocate(1)
+        for _ in range(4):
+            run += alloc.allocate(1, after=run[-1])
+        alloc.free(run)
+    assert len(alloc._order) <= 2 * 6 and alloc.num_free == 6
+    assert sorted(alloc.allocate(6)) == list(range(6))

@@ -47,3 +47,5 @@ class PageAllocator:
     def free(self, page_ids: list[int]) -> None:
         self._order.extend(page_ids)
         self._free.update(page_ids)
+        if len(self._order) > 2 * self.num_pages:  # stale ids from runs continued in place: compact
+            self._order = deque(dict.fromkeys(p for p in self._order if p in self._free))
