@@ -50,3 +50,16 @@ def test_attended_lengths_mask_unselected_slots():
     dev.plan([torch.tensor([2])], [torch.zeros(1, dtype=torch.long)])
     lens = dev.attended_lengths()
     assert lens.sum().item() == 4 and lens[0, int(torch.nonzero(dev.page[0] == 2)[0])].item() == 4
+
+
+def test_heads_with_empty_or_uneven_selections():
+    host_k = torch.randn(3, 10, 4, 8)
+    dev = DevicePageCache(3, 4, 4, 8)
+    none = torch.zeros(0, dtype=torch.long)
+    plan = dev.plan([none, torch.tensor([4, 2, 7]), torch.tensor([9])], [none, torch.zeros(3, dtype=torch.long),
+                                                                       torch.zeros(1, dtype=torch.long)])
+    assert plan.heads.tolist() == [1, 1, 1, 2] and plan.pages.tolist() == [4, 2, 7, 9]
+    assert plan.slots.tolist() == [0, 1, 2, 0]  # each head fills its own free slots in order
+    _load(dev, plan, host_k)
+    assert dev.attended_lengths().sum(1).tolist() == [0, 12, 4]
+    assert len(dev.plan([none, none, none], [none, none, none])) == 0 and not dev.selected.any()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from icekv.kernels import scatter_pages
 
@@ -57,26 +58,26 @@ class DevicePageCache:
     def plan(self, selection: list[torch.Tensor], versions: list[torch.Tensor]) -> TransferPlan:
         """Per KV head: selected page ids [k_h] and their versions -> the copies still needed.
 
-        Also marks which slots this step attends (hits now, misses once loaded).
+        Also marks which slots this step attends (hits now, misses once loaded). All heads at
+        once: the r-th miss of a head takes the head's r-th free slot.
         """
         self._grow(min(max((len(s) for s in selection), default=0), self.max_slots))
-        heads, pages, vers, slots = [], [], [], []
-        self.selected.zero_()
-        for h, (sel, ver) in enumerate(zip(selection, versions)):
-            match = (self.page[h][None, :] == sel[:, None]) & (self.version[h][None, :] == ver[:, None])  # [k, S]
-            hit = match.any(1)  # [k]
-            self.selected[h] |= match.any(0)
-            self.hits += int(hit.sum())
-            self.lookups += len(sel)
-            miss = torch.nonzero(~hit).flatten()
-            free = torch.nonzero(~self.selected[h]).flatten()[: len(miss)]
-            heads.append(torch.full((len(miss),), h, dtype=torch.long))
-            pages.append(sel[miss])
-            vers.append(ver[miss])
-            slots.append(free)
-            self.selected[h, free] = True
-        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)
-        return TransferPlan(cat(heads), cat(pages), cat(vers), cat(slots))
+        sel = pad_sequence(selection, batch_first=True, padding_value=-1)  # [Hkv, K] -1 = padding
+        ver = pad_sequence(versions, batch_first=True, padding_value=-1)
+        valid = sel >= 0
+        match = (self.page[:, None, :] == sel[:, :, None]) & (self.version[:, None, :] == ver[:, :, None])
+        match &= valid[:, :, None]  # [Hkv, K, S]
+        hit = match.any(2)  # [Hkv, K]
+        self.selected = match.any(1)  # [Hkv, S]
+        self.hits += int(hit.sum())
+        self.lookups += int(valid.sum())
+        miss = valid & ~hit
+        heads, at = torch.nonzero(miss, as_tuple=True)  # grouped by head, selection order
+        rank = (miss.cumsum(1) - 1)[heads, at]  # [n] which miss of its head
+        free_first = torch.argsort(self.selected.to(torch.int8), dim=1, stable=True)  # [Hkv, S]
+        slots = free_first[heads, rank]
+        self.selected[heads, slots] = True
+        return TransferPlan(heads, sel[heads, at], ver[heads, at], slots)
 
     def _grow(self, n_slots: int) -> None:
         extra = n_slots - self.k.shape[1]
