@@ -83,6 +83,8 @@ class IceCacheConfig:
     ``max(fov_fraction * seq_len, fov_min)`` nodes per level. ``search="exhaustive"`` scores
     every page of the tree exactly instead of walking it (the walk with an unlimited field of
     view): same pages, exact top-k, and on a CPU host often cheaper than the walk's gathers.
+    ``score_dtype="bfloat16"`` scores pages from a bf16 copy of the keys: the search reads half the
+    bytes (it is bandwidth-bound on a CPU host) and scores are rounded to bf16 precision.
     """
 
     ratio_1: float = 0.02
@@ -93,10 +95,13 @@ class IceCacheConfig:
     layer_group: int = 3  # icecache_r: layers per group sharing one index
     seed: int = 0  # the random projection that orders a node's children
     search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (exact score of every page)
+    score_dtype: str = "float32"  # "bfloat16": the tree's key copy used to score pages, half the bytes
 
     def __post_init__(self) -> None:
         if self.search not in ("walk", "exhaustive"):
             raise ConfigError(f"search must be walk or exhaustive, got {self.search!r}")
+        if self.score_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"score_dtype must be float32 or bfloat16, got {self.score_dtype!r}")
         if not (0 < self.ratio_1 <= 0.5):
             raise ConfigError(f"ratio_1 must be in (0, 0.5], got {self.ratio_1}")
         if not (0 < self.ratio_2 <= 0.5):

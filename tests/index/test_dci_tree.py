@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from icekv.config import IceCacheConfig
+from icekv.errors import ConfigError
 from icekv.index import DCITree, promotion_levels
 from icekv.index.dci_tree import balanced_cut
 
@@ -124,3 +125,20 @@ def test_exhaustive_scores_equal_an_unlimited_walk_after_inserts():
     torch.testing.assert_close(exact, tree.page_scores(q, field_of_view=10**9))
     brute = torch.stack([(q @ keys[tree.page_tokens[p, : tree.page_len[p]]].T).amax(-1) for p in range(tree.num_pages)], 1)
     torch.testing.assert_close(exact, brute)
+
+
+def test_bf16_page_keys_score_within_bf16_rounding_and_keep_the_tree():
+    keys = _keys(900)
+    q = torch.randn(3, 32, generator=torch.Generator().manual_seed(9))
+    exact = _tree(keys)
+    half = _tree(keys, cfg=IceCacheConfig(score_dtype="bfloat16"))
+    half.insert(_keys(40, seed=4))
+    exact.insert(_keys(40, seed=4))
+    assert half.page_keys.dtype == torch.bfloat16
+    assert torch.equal(half.page_tokens, exact.page_tokens)  # same pages: only scoring changes
+    want = exact.exact_page_scores(q)
+    for got in (half.exact_page_scores(q), half.page_scores(q, field_of_view=10**9)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=0.15)  # |k| ~ 6: bf16 keeps ~3 digits
+    with pytest.raises(ConfigError, match="score_dtype"):
+        IceCacheConfig(score_dtype="float16")

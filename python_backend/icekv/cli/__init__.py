@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="with --compress: kv2 refinement rounds")
     ev.add_argument("--search", choices=("walk", "exhaustive"), default="walk",
                     help="icecache page search: the DCI tree walk, or every page scored exactly")
+    ev.add_argument("--score-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="icecache: the key copy pages are scored from (bfloat16: half the bytes)")
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
     ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
 
@@ -83,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--peer", choices=("none", "hf"), default="none", help="hf: also time transformers' decoding")
     bd.add_argument("--search", choices=("walk", "exhaustive"), default="walk",
                     help="icecache page search: the DCI tree walk, or every page scored exactly")
+    bd.add_argument("--score-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="icecache: the key copy pages are scored from (bfloat16: half the bytes)")
     bd.add_argument("--unlimited-layers", type=int, default=SelectionConfig.n_unlimited_layers,
                     help="first layers that keep their whole cache (0: every layer budgeted)")
     bd.add_argument("--ttft-contexts", default=None,

@@ -23,7 +23,7 @@ def _cmd_eval(args) -> int:
         tasks=_csv("--task", args.task, str), haystack=args.haystack,
         lengths=_csv("--lengths", args.lengths, int), policies=_csv("--policies", args.policies, str),
         budgets=_csv("--budgets", args.budgets, int), samples=args.samples, seed=args.seed,
-        depths=depths, num_needles=args.num_needles, icecache=IceCacheConfig(search=args.search),
+        depths=depths, num_needles=args.num_needles, icecache=IceCacheConfig(search=args.search, score_dtype=args.score_dtype),
     )
     return _run_and_report(args, lambda engine, text, progress: run_eval(engine, cfg, text, progress), write_report, "decode")
 
@@ -90,7 +90,7 @@ def _cmd_bench(args) -> int:
     if set(ttft) - set(contexts):
         raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
     cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf",
-                            ttft_contexts=ttft, icecache=IceCacheConfig(search=args.search),
+                            ttft_contexts=ttft, icecache=IceCacheConfig(search=args.search, score_dtype=args.score_dtype),
                             unlimited_layers=args.unlimited_layers)
     paging = PagingConfig(max_context_tokens=max(contexts) + 2048 + args.steps + 16)
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging))

@@ -127,7 +127,8 @@ class DCITree:
         self.page_owner = torch.full((cap,), ROOT, dtype=torch.long)  # [cap]
         self.page_owner[page] = sorted_owner
         self.page_version = torch.zeros(cap, dtype=torch.long)  # [cap] bumped on every change
-        self.page_keys = torch.empty(cap, p, self.keys.shape[1])  # [cap, P, D] keys page-major (rows < num_pages synced)
+        # [cap, P, D] keys page-major for scoring (rows < num_pages synced), fp32 or bf16
+        self.page_keys = torch.empty(cap, p, self.keys.shape[1], dtype=getattr(torch, self.cfg.score_dtype))
         self.page_pad = torch.full((cap, p), float("-inf"))  # [cap, P] 0 on a token, -inf on a hole
         self._sync_pages(torch.arange(num_pages))
         self._csr_dirty = True
@@ -135,7 +136,7 @@ class DCITree:
     def _sync_pages(self, pages: torch.Tensor) -> None:
         """Mirror the tokens of ``pages`` [m] into the page-major key copy used for scoring."""
         toks = self.page_tokens[pages]  # [m, P]
-        self.page_keys[pages] = self.keys[toks.clamp_min(0)] * (toks >= 0)[..., None]
+        self.page_keys[pages] = (self.keys[toks.clamp_min(0)] * (toks >= 0)[..., None]).to(self.page_keys.dtype)
         self.page_pad[pages] = torch.where(toks >= 0, 0.0, float("-inf"))
 
     # ---- CSR: owner -> pages
@@ -161,8 +162,10 @@ class DCITree:
         """
         indptr, csr_pages = (t.numpy() for t in self._csr())
         csr_owner, page_tokens = self._csr_owner.numpy(), self.page_tokens.numpy()
-        page_keys, page_pad = self.page_keys.numpy(), self.page_pad.numpy()
-        q_t = q.float().T.contiguous()  # [D, G]
+        dtype = self.page_keys.dtype
+        page_keys = (self.page_keys.view(torch.int16) if dtype == torch.bfloat16 else self.page_keys).numpy()
+        page_pad = self.page_pad.numpy()
+        q_t = q.T.to(dtype).contiguous()  # [D, G]
         g = q.shape[0]
         heads = np.arange(g)[:, None]
         scores = np.full((g, self.num_pages), -np.inf, dtype=np.float32)  # [G, num_pages]
@@ -170,9 +173,9 @@ class DCITree:
         owner_ok = np.ones((g, len(pages)), dtype=bool)  # [G, m] page reached by head g
         while len(pages):
             toks = page_tokens.take(pages, axis=0)  # [m, P]
-            k = page_keys.take(pages, axis=0)  # [m, P, D]
+            k = torch.from_numpy(page_keys.take(pages, axis=0)).view(dtype)  # [m, P, D] (bf16 moved as int16)
             # the product in torch: numpy's BLAS threads would fight torch's for the same cores
-            s = (torch.from_numpy(k.reshape(-1, k.shape[-1])) @ q_t).numpy().T.reshape(g, len(pages), -1)  # [G, m, P]
+            s = (k.reshape(-1, k.shape[-1]) @ q_t).float().numpy().T.reshape(g, len(pages), -1)  # [G, m, P]
             s += page_pad.take(pages, axis=0)  # -inf on holes
             s[~owner_ok] = -np.inf
             scores[:, pages] = _max_last(s)
@@ -193,7 +196,7 @@ class DCITree:
         """q [G, D] -> every page's exact score [G, num_pages] (best ``q.k`` of its tokens): what
         the walk returns with an unlimited field of view, as one product over all keys."""
         m, p, d = self.num_pages, self.page_size, self.keys.shape[1]
-        s = (self.page_keys[:m].view(m * p, d) @ q.float().T).view(m, p, -1)  # [pages, P, G]
+        s = (self.page_keys[:m].view(m * p, d) @ q.T.to(self.page_keys.dtype)).float().view(m, p, -1)  # [pages, P, G]
         return (s + self.page_pad[:m, :, None]).amax(1).T.contiguous()  # [G, pages]
 
     # ---- dynamic insertion
