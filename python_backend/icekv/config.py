@@ -83,8 +83,9 @@ class IceCacheConfig:
     ``max(fov_fraction * seq_len, fov_min)`` nodes per level. ``search="exhaustive"`` scores
     every page of the tree exactly instead of walking it (the walk with an unlimited field of
     view): same pages, exact top-k, and on a CPU host often cheaper than the walk's gathers.
-    ``score_dtype="bfloat16"`` scores pages from a bf16 copy of the keys: the search reads half the
-    bytes (it is bandwidth-bound on a CPU host) and scores are rounded to bf16 precision.
+    ``score_dtype="bfloat16"`` scores pages from a bf16 copy of the keys: half the bytes, scores
+    rounded to bf16. Measured on a 2-core CPU it speeds the exhaustive search up 1.5x at 32k; the
+    walk's many small products get slower, so it is off by default.
     """
 
     ratio_1: float = 0.02
@@ -95,7 +96,7 @@ class IceCacheConfig:
     layer_group: int = 3  # icecache_r: layers per group sharing one index
     seed: int = 0  # the random projection that orders a node's children
     search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (exact score of every page)
-    score_dtype: str = "float32"  # "bfloat16": the tree's key copy used to score pages, half the bytes
+    score_dtype: str = "float32"  # "bfloat16": the key copy pages are scored from (helps exhaustive)
 
     def __post_init__(self) -> None:
         if self.search not in ("walk", "exhaustive"):
