@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from icekv.cli.common import _positive_int, _serving_flags, _serving_parameters
+from icekv.cli.common import _icecache_flags, _positive_int, _serving_flags, _serving_parameters
 from icekv.config import SelectionConfig
 from icekv.errors import IcekvError
 
@@ -68,10 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--questions", type=_positive_int("--questions"), default=4, help="with --compress: per context")
     ev.add_argument("--rho", type=float, default=None, help="with --compress: kv2 re-feed share (default: the budget)")
     ev.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="with --compress: kv2 refinement rounds")
-    ev.add_argument("--search", choices=("walk", "exhaustive"), default="walk",
-                    help="icecache page search: the DCI tree walk, or every page scored exactly")
-    ev.add_argument("--score-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="icecache: the key copy pages are scored from (bfloat16: half the bytes)")
+    _icecache_flags(ev)
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
     ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
 
@@ -83,10 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--budget", type=_positive_int("--budget"), default=256)
     bd.add_argument("--steps", type=_positive_int("--steps"), default=16)
     bd.add_argument("--peer", choices=("none", "hf"), default="none", help="hf: also time transformers' decoding")
-    bd.add_argument("--search", choices=("walk", "exhaustive"), default="walk",
-                    help="icecache page search: the DCI tree walk, or every page scored exactly")
-    bd.add_argument("--score-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="icecache: the key copy pages are scored from (bfloat16: half the bytes)")
+    _icecache_flags(bd)
     bd.add_argument("--unlimited-layers", type=int, default=SelectionConfig.n_unlimited_layers,
                     help="first layers that keep their whole cache (0: every layer budgeted)")
     bd.add_argument("--ttft-contexts", default=None,

@@ -41,6 +41,20 @@ def _serving_flags(parser) -> None:
     parser.add_argument("--store", default=None, help="context store for context_key requests: a directory or redis://")
 
 
+def _icecache_flags(parser) -> None:
+    """The IceCache search knobs shared by ``eval`` and ``bench decode``."""
+    parser.add_argument("--search", choices=("walk", "exhaustive"), default="walk",
+                        help="icecache page search: the DCI tree walk, or every page scored exactly")
+    parser.add_argument("--score-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="icecache: the key copy pages are scored from (bfloat16: half the bytes)")
+
+
+def _icecache_config(args):
+    from icekv.config import IceCacheConfig
+
+    return IceCacheConfig(search=args.search, score_dtype=args.score_dtype)
+
+
 def _serving_parameters(args) -> dict[str, str]:
     """CLI flags -> config.pbtxt parameters, validated here so a typo fails before the server starts."""
     from icekv.config import ServingConfig

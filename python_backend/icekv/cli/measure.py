@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import sys
 
-from icekv.cli.common import _csv
+from icekv.cli.common import _csv, _icecache_config
 from icekv.errors import IcekvError
 
 
 def _cmd_eval(args) -> int:
-    from icekv.config import IceCacheConfig
     from icekv.eval.report import write_report
     from icekv.eval.runner import EvalConfig, run_eval
 
@@ -23,7 +22,7 @@ def _cmd_eval(args) -> int:
         tasks=_csv("--task", args.task, str), haystack=args.haystack,
         lengths=_csv("--lengths", args.lengths, int), policies=_csv("--policies", args.policies, str),
         budgets=_csv("--budgets", args.budgets, int), samples=args.samples, seed=args.seed,
-        depths=depths, num_needles=args.num_needles, icecache=IceCacheConfig(search=args.search, score_dtype=args.score_dtype),
+        depths=depths, num_needles=args.num_needles, icecache=_icecache_config(args),
     )
     return _run_and_report(args, lambda engine, text, progress: run_eval(engine, cfg, text, progress), write_report, "decode")
 
@@ -78,7 +77,7 @@ def _cmd_bench(args) -> int:
     import torch
 
     from icekv.assets import Assets
-    from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SelectionConfig
+    from icekv.config import EngineConfig, PagingConfig, SelectionConfig
     from icekv.engine import Engine
     from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench
 
@@ -90,7 +89,7 @@ def _cmd_bench(args) -> int:
     if set(ttft) - set(contexts):
         raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
     cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf",
-                            ttft_contexts=ttft, icecache=IceCacheConfig(search=args.search, score_dtype=args.score_dtype),
+                            ttft_contexts=ttft, icecache=_icecache_config(args),
                             unlimited_layers=args.unlimited_layers)
     paging = PagingConfig(max_context_tokens=max(contexts) + 2048 + args.steps + 16)
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
