@@ -5,7 +5,7 @@ ICEKV   := $(VENV)/bin/icekv
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup fetch demo serve test test-all bench-eval bench-serving clean
+.PHONY: setup fetch demo serve test test-all bench-eval bench-serving bench-decode clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,9 @@ bench-eval: fetch
 
 bench-serving: fetch
 	$(PY) bench/serving_load.py
+
+bench-decode: fetch
+	bash bench/decode_bench.sh
 
 test: fetch
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
