@@ -16,7 +16,6 @@ from icekv.trt.build import tensorrt_unavailable
 from icekv.trt.spec import (
     DecodeStepSpec,
     attention_output_shapes,
-    check_plugin_inputs,
     plugin_grid,
     select_output_shapes,
 )
@@ -51,11 +50,11 @@ def test_plugin_shapes_and_grid():
     assert attention_output_shapes((4, 32, 128)) == ((4, 32, 128), (4, 32))
     assert select_output_shapes((4, 32, 128), (8, 900, 16, 128), (4, 8, 700), 12) == ((4, 8, 12), (4, 8, 12), (4, 8, 700))
     assert plugin_grid(4, 8) == (32, 1, 1)
-    check_plugin_inputs((4, 32, 128), (8, 100, 16, 128), (4, 8, 16), (4, 8, 16))
+    launch.check_page_shapes((4, 32, 128), (8, 100, 16, 128), (4, 8, 16), (4, 8, 16))
     with pytest.raises(ValueError, match="multiple"):
-        check_plugin_inputs((4, 30, 128), (8, 100, 16, 128), (4, 8, 16), (4, 8, 16))
+        launch.check_page_shapes((4, 30, 128), (8, 100, 16, 128), (4, 8, 16), (4, 8, 16))
     with pytest.raises(ValueError, match="Hkv=8"):
-        check_plugin_inputs((4, 32, 128), (8, 100, 16, 128), (4, 4, 16), (4, 4, 16))
+        launch.check_page_shapes((4, 32, 128), (8, 100, 16, 128), (4, 4, 16), (4, 4, 16))
 
 
 def test_decode_launch_fills_the_gpu_without_empty_splits():

@@ -36,14 +36,7 @@ def _has_triton() -> bool:
 
 
 def _check_pages(q: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor, what: str) -> None:
-    if q.dim() != 3 or pages.dim() != 4:
-        raise ValueError(f"{what}: q must be [B, Hq, D] and pages [Hkv, S, P, D], got {tuple(q.shape)} and {tuple(pages.shape)}")
-    b, hq, d = q.shape
-    hkv = pages.shape[0]
-    if pages.shape[3] != d or hq % hkv:
-        raise ValueError(f"{what}: head_dim {pages.shape[3]} vs {d}, or {hq} query heads not a multiple of {hkv} KV heads")
-    if ids.shape != lens.shape or ids.dim() != 3 or tuple(ids.shape[:2]) != (b, hkv):
-        raise ValueError(f"{what}: page ids and lens must both be [B={b}, Hkv={hkv}, K], got {tuple(ids.shape)} and {tuple(lens.shape)}")
+    launch.check_page_shapes(q.shape, pages.shape, ids.shape, lens.shape, what)
     if ids.dtype != torch.int32 or lens.dtype != torch.int32:
         raise ValueError(f"{what}: page ids and lens must be int32, got {ids.dtype} and {lens.dtype}")
 

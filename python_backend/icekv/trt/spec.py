@@ -88,17 +88,6 @@ def select_output_shapes(q_shape, index_shape, cand_shape, top_k: int):
     return (b, hkv, top_k), (b, hkv, top_k), (b, hkv, c)
 
 
-def check_plugin_inputs(q_shape, pages_shape, ids_shape, lens_shape) -> None:
-    """The static checks both plugins make on concrete shapes (a readable error, not a bad launch)."""
-    if len(q_shape) != 3 or len(pages_shape) != 4 or len(ids_shape) != 3:
-        raise ValueError(f"expected q [B, Hq, D], pages [Hkv, S, P, D], ids [B, Hkv, K]; got {q_shape}, {pages_shape}, {ids_shape}")
-    if q_shape[2] != pages_shape[3] or q_shape[1] % pages_shape[0]:
-        raise ValueError(f"q {q_shape} does not match pages {pages_shape} (head_dim, or heads not a multiple of KV heads)")
-    if tuple(ids_shape) != tuple(lens_shape) or ids_shape[1] != pages_shape[0]:
-        raise ValueError(f"ids {ids_shape} and lens {lens_shape} must be equal and [B, Hkv={pages_shape[0]}, K]")
-    launch.check_head_dim(q_shape[2])
-
-
 def plugin_grid(batch, num_kv_heads: int):
     """Both plugin kernels run one program per (sequence, KV head): grid (B * Hkv, 1, 1)."""
     return batch * num_kv_heads, 1, 1
