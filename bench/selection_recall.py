@@ -1,10 +1,11 @@
-"""Page-selection recall of the DCI-tree walk vs the exact top-k pages, on real SmolLM2 keys/queries.
+"""Page-selection recall of the IceCache searches vs the exact top-k pages, on real SmolLM2 keys/queries.
 
 For a needle prompt from the essays, prefill with full attention, record every layer's decode
-queries for a few steps, build each (layer, KV head) tree over the indexed region and compare the
-walk's top-k pages (per query head, before the GQA merge) to the exact top-k pages by max q.k.
+queries for a few steps, build each (layer, KV head) tree over the indexed region and compare each
+search's top-k pages (per query head, before the GQA merge) to the exact top-k pages by max q.k:
+the DCI-tree walk (the paper's) and the centroids search at several ``rerank`` factors.
 
-    .venv/bin/python bench/selection_recall.py [--length 4000] [--steps 8] [--out bench/results]
+    .venv/bin/python bench/selection_recall.py [--length 4000] [--steps 8] [--reranks 1,2,4,8] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--reranks", default="1,2,4,8", help="centroids search: rerank factors to measure")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     engine = Engine(EngineConfig())
@@ -58,11 +60,17 @@ def main() -> None:
     cfg = IceCacheConfig()
     u = torch.randn(engine.model.args.head_dim + 1, generator=torch.Generator().manual_seed(cfg.seed))
     u /= u.norm()
-    per_layer, build_s, query_s = {}, 0.0, 0.0
+    fov = cfg.field_of_view(len(ids))
+    searches = {"walk": lambda tree, q: tree.page_scores(q, fov)}
+    for r in (int(x) for x in args.reranks.split(",")):
+        searches[f"centroids_r{r}"] = lambda tree, q, r=r: tree.centroid_page_scores(q, r * k)
+    per_layer = {name: {} for name in searches}
+    query_s = dict.fromkeys(searches, 0.0)
+    build_s = 0.0
     for layer in range(sel.n_unlimited_layers, engine.model.args.num_layers):
         keys, _ = engine.cache.gather_range(layer, req.seq_id, *region)  # [Hkv, n, D]
         qs = torch.stack(backend.queries[layer])  # [steps, Hq, D]
-        hits = []
+        hits = {name: [] for name in searches}
         for h, head_keys in enumerate(keys):
             t0 = time.perf_counter()
             tree = DCITree(head_keys, p, cfg, u)
@@ -70,26 +78,29 @@ def main() -> None:
             toks = tree.page_tokens[: tree.num_pages]
             group = qs.shape[1] // keys.shape[0]
             for q in qs[:, h * group : (h + 1) * group]:  # [G, D]
-                t0 = time.perf_counter()
-                walk = tree.page_scores(q, cfg.field_of_view(len(ids)))
-                query_s += time.perf_counter() - t0
                 exact = (q @ head_keys.T)[:, toks.clamp_min(0)].masked_fill(toks[None] < 0, float("-inf")).amax(-1)
-                for g in range(group):
-                    a, b = set(walk[g].topk(k).indices.tolist()), set(exact[g].topk(k).indices.tolist())
-                    hits.append(len(a & b) / k)
-        per_layer[layer] = sum(hits) / len(hits)
+                for name, search in searches.items():
+                    t0 = time.perf_counter()
+                    got = search(tree, q)  # [G, pages]
+                    query_s[name] += time.perf_counter() - t0
+                    for g in range(group):
+                        a, b = set(got[g].topk(k).indices.tolist()), set(exact[g].topk(k).indices.tolist())
+                        hits[name].append(len(a & b) / k)
+        for name, h in hits.items():
+            per_layer[name][layer] = sum(h) / len(h)
     engine.release(req)
     result = {
         "command": "bench/selection_recall.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
         "prompt_tokens": len(ids), "steps": args.steps, "k_pages": k, "page_size": p,
-        "field_of_view": cfg.field_of_view(len(ids)),
-        "mean_recall": sum(per_layer.values()) / len(per_layer), "per_layer_recall": per_layer,
-        "tree_build_s_total": build_s, "walk_s_total": query_s,
+        "field_of_view": fov,
+        "mean_recall": {name: sum(r.values()) / len(r) for name, r in per_layer.items()},
+        "query_s_total": query_s, "tree_build_s_total": build_s, "per_layer_recall": per_layer,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "selection_recall.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"selection_recall_{args.length}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer_recall"}, indent=1))
-    print("per layer:", " ".join(f"{l}:{r:.2f}" for l, r in per_layer.items()))
+    for name, r in per_layer.items():
+        print(f"{name} per layer:", " ".join(f"{l}:{x:.2f}" for l, x in r.items()))
 
 
 if __name__ == "__main__":

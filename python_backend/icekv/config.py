@@ -72,6 +72,7 @@ class SamplingConfig:
 
 
 POLICIES = ("full", "streaming", "quest", "icecache", "icecache_r")
+SEARCHES = ("walk", "exhaustive", "centroids")  # IceCache page searches
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,10 @@ class IceCacheConfig:
     view): same pages, exact top-k, and on a CPU host often cheaper than the walk's gathers.
     ``score_dtype="bfloat16"`` scores pages from a bf16 copy of the keys: half the bytes, scores
     rounded to bf16. Measured on a 2-core CPU it speeds the exhaustive search up 1.5x at 32k; the
-    walk's many small products get slower, so it is off by default.
+    walk's many small products get slower, so it is off by default. ``search="centroids"`` ranks
+    every page by ``q.centroid`` (one vector read per page instead of ``page_size`` keys) and
+    rescores each query head's best ``rerank`` x k pages exactly: an approximation of the exact
+    top-k like the walk, with recall measured in bench/selection_recall.py.
     """
 
     ratio_1: float = 0.02
@@ -95,12 +99,15 @@ class IceCacheConfig:
     fov_fraction: float = 1.5e-3
     layer_group: int = 3  # icecache_r: layers per group sharing one index
     seed: int = 0  # the random projection that orders a node's children
-    search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (exact score of every page)
+    search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (every page exactly) | "centroids"
+    rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k
     score_dtype: str = "float32"  # "bfloat16": the key copy pages are scored from (helps exhaustive)
 
     def __post_init__(self) -> None:
-        if self.search not in ("walk", "exhaustive"):
-            raise ConfigError(f"search must be walk or exhaustive, got {self.search!r}")
+        if self.search not in SEARCHES:
+            raise ConfigError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
+        if self.rerank < 1:
+            raise ConfigError(f"rerank must be >= 1, got {self.rerank}")
         if self.score_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"score_dtype must be float32 or bfloat16, got {self.score_dtype!r}")
         if not (0 < self.ratio_1 <= 0.5):

@@ -127,6 +127,28 @@ def test_exhaustive_scores_equal_an_unlimited_walk_after_inserts():
     torch.testing.assert_close(exact, brute)
 
 
+def test_centroid_search_rescores_the_best_pages_by_centroid_exactly():
+    g = torch.Generator().manual_seed(4)
+    keys = torch.randn(900, 32, generator=g)
+    tree = _tree(keys[:600])
+    tree.insert(keys[600:750])  # centroids must follow inserts and splits
+    tree.insert(keys[750:])
+    m = tree.num_pages
+    members = [keys[tree.page_tokens[p, : tree.page_len[p]]] for p in range(m)]
+    torch.testing.assert_close(tree.page_centroid[:m], torch.stack([k.mean(0) for k in members]))
+    q = torch.randn(3, 32, generator=g)
+    exact = tree.exact_page_scores(q)  # [G, pages]
+    some = tree.centroid_page_scores(q, candidates=20)
+    finite = torch.isfinite(some)
+    assert bool((finite.sum(-1) >= 20).all()) and bool((finite.sum(-1) < m).all())
+    torch.testing.assert_close(some[finite], exact[finite])  # candidates are scored exactly
+    estimate = q @ tree.page_centroid[:m].T  # [G, pages]
+    for head in range(3):  # each head's candidates are its best pages by centroid
+        assert bool(finite[head, estimate[head].topk(20).indices].all())
+    torch.testing.assert_close(tree.centroid_page_scores(q, candidates=m), exact)
+    assert _tree(torch.zeros(0, 32)).centroid_page_scores(q, 8).shape == (3, 0)
+
+
 def test_bf16_page_keys_score_within_bf16_rounding_and_keep_the_tree():
     keys = _keys(900)
     q = torch.randn(3, 32, generator=torch.Generator().manual_seed(9))

@@ -76,12 +76,16 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages():
     g = torch.Generator().manual_seed(5)
     keys = torch.randn(2, 3000, 32, generator=g)  # [Hkv, n, D]
     q = torch.randn(6, 32, generator=g)  # 3 query heads per KV head
-    walk = make_selector(SelectionConfig(policy="icecache", budget=256))
-    exact = make_selector(SelectionConfig(policy="icecache", budget=256, icecache=IceCacheConfig(search="exhaustive")))
-    for sel in (walk, exact):
+    configs = {s: IceCacheConfig(search=s) for s in ("walk", "exhaustive", "centroids")}
+    configs["centroids_all"] = IceCacheConfig(search="centroids", rerank=50)  # 600 candidates: every page
+    searches = {s: make_selector(SelectionConfig(policy="icecache", budget=256, icecache=c)) for s, c in configs.items()}
+    for sel in searches.values():
         sel.build(2, keys, base=16)
-    picks_walk, picks_exact = walk.select(2, q, 12), exact.select(2, q, 12)
-    for h, tree in enumerate(exact.trees[2]):
+    picks = {s: sel.select(2, q, 12) for s, sel in searches.items()}
+    picks_walk, picks_exact = picks["walk"], picks["exhaustive"]
+    assert all(len(p) == 12 for p in picks["centroids"])
+    assert [p.tolist() for p in picks["centroids_all"]] == [p.tolist() for p in picks_exact]
+    for h, tree in enumerate(searches["exhaustive"].trees[2]):
         scores = torch.stack([(q[3 * h:3 * h + 3] @ keys[h, tree.page_tokens[p, : tree.page_len[p]]].T).amax(-1)
                               for p in range(tree.num_pages)], 1)  # [G, pages] brute force
         assert picks_exact[h].tolist() == merge_ranked(scores, 12).tolist()

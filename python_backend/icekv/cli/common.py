@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from icekv.config import SEARCHES, IceCacheConfig
 from icekv.errors import IcekvError
 
 
@@ -43,16 +44,17 @@ def _serving_flags(parser) -> None:
 
 def _icecache_flags(parser) -> None:
     """The IceCache search knobs shared by ``eval`` and ``bench decode``."""
-    parser.add_argument("--search", choices=("walk", "exhaustive"), default="walk",
-                        help="icecache page search: the DCI tree walk, or every page scored exactly")
+    parser.add_argument("--search", choices=SEARCHES, default="walk",
+                        help="icecache page search: the DCI tree walk, every page scored exactly, or "
+                        "pages ranked by centroid with the best candidates rescored exactly")
+    parser.add_argument("--rerank", type=_positive_int("--rerank"), default=IceCacheConfig.rerank,
+                        help="icecache --search centroids: pages rescored exactly per query head, times k")
     parser.add_argument("--score-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="icecache: the key copy pages are scored from (bfloat16: half the bytes)")
 
 
 def _icecache_config(args):
-    from icekv.config import IceCacheConfig
-
-    return IceCacheConfig(search=args.search, score_dtype=args.score_dtype)
+    return IceCacheConfig(search=args.search, rerank=args.rerank, score_dtype=args.score_dtype)
 
 
 def _serving_parameters(args) -> dict[str, str]:

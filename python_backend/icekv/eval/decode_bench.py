@@ -91,6 +91,7 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
                 records.append({
                     "context": length, "policy": policy, "budget": None if policy == "full" else cfg.budget,
                     "search": cfg.icecache.search if policy.startswith("icecache") else None,
+                    "rerank": cfg.icecache.rerank if policy.startswith("icecache") and cfg.icecache.search == "centroids" else None,
                     "score_dtype": cfg.icecache.score_dtype if policy.startswith("icecache") else None,
                     "tpot_s": gen.tpot_s, **split,
                     "other_s": max(gen.tpot_s - sum(split.values()), 0.0),

@@ -130,14 +130,17 @@ class DCITree:
         # [cap, P, D] keys page-major for scoring (rows < num_pages synced), fp32 or bf16
         self.page_keys = torch.empty(cap, p, self.keys.shape[1], dtype=getattr(torch, self.cfg.score_dtype))
         self.page_pad = torch.full((cap, p), float("-inf"))  # [cap, P] 0 on a token, -inf on a hole
+        self.page_centroid = torch.empty(cap, self.keys.shape[1])  # [cap, D] each page's mean key
         self._sync_pages(torch.arange(num_pages))
         self._csr_dirty = True
 
     def _sync_pages(self, pages: torch.Tensor) -> None:
-        """Mirror the tokens of ``pages`` [m] into the page-major key copy used for scoring."""
+        """Mirror the tokens of ``pages`` [m] into the page-major key copy and centroids used for scoring."""
         toks = self.page_tokens[pages]  # [m, P]
-        self.page_keys[pages] = (self.keys[toks.clamp_min(0)] * (toks >= 0)[..., None]).to(self.page_keys.dtype)
+        keys = self.keys[toks.clamp_min(0)] * (toks >= 0)[..., None]  # [m, P, D] 0 on holes
+        self.page_keys[pages] = keys.to(self.page_keys.dtype)
         self.page_pad[pages] = torch.where(toks >= 0, 0.0, float("-inf"))
+        self.page_centroid[pages] = keys.sum(1) / (toks >= 0).sum(1, keepdim=True)  # [m, D]
 
     # ---- CSR: owner -> pages
     def _csr(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,6 +202,26 @@ class DCITree:
         s = (self.page_keys[:m].view(m * p, d) @ q.T.to(self.page_keys.dtype)).float().view(m, p, -1)  # [pages, P, G]
         return (s + self.page_pad[:m, :, None]).amax(1).T.contiguous()  # [G, pages]
 
+    def centroid_page_scores(self, q: torch.Tensor, candidates: int) -> torch.Tensor:
+        """q [G, D] -> page scores [G, num_pages]: exact for each query head's best ``candidates``
+        pages by ``q.centroid``, ``-inf`` elsewhere.
+
+        A page is a semantic cluster, so its mean key stands for it: one [pages, D] product ranks
+        every page while reading ``1/page_size`` of the keys, and only the candidates' keys are
+        read to score them exactly. An estimate, not a bound (key boxes bound q.k but are loose in
+        64 dimensions); recall against the exact top-k is measured in bench/selection_recall.py.
+        """
+        m, p, d = self.num_pages, self.page_size, self.keys.shape[1]
+        scores = torch.full((q.shape[0], m), float("-inf"))  # [G, pages]
+        if m == 0:
+            return scores
+        estimate = self.page_centroid[:m] @ q.T.float()  # [pages, G]
+        cand = estimate.topk(min(candidates, m), dim=0).indices.flatten().unique()  # [c] pages
+        k = self.page_keys.index_select(0, cand).view(-1, d)  # [c * P, D]
+        s = (k @ q.T.to(k.dtype)).float().view(len(cand), p, -1)  # [c, P, G]
+        scores[:, cand] = (s + self.page_pad.index_select(0, cand)[:, :, None]).amax(1).T
+        return scores
+
     # ---- dynamic insertion
     def insert(self, keys: torch.Tensor) -> set[int]:
         """Append tokens (keys [m, D], next in sequence order) without a rebuild.
@@ -241,6 +264,7 @@ class DCITree:
             self.page_tokens = torch.cat([self.page_tokens, torch.full_like(self.page_tokens, -1)])
             self.page_keys = torch.cat([self.page_keys, torch.empty_like(self.page_keys)])
             self.page_pad = torch.cat([self.page_pad, torch.full_like(self.page_pad, float("-inf"))])
+            self.page_centroid = torch.cat([self.page_centroid, torch.empty_like(self.page_centroid)])
             for name, fill in (("page_len", 0), ("page_owner", ROOT), ("page_version", 0)):
                 t = getattr(self, name)
                 setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))

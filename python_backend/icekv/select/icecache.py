@@ -55,8 +55,11 @@ class IceCacheSelector:
             return self._last[lead]
         trees = self.trees[layer]
         fov = self.config.field_of_view(self.base[layer] + trees[0].n)
-        if self.config.search == "walk":
+        search = self.config.search
+        if search == "walk":
             score = lambda tree, qh: tree.page_scores(qh, fov)
+        elif search == "centroids":
+            score = lambda tree, qh: tree.centroid_page_scores(qh, self.config.rerank * k)
         else:
             score = lambda tree, qh: tree.exact_page_scores(qh)
         picks = [merge_ranked(score(t, qh), k) for t, qh in zip(trees, q.chunk(len(trees), 0))]
