@@ -3,9 +3,10 @@
 For a needle prompt from the essays, prefill with full attention, record every layer's decode
 queries for a few steps, build each (layer, KV head) tree over the indexed region and compare each
 search's top-k pages (per query head, before the GQA merge) to the exact top-k pages by max q.k:
-the DCI-tree walk (the paper's) and the centroids search at several ``rerank`` factors.
+the DCI-tree walk (the paper's) and the centroids search at several candidate counts (the default
+``IceCacheConfig.candidates(k)`` is 96 for budgets up to 256).
 
-    .venv/bin/python bench/selection_recall.py [--length 4000] [--steps 8] [--reranks 1,2,4,8] [--out bench/results]
+    .venv/bin/python bench/selection_recall.py [--length 4000] [--budget 256] [--candidates 48,96,192] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--reranks", default="1,2,4,8", help="centroids search: rerank factors to measure")
+    ap.add_argument("--candidates", default="48,96,192", help="centroids search: pages rescored per query head")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     engine = Engine(EngineConfig())
@@ -62,8 +63,8 @@ def main() -> None:
     u /= u.norm()
     fov = cfg.field_of_view(len(ids))
     searches = {"walk": lambda tree, q: tree.page_scores(q, fov)}
-    for r in (int(x) for x in args.reranks.split(",")):
-        searches[f"centroids_r{r}"] = lambda tree, q, r=r: tree.centroid_page_scores(q, r * k)
+    for c in (int(x) for x in args.candidates.split(",")):
+        searches[f"centroids_c{c}"] = lambda tree, q, c=c: tree.centroid_page_scores(q, c)
     per_layer = {name: {} for name in searches}
     query_s = dict.fromkeys(searches, 0.0)
     build_s = 0.0
@@ -97,7 +98,7 @@ def main() -> None:
         "query_s_total": query_s, "tree_build_s_total": build_s, "per_layer_recall": per_layer,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"selection_recall_{args.length}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"selection_recall_{args.length}_b{args.budget}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer_recall"}, indent=1))
     for name, r in per_layer.items():
         print(f"{name} per layer:", " ".join(f"{l}:{x:.2f}" for l, x in r.items()))

@@ -88,7 +88,7 @@ class IceCacheConfig:
     rounded to bf16. Measured on a 2-core CPU it speeds the exhaustive search up 1.5x at 32k; the
     walk's many small products get slower, so it is off by default. ``search="centroids"`` ranks
     every page by ``q.centroid`` (one vector read per page instead of ``page_size`` keys) and
-    rescores each query head's best ``rerank`` x k pages exactly: an approximation of the exact
+    rescores each query head's best ``candidates(k)`` pages exactly: an approximation of the exact
     top-k like the walk, with recall measured in bench/selection_recall.py.
     """
 
@@ -100,14 +100,15 @@ class IceCacheConfig:
     layer_group: int = 3  # icecache_r: layers per group sharing one index
     seed: int = 0  # the random projection that orders a node's children
     search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (every page exactly) | "centroids"
-    rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k
+    rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k,
+    min_candidates: int = 96  # and at least this many (small k needs a floor: 2 x 8 misses pages)
     score_dtype: str = "float32"  # "bfloat16": the key copy pages are scored from (helps exhaustive)
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:
             raise ConfigError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
-        if self.rerank < 1:
-            raise ConfigError(f"rerank must be >= 1, got {self.rerank}")
+        if self.rerank < 1 or self.min_candidates < 1:
+            raise ConfigError(f"rerank and min_candidates must be >= 1, got {self.rerank}, {self.min_candidates}")
         if self.score_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"score_dtype must be float32 or bfloat16, got {self.score_dtype!r}")
         if not (0 < self.ratio_1 <= 0.5):
@@ -116,6 +117,10 @@ class IceCacheConfig:
             raise ConfigError(f"ratio_2 must be in (0, 0.5], got {self.ratio_2}")
         if self.max_level < 1 or self.fov_min < 1 or self.layer_group < 1:
             raise ConfigError("max_level, fov_min and layer_group must be >= 1")
+
+    def candidates(self, k: int) -> int:
+        """Pages per query head the centroids search rescores exactly, to select ``k``."""
+        return max(self.rerank * k, self.min_candidates)
 
     def field_of_view(self, seq_len: int) -> int:
         return max(int(self.fov_fraction * seq_len), self.fov_min)

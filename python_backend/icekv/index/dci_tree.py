@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from icekv.config import IceCacheConfig
+from icekv.index.page_store import PageStore
 
 ROOT = -1
 
@@ -62,9 +63,16 @@ def _max_last(x: np.ndarray) -> np.ndarray:
 class DCITree:
     """Build once from the prefill keys, insert each flushed window page, query every step."""
 
-    def __init__(self, keys: torch.Tensor, page_size: int, cfg: IceCacheConfig, projection: torch.Tensor):
-        """keys [n, D] in sequence order; projection [D + 1] a unit vector shared per request."""
+    def __init__(self, keys: torch.Tensor, page_size: int, cfg: IceCacheConfig, projection: torch.Tensor,
+                 store: PageStore | None = None, head: int = 0):
+        """keys [n, D] in sequence order; projection [D + 1] a unit vector shared per request.
+
+        ``store``: where the pages' scoring copy lives, shared by a layer's trees (row ``head``);
+        by default a store of this tree alone.
+        """
         self.cfg, self.page_size = cfg, page_size
+        self.store = store or PageStore(1, page_size, keys.shape[1], getattr(torch, cfg.score_dtype))
+        self.head = head
         self.u = projection.to(torch.float32)  # [D + 1]
         n, d = keys.shape
         cap = max(64, 2 * n)
@@ -127,20 +135,28 @@ class DCITree:
         self.page_owner = torch.full((cap,), ROOT, dtype=torch.long)  # [cap]
         self.page_owner[page] = sorted_owner
         self.page_version = torch.zeros(cap, dtype=torch.long)  # [cap] bumped on every change
-        # [cap, P, D] keys page-major for scoring (rows < num_pages synced), fp32 or bf16
-        self.page_keys = torch.empty(cap, p, self.keys.shape[1], dtype=getattr(torch, self.cfg.score_dtype))
-        self.page_pad = torch.full((cap, p), float("-inf"))  # [cap, P] 0 on a token, -inf on a hole
-        self.page_centroid = torch.empty(cap, self.keys.shape[1])  # [cap, D] each page's mean key
+        self.store.reserve(cap)
         self._sync_pages(torch.arange(num_pages))
         self._csr_dirty = True
 
+    # ---- the scoring copy of the pages (rows of the store)
+    @property
+    def page_keys(self) -> torch.Tensor:
+        return self.store.keys[self.head]  # [cap, P, D] fp32 or bf16, 0 on holes
+
+    @property
+    def page_pad(self) -> torch.Tensor:
+        return self.store.pad[self.head]  # [cap, P] 0 on a token, -inf on a hole
+
+    @property
+    def page_centroid(self) -> torch.Tensor:
+        return self.store.centroid[self.head]  # [cap, D] each page's mean key
+
     def _sync_pages(self, pages: torch.Tensor) -> None:
-        """Mirror the tokens of ``pages`` [m] into the page-major key copy and centroids used for scoring."""
+        """Mirror the tokens of ``pages`` [m] into the store."""
         toks = self.page_tokens[pages]  # [m, P]
-        keys = self.keys[toks.clamp_min(0)] * (toks >= 0)[..., None]  # [m, P, D] 0 on holes
-        self.page_keys[pages] = keys.to(self.page_keys.dtype)
-        self.page_pad[pages] = torch.where(toks >= 0, 0.0, float("-inf"))
-        self.page_centroid[pages] = keys.sum(1) / (toks >= 0).sum(1, keepdim=True)  # [m, D]
+        self.store.write(self.head, pages, self.keys[toks.clamp_min(0)], toks >= 0)
+        self.store.num_pages[self.head] = self.num_pages
 
     # ---- CSR: owner -> pages
     def _csr(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,9 +214,7 @@ class DCITree:
     def exact_page_scores(self, q: torch.Tensor) -> torch.Tensor:
         """q [G, D] -> every page's exact score [G, num_pages] (best ``q.k`` of its tokens): what
         the walk returns with an unlimited field of view, as one product over all keys."""
-        m, p, d = self.num_pages, self.page_size, self.keys.shape[1]
-        s = (self.page_keys[:m].view(m * p, d) @ q.T.to(self.page_keys.dtype)).float().view(m, p, -1)  # [pages, P, G]
-        return (s + self.page_pad[:m, :, None]).amax(1).T.contiguous()  # [G, pages]
+        return self.store.exact_scores(q[None], self.head)[0, :, : self.num_pages]
 
     def centroid_page_scores(self, q: torch.Tensor, candidates: int) -> torch.Tensor:
         """q [G, D] -> page scores [G, num_pages]: exact for each query head's best ``candidates``
@@ -211,16 +225,7 @@ class DCITree:
         read to score them exactly. An estimate, not a bound (key boxes bound q.k but are loose in
         64 dimensions); recall against the exact top-k is measured in bench/selection_recall.py.
         """
-        m, p, d = self.num_pages, self.page_size, self.keys.shape[1]
-        scores = torch.full((q.shape[0], m), float("-inf"))  # [G, pages]
-        if m == 0:
-            return scores
-        estimate = self.page_centroid[:m] @ q.T.float()  # [pages, G]
-        cand = estimate.topk(min(candidates, m), dim=0).indices.flatten().unique()  # [c] pages
-        k = self.page_keys.index_select(0, cand).view(-1, d)  # [c * P, D]
-        s = (k @ q.T.to(k.dtype)).float().view(len(cand), p, -1)  # [c, P, G]
-        scores[:, cand] = (s + self.page_pad.index_select(0, cand)[:, :, None]).amax(1).T
-        return scores
+        return self.store.centroid_scores(q[None], candidates, self.head)[0, :, : self.num_pages]
 
     # ---- dynamic insertion
     def insert(self, keys: torch.Tensor) -> set[int]:
@@ -260,11 +265,9 @@ class DCITree:
             for name in ("keys", "norm2", "proj", "parent", "level"):
                 t = getattr(self, name)
                 setattr(self, name, torch.cat([t, torch.full_like(t, ROOT if name == "parent" else 0)]))
+        self.store.reserve(self.num_pages + m)
         while self.num_pages + m > len(self.page_len):
             self.page_tokens = torch.cat([self.page_tokens, torch.full_like(self.page_tokens, -1)])
-            self.page_keys = torch.cat([self.page_keys, torch.empty_like(self.page_keys)])
-            self.page_pad = torch.cat([self.page_pad, torch.full_like(self.page_pad, float("-inf"))])
-            self.page_centroid = torch.cat([self.page_centroid, torch.empty_like(self.page_centroid)])
             for name, fill in (("page_len", 0), ("page_owner", ROOT), ("page_version", 0)):
                 t = getattr(self, name)
                 setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from icekv.config import IceCacheConfig
-from icekv.index import DCITree
+from icekv.index import DCITree, PageStore
 from icekv.select.gqa import merge_ranked
 
 
@@ -41,8 +41,10 @@ class IceCacheSelector:
         self.base[layer] = base
         if self.leader(layer) != layer:
             return
-        u = self._projection(keys[0].shape[-1])  # keys: [Hkv, n, D] or per-head [n_h, D]
-        self.trees[layer] = [DCITree(k, self.page_size, self.config, u) for k in keys]
+        dim = keys[0].shape[-1]  # keys: [Hkv, n, D] or per-head [n_h, D]
+        u = self._projection(dim)
+        store = PageStore(len(keys), self.page_size, dim, getattr(torch, self.config.score_dtype))
+        self.trees[layer] = [DCITree(k, self.page_size, self.config, u, store, h) for h, k in enumerate(keys)]
 
     def insert(self, layer, keys):
         if self.leader(layer) == layer:
@@ -54,15 +56,15 @@ class IceCacheSelector:
         if lead != layer:
             return self._last[lead]
         trees = self.trees[layer]
-        fov = self.config.field_of_view(self.base[layer] + trees[0].n)
+        q = q.view(len(trees), -1, q.shape[-1])  # [Hkv, G, D]
         search = self.config.search
         if search == "walk":
-            score = lambda tree, qh: tree.page_scores(qh, fov)
-        elif search == "centroids":
-            score = lambda tree, qh: tree.centroid_page_scores(qh, self.config.rerank * k)
-        else:
-            score = lambda tree, qh: tree.exact_page_scores(qh)
-        picks = [merge_ranked(score(t, qh), k) for t, qh in zip(trees, q.chunk(len(trees), 0))]
+            fov = self.config.field_of_view(self.base[layer] + trees[0].n)
+            scores = [tree.page_scores(qh, fov) for tree, qh in zip(trees, q)]  # per head [G, pages]
+        else:  # one batched search over every head's pages: [Hkv, G, pages]
+            store = trees[0].store
+            scores = store.centroid_scores(q, self.config.candidates(k)) if search == "centroids" else store.exact_scores(q)
+        picks = [merge_ranked(s, k) for s in scores]
         self._last[layer] = picks
         return picks
 

@@ -1,0 +1,90 @@
+"""The scoring copy of the DCI pages of one layer's KV heads, and the searches that read it.
+
+Each DCI tree decides which tokens form its pages; their keys are mirrored here page-major, with a
+pad row (``-inf`` on a hole) and the page's mean key. The heads of a layer share one set of
+``[H, cap, ...]`` tensors, so a search scores every head's pages with one batched product instead
+of one small product per head (per-call overhead dominates at decode sizes on a CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+class PageStore:
+    """Page-major keys [H, cap, P, D], pads [H, cap, P] and centroids [H, cap, D] of ``heads`` trees."""
+
+    def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype = torch.float32):
+        self.keys = torch.zeros(heads, 0, page_size, dim, dtype=dtype)  # [H, cap, P, D] 0 on holes
+        self.pad = torch.full((heads, 0, page_size), NEG_INF)  # [H, cap, P] 0 on a token, -inf on a hole
+        self.centroid = torch.zeros(heads, 0, dim)  # [H, cap, D] each page's mean key
+        self.num_pages = torch.zeros(heads, dtype=torch.long)  # [H] pages in use per head
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def reserve(self, pages: int) -> None:
+        """Make room for ``pages`` pages per head (capacity at least doubles when it grows)."""
+        if pages <= self.capacity:
+            return
+        extra = max(pages, 2 * self.capacity, 64) - self.capacity
+        h, _, p, d = self.keys.shape
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(h, extra, p, d)], 1)
+        self.pad = torch.cat([self.pad, self.pad.new_full((h, extra, p), NEG_INF)], 1)
+        self.centroid = torch.cat([self.centroid, self.centroid.new_zeros(h, extra, d)], 1)
+
+    def write(self, head: int, pages: torch.Tensor, keys: torch.Tensor, present: torch.Tensor) -> None:
+        """Set ``pages`` [m] of ``head``: keys [m, P, D] (any value on holes), present [m, P] bool."""
+        keys = keys * present[..., None]  # [m, P, D] 0 on holes
+        self.keys[head, pages] = keys.to(self.keys.dtype)
+        self.pad[head, pages] = torch.where(present, 0.0, NEG_INF)
+        self.centroid[head, pages] = keys.float().sum(1) / present.sum(1, keepdim=True)  # [m, D]
+
+    def _heads(self, head: int | None):
+        """The arrays of every head, or of one (kept as a head axis of 1)."""
+        pick = slice(None) if head is None else slice(head, head + 1)
+        return self.keys[pick], self.pad[pick], self.centroid[pick], self.num_pages[pick]
+
+    def exact_scores(self, q: torch.Tensor, head: int | None = None) -> torch.Tensor:
+        """q [H, G, D] -> every page's best q.k [H, G, m] (m: the most pages of a head; ``-inf``
+        past a head's own pages).
+
+        ``head``: score only that head's pages (q [1, G, D])."""
+        keys, pad, _, num_pages = self._heads(head)
+        h, _, p, d = keys.shape
+        m = int(num_pages.max()) if h else 0
+        s = torch.bmm(keys[:, :m].view(h, m * p, d), q.transpose(1, 2).to(keys.dtype))  # [H, m*P, G]
+        s = (s.float().view(h, m, p, q.shape[1]) + pad[:, :m, :, None]).amax(2)  # [H, m, G]
+        return (s + _unused(num_pages, m)).transpose(1, 2)
+
+    def centroid_scores(self, q: torch.Tensor, candidates: int, head: int | None = None) -> torch.Tensor:
+        """q [H, G, D] -> [H, G, m]: each query head's best ``candidates`` pages by ``q.centroid``
+        get their exact best q.k (for every query head of their KV head), the rest ``-inf``.
+
+        Only the centroids and the candidates' keys are read. ``head``: that head only (q [1, G, D])."""
+        keys, pad, centroid, num_pages = self._heads(head)
+        h, cap, p, d = keys.shape
+        m = int(num_pages.max()) if h else 0
+        scores = torch.full((h, q.shape[1], m), NEG_INF)  # [H, G, m]
+        if m == 0:
+            return scores
+        estimate = torch.baddbmm(_unused(num_pages, m), centroid[:, :m], q.transpose(1, 2).float())  # [H, m, G]
+        top = estimate.topk(min(candidates, m), dim=1).indices  # [H, c, G]
+        pick = torch.zeros(h, m, dtype=torch.bool)  # [H, m] the union over query heads
+        pick.scatter_(1, top.reshape(h, -1), True)
+        pick &= torch.isfinite(estimate[..., 0])  # never a page past num_pages
+        hs, pages = pick.nonzero(as_tuple=True)  # [n], [n]
+        flat = hs * cap + pages  # [n] rows of the [H * cap] views
+        k = keys.view(h * cap, p, d).index_select(0, flat)  # [n, P, D]
+        s = torch.bmm(k, q.index_select(0, hs).transpose(1, 2).to(k.dtype)).float()  # [n, P, G]
+        scores[hs, :, pages] = (s + pad.view(h * cap, p).index_select(0, flat)[..., None]).amax(1)  # [n, G]
+        return scores
+
+
+def _unused(num_pages: torch.Tensor, m: int) -> torch.Tensor:
+    """num_pages [H] -> [H, m, 1]: 0 on a page in use, -inf past a head's pages."""
+    used = torch.arange(m)[None, :] < num_pages[:, None]  # [H, m]
+    return torch.where(used, 0.0, NEG_INF)[..., None]

@@ -1,0 +1,57 @@
+"""The shared page store of a layer's trees: batched searches equal per-head ones."""
+
+import torch
+
+from icekv.config import IceCacheConfig
+from icekv.index import DCITree, PageStore
+
+
+def _layer(sizes, d=32, dtype=torch.float32):
+    """One tree per head over ``sizes`` tokens, sharing a store; keys per head [n_h, D]."""
+    g = torch.Generator().manual_seed(2)
+    u = torch.randn(d + 1, generator=g)
+    store = PageStore(len(sizes), 16, d, dtype)
+    keys = [torch.randn(n, d, generator=g) * 2 for n in sizes]
+    cfg = IceCacheConfig()
+    return store, [DCITree(k, 16, cfg, u / u.norm(), store, h) for h, k in enumerate(keys)], keys
+
+
+def test_heads_with_uneven_page_counts_score_alone_and_batched_alike():
+    store, trees, keys = _layer([700, 90, 0])  # an empty head too
+    for chunk in torch.randn(48, 32).split(16):  # inserts grow one head past the others
+        trees[1].insert(chunk)
+    counts = [t.num_pages for t in trees]
+    assert store.num_pages.tolist() == counts and counts[2] == 0
+    q = torch.randn(3, 4, 32)  # [H, G, D]
+    exact = store.exact_scores(q)  # [H, G, most pages]
+    assert exact.shape == (3, 4, max(counts))
+    for h, tree in enumerate(trees):
+        alone = tree.exact_page_scores(q[h])  # [G, pages_h]
+        torch.testing.assert_close(exact[h, :, : counts[h]], alone)
+        assert bool(torch.isneginf(exact[h, :, counts[h]:]).all())
+        toks = tree.page_tokens[: counts[h]]
+        members = [tree.keys[toks[p][toks[p] >= 0]] for p in range(counts[h])]
+        if members:
+            torch.testing.assert_close(alone, torch.stack([(q[h] @ k.T).amax(-1) for k in members], 1))
+    some = store.centroid_scores(q, candidates=10)
+    for h, tree in enumerate(trees):
+        torch.testing.assert_close(some[h, :, : counts[h]], tree.centroid_page_scores(q[h], 10))
+        finite = torch.isfinite(some[h])
+        torch.testing.assert_close(some[h][finite], exact[h][finite])  # candidates exact
+        assert min(10, counts[h]) <= int(finite.any(0).sum()) <= counts[h]
+        assert bool(torch.isneginf(some[h, :, counts[h]:]).all())
+    assert int(torch.isfinite(some[2]).sum()) == 0
+
+
+def test_store_grows_for_every_head_and_keeps_rows():
+    store, trees, _ = _layer([40, 40])
+    before = store.keys[0, : trees[0].num_pages].clone()
+    cap = store.capacity
+    for chunk in torch.randn(16 * cap, 32).split(16):
+        trees[1].insert(chunk)
+    assert store.capacity > cap and store.keys.shape[:2] == (2, store.capacity)
+    assert torch.equal(store.keys[0, : trees[0].num_pages], before)
+    t = trees[1]
+    toks = t.page_tokens[: t.num_pages]
+    want = torch.stack([t.keys[toks[p][toks[p] >= 0]].mean(0) for p in range(t.num_pages)])
+    torch.testing.assert_close(store.centroid[1, : t.num_pages], want)
