@@ -273,34 +273,39 @@ class DCITree:
                 setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
 
     def _place(self, t: int, owner: int) -> set[int]:
-        """Put token ``t`` into the page of ``owner`` whose projection range fits it best."""
-        mine = torch.nonzero(self.page_owner[: self.num_pages] == owner).flatten()
+        """Put token ``t`` into the page of ``owner`` whose projection range fits it best.
+
+        On numpy views of the tree (one token at a time: per-call cost dominates)."""
+        page_tokens, page_len, page_version = self.page_tokens.numpy(), self.page_len.numpy(), self.page_version.numpy()
+        proj = self.proj.numpy()
+        mine = np.flatnonzero(self.page_owner.numpy()[: self.num_pages] == owner)
         if len(mine) == 0:
-            return {self._new_page(owner, torch.tensor([t]))}
-        toks = self.page_tokens[mine]  # [m, P]
-        proj = self.proj[toks.clamp_min(0)].masked_fill(toks < 0, float("nan"))
-        lo, hi = proj.nan_to_num(float("inf")).amin(-1), proj.nan_to_num(float("-inf")).amax(-1)
-        pt = self.proj[t]
-        gap = torch.maximum(lo - pt, pt - hi).clamp_min(0)  # 0 inside a page's range
+            return {self._new_page(owner, np.array([t]))}
+        toks = page_tokens[mine]  # [m, P]
+        held = proj[np.maximum(toks, 0)]  # [m, P]
+        lo = np.where(toks >= 0, held, np.inf).min(-1)
+        hi = np.where(toks >= 0, held, -np.inf).max(-1)
+        pt = proj[t]
+        gap = np.maximum(np.maximum(lo - pt, pt - hi), 0)  # 0 inside a page's range
         page = int(mine[gap.argmin()])
-        n_in = int(self.page_len[page])
-        self.page_version[page] += 1
+        n_in = int(page_len[page])
+        page_version[page] += 1
         if n_in < self.page_size:
-            self.page_tokens[page, n_in] = t
-            self.page_len[page] += 1
+            page_tokens[page, n_in] = t
+            page_len[page] += 1
             return {page}
-        members = torch.cat([self.page_tokens[page], torch.tensor([t])])  # [P + 1]
-        members = members[torch.argsort(self.proj[members], stable=True)]
+        members = np.append(page_tokens[page], t)  # [P + 1]
+        members = members[np.argsort(proj[members], kind="stable")]
         keep = (len(members) + 1) // 2
-        self.page_tokens[page] = -1
-        self.page_tokens[page, :keep] = members[:keep]
-        self.page_len[page] = keep
+        page_tokens[page] = -1
+        page_tokens[page, :keep] = members[:keep]
+        page_len[page] = keep
         return {page, self._new_page(owner, members[keep:])}
 
-    def _new_page(self, owner: int, tokens: torch.Tensor) -> int:
+    def _new_page(self, owner: int, tokens: np.ndarray) -> int:
         page = self.num_pages
         self.num_pages += 1
-        self.page_tokens[page, : len(tokens)] = tokens
+        self.page_tokens.numpy()[page, : len(tokens)] = tokens
         self.page_len[page] = len(tokens)
         self.page_owner[page] = owner
         self.page_version[page] += 1

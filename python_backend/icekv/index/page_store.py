@@ -58,7 +58,7 @@ class PageStore:
         m = int(num_pages.max()) if h else 0
         s = torch.bmm(keys[:, :m].view(h, m * p, d), q.transpose(1, 2).to(keys.dtype))  # [H, m*P, G]
         s = (s.float().view(h, m, p, q.shape[1]) + pad[:, :m, :, None]).amax(2)  # [H, m, G]
-        return (s + _unused(num_pages, m)).transpose(1, 2)
+        return s.transpose(1, 2) + _unused(num_pages, m)
 
     def centroid_scores(self, q: torch.Tensor, candidates: int, head: int | None = None) -> torch.Tensor:
         """q [H, G, D] -> [H, G, m]: each query head's best ``candidates`` pages by ``q.centroid``
@@ -71,20 +71,23 @@ class PageStore:
         scores = torch.full((h, q.shape[1], m), NEG_INF)  # [H, G, m]
         if m == 0:
             return scores
-        estimate = torch.baddbmm(_unused(num_pages, m), centroid[:, :m], q.transpose(1, 2).float())  # [H, m, G]
-        top = estimate.topk(min(candidates, m), dim=1).indices  # [H, c, G]
+        estimate = torch.bmm(q.float(), centroid[:, :m].transpose(1, 2)) + _unused(num_pages, m)  # [H, G, m]
+        top = estimate.topk(min(candidates, m), dim=-1).indices  # [H, G, c]
         pick = torch.zeros(h, m, dtype=torch.bool)  # [H, m] the union over query heads
         pick.scatter_(1, top.reshape(h, -1), True)
-        pick &= torch.isfinite(estimate[..., 0])  # never a page past num_pages
-        hs, pages = pick.nonzero(as_tuple=True)  # [n], [n]
+        pick &= torch.isfinite(estimate[:, 0])  # never a page past num_pages
+        hs, pages = pick.nonzero(as_tuple=True)  # [n], [n] grouped by head
         flat = hs * cap + pages  # [n] rows of the [H * cap] views
         k = keys.view(h * cap, p, d).index_select(0, flat)  # [n, P, D]
-        s = torch.bmm(k, q.index_select(0, hs).transpose(1, 2).to(k.dtype)).float()  # [n, P, G]
-        scores[hs, :, pages] = (s + pad.view(h * cap, p).index_select(0, flat)[..., None]).amax(1)  # [n, G]
+        # every query head against every candidate in one product (cheaper on a CPU than a bmm of
+        # n tiny batches or one skinny product per head), then each candidate keeps its own head's
+        s = (k.view(-1, d) @ q.reshape(-1, d).T.to(k.dtype)).float().view(len(flat), p, -1)  # [n, P, H * G]
+        s = (s + pad.view(h * cap, p).index_select(0, flat)[..., None]).amax(1)  # [n, H * G]
+        scores[hs, :, pages] = s.view(len(flat), h, -1)[torch.arange(len(flat)), hs]  # [n, G]
         return scores
 
 
 def _unused(num_pages: torch.Tensor, m: int) -> torch.Tensor:
-    """num_pages [H] -> [H, m, 1]: 0 on a page in use, -inf past a head's pages."""
+    """num_pages [H] -> [H, 1, m]: 0 on a page in use, -inf past a head's pages."""
     used = torch.arange(m)[None, :] < num_pages[:, None]  # [H, m]
-    return torch.where(used, 0.0, NEG_INF)[..., None]
+    return torch.where(used, 0.0, NEG_INF)[:, None, :]
