@@ -3,6 +3,13 @@
 import torch
 
 from icekv.kv import DevicePageCache
+from icekv.select import flatten_selection
+
+
+def _plan(dev, selection, versions):
+    """Per-head page lists and versions -> the device's transfer plan."""
+    heads, pages = flatten_selection(selection)
+    return dev.plan(heads, pages, torch.cat(versions))
 
 
 def _load(dev, plan, host_k):
@@ -15,12 +22,12 @@ def test_unchanged_selection_moves_nothing():
     dev = DevicePageCache(2, 3, 4, 8)
     sel = [torch.tensor([1, 5, 7]), torch.tensor([0, 2])]
     ver = [torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.long)]
-    plan = dev.plan(sel, ver)
+    plan = _plan(dev, sel, ver)
     assert len(plan) == 5
     _load(dev, plan, host_k)
     moved = dev.bytes_moved
     assert moved == 5 * 2 * 4 * 8 * 4
-    again = dev.plan(sel, ver)
+    again = _plan(dev, sel, ver)
     assert len(again) == 0 and dev.bytes_moved == moved
     # slots hold the right bytes
     for h, pages in enumerate(sel):
@@ -34,20 +41,20 @@ def test_partial_change_reuses_slots_and_stale_versions_reload():
     host_k = torch.randn(1, 10, 4, 8)
     dev = DevicePageCache(1, 3, 4, 8)
     zeros = torch.zeros(3, dtype=torch.long)
-    _load(dev, dev.plan([torch.tensor([1, 2, 3])], [zeros]), host_k)
-    plan = dev.plan([torch.tensor([3, 1, 9])], [zeros])
+    _load(dev, _plan(dev, [torch.tensor([1, 2, 3])], [zeros]), host_k)
+    plan = _plan(dev, [torch.tensor([3, 1, 9])], [zeros])
     assert plan.pages.tolist() == [9]
     assert int(plan.slots[0]) == int(torch.nonzero(dev.page[0] == 2)[0])  # evicts the unselected page
     _load(dev, plan, host_k)
-    stale = dev.plan([torch.tensor([3, 1, 9])], [torch.tensor([0, 1, 0])])  # page 1 changed
+    stale = _plan(dev, [torch.tensor([3, 1, 9])], [torch.tensor([0, 1, 0])])  # page 1 changed
     assert stale.pages.tolist() == [1]
 
 
 def test_attended_lengths_mask_unselected_slots():
     host_k = torch.randn(1, 10, 4, 8)
     dev = DevicePageCache(1, 3, 4, 8)
-    _load(dev, dev.plan([torch.tensor([1, 2, 3])], [torch.zeros(3, dtype=torch.long)]), host_k)
-    dev.plan([torch.tensor([2])], [torch.zeros(1, dtype=torch.long)])
+    _load(dev, _plan(dev, [torch.tensor([1, 2, 3])], [torch.zeros(3, dtype=torch.long)]), host_k)
+    _plan(dev, [torch.tensor([2])], [torch.zeros(1, dtype=torch.long)])
     lens = dev.attended_lengths()
     assert lens.sum().item() == 4 and lens[0, int(torch.nonzero(dev.page[0] == 2)[0])].item() == 4
 
@@ -56,10 +63,10 @@ def test_heads_with_empty_or_uneven_selections():
     host_k = torch.randn(3, 10, 4, 8)
     dev = DevicePageCache(3, 4, 4, 8)
     none = torch.zeros(0, dtype=torch.long)
-    plan = dev.plan([none, torch.tensor([4, 2, 7]), torch.tensor([9])], [none, torch.zeros(3, dtype=torch.long),
+    plan = _plan(dev, [none, torch.tensor([4, 2, 7]), torch.tensor([9])], [none, torch.zeros(3, dtype=torch.long),
                                                                        torch.zeros(1, dtype=torch.long)])
     assert plan.heads.tolist() == [1, 1, 1, 2] and plan.pages.tolist() == [4, 2, 7, 9]
     assert plan.slots.tolist() == [0, 1, 2, 0]  # each head fills its own free slots in order
     _load(dev, plan, host_k)
     assert dev.attended_lengths().sum(1).tolist() == [0, 12, 4]
-    assert len(dev.plan([none, none, none], [none, none, none])) == 0 and not dev.selected.any()
+    assert len(_plan(dev, [none, none, none], [none, none, none])) == 0 and not dev.selected.any()

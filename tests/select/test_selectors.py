@@ -5,7 +5,7 @@ import torch
 
 from icekv.config import SelectionConfig
 from icekv.errors import ConfigError
-from icekv.select import QuestSelector, StreamingSelector, make_selector
+from icekv.select import QuestSelector, StreamingSelector, flatten_selection, make_selector
 from icekv.select.gqa import merge_ranked
 
 
@@ -29,7 +29,7 @@ def test_streaming_picks_the_most_recent_pages():
     assert [p.tolist() for p in picks] == [[9, 8, 7], [9, 8, 7]]
     sel.insert(0, torch.randn(2, 4, 8))
     assert sel.select(0, torch.randn(4, 8), k=2)[0].tolist() == [10, 9]
-    assert sel.page_positions(0, 0, torch.tensor([10])).tolist() == [[48, 49, 50, 51]]
+    assert sel.page_positions(0, torch.tensor([0]), torch.tensor([10])).tolist() == [[48, 49, 50, 51]]
 
 
 def test_quest_bound_is_an_upper_bound_and_finds_the_hot_page():
@@ -90,5 +90,14 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages():
                               for p in range(tree.num_pages)], 1)  # [G, pages] brute force
         assert picks_exact[h].tolist() == merge_ranked(scores, 12).tolist()
         assert len(picks_walk[h]) == 12  # the walk picks as many, from the pages it visited
+    # positions and versions of several heads' pages in one lookup, each from its own head's tree
+    heads, pages = flatten_selection(picks_exact)
+    sel = searches["exhaustive"]
+    positions = sel.page_positions(2, heads, pages)  # [n, P]
+    for i, (h, p) in enumerate(zip(heads.tolist(), pages.tolist())):
+        tree = sel.trees[2][h]
+        toks = tree.page_tokens[p]
+        assert positions[i].tolist() == torch.where(toks >= 0, toks + 16, -1).tolist()
+        assert int(sel.page_versions(2, heads, pages)[i]) == int(tree.page_version[p])
     with pytest.raises(ConfigError, match="search"):
         IceCacheConfig(search="beam")

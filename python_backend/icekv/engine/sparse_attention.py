@@ -21,7 +21,7 @@ from icekv.config import SelectionConfig
 from icekv.engine.full_attention import FullCacheAttention
 from icekv.kv import DevicePageCache, PagedKVCache
 from icekv.model import ModelArgs
-from icekv.select import PageSelector
+from icekv.select import PageSelector, flatten_selection
 
 
 class SparseCacheAttention(FullCacheAttention):
@@ -79,15 +79,13 @@ class SparseCacheAttention(FullCacheAttention):
         length = self.start + 1
         t0 = time.perf_counter()
         selection = self.selector.select(layer, q[0], self.cfg.selected_pages)  # per head [k_h]
-        versions = [self.selector.page_versions(layer, h, s) for h, s in enumerate(selection)]
+        heads, pages = flatten_selection(selection)  # [n], [n]
+        versions = self.selector.page_versions(layer, heads, pages)  # [n]
         t1 = time.perf_counter()
         dev = self.device[layer]
-        plan = dev.plan(selection, versions)
+        plan = dev.plan(heads, pages, versions)
         if len(plan):
-            positions = torch.cat([
-                self.selector.page_positions(layer, h, plan.pages[plan.heads == h])
-                for h in range(len(selection))
-            ])  # [n, P] in plan order (plan is grouped by head)
+            positions = self.selector.page_positions(layer, plan.heads, plan.pages)  # [m, P]
             pk, pv = self._gather_pages(layer, plan.heads, positions)
             dev.load(plan, pk, pv, (positions >= 0).sum(-1))
         t2 = time.perf_counter()
@@ -141,9 +139,9 @@ class SparseCacheAttention(FullCacheAttention):
         attended = torch.zeros(hkv, length, dtype=torch.bool)
         attended[:, : min(self.sink_end, length)] = True
         attended[:, min(self.win_start, length):] = True
-        for h, pages in enumerate(selection):
-            pos = self.selector.page_positions(layer, h, pages).flatten()
-            attended[h, pos[pos >= 0]] = True
+        heads, pages = flatten_selection(selection)
+        pos = self.selector.page_positions(layer, heads, pages)  # [n, P]
+        attended[heads[:, None].expand_as(pos)[pos >= 0], pos[pos >= 0]] = True
         recall = (probs * attended[:, None, :]).sum(-1).mean().item()
         cosine = F.cosine_similarity(out.float(), full_out.float(), dim=-1).mean().item()
         self.layer_stats[layer].append((recall, cosine))

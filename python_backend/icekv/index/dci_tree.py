@@ -128,18 +128,24 @@ class DCITree:
         num_pages = int(group_pages.sum())
         cap = max(64, 2 * num_pages)
         self.num_pages = num_pages
-        self.page_tokens = torch.full((cap, p), -1, dtype=torch.long)  # [cap, P]
+        self.store.reserve(cap)
         self.page_tokens[page, slot] = order
         self.page_len = torch.zeros(cap, dtype=torch.long)  # [cap]
         self.page_len[:num_pages] = (self.page_tokens[:num_pages] >= 0).sum(-1)
         self.page_owner = torch.full((cap,), ROOT, dtype=torch.long)  # [cap]
         self.page_owner[page] = sorted_owner
-        self.page_version = torch.zeros(cap, dtype=torch.long)  # [cap] bumped on every change
-        self.store.reserve(cap)
         self._sync_pages(torch.arange(num_pages))
         self._csr_dirty = True
 
-    # ---- the scoring copy of the pages (rows of the store)
+    # ---- the pages (this head's rows of the store)
+    @property
+    def page_tokens(self) -> torch.Tensor:
+        return self.store.tokens[self.head]  # [cap, P] local token ids, -1 on holes
+
+    @property
+    def page_version(self) -> torch.Tensor:
+        return self.store.version[self.head]  # [cap] bumped on every change
+
     @property
     def page_keys(self) -> torch.Tensor:
         return self.store.keys[self.head]  # [cap, P, D] fp32 or bf16, 0 on holes
@@ -267,8 +273,7 @@ class DCITree:
                 setattr(self, name, torch.cat([t, torch.full_like(t, ROOT if name == "parent" else 0)]))
         self.store.reserve(self.num_pages + m)
         while self.num_pages + m > len(self.page_len):
-            self.page_tokens = torch.cat([self.page_tokens, torch.full_like(self.page_tokens, -1)])
-            for name, fill in (("page_len", 0), ("page_owner", ROOT), ("page_version", 0)):
+            for name, fill in (("page_len", 0), ("page_owner", ROOT)):
                 t = getattr(self, name)
                 setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
 

@@ -1,9 +1,11 @@
-"""The scoring copy of the DCI pages of one layer's KV heads, and the searches that read it.
+"""The pages of one layer's DCI trees (one per KV head), and the searches that read them.
 
-Each DCI tree decides which tokens form its pages; their keys are mirrored here page-major, with a
-pad row (``-inf`` on a hole) and the page's mean key. The heads of a layer share one set of
-``[H, cap, ...]`` tensors, so a search scores every head's pages with one batched product instead
-of one small product per head (per-call overhead dominates at decode sizes on a CPU).
+Each DCI tree decides which tokens form its pages; the pages live here: their members (local
+token ids) and version, and a scoring copy of their keys page-major, with a pad row (``-inf`` on
+a hole) and the page's mean key. The heads of a layer share one set of ``[H, cap, ...]`` tensors,
+so a search scores every head's pages with one batched product, and the transfer path looks up
+every head's selected pages with one index, instead of one small call per head (per-call overhead
+dominates at decode sizes on a CPU).
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ NEG_INF = float("-inf")
 
 
 class PageStore:
-    """Page-major keys [H, cap, P, D], pads [H, cap, P] and centroids [H, cap, D] of ``heads`` trees."""
+    """Members [H, cap, P], versions [H, cap], keys [H, cap, P, D], pads [H, cap, P] and centroids
+    [H, cap, D] of the pages of ``heads`` trees. The trees write members and versions; the scoring
+    copy is refreshed with :meth:`write`."""
 
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype = torch.float32):
+        self.tokens = torch.full((heads, 0, page_size), -1, dtype=torch.long)  # [H, cap, P] -1: a hole
+        self.version = torch.zeros(heads, 0, dtype=torch.long)  # [H, cap] bumped on every change
         self.keys = torch.zeros(heads, 0, page_size, dim, dtype=dtype)  # [H, cap, P, D] 0 on holes
         self.pad = torch.full((heads, 0, page_size), NEG_INF)  # [H, cap, P] 0 on a token, -inf on a hole
         self.centroid = torch.zeros(heads, 0, dim)  # [H, cap, D] each page's mean key
@@ -32,6 +38,8 @@ class PageStore:
             return
         extra = max(pages, 2 * self.capacity, 64) - self.capacity
         h, _, p, d = self.keys.shape
+        self.tokens = torch.cat([self.tokens, self.tokens.new_full((h, extra, p), -1)], 1)
+        self.version = torch.cat([self.version, self.version.new_zeros(h, extra)], 1)
         self.keys = torch.cat([self.keys, self.keys.new_zeros(h, extra, p, d)], 1)
         self.pad = torch.cat([self.pad, self.pad.new_full((h, extra, p), NEG_INF)], 1)
         self.centroid = torch.cat([self.centroid, self.centroid.new_zeros(h, extra, d)], 1)

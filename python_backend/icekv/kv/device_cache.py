@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from icekv.kernels import scatter_pages
 
@@ -55,29 +54,28 @@ class DevicePageCache:
     def page_bytes(self) -> int:
         return 2 * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
 
-    def plan(self, selection: list[torch.Tensor], versions: list[torch.Tensor]) -> TransferPlan:
-        """Per KV head: selected page ids [k_h] and their versions -> the copies still needed.
+    def plan(self, heads: torch.Tensor, pages: torch.Tensor, versions: torch.Tensor) -> TransferPlan:
+        """Selected page ``pages[i]`` of KV head ``heads[i]`` at ``versions[i]`` ([n] each, grouped
+        by head) -> the copies still needed.
 
         Also marks which slots this step attends (hits now, misses once loaded). All heads at
         once: the r-th miss of a head takes the head's r-th free slot.
         """
-        self._grow(min(max((len(s) for s in selection), default=0), self.max_slots))
-        sel = pad_sequence(selection, batch_first=True, padding_value=-1)  # [Hkv, K] -1 = padding
-        ver = pad_sequence(versions, batch_first=True, padding_value=-1)
-        valid = sel >= 0
-        match = (self.page[:, None, :] == sel[:, :, None]) & (self.version[:, None, :] == ver[:, :, None])
-        match &= valid[:, :, None]  # [Hkv, K, S]
-        hit = match.any(2)  # [Hkv, K]
-        self.selected = match.any(1)  # [Hkv, S]
+        hkv = self.page.shape[0]
+        self._grow(min(int(torch.bincount(heads, minlength=hkv).max()), self.max_slots))
+        match = (self.page[heads] == pages[:, None]) & (self.version[heads] == versions[:, None])  # [n, S]
+        hit = match.any(1)  # [n]
+        self.selected = torch.zeros(self.page.shape, dtype=torch.int32).index_add_(0, heads, match.int()) > 0  # [Hkv, S]
         self.hits += int(hit.sum())
-        self.lookups += int(valid.sum())
-        miss = valid & ~hit
-        heads, at = torch.nonzero(miss, as_tuple=True)  # grouped by head, selection order
-        rank = (miss.cumsum(1) - 1)[heads, at]  # [n] which miss of its head
+        self.lookups += len(heads)
+        miss = ~hit
+        heads, pages, versions = heads[miss], pages[miss], versions[miss]  # [m]
+        per_head = torch.bincount(heads, minlength=hkv)  # [Hkv]
+        rank = torch.arange(len(heads)) - (torch.cumsum(per_head, 0) - per_head)[heads]  # [m] which miss of its head
         free_first = torch.argsort(self.selected.to(torch.int8), dim=1, stable=True)  # [Hkv, S]
         slots = free_first[heads, rank]
         self.selected[heads, slots] = True
-        return TransferPlan(heads, sel[heads, at], ver[heads, at], slots)
+        return TransferPlan(heads, pages, versions, slots)
 
     def _grow(self, n_slots: int) -> None:
         extra = n_slots - self.k.shape[1]

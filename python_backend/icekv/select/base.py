@@ -23,11 +23,18 @@ class PageSelector(Protocol):
     def select(self, layer: int, q: torch.Tensor, k: int) -> list[torch.Tensor]:
         """q [Hq, D] -> per KV head, up to ``k`` page ids (best first)."""
 
-    def page_positions(self, layer: int, head: int, pages: torch.Tensor) -> torch.Tensor:
-        """pages [m] -> token positions [m, P] of their tokens (-1 = empty slot)."""
+    def page_positions(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Page ``pages[i]`` of KV head ``heads[i]`` ([m] each) -> positions [m, P] of its tokens
+        (-1 = empty slot)."""
 
-    def page_versions(self, layer: int, head: int, pages: torch.Tensor) -> torch.Tensor:
-        """pages [m] -> a counter that changes whenever a page's contents change."""
+    def page_versions(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`page_positions` -> [m] a counter that changes whenever a page's contents change."""
+
+
+def flatten_selection(selection: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head page ids [k_h] -> (heads [n], pages [n]), grouped by head in selection order."""
+    counts = torch.tensor([len(s) for s in selection])
+    return torch.repeat_interleave(torch.arange(len(selection)), counts), torch.cat(selection)
 
 
 class SequencePages:

@@ -23,6 +23,7 @@ class IceCacheSelector:
     layer_reuse: bool = False
     first_sparse_layer: int = 2
     trees: dict = field(init=False, default_factory=dict)  # leader layer -> [DCITree per KV head]
+    stores: dict = field(init=False, default_factory=dict)  # leader layer -> the trees' PageStore
     base: dict = field(init=False, default_factory=dict)  # layer -> position of local token 0
     _last: dict = field(init=False, default_factory=dict)  # leader layer -> its latest selection
 
@@ -43,7 +44,7 @@ class IceCacheSelector:
             return
         dim = keys[0].shape[-1]  # keys: [Hkv, n, D] or per-head [n_h, D]
         u = self._projection(dim)
-        store = PageStore(len(keys), self.page_size, dim, getattr(torch, self.config.score_dtype))
+        store = self.stores[layer] = PageStore(len(keys), self.page_size, dim, getattr(torch, self.config.score_dtype))
         self.trees[layer] = [DCITree(k, self.page_size, self.config, u, store, h) for h, k in enumerate(keys)]
 
     def insert(self, layer, keys):
@@ -62,16 +63,15 @@ class IceCacheSelector:
             fov = self.config.field_of_view(self.base[layer] + trees[0].n)
             scores = [tree.page_scores(qh, fov) for tree, qh in zip(trees, q)]  # per head [G, pages]
         else:  # one batched search over every head's pages: [Hkv, G, pages]
-            store = trees[0].store
+            store = self.stores[layer]
             scores = store.centroid_scores(q, self.config.candidates(k)) if search == "centroids" else store.exact_scores(q)
         picks = [merge_ranked(s, k) for s in scores]
         self._last[layer] = picks
         return picks
 
-    def page_positions(self, layer, head, pages):
-        tree = self.trees[self.leader(layer)][head]
-        toks = tree.page_tokens[pages]  # [m, P] local ids
+    def page_positions(self, layer, heads, pages):
+        toks = self.stores[self.leader(layer)].tokens[heads, pages]  # [m, P] local ids
         return torch.where(toks >= 0, toks + self.base[layer], -1)
 
-    def page_versions(self, layer, head, pages):
-        return self.trees[self.leader(layer)][head].page_version[pages]
+    def page_versions(self, layer, heads, pages):
+        return self.stores[self.leader(layer)].version[heads, pages]

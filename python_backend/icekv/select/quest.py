@@ -46,8 +46,8 @@ class QuestSelector:
         hkv = self.key_min[layer].shape[0]
         return [merge_ranked(g, k) for g in bounds.chunk(hkv, dim=0)]
 
-    def page_positions(self, layer, head, pages):
+    def page_positions(self, layer, heads, pages):
         return self.pages.positions(layer, pages)
 
-    def page_versions(self, layer, head, pages):
+    def page_versions(self, layer, heads, pages):
         return self.pages.versions(pages)

@@ -32,8 +32,8 @@ class StreamingSelector:
         recent = torch.arange(max(n - k, 0), n).flip(0)  # newest first
         return [recent] * self.num_kv_heads
 
-    def page_positions(self, layer, head, pages):
+    def page_positions(self, layer, heads, pages):
         return self.pages.positions(layer, pages)
 
-    def page_versions(self, layer, head, pages):
+    def page_versions(self, layer, heads, pages):
         return self.pages.versions(pages)
