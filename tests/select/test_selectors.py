@@ -6,7 +6,7 @@ import torch
 from icekv.config import SelectionConfig
 from icekv.errors import ConfigError
 from icekv.select import QuestSelector, StreamingSelector, flatten_selection, make_selector
-from icekv.select.gqa import merge_ranked
+from icekv.select.gqa import merge_ranked, merge_ranked_heads
 
 
 def test_merge_interleaves_by_rank_and_drops_duplicates():
@@ -20,6 +20,17 @@ def test_merge_skips_unvisited_pages_and_handles_empty():
     scores = torch.tensor([[float("-inf"), 2.0, float("-inf")]])
     assert merge_ranked(scores, 3).tolist() == [1]
     assert merge_ranked(torch.zeros(2, 0), 4).numel() == 0
+
+
+def test_merge_of_every_head_at_once_equals_one_head_at_a_time():
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(3, 4, 50, generator=g)  # [H, G, n]
+    scores[1, :, 10:] = float("-inf")  # a head with few candidates
+    scores[2] = float("-inf")  # and one with none
+    for k in (1, 12, 60):
+        batched = merge_ranked_heads(scores, k)
+        assert [p.tolist() for p in batched] == [merge_ranked(s, k).tolist() for s in scores]
+    assert [len(p) for p in merge_ranked_heads(scores, 12)] == [12, 10, 0]
 
 
 def test_streaming_picks_the_most_recent_pages():

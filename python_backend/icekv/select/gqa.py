@@ -10,18 +10,30 @@ def merge_ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [G, n] (``-inf`` = not a candidate) -> up to ``k`` page ids [k'] (long).
 
     Each query head ranks its pages; the lists are interleaved by rank (every head's best, then
-    every head's second, ...), duplicates dropped, and the first ``k`` kept. Runs in numpy: it is
-    called per KV head and layer every step, on arrays small enough for call overhead to dominate.
+    every head's second, ...), duplicates dropped, and the first ``k`` kept.
+    """
+    return merge_ranked_heads(scores[None], k)[0]
+
+
+def merge_ranked_heads(scores: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """:func:`merge_ranked` for every KV head at once: scores [H, G, n] -> per head [k_h] ids.
+
+    Runs in numpy and ranks all heads in one pass: it is called per layer every step, on arrays
+    small enough for call overhead to dominate.
     """
     s = scores.float().numpy()
-    g, n = s.shape
+    h, g, n = s.shape
     if n == 0 or k == 0:
-        return torch.zeros(0, dtype=torch.long)
+        return [torch.zeros(0, dtype=torch.long) for _ in range(h)]
     kk = min(k, n)
-    top = np.argpartition(s, n - kk, axis=1)[:, n - kk:]  # [G, kk] the best, unordered
-    vals = np.take_along_axis(s, top, 1)
-    order = np.argsort(-vals, axis=1, kind="stable")  # best first within each head
-    top, vals = np.take_along_axis(top, order, 1), np.take_along_axis(vals, order, 1)
-    ids = top.T.ravel()[np.isfinite(vals.T.ravel())]  # rank-major, candidates only
-    _, first = np.unique(ids, return_index=True)
-    return torch.from_numpy(ids[np.sort(first)[:k]].astype(np.int64))
+    top = np.argpartition(s, n - kk, axis=2)[..., n - kk:]  # [H, G, kk] the best, unordered
+    vals = np.take_along_axis(s, top, 2)
+    order = np.argsort(-vals, axis=2, kind="stable")  # best first within each query head
+    top, vals = np.take_along_axis(top, order, 2), np.take_along_axis(vals, order, 2)
+    top, finite = top.transpose(0, 2, 1).reshape(h, -1), np.isfinite(vals.transpose(0, 2, 1).reshape(h, -1))
+    picks = []
+    for ids, ok in zip(top, finite):  # rank-major per KV head, candidates only
+        ids = ids[ok]
+        _, first = np.unique(ids, return_index=True)
+        picks.append(torch.from_numpy(ids[np.sort(first)[:k]].astype(np.int64)))
+    return picks

@@ -13,7 +13,7 @@ import torch
 
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, PageStore
-from icekv.select.gqa import merge_ranked
+from icekv.select.gqa import merge_ranked, merge_ranked_heads
 
 
 @dataclass
@@ -61,11 +61,11 @@ class IceCacheSelector:
         search = self.config.search
         if search == "walk":
             fov = self.config.field_of_view(self.base[layer] + trees[0].n)
-            scores = [tree.page_scores(qh, fov) for tree, qh in zip(trees, q)]  # per head [G, pages]
+            picks = [merge_ranked(tree.page_scores(qh, fov), k) for tree, qh in zip(trees, q)]
         else:  # one batched search over every head's pages: [Hkv, G, pages]
             store = self.stores[layer]
             scores = store.centroid_scores(q, self.config.candidates(k)) if search == "centroids" else store.exact_scores(q)
-        picks = [merge_ranked(s, k) for s in scores]
+            picks = merge_ranked_heads(scores, k)
         self._last[layer] = picks
         return picks
 
