@@ -55,3 +55,8 @@ def test_serving_config_from_triton_parameters():
         ServingConfig.from_triton_parameters({"polcy": {"string_value": "quest"}})
     with pytest.raises(Exception, match="budget must be an integer"):
         ServingConfig.from_triton_parameters({"budget": {"string_value": "lots"}})
+    assert cfg.engine.selection.icecache.search == "walk"  # the engine's default: the paper's walk
+    fast = ServingConfig.from_triton_parameters({"search": "centroids"})
+    assert fast.engine.selection.icecache.search == "centroids"
+    with pytest.raises(Exception, match="search must be one of walk, exhaustive, centroids"):
+        ServingConfig.from_triton_parameters({"search": "beam"})

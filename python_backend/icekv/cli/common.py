@@ -36,17 +36,22 @@ def _serving_flags(parser) -> None:
     parser.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--policy", default=None, help="default page selection policy (config: icecache)")
     parser.add_argument("--budget", type=_positive_int("--budget"), default=None)
+    _search_flag(parser, default=None, hint=" (config: centroids)")
     parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
                         help="KV page pool capacity in tokens, shared by all requests")
     parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None)
     parser.add_argument("--store", default=None, help="context store for context_key requests: a directory or redis://")
 
 
+def _search_flag(parser, default: str | None, hint: str = "") -> None:
+    parser.add_argument("--search", choices=SEARCHES, default=default,
+                        help="icecache page search: the DCI tree walk (the paper's), every page scored "
+                        f"exactly, or pages ranked by centroid with the best rescored exactly{hint}")
+
+
 def _icecache_flags(parser) -> None:
     """The IceCache search knobs shared by ``eval`` and ``bench decode``."""
-    parser.add_argument("--search", choices=SEARCHES, default="walk",
-                        help="icecache page search: the DCI tree walk, every page scored exactly, or "
-                        "pages ranked by centroid with the best candidates rescored exactly")
+    _search_flag(parser, default=IceCacheConfig.search)
     parser.add_argument("--rerank", type=_positive_int("--rerank"), default=IceCacheConfig.rerank,
                         help="icecache --search centroids: pages rescored exactly per query head, times k")
     parser.add_argument("--score-dtype", choices=("float32", "bfloat16"), default="float32",
@@ -62,7 +67,7 @@ def _serving_parameters(args) -> dict[str, str]:
     from icekv.config import ServingConfig
 
     params = {"model_dir": args.model and str(Path(args.model).resolve()), "policy": args.policy,
-              "budget": args.budget, "host_pool_tokens": args.host_pool_tokens,
+              "budget": args.budget, "search": args.search, "host_pool_tokens": args.host_pool_tokens,
               "max_active_requests": args.max_active_requests, "store": args.store}
     params = {k: str(v) for k, v in params.items() if v is not None}
     ServingConfig.from_triton_parameters(params)
