@@ -4,6 +4,7 @@ import torch
 
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, PageStore
+from icekv.select.gqa import merge_ranked_heads
 
 
 def _layer(sizes, d=32, dtype=torch.float32):
@@ -55,3 +56,17 @@ def test_store_grows_for_every_head_and_keeps_rows():
     toks = t.page_tokens[: t.num_pages]
     want = torch.stack([t.keys[toks[p][toks[p] >= 0]].mean(0) for p in range(t.num_pages)])
     torch.testing.assert_close(store.centroid[1, : t.num_pages], want)
+
+
+def test_compact_candidates_rank_like_the_dense_scores():
+    store, trees, _ = _layer([900, 300, 600])
+    q = torch.randn(3, 3, 32, generator=torch.Generator().manual_seed(8))
+    ids, cand = store.centroid_candidates(q, candidates=12)  # [H, c], [H, G, c]
+    dense = store.centroid_scores(q, candidates=12)  # [H, G, m]
+    for h in range(3):
+        real = ids[h] >= 0
+        assert torch.equal(ids[h][real], torch.isfinite(dense[h]).any(0).nonzero().flatten())  # ascending
+        torch.testing.assert_close(cand[h][:, real], dense[h][:, ids[h][real]])
+        assert bool(torch.isneginf(cand[h][:, ~real]).all())
+    compact = [row[p] for row, p in zip(ids, merge_ranked_heads(cand, 8))]
+    assert [p.tolist() for p in compact] == [p.tolist() for p in merge_ranked_heads(dense, 8)]

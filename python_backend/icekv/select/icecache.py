@@ -62,10 +62,13 @@ class IceCacheSelector:
         if search == "walk":
             fov = self.config.field_of_view(self.base[layer] + trees[0].n)
             picks = [merge_ranked(tree.page_scores(qh, fov), k) for tree, qh in zip(trees, q)]
-        else:  # one batched search over every head's pages: [Hkv, G, pages]
+        else:  # one batched search over every head's pages
             store = self.stores[layer]
-            scores = store.centroid_scores(q, self.config.candidates(k)) if search == "centroids" else store.exact_scores(q)
-            picks = merge_ranked_heads(scores, k)
+            if search == "centroids":  # rank only the candidates: [Hkv, c] ids, [Hkv, G, c] scores
+                ids, scores = store.centroid_candidates(q, self.config.candidates(k))
+                picks = [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k))]
+            else:
+                picks = merge_ranked_heads(store.exact_scores(q), k)
         self._last[layer] = picks
         return picks
 
