@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from icekv.kernels import scatter_pages
@@ -59,23 +60,26 @@ class DevicePageCache:
         by head) -> the copies still needed.
 
         Also marks which slots this step attends (hits now, misses once loaded). All heads at
-        once: the r-th miss of a head takes the head's r-th free slot.
+        once: the r-th miss of a head takes the head's r-th free slot. Bookkeeping in numpy: a
+        handful of ids per head, where torch's per-call cost would dominate.
         """
         hkv = self.page.shape[0]
-        self._grow(min(int(torch.bincount(heads, minlength=hkv).max()), self.max_slots))
-        match = (self.page[heads] == pages[:, None]) & (self.version[heads] == versions[:, None])  # [n, S]
+        h, p, v = heads.numpy(), pages.numpy(), versions.numpy()
+        self._grow(min(int(np.bincount(h, minlength=hkv).max()), self.max_slots))
+        match = (self.page.numpy()[h] == p[:, None]) & (self.version.numpy()[h] == v[:, None])  # [n, S]
         hit = match.any(1)  # [n]
-        self.selected = torch.zeros(self.page.shape, dtype=torch.int32).index_add_(0, heads, match.int()) > 0  # [Hkv, S]
+        selected = np.zeros(self.page.shape, dtype=bool)  # [Hkv, S]
+        np.logical_or.at(selected, h, match)
         self.hits += int(hit.sum())
-        self.lookups += len(heads)
-        miss = ~hit
-        heads, pages, versions = heads[miss], pages[miss], versions[miss]  # [m]
-        per_head = torch.bincount(heads, minlength=hkv)  # [Hkv]
-        rank = torch.arange(len(heads)) - (torch.cumsum(per_head, 0) - per_head)[heads]  # [m] which miss of its head
-        free_first = torch.argsort(self.selected.to(torch.int8), dim=1, stable=True)  # [Hkv, S]
-        slots = free_first[heads, rank]
-        self.selected[heads, slots] = True
-        return TransferPlan(heads, pages, versions, slots)
+        self.lookups += len(h)
+        h, p, v = h[~hit], p[~hit], v[~hit]  # [m] the misses
+        per_head = np.bincount(h, minlength=hkv)  # [Hkv]
+        rank = np.arange(len(h)) - (np.cumsum(per_head) - per_head)[h]  # [m] which miss of its head
+        free_first = np.argsort(selected, axis=1, kind="stable")  # [Hkv, S] free slots first
+        slots = free_first[h, rank]
+        selected[h, slots] = True
+        self.selected = torch.from_numpy(selected)
+        return TransferPlan(*(torch.from_numpy(x) for x in (h, p, v, slots)))
 
     def _grow(self, n_slots: int) -> None:
         extra = n_slots - self.k.shape[1]

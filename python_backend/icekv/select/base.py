@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -33,8 +34,9 @@ class PageSelector(Protocol):
 
 def flatten_selection(selection: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per KV head page ids [k_h] -> (heads [n], pages [n]), grouped by head in selection order."""
-    counts = torch.tensor([len(s) for s in selection])
-    return torch.repeat_interleave(torch.arange(len(selection)), counts), torch.cat(selection)
+    heads = np.repeat(np.arange(len(selection)), [len(s) for s in selection])
+    pages = np.concatenate([s.numpy() for s in selection]) if selection else np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(heads), torch.from_numpy(pages.astype(np.int64, copy=False))
 
 
 class SequencePages:
