@@ -77,19 +77,20 @@ SEARCHES = ("walk", "exhaustive", "centroids")  # IceCache page searches
 
 @dataclass(frozen=True)
 class IceCacheConfig:
-    """DCI-tree settings (IceCache paper defaults).
+    """DCI-tree settings (IceCache paper defaults) and how a decode step searches the tree.
 
     About ``ratio_1`` of indexed tokens are promoted to level 1 and ``ratio_2`` of each level one
-    level higher, deterministically in sequence order; the query walk keeps the best
-    ``max(fov_fraction * seq_len, fov_min)`` nodes per level. ``search="exhaustive"`` scores
-    every page of the tree exactly instead of walking it (the walk with an unlimited field of
-    view): same pages, exact top-k, and on a CPU host often cheaper than the walk's gathers.
+    level higher, deterministically in sequence order. The page search (``search``):
+
+    - ``walk``: the paper's top-down walk, keeping the best ``max(fov_fraction * seq_len, fov_min)``
+      nodes per level; reads about a quarter of the keys at any length with these defaults.
+    - ``exhaustive``: every page scored exactly (the walk with an unlimited field of view).
+    - ``centroids``: every page ranked by ``q.centroid`` (one vector per page), each query head's
+      best ``candidates(k)`` pages rescored exactly. Higher recall than the walk for a fraction
+      of the reads (bench/selection_recall.py); the served model's default.
+
     ``score_dtype="bfloat16"`` scores pages from a bf16 copy of the keys: half the bytes, scores
-    rounded to bf16. Measured on a 2-core CPU it speeds the exhaustive search up 1.5x at 32k; the
-    walk's many small products get slower, so it is off by default. ``search="centroids"`` ranks
-    every page by ``q.centroid`` (one vector read per page instead of ``page_size`` keys) and
-    rescores each query head's best ``candidates(k)`` pages exactly: an approximation of the exact
-    top-k like the walk, with recall measured in bench/selection_recall.py.
+    rounded to bf16; it helps the exhaustive search on a CPU and slows the walk, so it is off.
     """
 
     ratio_1: float = 0.02

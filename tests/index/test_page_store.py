@@ -19,8 +19,10 @@ def _layer(sizes, d=32, dtype=torch.float32):
 
 def test_heads_with_uneven_page_counts_score_alone_and_batched_alike():
     store, trees, keys = _layer([700, 90, 0])  # an empty head too
-    for chunk in torch.randn(48, 32).split(16):  # inserts grow one head past the others
+    extra = torch.randn(48, 32)
+    for chunk in extra.split(16):  # inserts grow one head past the others
         trees[1].insert(chunk)
+    keys[1] = torch.cat([keys[1], extra])
     counts = [t.num_pages for t in trees]
     assert store.num_pages.tolist() == counts and counts[2] == 0
     q = torch.randn(3, 4, 32)  # [H, G, D]
@@ -31,7 +33,7 @@ def test_heads_with_uneven_page_counts_score_alone_and_batched_alike():
         torch.testing.assert_close(exact[h, :, : counts[h]], alone)
         assert bool(torch.isneginf(exact[h, :, counts[h]:]).all())
         toks = tree.page_tokens[: counts[h]]
-        members = [tree.keys[toks[p][toks[p] >= 0]] for p in range(counts[h])]
+        members = [keys[h][toks[p][toks[p] >= 0]] for p in range(counts[h])]
         if members:
             torch.testing.assert_close(alone, torch.stack([(q[h] @ k.T).amax(-1) for k in members], 1))
     some = store.centroid_scores(q, candidates=10)
@@ -45,17 +47,22 @@ def test_heads_with_uneven_page_counts_score_alone_and_batched_alike():
 
 
 def test_store_grows_for_every_head_and_keeps_rows():
-    store, trees, _ = _layer([40, 40])
+    store, trees, keys = _layer([40, 40])
     before = store.keys[0, : trees[0].num_pages].clone()
     cap = store.capacity
-    for chunk in torch.randn(16 * cap, 32).split(16):
+    extra = torch.randn(16 * cap, 32)
+    for chunk in extra.split(16):
         trees[1].insert(chunk)
+    all_keys = torch.cat([keys[1], extra])
     assert store.capacity > cap and store.keys.shape[:2] == (2, store.capacity)
     assert torch.equal(store.keys[0, : trees[0].num_pages], before)
     t = trees[1]
     toks = t.page_tokens[: t.num_pages]
-    want = torch.stack([t.keys[toks[p][toks[p] >= 0]].mean(0) for p in range(t.num_pages)])
+    members = [all_keys[toks[p][toks[p] >= 0]] for p in range(t.num_pages)]
+    want = torch.stack([k.mean(0) for k in members])
     torch.testing.assert_close(store.centroid[1, : t.num_pages], want)
+    for p, k in enumerate(members):  # every key in its page's row, moved with it through splits
+        assert torch.equal(store.keys[1, p, : len(k)], k) and torch.equal(store.pad[1, p, : len(k)], torch.zeros(len(k)))
 
 
 def test_compact_candidates_rank_like_the_dense_scores():

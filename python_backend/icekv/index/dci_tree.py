@@ -9,7 +9,9 @@ of at most ``page_size`` tokens: **a leaf is a page**, the unit that is selected
 attended. Every indexed token is in exactly one page.
 
 Tokens are numbered locally ``0..n-1`` in insertion (= sequence) order. Node -> child pages is
-kept in CSR form (``indptr`` over owners, root first), rebuilt lazily after insertions.
+kept in CSR form (``indptr`` over owners, root first), rebuilt lazily after insertions. A token's
+key is kept once, in its page's row of the :class:`PageStore` (``loc`` says where); only the
+promoted tokens, the ones a parent search compares against, also keep theirs in ``node_keys``.
 """
 
 from __future__ import annotations
@@ -23,13 +25,18 @@ from icekv.index.page_store import PageStore
 ROOT = -1
 
 
+def promotion_step(cfg: IceCacheConfig) -> int:
+    """Every ``promotion_step``-th token (local index) is promoted to level 1 or above."""
+    return max(round(1 / cfg.ratio_1), 1)
+
+
 def promotion_levels(j: torch.Tensor, cfg: IceCacheConfig) -> torch.Tensor:
     """Level of the tokens with local indices ``j`` [n]: a deterministic schedule in sequence order.
 
     Every ``1/ratio_1``-th token reaches level 1, every ``1/ratio_2``-th of those level 2, and so
     on up to ``max_level``; token 0 always sits at the top level.
     """
-    step1, step2 = max(round(1 / cfg.ratio_1), 1), max(round(1 / cfg.ratio_2), 2)
+    step1, step2 = promotion_step(cfg), max(round(1 / cfg.ratio_2), 2)
     level = torch.zeros_like(j)
     promoted = j % step1 == 0
     q = j // step1
@@ -74,21 +81,24 @@ class DCITree:
         self.store = store or PageStore(1, page_size, keys.shape[1], getattr(torch, cfg.score_dtype))
         self.head = head
         self.u = projection.to(torch.float32)  # [D + 1]
+        self.step = promotion_step(cfg)
         n, d = keys.shape
+        keys = keys.float()
         cap = max(64, 2 * n)
         self.n = n
-        self.keys = torch.zeros(cap, d)  # [cap, D]
         self.norm2 = torch.zeros(cap)  # [cap]
         self.proj = torch.zeros(cap)  # [cap]
         self.parent = torch.full((cap,), ROOT, dtype=torch.long)  # [cap]
         self.level = torch.zeros(cap, dtype=torch.long)  # [cap]
-        self.keys[:n] = keys.float()
-        self.norm2[:n] = self.keys[:n].pow(2).sum(-1)
+        self.loc = torch.full((cap,), -1, dtype=torch.long)  # [cap] token -> page * P + slot in the store
+        self.node_keys = torch.zeros(cap // self.step + 1, d)  # [cap / step, D] keys of promoted tokens
+        self.node_keys[: len(keys[:: self.step])] = keys[:: self.step]
+        self.norm2[:n] = keys.pow(2).sum(-1)
         self.max_norm2 = float(self.norm2[:n].max()) if n else 0.0
         self.level[:n] = promotion_levels(torch.arange(n), cfg)
-        self.proj[:n] = self._project(self.keys[:n], self.norm2[:n])
-        self._assign_parents()
-        self._cut_pages()
+        self.proj[:n] = self._project(keys, self.norm2[:n])
+        self._assign_parents(keys)
+        self._cut_pages(keys)
 
     # ---- geometry of the MIPS transform
     def _aug(self, norm2: torch.Tensor) -> torch.Tensor:
@@ -97,21 +107,22 @@ class DCITree:
     def _project(self, keys: torch.Tensor, norm2: torch.Tensor) -> torch.Tensor:
         return keys @ self.u[:-1] + self._aug(norm2) * self.u[-1]  # [n]
 
-    def _nearest(self, who: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
-        """For local tokens ``who`` [a], their nearest neighbour (transformed space) in ``among`` [b]."""
-        sim = self.keys[who] @ self.keys[among].T  # [a, b]
+    def _nearest(self, who: torch.Tensor, keys: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+        """For local tokens ``who`` [a] with keys [a, D], their nearest neighbour (transformed
+        space) among the promoted tokens ``among`` [b]."""
+        sim = keys @ self.node_keys[among // self.step].T  # [a, b]
         sim += self._aug(self.norm2[who])[:, None] * self._aug(self.norm2[among])[None, :]
         return among[sim.argmax(-1)]  # [a]
 
     # ---- build
-    def _assign_parents(self) -> None:
+    def _assign_parents(self, keys: torch.Tensor) -> None:
         level = self.level[: self.n]
         present = torch.unique(level).tolist()  # ascending
         for below, above in zip(present[:-1], present[1:]):
             who = torch.nonzero(level == below).flatten()
-            self.parent[who] = self._nearest(who, torch.nonzero(level == above).flatten())
+            self.parent[who] = self._nearest(who, keys[who], torch.nonzero(level == above).flatten())
 
-    def _cut_pages(self) -> None:
+    def _cut_pages(self, keys: torch.Tensor) -> None:
         n, p = self.n, self.page_size
         owner = self.parent[:n]  # [n]
         order = torch.argsort(self.proj[:n], stable=True)
@@ -134,7 +145,7 @@ class DCITree:
         self.page_len[:num_pages] = (self.page_tokens[:num_pages] >= 0).sum(-1)
         self.page_owner = torch.full((cap,), ROOT, dtype=torch.long)  # [cap]
         self.page_owner[page] = sorted_owner
-        self._sync_pages(torch.arange(num_pages))
+        self._sync_pages(torch.arange(num_pages), keys, 0)
         self._csr_dirty = True
 
     # ---- the pages (this head's rows of the store)
@@ -158,10 +169,17 @@ class DCITree:
     def page_centroid(self) -> torch.Tensor:
         return self.store.centroid[self.head]  # [cap, D] each page's mean key
 
-    def _sync_pages(self, pages: torch.Tensor) -> None:
-        """Mirror the tokens of ``pages`` [m] into the store."""
+    def _sync_pages(self, pages: torch.Tensor, new_keys: torch.Tensor, first_new: int) -> None:
+        """Rewrite the store rows of ``pages`` [m] after their members changed: tokens from
+        ``first_new`` on take their key from ``new_keys`` [*, D], older ones from their old row."""
         toks = self.page_tokens[pages]  # [m, P]
-        self.store.write(self.head, pages, self.keys[toks.clamp_min(0)], toks >= 0)
+        present, t = toks >= 0, toks.clamp_min(0)
+        rows = self.store.keys[self.head].view(-1, new_keys.shape[-1])  # [cap * P, D]
+        old = rows[self.loc[t].clamp_min(0)].float()  # [m, P, D] read before any row is written
+        fresh = (t >= first_new)[..., None]
+        keys = torch.where(fresh, new_keys[(t - first_new).clamp(0, max(len(new_keys) - 1, 0))], old)
+        self.store.write(self.head, pages, keys, present)
+        self.loc[t[present]] = (pages[:, None] * self.page_size + torch.arange(self.page_size))[present]
         self.store.num_pages[self.head] = self.num_pages
 
     # ---- CSR: owner -> pages
@@ -242,35 +260,43 @@ class DCITree:
         ids of the pages that changed (new tokens, splits, new pages).
         """
         m = keys.shape[0]
+        if m == 0:
+            return set()
         self._grow(m)
-        new = torch.arange(self.n, self.n + m)  # [m] local ids
+        first = self.n
+        new = torch.arange(first, first + m)  # [m] local ids
         self.n += m
-        self.keys[new] = keys.float()
-        self.norm2[new] = self.keys[new].pow(2).sum(-1)
+        keys = keys.float()
+        self.norm2[new] = keys.pow(2).sum(-1)
         self.max_norm2 = max(self.max_norm2, float(self.norm2[new].max()))
         self.level[new] = promotion_levels(new, self.cfg)
-        self.proj[new] = self._project(self.keys[new], self.norm2[new])
+        self.proj[new] = self._project(keys, self.norm2[new])
+        promoted = new[new % self.step == 0]
+        self.node_keys[promoted // self.step] = keys[promoted - first]
         level = self.level[: self.n]
         for lvl in sorted(set(self.level[new].tolist()), reverse=True):
-            who = new[self.level[new] == lvl]
+            mine = self.level[new] == lvl
+            who = new[mine]
             higher = level[level > lvl]
             if len(higher) == 0:
                 self.parent[who] = ROOT
             else:
-                self.parent[who] = self._nearest(who, torch.nonzero(level == int(higher.min())).flatten())
+                self.parent[who] = self._nearest(who, keys[mine], torch.nonzero(level == int(higher.min())).flatten())
         self._csr_dirty = True
         changed: set[int] = set()
         for t in new.tolist():
             changed |= self._place(t, int(self.parent[t]))
-        self._sync_pages(torch.tensor(sorted(changed), dtype=torch.long))
+        self._sync_pages(torch.tensor(sorted(changed), dtype=torch.long), keys, first)
         return changed
 
     def _grow(self, m: int) -> None:
         """Make room for ``m`` more tokens and ``m`` more pages (capacities double)."""
-        while self.n + m > len(self.keys):
-            for name in ("keys", "norm2", "proj", "parent", "level"):
+        while self.n + m > len(self.level):
+            for name, fill in (("norm2", 0), ("proj", 0), ("parent", ROOT), ("level", 0), ("loc", -1)):
                 t = getattr(self, name)
-                setattr(self, name, torch.cat([t, torch.full_like(t, ROOT if name == "parent" else 0)]))
+                setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
+        while (self.n + m) // self.step + 1 > len(self.node_keys):
+            self.node_keys = torch.cat([self.node_keys, torch.zeros_like(self.node_keys)])
         self.store.reserve(self.num_pages + m)
         while self.num_pages + m > len(self.page_len):
             for name, fill in (("page_len", 0), ("page_owner", ROOT)):
