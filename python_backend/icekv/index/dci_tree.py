@@ -74,8 +74,8 @@ class DCITree:
                  store: PageStore | None = None, head: int = 0):
         """keys [n, D] in sequence order; projection [D + 1] a unit vector shared per request.
 
-        ``store``: where the pages' scoring copy lives, shared by a layer's trees (row ``head``);
-        by default a store of this tree alone.
+        ``store``: where the pages live, shared by a layer's trees (row ``head``); by default a
+        store of this tree alone.
         """
         self.cfg, self.page_size = cfg, page_size
         self.store = store or PageStore(1, page_size, keys.shape[1], getattr(torch, cfg.score_dtype))

@@ -1,8 +1,8 @@
 """The pages of one layer's DCI trees (one per KV head), and the searches that read them.
 
 Each DCI tree decides which tokens form its pages; the pages live here: their members (local
-token ids) and version, and a scoring copy of their keys page-major, with a pad row (``-inf`` on
-a hole) and the page's mean key. The heads of a layer share one set of ``[H, cap, ...]`` tensors,
+token ids), version, keys page-major (the index's only copy of them, in fp32 or the bf16 score
+dtype), a pad row (``-inf`` on a hole) and the page's mean key. The heads of a layer share one set of ``[H, cap, ...]`` tensors,
 so a search scores every head's pages with one batched product, and the transfer path looks up
 every head's selected pages with one index, instead of one small call per head (per-call overhead
 dominates at decode sizes on a CPU).
@@ -18,8 +18,8 @@ NEG_INF = float("-inf")
 
 class PageStore:
     """Members [H, cap, P], versions [H, cap], keys [H, cap, P, D], pads [H, cap, P] and centroids
-    [H, cap, D] of the pages of ``heads`` trees. The trees write members and versions; the scoring
-    copy is refreshed with :meth:`write`."""
+    [H, cap, D] of the pages of ``heads`` trees. The trees write members and versions, and
+    :meth:`write` a page's keys, pad and centroid whenever its members change."""
 
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype = torch.float32):
         self.tokens = torch.full((heads, 0, page_size), -1, dtype=torch.long)  # [H, cap, P] -1: a hole
