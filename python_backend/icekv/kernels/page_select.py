@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from icekv.kernels.group_queries import load_group_queries
+
 
 @triton.jit
 def _page_score(q, k_ptr, head_base, slot, length, g_mask,
@@ -33,11 +35,7 @@ def _score_candidates(q_ptr, k_ptr, ids_ptr, lens_ptr, scores_ptr, n_cand, n_slo
     """Scores of candidates [first, last) of this program's (sequence, KV head) row."""
     pid = tl.program_id(0)
     h = pid % NUM_KV_HEADS
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
-    g_mask = offs_g < GROUP
-    rows = (pid * GROUP + offs_g).to(tl.int64)  # query heads of KV head h in sequence pid // Hkv
-    q = tl.load(q_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0)  # [BG, D]
+    q, _, g_mask = load_group_queries(q_ptr, pid, GROUP, HEAD_DIM, BLOCK_G)  # [BG, D], -, [BG]
     row_base = pid.to(tl.int64) * n_cand
     head_base = h.to(tl.int64) * n_slots * PAGE_SIZE * HEAD_DIM
     for j in range(first, last):

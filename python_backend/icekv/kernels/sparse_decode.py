@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from icekv.kernels.group_queries import load_group_queries
+
 
 @triton.jit
 def sparse_decode_kernel(
@@ -24,19 +26,15 @@ def sparse_decode_kernel(
     out [B, Hq, NUM_SPLITS, D] and log-sum-exp lse [B, Hq, NUM_SPLITS] (final when NUM_SPLITS == 1)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    b = pid // NUM_KV_HEADS
     h = pid % NUM_KV_HEADS
-    offs_g = tl.arange(0, BLOCK_G)
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, HEAD_DIM)
-    g_mask = offs_g < GROUP
-    q_rows = (b * NUM_KV_HEADS * GROUP + h * GROUP + offs_g).to(tl.int64)  # [BG]
-    q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    q, q_rows, g_mask = load_group_queries(q_ptr, pid, GROUP, HEAD_DIM, BLOCK_G)  # [BG, D], [BG], [BG]
 
     per_split = tl.cdiv(n_sel, NUM_SPLITS)
     start = split * per_split
     end = tl.minimum(start + per_split, n_sel)
-    sel_base = (b * NUM_KV_HEADS + h).to(tl.int64) * n_sel
+    sel_base = pid.to(tl.int64) * n_sel  # this (sequence, KV head)'s selection row
     head_base = h.to(tl.int64) * n_slots * PAGE_SIZE * HEAD_DIM
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
