@@ -112,3 +112,19 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages():
         assert int(sel.page_versions(2, heads, pages)[i]) == int(tree.page_version[p])
     with pytest.raises(ConfigError, match="search"):
         IceCacheConfig(search="beam")
+
+
+def test_index_memory_holds_each_key_about_once():
+    keys = torch.randn(3, 4000, 64, generator=torch.Generator().manual_seed(3))  # [Hkv, n, D]
+    key_bytes = keys.numel() * 4
+    ice = make_selector(SelectionConfig(policy="icecache", budget=256))
+    ice.build(2, keys, base=16)
+    # every key once, page-major (pages hold P/2..P tokens: some holes), plus a little headroom and
+    # the trees' per-token arrays; a second full copy of the keys would already pass 2x
+    assert key_bytes < ice.index_bytes() < 2 * key_bytes
+    ice.insert(2, torch.randn(3, 16, 64))
+    assert ice.index_bytes() < 2 * key_bytes  # an insert fits the headroom: no doubling
+    quest = make_selector(SelectionConfig(policy="quest", budget=256))
+    quest.build(2, keys, base=16)
+    assert quest.index_bytes() == 2 * 3 * (4000 // 16) * 64 * 4  # a min and a max key per page
+    assert make_selector(SelectionConfig(policy="streaming", budget=256)).index_bytes() == 0

@@ -49,6 +49,7 @@ class KVStats:
     bytes_moved: int = 0
     pages_moved: int = 0  # (layer, KV head) pages copied host -> device
     slot_hit_rate: float = 0.0
+    index_bytes: int = 0  # host memory of the page index (IceCache trees, Quest bounds)
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,8 @@ class SparseCacheAttention(FullCacheAttention):
         hits = sum(d.hits for d in self.device.values())
         lookups = sum(d.lookups for d in self.device.values())
         pages = sum(d.bytes_moved // d.page_bytes for d in self.device.values())
-        return {"bytes_moved": moved, "pages_moved": pages, "slot_hit_rate": hits / lookups if lookups else 0.0}
+        return {"bytes_moved": moved, "pages_moved": pages, "slot_hit_rate": hits / lookups if lookups else 0.0,
+                "index_bytes": self.selector.index_bytes()}
 
     def _measure(self, layer, q, out, selection, length):
         """Share of the full softmax mass on the attended tokens, and output cosine vs full."""

@@ -100,6 +100,7 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
                     "prefill_s": prefill_s,
                     "ttft_s": None if prefill_s is None else prefill_s + gen.timings.get("index_build_s", 0.0),
                     "resident_kv_bytes": gen.kv.resident_bytes, "total_kv_bytes": gen.kv.total_bytes,
+                    "index_bytes": gen.kv.index_bytes,
                     "steps": steps,
                 })
                 if progress:

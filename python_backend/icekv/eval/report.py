@@ -127,8 +127,8 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
     lines = ["# icekv bench decode", "", "```", meta.get("command", ""), "```", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items() if k != "command"] + [""]
     lines += ["| context | policy | TPOT ms | select ms | transfer ms | attention ms | insert ms | other ms | "
-              "index build s | TTFT s | resident KV MiB | total KV MiB | TPOT / full |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "index build s | TTFT s | resident KV MiB | total KV MiB | index MiB | TPOT / full |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         base = full.get(r["context"])
         ratio = f"{r['tpot_s'] / base['tpot_s']:.2f}" if base else "-"
@@ -137,7 +137,7 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
                      f"{ms(r.get('transfer_s'))} | {ms(r.get('attention_s'))} | {ms(r.get('insert_s'))} | "
                      f"{ms(r.get('other_s'))} | {r.get('index_build_s', 0):.2f} | "
                      f"{'-' if r.get('ttft_s') is None else format(r['ttft_s'], '.2f')} | {mib('resident_kv_bytes')} | "
-                     f"{mib('total_kv_bytes')} | {ratio} |")
+                     f"{mib('total_kv_bytes')} | {mib('index_bytes')} | {ratio} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 

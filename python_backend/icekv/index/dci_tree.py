@@ -25,6 +25,19 @@ from icekv.index.page_store import PageStore
 ROOT = -1
 
 
+def with_headroom(n: int) -> int:
+    """Capacity for ``n`` items that a long decode can grow into (1/8 more): each growth copies
+    everything, so it must be rare, but doubling would leave half the index's memory unused."""
+    return n + max(64, n // 8)
+
+
+def _extend(t: torch.Tensor, size: int, fill) -> torch.Tensor:
+    """``t`` grown along dim 0 to ``size`` rows (new rows ``fill``); unchanged if already as long."""
+    if len(t) >= size:
+        return t
+    return torch.cat([t, torch.full((size - len(t), *t.shape[1:]), fill, dtype=t.dtype)])
+
+
 def promotion_step(cfg: IceCacheConfig) -> int:
     """Every ``promotion_step``-th token (local index) is promoted to level 1 or above."""
     return max(round(1 / cfg.ratio_1), 1)
@@ -84,7 +97,7 @@ class DCITree:
         self.step = promotion_step(cfg)
         n, d = keys.shape
         keys = keys.float()
-        cap = max(64, 2 * n)
+        cap = with_headroom(n)
         self.n = n
         self.norm2 = torch.zeros(cap)  # [cap]
         self.proj = torch.zeros(cap)  # [cap]
@@ -137,7 +150,7 @@ class DCITree:
         page_base = torch.cumsum(group_pages, 0) - group_pages
         page = page_base[group] + page_in_group  # [n]
         num_pages = int(group_pages.sum())
-        cap = max(64, 2 * num_pages)
+        cap = with_headroom(num_pages)
         self.num_pages = num_pages
         self.store.reserve(cap)
         self.page_tokens[page, slot] = order
@@ -147,6 +160,14 @@ class DCITree:
         self.page_owner[page] = sorted_owner
         self._sync_pages(torch.arange(num_pages), keys, 0)
         self._csr_dirty = True
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory of the tree's own arrays (allocated capacity; its pages are in the store)."""
+        arrays = [self.norm2, self.proj, self.parent, self.level, self.loc, self.node_keys, self.page_len,
+                  self.page_owner]
+        arrays += [getattr(self, a) for a in ("_csr_pages", "_csr_owner", "_csr_indptr") if hasattr(self, a)]
+        return sum(t.numel() * t.element_size() for t in arrays)
 
     # ---- the pages (this head's rows of the store)
     @property
@@ -290,18 +311,16 @@ class DCITree:
         return changed
 
     def _grow(self, m: int) -> None:
-        """Make room for ``m`` more tokens and ``m`` more pages (capacities double)."""
-        while self.n + m > len(self.level):
+        """Make room for ``m`` more tokens and ``m`` more pages."""
+        if self.n + m > len(self.level):
+            cap = with_headroom(self.n + m)
             for name, fill in (("norm2", 0), ("proj", 0), ("parent", ROOT), ("level", 0), ("loc", -1)):
-                t = getattr(self, name)
-                setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
-        while (self.n + m) // self.step + 1 > len(self.node_keys):
-            self.node_keys = torch.cat([self.node_keys, torch.zeros_like(self.node_keys)])
-        self.store.reserve(self.num_pages + m)
-        while self.num_pages + m > len(self.page_len):
-            for name, fill in (("page_len", 0), ("page_owner", ROOT)):
-                t = getattr(self, name)
-                setattr(self, name, torch.cat([t, torch.full_like(t, fill)]))
+                setattr(self, name, _extend(getattr(self, name), cap, fill))
+            self.node_keys = _extend(self.node_keys, cap // self.step + 1, 0.0)
+        if self.num_pages + m > len(self.page_len):
+            cap = with_headroom(self.num_pages + m)
+            self.store.reserve(cap)
+            self.page_len, self.page_owner = _extend(self.page_len, cap, 0), _extend(self.page_owner, cap, ROOT)
 
     def _place(self, t: int, owner: int) -> set[int]:
         """Put token ``t`` into the page of ``owner`` whose projection range fits it best.

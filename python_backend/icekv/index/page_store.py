@@ -33,11 +33,17 @@ class PageStore:
     def capacity(self) -> int:
         return self.keys.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        """Host memory of the store (allocated capacity, all heads)."""
+        arrays = (self.tokens, self.version, self.keys, self.pad, self.centroid, self.num_pages)
+        return sum(t.numel() * t.element_size() for t in arrays)
+
     def reserve(self, pages: int) -> None:
-        """Make room for ``pages`` pages per head (capacity at least doubles when it grows)."""
+        """Make room for ``pages`` pages per head (callers ask with headroom: growing copies all)."""
         if pages <= self.capacity:
             return
-        extra = max(pages, 2 * self.capacity, 64) - self.capacity
+        extra = pages - self.capacity
         h, _, p, d = self.keys.shape
         self.tokens = torch.cat([self.tokens, self.tokens.new_full((h, extra, p), -1)], 1)
         self.version = torch.cat([self.version, self.version.new_zeros(h, extra)], 1)

@@ -31,6 +31,9 @@ class PageSelector(Protocol):
     def page_versions(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Like :meth:`page_positions` -> [m] a counter that changes whenever a page's contents change."""
 
+    def index_bytes(self) -> int:
+        """Host memory the selector's index holds, all layers (the KV pool itself not included)."""
+
 
 def flatten_selection(selection: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per KV head page ids [k_h] -> (heads [n], pages [n]), grouped by head in selection order."""

@@ -76,5 +76,8 @@ class IceCacheSelector:
         toks = self.stores[self.leader(layer)].tokens[heads, pages]  # [m, P] local ids
         return torch.where(toks >= 0, toks + self.base[layer], -1)
 
+    def index_bytes(self) -> int:
+        return sum(s.nbytes for s in self.stores.values()) + sum(t.nbytes for ts in self.trees.values() for t in ts)
+
     def page_versions(self, layer, heads, pages):
         return self.stores[self.leader(layer)].version[heads, pages]

@@ -51,3 +51,6 @@ class QuestSelector:
 
     def page_versions(self, layer, heads, pages):
         return self.pages.versions(pages)
+
+    def index_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.key_min.values(), *self.key_max.values()))

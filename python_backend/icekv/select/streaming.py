@@ -37,3 +37,6 @@ class StreamingSelector:
 
     def page_versions(self, layer, heads, pages):
         return self.pages.versions(pages)
+
+    def index_bytes(self) -> int:
+        return 0  # pages are positions: nothing stored
