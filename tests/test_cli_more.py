@@ -61,5 +61,6 @@ def test_bench_decode_times_stages_and_first_token(smollm2_dir):
     assert full["prefill_s"] > 0 and full["ttft_s"] == full["prefill_s"]  # no index for full attention
     assert ice["ttft_s"] == ice["prefill_s"] + ice["index_build_s"] and ice["index_build_s"] > 0
     assert ice["select_s"] > 0 and ice["resident_kv_bytes"] < ice["total_kv_bytes"]
+    assert full["index_bytes"] == 0 and 0 < ice["index_bytes"] < ice["total_kv_bytes"]
     bad = icekv("bench", "decode", "--contexts", "600", "--ttft-contexts", "700", "--model", str(smollm2_dir))
     assert bad.returncode == 2 and "--ttft-contexts" in bad.stderr
