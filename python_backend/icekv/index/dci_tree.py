@@ -26,9 +26,10 @@ ROOT = -1
 
 
 def with_headroom(n: int) -> int:
-    """Capacity for ``n`` items that a long decode can grow into (1/8 more): each growth copies
-    everything, so it must be rare, but doubling would leave half the index's memory unused."""
-    return n + max(64, n // 8)
+    """Capacity for ``n`` items that a long decode can grow into (1/8 more, at least 16): each
+    growth copies everything, so it must be rare, but doubling would leave half the index's memory
+    unused - and a server holds one index per request."""
+    return n + max(16, n // 8)
 
 
 def _extend(t: torch.Tensor, size: int, fill) -> torch.Tensor:
