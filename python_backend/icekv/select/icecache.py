@@ -56,28 +56,28 @@ class IceCacheSelector:
         lead = self.leader(layer)
         if lead != layer:
             return self._last[lead]
-        trees = self.trees[layer]
-        q = q.view(len(trees), -1, q.shape[-1])  # [Hkv, G, D]
-        search = self.config.search
-        if search == "walk":
-            fov = self.config.field_of_view(self.base[layer] + trees[0].n)
-            picks = [merge_ranked(tree.page_scores(qh, fov), k) for tree, qh in zip(trees, q)]
-        else:  # one batched search over every head's pages
-            store = self.stores[layer]
-            if search == "centroids":  # rank only the candidates: [Hkv, c] ids, [Hkv, G, c] scores
-                ids, scores = store.centroid_candidates(q, self.config.candidates(k))
-                picks = [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k))]
-            else:
-                picks = merge_ranked_heads(store.exact_scores(q), k)
-        self._last[layer] = picks
+        q = q.view(len(self.trees[layer]), -1, q.shape[-1])  # [Hkv, G, D]
+        self._last[layer] = picks = self._search(layer, q, k)
         return picks
+
+    def _search(self, layer: int, q: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """q [Hkv, G, D] -> per KV head up to ``k`` page ids, by ``config.search``."""
+        store, search = self.stores[layer], self.config.search
+        if search == "walk":  # one walk per head: each visits different nodes
+            trees = self.trees[layer]
+            fov = self.config.field_of_view(self.base[layer] + trees[0].n)
+            return [merge_ranked(tree.page_scores(qh, fov), k) for tree, qh in zip(trees, q)]
+        if search == "exhaustive":
+            return merge_ranked_heads(store.exact_scores(q), k)
+        ids, scores = store.centroid_candidates(q, self.config.candidates(k))  # [Hkv, c], [Hkv, G, c]
+        return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k))]
 
     def page_positions(self, layer, heads, pages):
         toks = self.stores[self.leader(layer)].tokens[heads, pages]  # [m, P] local ids
         return torch.where(toks >= 0, toks + self.base[layer], -1)
 
-    def index_bytes(self) -> int:
-        return sum(s.nbytes for s in self.stores.values()) + sum(t.nbytes for ts in self.trees.values() for t in ts)
-
     def page_versions(self, layer, heads, pages):
         return self.stores[self.leader(layer)].version[heads, pages]
+
+    def index_bytes(self) -> int:
+        return sum(s.nbytes for s in self.stores.values()) + sum(t.nbytes for ts in self.trees.values() for t in ts)
