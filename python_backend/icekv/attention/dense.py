@@ -6,6 +6,11 @@ import torch
 import torch.nn.functional as F
 
 
+def is_decode_step(q_positions: torch.Tensor, length: int) -> bool:
+    """One query at the last of ``length`` positions: it sees every key, no mask needed."""
+    return len(q_positions) == 1 and int(q_positions[0]) == length - 1
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """One token's queries q [Hq, D] over k, v [Hkv, L, D]; mask [Hkv, L] (True = attend).
 
@@ -40,8 +45,8 @@ def causal_attention(
 
     Query ``i`` sees keys ``0 .. q_positions[i]``; query heads share KV heads in groups (GQA).
     """
-    n, length = q.shape[0], k.shape[1]
-    if n == 1 and int(q_positions[0]) == length - 1:  # a decode step sees everything
+    length = k.shape[1]
+    if is_decode_step(q_positions, length):
         return decode_attention(q[0], k, v)[None]
     mask = torch.arange(length)[None, :] <= q_positions[:, None]  # [N, L]
     out = F.scaled_dot_product_attention(

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from icekv.attention import causal_attention, decode_attention_chunks
+from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step
 from icekv.kv import PagedKVCache
 
 
@@ -36,7 +36,7 @@ class FullCacheAttention:
         self.cache.write(layer, self.seq_id, self.start, k, v)
         t0 = time.perf_counter()
         length = self.cache.length(self.seq_id)
-        if q.shape[0] == 1 and int(self.positions[0]) == length - 1:  # decode: read the pages in place
+        if is_decode_step(self.positions, length):  # read the pages in place, run by run
             out = decode_attention_chunks(q[0], self.cache.view_runs(layer, self.seq_id, 0, length))[None]
         else:
             keys, values = self.cache.view_range(layer, self.seq_id, 0, length)  # [Hkv, L, D]
