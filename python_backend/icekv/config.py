@@ -89,8 +89,9 @@ class IceCacheConfig:
       best ``candidates(k)`` pages rescored exactly. Higher recall than the walk for a fraction
       of the reads (bench/selection_recall.py); the served model's default.
 
-    ``score_dtype="bfloat16"`` scores pages from a bf16 copy of the keys: half the bytes, scores
-    rounded to bf16; it helps the exhaustive search on a CPU and slows the walk, so it is off.
+    ``score_dtype="bfloat16"`` keeps the index's page keys (its only copy of them) in bf16: half
+    the index memory and search bytes, scores rounded to bf16; it helps the exhaustive search on a
+    CPU and slows the walk, so it is off.
     """
 
     ratio_1: float = 0.02
@@ -103,7 +104,7 @@ class IceCacheConfig:
     search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (every page exactly) | "centroids"
     rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k,
     min_candidates: int = 96  # and at least this many (small k needs a floor: 2 x 8 misses pages)
-    score_dtype: str = "float32"  # "bfloat16": the key copy pages are scored from (helps exhaustive)
+    score_dtype: str = "float32"  # "bfloat16": the dtype of the index's page keys (half the memory)
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:

@@ -55,7 +55,7 @@ def _icecache_flags(parser) -> None:
     parser.add_argument("--rerank", type=_positive_int("--rerank"), default=IceCacheConfig.rerank,
                         help="icecache --search centroids: pages rescored exactly per query head, times k")
     parser.add_argument("--score-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="icecache: the key copy pages are scored from (bfloat16: half the bytes)")
+                        help="icecache: dtype of the index's page keys (bfloat16: half the memory and bytes)")
 
 
 def _icecache_config(args):
