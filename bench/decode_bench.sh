@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 I=.venv/bin/icekv
 ARGS=(--contexts 4096,8192,16384,32768 --policies full,icecache,icecache_r --budget 256 --steps 16)
 $I bench decode "${ARGS[@]}" --peer hf --out bench/results/decode
-$I bench decode "${ARGS[@]}" --search centroids --peer hf --out bench/results/decode_centroids
+$I bench decode "${ARGS[@]}" --search centroids --repeats 3 --peer hf --out bench/results/decode_centroids
 $I bench decode "${ARGS[@]}" --search centroids --unlimited-layers 0 --out bench/results/decode_centroids_all_layers_budgeted
 $I bench decode "${ARGS[@]}" --search exhaustive --out bench/results/decode_exhaustive
 $I bench decode "${ARGS[@]}" --unlimited-layers 0 --out bench/results/decode_all_layers_budgeted

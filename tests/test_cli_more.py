@@ -54,7 +54,7 @@ def test_size_matches_the_model_shape(smollm2_dir):
 @pytest.mark.model
 def test_bench_decode_times_stages_and_first_token(smollm2_dir):
     proc = icekv("bench", "decode", "--contexts", "600", "--policies", "full,icecache", "--budget", "64",
-                   "--steps", "3", "--ttft-contexts", "600", "--model", str(smollm2_dir), "--json")
+                   "--steps", "3", "--repeats", "2", "--ttft-contexts", "600", "--model", str(smollm2_dir), "--json")
     assert proc.returncode == 0, proc.stderr
     full, ice = json.loads(proc.stdout)["records"]
     assert full["policy"] == "full" and ice["policy"] == "icecache"
@@ -62,5 +62,6 @@ def test_bench_decode_times_stages_and_first_token(smollm2_dir):
     assert ice["ttft_s"] == ice["prefill_s"] + ice["index_build_s"] and ice["index_build_s"] > 0
     assert ice["select_s"] > 0 and ice["resident_kv_bytes"] < ice["total_kv_bytes"]
     assert full["index_bytes"] == 0 and 0 < ice["index_bytes"] < ice["total_kv_bytes"]
+    assert full["repeats"] == ice["repeats"] == 2  # times are medians of two interleaved decodes
     bad = icekv("bench", "decode", "--contexts", "600", "--ttft-contexts", "700", "--model", str(smollm2_dir))
     assert bad.returncode == 2 and "--ttft-contexts" in bad.stderr

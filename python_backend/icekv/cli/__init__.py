@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--policies", default="full,icecache,icecache_r")
     bd.add_argument("--budget", type=_positive_int("--budget"), default=256)
     bd.add_argument("--steps", type=_positive_int("--steps"), default=16)
+    bd.add_argument("--repeats", type=_positive_int("--repeats"), default=1,
+                    help="timed decodes per policy, interleaved across policies; reports the medians")
     bd.add_argument("--peer", choices=("none", "hf"), default="none", help="hf: also time transformers' decoding")
     _icecache_flags(bd)
     bd.add_argument("--unlimited-layers", type=int, default=SelectionConfig.n_unlimited_layers,

@@ -90,7 +90,7 @@ def _cmd_bench(args) -> int:
         raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
     cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf",
                             ttft_contexts=ttft, icecache=_icecache_config(args),
-                            unlimited_layers=args.unlimited_layers)
+                            unlimited_layers=args.unlimited_layers, repeats=args.repeats)
     paging = PagingConfig(max_context_tokens=max(contexts) + 2048 + args.steps + 16)
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
     t0 = time.perf_counter()

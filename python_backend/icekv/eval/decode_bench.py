@@ -9,6 +9,7 @@ with ``peer_hf``, Hugging Face transformers' own full-cache decoding on the same
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -31,6 +32,7 @@ class DecodeBenchConfig:
     ttft_contexts: tuple[int, ...] = ()  # contexts really prefilled (slow), to time the first token
     icecache: IceCacheConfig = IceCacheConfig()  # e.g. search="exhaustive"
     unlimited_layers: int = SelectionConfig.n_unlimited_layers  # first layers kept whole
+    repeats: int = 1  # timed decodes per policy, interleaved; records carry the medians
 
 
 def synthesize(engine: Engine, seed_ids: list[int], length: int) -> Prefilled:
@@ -72,7 +74,6 @@ def hf_decode_tpot(engine: Engine, req: Prefilled, steps: int) -> float:
 def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
                      progress: Callable[[str], None] | None = None) -> list[dict]:
     seed_ids = engine.tokenizer.encode(seed_text)[: cfg.seed_tokens]
-    sampling = SamplingConfig(max_tokens=cfg.steps + 1, ignore_eos=True)
     records = []
     for length in cfg.contexts:
         if length in cfg.ttft_contexts:  # the seed text tiled to ``length``, through the model
@@ -81,30 +82,13 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
         else:
             req, prefill_s = synthesize(engine, seed_ids, length), None
         try:
-            for policy in cfg.policies:
-                sel = SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache,
-                                      n_unlimited_layers=cfg.unlimited_layers)
-                gen = drain(engine._decode_steps(req, sampling, sel))
-                steps = max(gen.new_tokens - 1, 1)
-                t = {k: v / steps for k, v in gen.timings.items() if k not in ("index_build_s",)}
-                split = {k: t.get(k, 0.0) for k in ("select_s", "transfer_s", "attention_s", "insert_s")}
-                records.append({
-                    "context": length, "policy": policy, "budget": None if policy == "full" else cfg.budget,
-                    "search": cfg.icecache.search if policy.startswith("icecache") else None,
-                    "rerank": cfg.icecache.rerank if policy.startswith("icecache") and cfg.icecache.search == "centroids" else None,
-                    "score_dtype": cfg.icecache.score_dtype if policy.startswith("icecache") else None,
-                    "tpot_s": gen.tpot_s, **split,
-                    "other_s": max(gen.tpot_s - sum(split.values()), 0.0),
-                    "index_build_s": gen.timings.get("index_build_s", 0.0),
-                    # the index is built before the second token; counted in TTFT to be conservative
-                    "prefill_s": prefill_s,
-                    "ttft_s": None if prefill_s is None else prefill_s + gen.timings.get("index_build_s", 0.0),
-                    "resident_kv_bytes": gen.kv.resident_bytes, "total_kv_bytes": gen.kv.total_bytes,
-                    "index_bytes": gen.kv.index_bytes,
-                    "steps": steps,
-                })
-                if progress:
-                    progress(f"{length} {policy}: {gen.tpot_s * 1000:.1f} ms/token")
+            runs = {policy: [] for policy in cfg.policies}
+            for _ in range(cfg.repeats):  # interleaved: a drifting machine slows every policy alike
+                for policy in cfg.policies:
+                    runs[policy].append(time_policy(engine, req, cfg, policy, prefill_s))
+                    if progress:
+                        progress(f"{length} {policy}: {runs[policy][-1]['tpot_s'] * 1000:.1f} ms/token")
+            records += [median_record(runs[policy]) for policy in cfg.policies]
             if cfg.peer_hf:
                 tpot = hf_decode_tpot(engine, req, cfg.steps)
                 records.append({"context": length, "policy": "hf_transformers", "budget": None, "tpot_s": tpot,
@@ -114,3 +98,43 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
         finally:
             engine.release(req)
     return records
+
+
+def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: str, prefill_s: float | None) -> dict:
+    """One timed decode of ``cfg.steps`` tokens with ``policy`` from the request's cache: a record."""
+    sampling = SamplingConfig(max_tokens=cfg.steps + 1, ignore_eos=True)
+    sel = SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache,
+                          n_unlimited_layers=cfg.unlimited_layers)
+    gen = drain(engine._decode_steps(req, sampling, sel))
+    steps = max(gen.new_tokens - 1, 1)
+    t = {k: v / steps for k, v in gen.timings.items() if k not in ("index_build_s",)}
+    split = {k: t.get(k, 0.0) for k in ("select_s", "transfer_s", "attention_s", "insert_s")}
+    ice = policy.startswith("icecache")
+    index_build_s = gen.timings.get("index_build_s", 0.0)
+    return {
+        "context": len(req.prompt_ids), "policy": policy, "budget": None if policy == "full" else cfg.budget,
+        "search": cfg.icecache.search if ice else None,
+        "rerank": cfg.icecache.rerank if ice and cfg.icecache.search == "centroids" else None,
+        "score_dtype": cfg.icecache.score_dtype if ice else None,
+        "tpot_s": gen.tpot_s, **split,
+        "other_s": max(gen.tpot_s - sum(split.values()), 0.0),
+        "index_build_s": index_build_s,
+        # the index is built before the second token; counted in TTFT to be conservative
+        "prefill_s": prefill_s,
+        "ttft_s": None if prefill_s is None else prefill_s + index_build_s,
+        "resident_kv_bytes": gen.kv.resident_bytes, "total_kv_bytes": gen.kv.total_bytes,
+        "index_bytes": gen.kv.index_bytes,
+        "steps": steps,
+    }
+
+
+TIMES = ("tpot_s", "select_s", "transfer_s", "attention_s", "insert_s", "other_s", "index_build_s", "ttft_s")
+
+
+def median_record(runs: list[dict]) -> dict:
+    """Repeated records of one policy -> one record with the median of every time (``repeats``: n)."""
+    out = dict(runs[0], repeats=len(runs))
+    for key in TIMES:
+        if runs[0][key] is not None:
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
