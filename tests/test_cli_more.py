@@ -49,6 +49,7 @@ def test_size_matches_the_model_shape(smollm2_dir):
     assert out["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
     assert out["host_pool_bytes"] == 2 * 4096 * out["kv_bytes_per_token"]
     assert out["device_bytes_budget"] < out["device_bytes_full"]
+    assert 0 < out["index_host_bytes"] < out["host_pool_bytes"]  # per request: about 1.6x its indexed keys
 
 
 @pytest.mark.model

@@ -8,6 +8,11 @@ from icekv.config import SelectionConfig
 from icekv.model import ModelArgs
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The IceCache index keeps each indexed key once in a page-major store whose pages hold P/2..P
+# tokens (about 7/8 full on random and on SmolLM2 keys) and grow with 1/8 headroom; every token
+# also has a norm, a projection, a parent, a level and a store location (32 bytes), every page a
+# mean key, and 1 in 50 tokens (the promoted ones) a second key copy for the parent search.
+PAGE_FILL, HEADROOM, TOKEN_ARRAYS, PROMOTED = 7 / 8, 9 / 8, 32, 1 / 50
 
 
 @dataclass(frozen=True)
@@ -17,6 +22,7 @@ class SizingPlan:
     device_bytes_full: int  # per request, full attention (everything resident)
     device_bytes_budget: int  # per request under the selection budget (an upper bound)
     device_saving: float  # full / budget
+    index_host_bytes: int  # per request: host memory of the page index (estimate, see PAGE_FILL)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -31,4 +37,23 @@ def size(args: ModelArgs, context_tokens: int, concurrent: int, selection: Selec
     sparse_layers = args.num_layers - full_layers
     attended = min(selection.budget, pages)
     budget = (full_layers * pages + sparse_layers * attended) * per_layer_token
-    return SizingPlan(per_token, concurrent * pages * per_token, pages * per_token, budget, pages * per_token / budget)
+    return SizingPlan(per_token, concurrent * pages * per_token, pages * per_token, budget, pages * per_token / budget,
+                      index_bytes(args, context_tokens, selection))
+
+
+def index_bytes(args: ModelArgs, context_tokens: int, selection: SelectionConfig) -> int:
+    """Host bytes of one request's page index: IceCache trees (icecache_r: one per layer group),
+    Quest's per-page key bounds, nothing for streaming and full."""
+    sparse_layers = max(args.num_layers - selection.n_unlimited_layers, 0)
+    d, p = args.head_dim, selection.page_size
+    if selection.policy == "quest":
+        return sparse_layers * args.num_kv_heads * (context_tokens // p) * 2 * d * 4
+    if not selection.policy.startswith("icecache"):
+        return 0
+    if selection.policy == "icecache_r":
+        sparse_layers = -(-sparse_layers // selection.icecache.layer_group)
+    key_bytes = d * DTYPE_BYTES[selection.icecache.score_dtype]
+    per_slot = key_bytes + 4 + 8  # key, pad, member id
+    per_page = d * 4 + 8 + 16  # centroid, version, length and owner
+    per_token = HEADROOM * ((per_slot + per_page / p) / PAGE_FILL + TOKEN_ARRAYS + PROMOTED * d * 4)
+    return int(sparse_layers * args.num_kv_heads * context_tokens * per_token)

@@ -29,3 +29,17 @@ def test_plan_bounds_the_real_resident_bytes(tmp_path):
     assert plan.kv_bytes_per_token == cache.bytes_per_token
     assert plan.device_bytes_full == cache.sequence_bytes(0)
     assert sparse.resident_bytes() <= plan.device_bytes_budget
+
+
+def test_index_estimate_is_close_to_a_built_index(tmp_path):
+    make_tiny_hf_model("llama", tmp_path)
+    a = load_model(tmp_path).args
+    n = 3000
+    for policy in ("icecache", "icecache_r", "quest"):
+        sel = SelectionConfig(policy=policy, budget=64, n_unlimited_layers=1)
+        selector = make_selector(sel)
+        g = torch.Generator().manual_seed(0)
+        for layer in range(1, a.num_layers):
+            selector.build(layer, torch.randn(a.num_kv_heads, n, a.head_dim, generator=g), base=0)
+        estimate, real = size(a, n, 1, sel).index_host_bytes, selector.index_bytes()
+        assert 0.85 * real < estimate < 1.2 * real, (policy, estimate, real)

@@ -125,4 +125,5 @@ def _cmd_size(args) -> int:
           f"(--host-pool-tokens {args.concurrent * args.context})")
     print(f"device KV per request: full attention {mib(plan.device_bytes_full)}; "
           f"icecache budget {args.budget}: at most {mib(plan.device_bytes_budget)} ({plan.device_saving:.1f}x less)")
+    print(f"host memory of the icecache index per request: about {mib(plan.index_host_bytes)}")
     return 0
