@@ -3,8 +3,9 @@
 Contexts are *synthesized* unless listed in ``ttft_contexts``: the KV of a real prefill of essay
 text is tiled until the cache has the asked length (latency does not depend on the text; the
 keys keep realistic norms and structure). Listed contexts are really prefilled (the essay tokens
-tiled), which times the first token: ``ttft_s`` = prefill + index build. The same synthesized cache serves every policy and,
-with ``peer_hf``, Hugging Face transformers' own full-cache decoding on the same model.
+tiled), which times the first token: ``ttft_s`` = prefill + index build. The same cache serves
+every policy and, with ``peer_hf``, Hugging Face transformers' own full-cache decoding on the
+same model.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ class DCITree:
         arrays = [self.norm2, self.proj, self.parent, self.level, self.loc, self.node_keys, self.page_len,
                   self.page_owner]
         arrays += [getattr(self, a) for a in ("_csr_pages", "_csr_owner", "_csr_indptr") if hasattr(self, a)]
-        return sum(t.numel() * t.element_size() for t in arrays)
+        return sum(t.nbytes for t in arrays)
 
     # ---- the pages (this head's rows of the store)
     @property

@@ -36,8 +36,7 @@ class PageStore:
     @property
     def nbytes(self) -> int:
         """Host memory of the store (allocated capacity, all heads)."""
-        arrays = (self.tokens, self.version, self.keys, self.pad, self.centroid, self.num_pages)
-        return sum(t.numel() * t.element_size() for t in arrays)
+        return sum(t.nbytes for t in (self.tokens, self.version, self.keys, self.pad, self.centroid, self.num_pages))
 
     def reserve(self, pages: int) -> None:
         """Make room for ``pages`` pages per head (callers ask with headroom: growing copies all)."""
@@ -98,14 +97,12 @@ class PageStore:
         if m == 0:
             return torch.full((h, 0), -1, dtype=torch.long), torch.full((h, g, 0), NEG_INF)
         # products in torch, the small index work in numpy (a tenth of torch's per-call cost)
-        used = (np.arange(m)[None, :] < num_pages.numpy()[:, None])  # [H, m]
-        estimate = torch.bmm(q.float(), centroid[:, :m].transpose(1, 2)).numpy()  # [H, G, m]
-        estimate = np.where(used[:, None, :], estimate, -np.inf)
+        estimate = (torch.bmm(q.float(), centroid[:, :m].transpose(1, 2)) + _unused(num_pages, m)).numpy()  # [H, G, m]
         c = min(candidates, m)
         top = np.argpartition(estimate, m - c, axis=2)[..., m - c:]  # [H, G, c] unordered
         pick = np.zeros((h, m), dtype=bool)  # [H, m] the union over query heads
         pick[np.arange(h)[:, None], top.reshape(h, -1)] = True
-        hs, pages = np.nonzero(pick & used)  # [n], [n] grouped by head, pages ascending
+        hs, pages = np.nonzero(pick & np.isfinite(estimate[:, 0]))  # [n], [n] grouped by head, pages ascending
         n = len(hs)
         flat = torch.from_numpy(hs * cap + pages)  # [n] rows of the [H * cap] views
         k = keys.view(h * cap, p, d).index_select(0, flat)  # [n, P, D]

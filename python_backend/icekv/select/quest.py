@@ -53,4 +53,4 @@ class QuestSelector:
         return self.pages.versions(pages)
 
     def index_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.key_min.values(), *self.key_max.values()))
+        return sum(t.nbytes for t in (*self.key_min.values(), *self.key_max.values()))
