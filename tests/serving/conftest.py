@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 
 from icekv.serving.launcher import TritonServer
+from icekv.serving.scheduler import TICK_S
 
 HOST_POOL_TOKENS = 8192
 
@@ -57,11 +58,15 @@ def metrics(server) -> dict[str, float]:
 
 
 def wait_idle(server, timeout_s=120) -> dict[str, float]:
-    """Metrics once no request is active or queued and the page pool is empty."""
+    """Metrics once no request is active or queued, the page pool is empty, and two reads more
+    than two metrics ticks apart agree (counters of the last requests are pushed on a tick)."""
     deadline = time.monotonic() + timeout_s
+    previous = None
     while time.monotonic() < deadline:
         m = metrics(server)
-        if m["icekv_active_requests"] == 0 and m["icekv_queued_requests"] == 0 and m["icekv_kv_host_bytes"] == 0:
+        idle = m["icekv_active_requests"] == 0 and m["icekv_queued_requests"] == 0 and m["icekv_kv_host_bytes"] == 0
+        if idle and m == previous:
             return m
-        time.sleep(0.5)
+        previous = m if idle else None
+        time.sleep(2 * TICK_S + 0.1)
     raise AssertionError(f"server not idle: {metrics(server)}")

@@ -42,6 +42,9 @@ class Sink(Protocol):
         """kind: "client" (bad request), "busy" (retry later), "cancelled" or "internal" (our bug)."""
 
 
+TICK_S = 0.25  # how often the engine thread runs on_tick (metrics updates)
+
+
 @dataclass
 class Job:
     request: GenerateRequest
@@ -67,7 +70,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, engine: Engine, cfg: ServingConfig, on_tick: Callable[[], None] | None = None,
-                 tick_s: float = 0.25):
+                 tick_s: float = TICK_S):
         """``on_tick`` runs on the engine thread at most every ``tick_s`` (metrics updates)."""
         self.engine, self.cfg = engine, cfg
         self._on_tick, self._tick_s, self._last_tick = on_tick, tick_s, 0.0
