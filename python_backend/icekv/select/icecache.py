@@ -13,6 +13,7 @@ import torch
 
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, PageStore
+from icekv.index.fused_search import centroid_search
 from icekv.select.gqa import merge_ranked, merge_ranked_heads
 
 
@@ -69,6 +70,8 @@ class IceCacheSelector:
             return [merge_ranked(tree.page_scores(qh, fov), k) for tree, qh in zip(trees, q)]
         if search == "exhaustive":
             return merge_ranked_heads(store.exact_scores(q), k)
+        if store.keys.dtype == torch.float32:  # the compiled search, one call per layer
+            return centroid_search(store, q, self.config.candidates(k), k)
         ids, scores = store.centroid_candidates(q, self.config.candidates(k))  # [Hkv, c], [Hkv, G, c]
         return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k))]
 

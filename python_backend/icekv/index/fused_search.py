@@ -1,0 +1,156 @@
+"""The centroids page search of one layer in a single compiled pass (numba), for a CPU.
+
+Same result as :meth:`PageStore.centroid_candidates` followed by :func:`merge_ranked_heads` (the
+reference, tested against this over awkward shapes): per KV head, every query head ranks the
+pages by ``q.centroid``, the union of each query head's best ``candidates`` is rescored exactly
+(best ``q.k`` over the page's tokens), and the query heads' exact rankings are interleaved by rank
+into ``k`` distinct pages. In torch and numpy that is about twenty calls on arrays of a few
+thousand entries, each costing more in dispatch than in arithmetic; here it is one call that reads
+the centroids once and only the candidates' keys.
+
+Compiled on first call and cached on disk (numba ``cache=True``): only the first process after an
+install pays the compile (seconds). fp32 page keys only: a bf16 store takes the reference path.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from icekv.index.page_store import PageStore
+
+_jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # no nnan/ninf: -inf marks holes
+
+
+def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int) -> list[torch.Tensor]:
+    """q [H, G, D] -> per KV head up to ``k`` page ids [k_h] (long), in the merge's order."""
+    h = store.num_pages.shape[0]
+    ids = np.full((h, max(k, 0)), -1, dtype=np.int64)  # [H, k] -1: unused
+    counts = np.zeros(h, dtype=np.int64)  # [H]
+    if h and k > 0:
+        counts = _search(q.float().contiguous().numpy(), store.centroid.numpy(), store.keys.numpy(),
+                         store.pad.numpy(), store.num_pages.numpy(), candidates, ids)
+    return [torch.from_numpy(row[:n]) for row, n in zip(ids, counts)]
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) the search now, e.g. at server start, instead of in
+    the first request's first decode step."""
+    store = PageStore(1, 2, 4)
+    store.reserve(1)
+    store.write(0, torch.tensor([0]), torch.ones(1, 2, 4), torch.ones(1, 2, dtype=torch.bool))
+    store.num_pages[0] = 1
+    centroid_search(store, torch.ones(1, 1, 4), 1, 1)
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)  # heads in parallel
+def _search(q, centroid, keys, pad, num_pages, candidates, ids):
+    """q [H, G, D], centroid [H, cap, D], keys [H, cap, P, D], pad [H, cap, P], num_pages [H]:
+    fills ids [H, k] and returns how many it set per head [H]."""
+    counts = np.zeros(q.shape[0], dtype=np.int64)  # [H]
+    for h in numba.prange(q.shape[0]):
+        qh = q[h].copy()  # [G, D]
+        estimate = _scores(qh, centroid[h, :num_pages[h]])  # [G, m]
+        cand = _candidates(estimate, candidates)  # [n] page ids, ascending
+        exact = np.full((cand.shape[0], qh.shape[0]), -np.inf, dtype=np.float32)  # [n, G]
+        for i in range(cand.shape[0]):
+            _best_token(qh, keys[h, cand[i]], pad[h, cand[i]], exact[i])
+        counts[h] = _merge(exact, cand, ids[h])
+    return counts
+
+
+@_jit
+def _scores(qh, rows):
+    """qh [G, D], rows [m, D] -> [G, m] products; a non-finite one (an emptied page) -> -inf."""
+    out = np.empty((qh.shape[0], rows.shape[0]), dtype=np.float32)  # [G, m]
+    for j in range(rows.shape[0]):
+        for g in range(qh.shape[0]):
+            s = np.float32(0.0)
+            for t in range(qh.shape[1]):
+                s += qh[g, t] * rows[j, t]
+            out[g, j] = s if np.isfinite(s) else -np.inf
+    return out
+
+
+@_jit
+def _best_token(qh, page_keys, page_pad, best):
+    """qh [G, D], page_keys [P, D], page_pad [P] (0 or -inf): raises best [G] to the best q.k over
+    the page's tokens."""
+    for slot in range(page_keys.shape[0]):
+        if page_pad[slot] != 0.0:
+            continue
+        for g in range(qh.shape[0]):
+            s = np.float32(0.0)
+            for t in range(qh.shape[1]):
+                s += qh[g, t] * page_keys[slot, t]
+            best[g] = max(best[g], s)
+
+
+@_jit
+def _candidates(estimate, c):
+    """estimate [G, m] -> ascending ids of the union of each row's ``c`` best finite entries."""
+    g_n, m = estimate.shape
+    pick = np.zeros(m, dtype=np.bool_)  # [m]
+    c = min(c, m)
+    for g in range(g_n):
+        row = estimate[g]
+        cut = _kth_largest(row, c)
+        ties = c - np.sum(row > cut)  # entries equal to the cut that still fit, lowest ids first
+        for j in range(m):
+            if row[j] > cut or (row[j] == cut and ties > 0):
+                ties -= row[j] == cut
+                pick[j] |= row[j] > -np.inf
+    return np.nonzero(pick)[0]
+
+
+@_jit
+def _kth_largest(row, k):
+    """The ``k``-th largest entry of row [m] (1 <= k <= m): a min-heap of the best k seen so far,
+    so most entries cost one comparison with its root."""
+    heap = row[:k].copy()  # [k]
+    for i in range(k // 2 - 1, -1, -1):
+        _sift_down(heap, i)
+    for j in range(k, row.shape[0]):
+        if row[j] > heap[0]:
+            heap[0] = row[j]
+            _sift_down(heap, 0)
+    return heap[0]
+
+
+@_jit
+def _sift_down(heap, i):
+    n = heap.shape[0]
+    while True:
+        low, left, right = i, 2 * i + 1, 2 * i + 2
+        if left < n and heap[left] < heap[low]:
+            low = left
+        if right < n and heap[right] < heap[low]:
+            low = right
+        if low == i:
+            return
+        heap[i], heap[low] = heap[low], heap[i]
+        i = low
+
+
+@_jit
+def _merge(exact, cand, out):
+    """exact [n, G] scores of pages cand [n] -> out [k]: the query heads' rankings interleaved by
+    rank (every head's best, then every head's second, ...), duplicates and -inf dropped. Returns
+    how many it wrote."""
+    n, g_n = exact.shape
+    k = out.shape[0]
+    kk = min(k, n)
+    order = np.empty((g_n, kk), dtype=np.int64)  # [G, kk] best first; ties keep page order
+    for g in range(g_n):
+        order[g] = np.argsort(-exact[:, g], kind="mergesort")[:kk]
+    taken = np.zeros(n, dtype=np.bool_)  # [n]
+    count = 0
+    for r in range(kk):
+        for g in range(g_n):
+            i = order[g, r]
+            if count < k and not taken[i] and exact[i, g] > -np.inf:
+                taken[i] = True
+                out[count] = cand[i]
+                count += 1
+    return count

@@ -1,0 +1,77 @@
+"""The compiled centroids search against its reference (PageStore.centroid_candidates + merge)."""
+
+import pytest
+import torch
+
+from icekv.config import IceCacheConfig
+from icekv.index import DCITree, PageStore
+from icekv.index.fused_search import centroid_search, warm_up
+from icekv.select.gqa import merge_ranked_heads
+
+
+def _layer(sizes, d=32, page_size=16, seed=2):
+    """One tree per head over ``sizes`` tokens (random keys: no ties), sharing a store."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(d + 1, generator=g)
+    store = PageStore(len(sizes), page_size, d)
+    trees = [DCITree(torch.randn(n, d, generator=g) * 2, page_size, IceCacheConfig(), u / u.norm(), store, h)
+             for h, n in enumerate(sizes)]
+    return store, trees
+
+
+def _reference(store, q, candidates, k):
+    ids, scores = store.centroid_candidates(q, candidates)  # [H, c], [H, G, c]
+    return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k))]
+
+
+@pytest.mark.parametrize("sizes, group, candidates, k", [
+    ([700, 90, 0], 3, 10, 4),  # uneven heads, one empty
+    ([1, 5, 17], 1, 8, 3),  # one-token and partial pages, MHA (one query head per KV head)
+    ([400, 400], 4, 96, 12),  # candidates above the pages: every page exact
+    ([600, 300], 2, 5, 1),  # one page selected
+    ([300, 200], 3, 6, 40),  # k above the candidates' union: only candidates come back
+])
+def test_compiled_search_equals_the_reference(sizes, group, candidates, k):
+    store, trees = _layer(sizes)
+    for tree in trees[:1]:  # inserts leave partial pages and spare capacity behind
+        tree.insert(torch.randn(24, 32, generator=torch.Generator().manual_seed(5)))
+    q = torch.randn(len(sizes), group, 32, generator=torch.Generator().manual_seed(9))  # [H, G, D]
+    fused = centroid_search(store, q, candidates, k)
+    want = _reference(store, q, candidates, k)
+    assert [p.tolist() for p in fused] == [p.tolist() for p in want]
+    for picks, n in zip(fused, store.num_pages.tolist()):
+        assert picks.dtype == torch.long and len(picks) <= min(k, n) and len(set(picks.tolist())) == len(picks)
+    if 0 in sizes:
+        assert len(fused[sizes.index(0)]) == 0
+
+
+def test_nothing_to_select():
+    store, _ = _layer([50, 60])
+    q = torch.randn(2, 3, 32)
+    assert [len(p) for p in centroid_search(store, q, 8, 0)] == [0, 0]
+    empty = PageStore(2, 16, 32)
+    assert [len(p) for p in centroid_search(empty, q, 8, 4)] == [0, 0]
+
+
+def test_a_page_without_tokens_is_never_selected():
+    store, _ = _layer([64])
+    page = 0
+    store.write(0, torch.tensor([page]), torch.zeros(1, 16, 32), torch.zeros(1, 16, dtype=torch.bool))
+    assert bool(torch.isnan(store.centroid[0, page]).all())  # its mean key is 0/0
+    q = torch.randn(1, 2, 32)
+    picks = centroid_search(store, q, 100, 100)[0].tolist()
+    assert page not in picks and len(picks) == store.num_pages.item() - 1
+
+
+def test_warm_up_compiles_the_signature_a_search_uses():
+    warm_up()
+    store, _ = _layer([100, 100])
+    assert len(_compiled_signatures()) == 1
+    centroid_search(store, torch.randn(2, 3, 32), 8, 4)
+    assert len(_compiled_signatures()) == 1  # no second compile for a real store
+
+
+def _compiled_signatures():
+    from icekv.index import fused_search
+
+    return fused_search._search.signatures
