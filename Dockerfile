@@ -4,7 +4,10 @@
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 ARG TORCH_VERSION=2.5.1
+# NUMBA_CACHE_DIR: the compiled CPU index kernels, kept with the model (compiled for the CPU they
+# run on, on the first start)
 ENV ICEKV_CACHE=/var/cache/icekv \
+    NUMBA_CACHE_DIR=/var/cache/icekv/numba \
     PYTHONUNBUFFERED=1
 
 RUN groupadd --gid 1000 icekv \

@@ -21,6 +21,7 @@ import torch
 
 from icekv.config import IceCacheConfig
 from icekv.index.page_store import PageStore
+from icekv.index.placement import place_tokens
 
 ROOT = -1
 
@@ -277,9 +278,10 @@ class DCITree:
     def insert(self, keys: torch.Tensor) -> set[int]:
         """Append tokens (keys [m, D], next in sequence order) without a rebuild.
 
-        Levels, norms, projections and parents are computed for the whole batch at once; only
-        the placement into pages (which may split a full page) goes token by token. Returns the
-        ids of the pages that changed (new tokens, splits, new pages).
+        Levels, norms, projections and parents are computed for the whole batch at once; the
+        placement into pages (which may split a full page) goes token by token, compiled
+        (:mod:`icekv.index.placement`). Returns the ids of the pages that changed (new tokens,
+        splits, new pages).
         """
         m = keys.shape[0]
         if m == 0:
@@ -305,11 +307,11 @@ class DCITree:
             else:
                 self.parent[who] = self._nearest(who, keys[mine], torch.nonzero(level == int(higher.min())).flatten())
         self._csr_dirty = True
-        changed: set[int] = set()
-        for t in new.tolist():
-            changed |= self._place(t, int(self.parent[t]))
-        self._sync_pages(torch.tensor(sorted(changed), dtype=torch.long), keys, first)
-        return changed
+        changed, self.num_pages = place_tokens(
+            new.numpy(), self.parent[new].numpy(), self.proj.numpy(), self.page_tokens.numpy(),
+            self.page_len.numpy(), self.page_owner.numpy(), self.page_version.numpy(), self.num_pages)
+        self._sync_pages(torch.from_numpy(changed), keys, first)
+        return set(changed.tolist())
 
     def _grow(self, m: int) -> None:
         """Make room for ``m`` more tokens and ``m`` more pages."""
@@ -322,43 +324,3 @@ class DCITree:
             cap = with_headroom(self.num_pages + m)
             self.store.reserve(cap)
             self.page_len, self.page_owner = _extend(self.page_len, cap, 0), _extend(self.page_owner, cap, ROOT)
-
-    def _place(self, t: int, owner: int) -> set[int]:
-        """Put token ``t`` into the page of ``owner`` whose projection range fits it best.
-
-        On numpy views of the tree (one token at a time: per-call cost dominates)."""
-        page_tokens, page_len, page_version = self.page_tokens.numpy(), self.page_len.numpy(), self.page_version.numpy()
-        proj = self.proj.numpy()
-        mine = np.flatnonzero(self.page_owner.numpy()[: self.num_pages] == owner)
-        if len(mine) == 0:
-            return {self._new_page(owner, np.array([t]))}
-        toks = page_tokens[mine]  # [m, P]
-        held = proj[np.maximum(toks, 0)]  # [m, P]
-        lo = np.where(toks >= 0, held, np.inf).min(-1)
-        hi = np.where(toks >= 0, held, -np.inf).max(-1)
-        pt = proj[t]
-        gap = np.maximum(np.maximum(lo - pt, pt - hi), 0)  # 0 inside a page's range
-        page = int(mine[gap.argmin()])
-        n_in = int(page_len[page])
-        page_version[page] += 1
-        if n_in < self.page_size:
-            page_tokens[page, n_in] = t
-            page_len[page] += 1
-            return {page}
-        members = np.append(page_tokens[page], t)  # [P + 1]
-        members = members[np.argsort(proj[members], kind="stable")]
-        keep = (len(members) + 1) // 2
-        page_tokens[page] = -1
-        page_tokens[page, :keep] = members[:keep]
-        page_len[page] = keep
-        return {page, self._new_page(owner, members[keep:])}
-
-    def _new_page(self, owner: int, tokens: np.ndarray) -> int:
-        page = self.num_pages
-        self.num_pages += 1
-        self.page_tokens.numpy()[page, : len(tokens)] = tokens
-        self.page_len[page] = len(tokens)
-        self.page_owner[page] = owner
-        self.page_version[page] += 1
-        self._csr_dirty = True
-        return page
