@@ -5,7 +5,7 @@ import torch
 
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, PageStore
-from icekv.index.fused_search import centroid_search, warm_up
+from icekv.index.fused_search import centroid_search
 from icekv.select.gqa import merge_ranked_heads
 
 
@@ -61,17 +61,3 @@ def test_a_page_without_tokens_is_never_selected():
     q = torch.randn(1, 2, 32)
     picks = centroid_search(store, q, 100, 100)[0].tolist()
     assert page not in picks and len(picks) == store.num_pages.item() - 1
-
-
-def test_warm_up_compiles_the_signature_a_search_uses():
-    warm_up()
-    store, _ = _layer([100, 100])
-    assert len(_compiled_signatures()) == 1
-    centroid_search(store, torch.randn(2, 3, 32), 8, 4)
-    assert len(_compiled_signatures()) == 1  # no second compile for a real store
-
-
-def _compiled_signatures():
-    from icekv.index import fused_search
-
-    return fused_search._search.signatures

@@ -1,5 +1,6 @@
 """The device page cache moves only pages it does not already hold, with real bytes."""
 
+import pytest
 import torch
 
 from icekv.kv import DevicePageCache
@@ -14,7 +15,7 @@ def _plan(dev, selection, versions):
 
 def _load(dev, plan, host_k):
     k = host_k[plan.heads, plan.pages]  # [n, P, D]
-    dev.load(plan, k, -k, torch.full((len(plan),), 4))
+    dev.load(plan, torch.stack([k, -k]), torch.full((len(plan),), 4))
 
 
 def test_unchanged_selection_moves_nothing():
@@ -70,3 +71,9 @@ def test_heads_with_empty_or_uneven_selections():
     _load(dev, plan, host_k)
     assert dev.attended_lengths().sum(1).tolist() == [0, 12, 4]
     assert len(_plan(dev, [none, none, none], [none, none, none])) == 0 and not dev.selected.any()
+
+
+def test_more_pages_than_slots_is_an_error_not_a_stray_write():
+    dev = DevicePageCache(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="more pages than it has slots"):
+        _plan(dev, [torch.tensor([1, 2, 3])], [torch.zeros(3, dtype=torch.long)])

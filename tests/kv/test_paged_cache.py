@@ -4,6 +4,7 @@ import torch
 from icekv.config import PagingConfig
 from icekv.errors import CacheFullError
 from icekv.kv import PagedKVCache
+from icekv.kv.paged_cache import gather_tokens_reference
 
 
 def _cache(max_tokens=128, page=16):
@@ -65,3 +66,25 @@ def test_view_range_equals_gather_and_shares_memory_only_when_pages_are_consecut
     assert [r[0].shape[1] for r in runs] == [28, 22] and all(shares(k) for k, _ in runs)
     torch.testing.assert_close(torch.cat([k for k, _ in runs], 1), cache.gather_range(0, 0, 20, 70)[0])
     assert cache.view_runs(0, 0, 5, 5) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [16, 1])
+def test_gather_tokens_copies_the_asked_rows_like_the_reference(dtype, page):
+    cache = PagedKVCache(2, 3, 8, PagingConfig(page_size=page, max_context_tokens=128), dtype)
+    for seq in (0, 1):  # interleaved sequences: a request's pages are not consecutive ids
+        cache.add(seq)
+    k, v = torch.randn(40, 3, 8, dtype=dtype), torch.randn(40, 3, 8, dtype=dtype)
+    for start in range(0, 40, 5):
+        cache.write(1, 0, cache.extend(0, 5), k[start : start + 5], v[start : start + 5])
+        cache.extend(1, 3)
+    heads = torch.tensor([2, 0, 0, 1])  # [n] repeated and uneven heads
+    positions = torch.tensor([[0, 39, -1], [7, -1, -1], [-1, -1, -1], [16, 15, 17]])  # [n, 3] holes, an empty row
+    got = cache.gather_tokens(1, 0, heads, positions)  # [2, n, 3, D]
+    want = gather_tokens_reference(cache.pool[1], cache._seqs[0].ids(), heads, positions)
+    assert got.dtype == dtype and got.shape == (2, 4, 3, 8)
+    assert torch.equal(got, want)
+    valid = positions >= 0
+    expect_k = k[positions.clamp_min(0), heads[:, None].expand_as(positions)]  # [n, 3, D]
+    assert torch.equal(got[0][valid], expect_k[valid]) and not got[:, ~valid].any()
+    assert cache.gather_tokens(1, 0, heads[:0], positions[:0]).shape == (2, 0, 3, 8)

@@ -78,15 +78,15 @@ class CompressedSparseAttention(SparseCacheAttention):
             keys.append(torch.cat([kept[CONTEXT_SINKS:], own[h]]))
         return keys
 
-    def _gather_pages(self, layer: int, heads: torch.Tensor, refs: torch.Tensor):
+    def _gather_pages(self, layer: int, heads: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
         ctx, p = self.context.layers[layer], self.context.page_size
         n_pref = self.n_pref[layer][heads][:, None]  # [n, 1]
         in_ctx = (refs >= 0) & (refs < n_pref)  # [n, P]
         idx = (refs + CONTEXT_SINKS).clamp_min(0)
         page = (ctx.head_indptr[heads][:, None] + idx // p).clamp_max(max(len(ctx.page_len) - 1, 0))
-        own_k, own_v = self.cache.gather_tokens(layer, self.seq_id, heads, torch.where(in_ctx | (refs < 0), -1, refs - n_pref))
-        mask = in_ctx[..., None]
-        return (torch.where(mask, ctx.k[page, idx % p], own_k), torch.where(mask, ctx.v[page, idx % p], own_v))
+        own = self.cache.gather_tokens(layer, self.seq_id, heads, torch.where(in_ctx | (refs < 0), -1, refs - n_pref))
+        in_ctx_kv = torch.stack([ctx.k[page, idx % p], ctx.v[page, idx % p]])  # [2, n, P, D]
+        return torch.where(in_ctx[None, ..., None], in_ctx_kv, own)
 
     def _sink_window(self, layer: int, length: int):
         ctx = self.context.layers[layer]

@@ -13,13 +13,13 @@ import torch
 
 from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
 from icekv.compress import CompressedContext, evict, make_compressor
+from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compressed_attention import CompressedPrefixAttention, CompressedSparseAttention
 from icekv.engine.full_attention import FullCacheAttention
 from icekv.engine.sampling import sample_next
 from icekv.engine.sparse_attention import SparseCacheAttention
 from icekv.engine.text_stream import TextStream
 from icekv.errors import CacheFullError, ConfigError
-from icekv.index.fused_search import warm_up as compile_page_search
 from icekv.kv import PagedKVCache
 from icekv.model import Tokenizer, load_model
 from icekv.select import make_selector
@@ -118,7 +118,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self.model_id = model_identity(self.model_dir, config.dtype)
         self._decoding: dict[int, object] = {}  # seq id -> its backend, when it reports resident_bytes()
-        compile_page_search()  # here, not in the first request's first decode step
+        compile_loops(getattr(torch, config.dtype))  # here, not in the first request's first decode step
 
     def kv_bytes(self) -> tuple[int, int]:
         """(resident, host) KV bytes of all live requests: what the compute device holds (the full

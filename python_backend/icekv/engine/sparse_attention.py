@@ -56,8 +56,8 @@ class SparseCacheAttention(FullCacheAttention):
         """Keys of the indexed region at build time, per KV head: [Hkv, n, D] (or a list of [n_h, D])."""
         return self.cache.gather_range(layer, self.seq_id, self.sink_end, max(self.win_start, self.sink_end))[0]
 
-    def _gather_pages(self, layer: int, heads: torch.Tensor, refs: torch.Tensor):
-        """K/V of selected pages: heads [n], token refs [n, P] from the selector (-1 = empty)."""
+    def _gather_pages(self, layer: int, heads: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+        """K/V [2, n, P, D] of selected pages: heads [n], token refs [n, P] from the selector (-1 = empty)."""
         return self.cache.gather_tokens(layer, self.seq_id, heads, refs)
 
     def _sink_window(self, layer: int, length: int):
@@ -86,8 +86,7 @@ class SparseCacheAttention(FullCacheAttention):
         plan = dev.plan(heads, pages, versions)
         if len(plan):
             positions = self.selector.page_positions(layer, plan.heads, plan.pages)  # [m, P]
-            pk, pv = self._gather_pages(layer, plan.heads, positions)
-            dev.load(plan, pk, pv, (positions >= 0).sum(-1))
+            dev.load(plan, self._gather_pages(layer, plan.heads, positions), (positions >= 0).sum(-1))
         t2 = time.perf_counter()
         sink_k, sink_v, win_k, win_v = self._sink_window(layer, length)
         out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)

@@ -34,16 +34,6 @@ def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int) 
     return [torch.from_numpy(row[:n]) for row, n in zip(ids, counts)]
 
 
-def warm_up() -> None:
-    """Compile (or load from the disk cache) the search now, e.g. at server start, instead of in
-    the first request's first decode step."""
-    store = PageStore(1, 2, 4)
-    store.reserve(1)
-    store.write(0, torch.tensor([0]), torch.ones(1, 2, 4), torch.ones(1, 2, dtype=torch.bool))
-    store.num_pages[0] = 1
-    centroid_search(store, torch.ones(1, 1, 4), 1, 1)
-
-
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)  # heads in parallel
 def _search(q, centroid, keys, pad, num_pages, candidates, ids):
     """q [H, G, D], centroid [H, cap, D], keys [H, cap, P, D], pad [H, cap, P], num_pages [H]:

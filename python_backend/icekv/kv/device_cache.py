@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -59,27 +60,19 @@ class DevicePageCache:
         """Selected page ``pages[i]`` of KV head ``heads[i]`` at ``versions[i]`` ([n] each, grouped
         by head) -> the copies still needed.
 
-        Also marks which slots this step attends (hits now, misses once loaded). All heads at
-        once: the r-th miss of a head takes the head's r-th free slot. Bookkeeping in numpy: a
-        handful of ids per head, where torch's per-call cost would dominate.
+        Also marks which slots this step attends (hits now, misses once loaded). A miss takes the
+        first slot of its head that this step does not attend (slots are few; a compiled loop:
+        per-call overhead would dominate in numpy or torch).
         """
-        hkv = self.page.shape[0]
-        h, p, v = heads.numpy(), pages.numpy(), versions.numpy()
-        self._grow(min(int(np.bincount(h, minlength=hkv).max()), self.max_slots))
-        match = (self.page.numpy()[h] == p[:, None]) & (self.version.numpy()[h] == v[:, None])  # [n, S]
-        hit = match.any(1)  # [n]
+        h = heads.numpy()
+        self._grow(min(int(np.bincount(h, minlength=self.page.shape[0]).max(initial=0)), self.max_slots))
         selected = np.zeros(self.page.shape, dtype=bool)  # [Hkv, S]
-        np.logical_or.at(selected, h, match)
-        self.hits += int(hit.sum())
+        miss, slots = _plan_slots(self.page.numpy(), self.version.numpy(), h, pages.numpy(), versions.numpy(), selected)
+        self.hits += len(h) - len(miss)
         self.lookups += len(h)
-        h, p, v = h[~hit], p[~hit], v[~hit]  # [m] the misses
-        per_head = np.bincount(h, minlength=hkv)  # [Hkv]
-        rank = np.arange(len(h)) - (np.cumsum(per_head) - per_head)[h]  # [m] which miss of its head
-        free_first = np.argsort(selected, axis=1, kind="stable")  # [Hkv, S] free slots first
-        slots = free_first[h, rank]
-        selected[h, slots] = True
         self.selected = torch.from_numpy(selected)
-        return TransferPlan(*(torch.from_numpy(x) for x in (h, p, v, slots)))
+        miss = torch.from_numpy(miss)
+        return TransferPlan(heads[miss], pages[miss], versions[miss], torch.from_numpy(slots))
 
     def _grow(self, n_slots: int) -> None:
         extra = n_slots - self.k.shape[1]
@@ -90,22 +83,48 @@ class DevicePageCache:
         self.page, self.version = pad(self.page, -1), pad(self.version, -1)
         self.length, self.selected = pad(self.length, 0), pad(self.selected, False)
 
-    def load(self, plan: TransferPlan, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Write the planned pages: k, v [n, P, D] gathered from the host, lengths [n]."""
+    def load(self, plan: TransferPlan, staging: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Write the planned pages: staging [2, n, P, D] their K and V, gathered from the host into
+        one contiguous buffer; lengths [n] their valid tokens."""
         if len(plan) == 0:
             return
-        staging = torch.stack([k, v])  # [2, n, P, D] one contiguous host buffer
         if self.k.is_cuda:  # pinned staging, async copy on a side stream (not exercised on CPU CI)
             self._copy_stream = getattr(self, "_copy_stream", None) or torch.cuda.Stream(self.k.device)
             with torch.cuda.stream(self._copy_stream):
                 staging = staging.pin_memory().to(self.k.device, non_blocking=True)
             torch.cuda.current_stream(self.k.device).wait_stream(self._copy_stream)
         scatter_pages(self.k, self.v, staging[0], staging[1], plan.heads, plan.slots)
-        self.page[plan.heads, plan.slots] = plan.pages
-        self.version[plan.heads, plan.slots] = plan.versions
-        self.length[plan.heads, plan.slots] = lengths
+        h, s = plan.heads.numpy(), plan.slots.numpy()
+        self.page.numpy()[h, s] = plan.pages.numpy()
+        self.version.numpy()[h, s] = plan.versions.numpy()
+        self.length.numpy()[h, s] = lengths.numpy()
         self.bytes_moved += len(plan) * self.page_bytes
 
     def attended_lengths(self) -> torch.Tensor:
         """Valid tokens per slot for this step's attention, 0 for slots not selected [Hkv, S]."""
         return torch.where(self.selected, self.length, 0)
+
+
+@numba.njit(cache=True, nogil=True)
+def _plan_slots(page, version, heads, pages, versions, selected):
+    """page, version [Hkv, S] what each slot holds; selection heads, pages, versions [n] -> (indices
+    of the misses [m], the slot each goes to [m]); marks every attended slot in selected [Hkv, S]."""
+    n = heads.shape[0]
+    hit = np.zeros(n, dtype=np.bool_)
+    for i in range(n):
+        for s in range(page.shape[1]):
+            if page[heads[i], s] == pages[i] and version[heads[i], s] == versions[i]:
+                hit[i] = True
+                selected[heads[i], s] = True
+    miss = np.nonzero(~hit)[0]
+    slots = np.empty(miss.shape[0], dtype=np.int64)
+    for r in range(miss.shape[0]):
+        h = heads[miss[r]]
+        s = 0
+        while s < selected.shape[1] and selected[h, s]:
+            s += 1
+        if s == selected.shape[1]:
+            raise ValueError("a KV head was given more pages than it has slots")
+        slots[r] = s
+        selected[h, s] = True
+    return miss, slots

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numba
 import torch
 
 from icekv.config import PagingConfig
@@ -156,19 +157,20 @@ class PagedKVCache:
             return runs[0]
         return self.gather_range(layer, seq_id, start, end)
 
-    def gather_tokens(
-        self, layer: int, seq_id: int, heads: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_tokens(self, layer: int, seq_id: int, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """K/V of arbitrary tokens, one KV head per row: heads [n], positions [n, P] (-1 = none)
-        -> two [n, P, D] tensors, zero where the position is -1."""
-        valid = positions >= 0  # [n, P]
-        pos = positions.clamp_min(0)
-        pages = self._seqs[seq_id].ids()[pos // self.page_size]  # [n, P]
-        num_pages, page_size, d = self.pool.shape[3:]
-        rows = (heads[:, None] * num_pages + pages) * page_size + pos % page_size  # [n, P] into [Hkv*pages*P]
-        kv = self.pool[layer].view(2, -1, d).index_select(1, rows.flatten()).view(2, *rows.shape, d)  # [2, n, P, D]
-        kv.masked_fill_(~valid[None, :, :, None], 0)
-        return kv[0], kv[1]
+        -> one [2, n, P, D] tensor (K, V), zero where the position is -1: a staging buffer.
+
+        A compiled row copy for a pool in CPU memory (one call instead of six torch ones: these
+        are a few dozen rows per layer and step); :func:`gather_tokens_reference` elsewhere."""
+        ids = self._seqs[seq_id].ids()
+        if self.pool.device.type != "cpu":
+            return gather_tokens_reference(self.pool[layer], ids, heads, positions)
+        out = self.pool.new_empty((2, *positions.shape, self.pool.shape[-1]))  # [2, n, P, D]
+        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[self.pool.element_size()]  # copied, not read
+        _copy_rows(self.pool[layer].view(as_int).numpy(), ids.numpy(), heads.numpy(), positions.numpy(),
+                   out.view(as_int).numpy())
+        return out
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Forget every token from ``length`` on and free the pages no longer needed."""
@@ -185,3 +187,35 @@ class PagedKVCache:
     def sequence_bytes(self, seq_id: int) -> int:
         """Bytes of the pages this request holds (page-granular), all layers."""
         return len(self._seqs[seq_id].pages) * self.bytes_per_page
+
+
+def gather_tokens_reference(pool_layer: torch.Tensor, page_ids: torch.Tensor, heads: torch.Tensor,
+                            positions: torch.Tensor) -> torch.Tensor:
+    """:meth:`PagedKVCache.gather_tokens` in torch (any device): pool_layer [2, Hkv, pages, P, D],
+    the request's page_ids [pages], heads [n], positions [n, P] -> [2, n, P, D]."""
+    _, _, num_pages, page_size, d = pool_layer.shape
+    valid = positions >= 0  # [n, P]
+    pos = positions.clamp_min(0)
+    pages = page_ids.to(pos.device)[pos // page_size]  # [n, P]
+    rows = (heads[:, None] * num_pages + pages) * page_size + pos % page_size  # [n, P] into [Hkv*pages*P]
+    kv = pool_layer.reshape(2, -1, d).index_select(1, rows.flatten()).view(2, *rows.shape, d)  # [2, n, P, D]
+    return kv.masked_fill_(~valid[None, :, :, None], 0)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)  # rows in parallel: each is a cache miss
+def _copy_rows(pool_layer, page_ids, heads, positions, out):
+    """out[:, i, j] = the K/V row of position positions[i, j] of head heads[i], 0 where it is -1.
+    Element loops: numba copies explicit loops several times faster than row slices."""
+    n, p = positions.shape
+    page_size, d = pool_layer.shape[3], pool_layer.shape[4]
+    for row in numba.prange(n * p):
+        i, j = row // p, row % p
+        pos = positions[i, j]
+        for kv in range(2):
+            if pos < 0:
+                for t in range(d):
+                    out[kv, i, j, t] = 0
+            else:
+                page, slot = page_ids[pos // page_size], pos % page_size
+                for t in range(d):
+                    out[kv, i, j, t] = pool_layer[kv, heads[i], page, slot, t]

@@ -1,0 +1,31 @@
+"""Compile the engine's numba loops at load time instead of in a request's first decode step.
+
+The CPU paths of the page index (token placement, centroids search) and of the transfer (slot
+plan, row gather) are numba functions compiled on first call: seconds right after an install,
+~0.1 s each from numba's disk cache afterwards. Either is too much for a request's first token.
+Running each once on tiny inputs of the dtypes a request will pass compiles exactly the
+signatures the requests use (tested: a sparse decode after this compiles nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from icekv.config import IceCacheConfig, PagingConfig
+from icekv.index import DCITree
+from icekv.index.fused_search import centroid_search
+from icekv.kv import DevicePageCache, PagedKVCache
+
+
+def compile_loops(kv_dtype: torch.dtype) -> None:
+    """Run every compiled loop once; ``kv_dtype``: the KV pool's dtype (rows are copied by width)."""
+    g = torch.Generator().manual_seed(0)
+    tree = DCITree(torch.randn(40, 8, generator=g), 4, IceCacheConfig(), torch.ones(9) / 3)
+    tree.insert(torch.randn(4, 8, generator=g))  # placement
+    centroid_search(tree.store, torch.randn(1, 2, 8, generator=g), 4, 2)
+    cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype)
+    cache.add(0)
+    cache.extend(0, 4)
+    one = torch.zeros(1, dtype=torch.long)
+    cache.gather_tokens(0, 0, one, torch.zeros(1, 4, dtype=torch.long))  # row gather
+    DevicePageCache(1, 1, 4, 8, kv_dtype).plan(one, one, one)  # slot plan

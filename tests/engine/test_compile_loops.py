@@ -1,0 +1,22 @@
+"""The engine compiles its numba loops at load: a request's decode compiles nothing more."""
+
+from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.index import dci_tree, fused_search
+from icekv.kv import device_cache, paged_cache
+
+
+def _signatures() -> dict:
+    loops = {"search": fused_search._search, "placement": dci_tree.place_tokens,
+             "plan": device_cache._plan_slots, "gather": paged_cache._copy_rows}
+    return {name: list(f.signatures) for name, f in loops.items()}
+
+
+def test_a_sparse_decode_after_engine_load_compiles_nothing(engine, essays_text):
+    before = _signatures()
+    assert all(before.values())  # every loop was compiled at load
+    sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1, icecache=IceCacheConfig(search="centroids"))
+    prompt = engine.tokenizer.encode(essays_text)[:700]
+    out = engine.generate(prompt, SamplingConfig(max_tokens=24, ignore_eos=True), selection=sel)
+    assert out.new_tokens == 24 and out.timings["insert_s"] > 0  # window pages were flushed into the index
+    assert out.kv.pages_moved > 0  # pages went through the plan and the row gather
+    assert _signatures() == before
