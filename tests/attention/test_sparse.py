@@ -20,9 +20,10 @@ def reference(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v):
     return out
 
 
-@pytest.fixture(params=["torch", "triton"])
+@pytest.fixture(params=["torch", "triton", "numba"])
 def backend(request, monkeypatch):
-    """The reference, and the kernel path the engine takes on CUDA (here in triton's interpreter)."""
+    """The reference, the kernel path the engine takes on CUDA (here in triton's interpreter) and
+    the compiled CPU one."""
     if request.param == "triton":
         pytest.importorskip("triton", reason="triton is pinned in requirements.txt")
         monkeypatch.setenv("TRITON_INTERPRET", "1")

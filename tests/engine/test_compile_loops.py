@@ -2,12 +2,14 @@
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.index import dci_tree, fused_search
+from icekv.kernels import cpu_decode
 from icekv.kv import device_cache, paged_cache
 
 
 def _signatures() -> dict:
     loops = {"search": fused_search._search, "placement": dci_tree.place_tokens,
-             "plan": device_cache._plan_slots, "gather": paged_cache._copy_rows}
+             "plan": device_cache._plan_slots, "gather": paged_cache._copy_rows,
+             "attention": cpu_decode._decode}
     return {name: list(f.signatures) for name, f in loops.items()}
 
 

@@ -128,8 +128,10 @@ def test_scatter_pages_matches_reference(kdev, dtype, head_dim):
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv("ICEKV_KERNELS", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert kernel_backend(torch.device("cpu")) == "torch"
+    assert kernel_backend(torch.device("cpu")) == "numba"
     assert kernel_backend(torch.device("cpu"), "torch") == "torch"
+    with pytest.raises(RuntimeError, match="CPU tensors only"):
+        kernel_backend(torch.device("meta"), "numba")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         kernel_backend(torch.device("cpu"), "triton")
     monkeypatch.setenv("ICEKV_KERNELS", "cuda")

@@ -1,7 +1,8 @@
 """Sparse paged attention: one decode query over [sink | selected pages | window].
 
 The torch reference is the specification; on CUDA (or when ``ICEKV_KERNELS=triton``)
-:func:`sparse_paged_attention` runs icekv's OpenAI-Triton kernel instead.
+:func:`sparse_paged_attention` runs icekv's OpenAI-Triton kernel instead, on a CPU (fp32) its
+compiled twin (:mod:`icekv.kernels.cpu_decode`).
 """
 
 from __future__ import annotations
@@ -56,9 +57,13 @@ def sparse_paged_attention(
     query may see every cached token, so no causal mask is needed.
     """
     from icekv.kernels import kernel_backend, sparse_decode_attention
+    from icekv.kernels.cpu_decode import sparse_decode_cpu
 
+    backend = kernel_backend(q.device)
+    if backend == "numba" and q.dtype == torch.float32:
+        return sparse_decode_cpu(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v)
     tail_k, tail_v = torch.cat([sink_k, win_k], dim=1), torch.cat([sink_v, win_v], dim=1)  # order is free
-    if kernel_backend(q.device) == "torch":
+    if backend != "triton":
         return paged_prefix_attention(q[None], page_k, page_v, page_len, tail_k, tail_v)[0]
     pages_k, pages_v, lens = _append_tail_pages(page_k, page_v, page_len, tail_k, tail_v)
     ids = torch.arange(pages_k.shape[1], dtype=torch.int32, device=q.device).expand(1, *lens.shape)

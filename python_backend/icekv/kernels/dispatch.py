@@ -1,7 +1,9 @@
 """The kernels' Python entry points: validate, then run the OpenAI-Triton kernel or the torch
-reference. ``auto`` picks the kernel for CUDA tensors when triton imports, the reference
-elsewhere; ``ICEKV_KERNELS=triton|torch`` (or ``backend=``) forces one - ``triton`` on CPU tensors
-runs the kernels in triton's interpreter and needs ``TRITON_INTERPRET=1`` set before triton loads."""
+reference. ``auto`` picks the kernels for CUDA tensors when triton imports, the compiled CPU
+loops (numba) for CPU tensors, the reference elsewhere; ``ICEKV_KERNELS=triton|numba|torch`` (or
+``backend=``) forces one - ``triton`` on CPU tensors runs the kernels in triton's interpreter and
+needs ``TRITON_INTERPRET=1`` set before triton loads. Only the sparse decode attention has a numba
+twin (:mod:`icekv.kernels.cpu_decode`); the other entry points run the reference under ``numba``."""
 
 from __future__ import annotations
 
@@ -12,17 +14,21 @@ import torch
 
 from icekv.kernels import launch, reference
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "numba", "torch")
 ENV_VAR = "ICEKV_KERNELS"
 
 
 def kernel_backend(device: torch.device, backend: str | None = None) -> str:
-    """The backend that runs for tensors on ``device``: "triton" or "torch"."""
+    """The backend that runs for tensors on ``device``: "triton", "numba" or "torch"."""
     choice = backend or os.environ.get(ENV_VAR, "auto")
     if choice not in BACKENDS:
         raise ValueError(f"{ENV_VAR} / backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
     if choice == "auto":
+        if device.type == "cpu":
+            return "numba"
         return "triton" if device.type == "cuda" and _has_triton() else "torch"
+    if choice == "numba" and device.type != "cpu":
+        raise RuntimeError(f"{ENV_VAR}=numba runs on CPU tensors only, got {device.type}")
     if choice == "triton":
         if not _has_triton():
             raise RuntimeError(f"{ENV_VAR}=triton but the triton package is not installed")
@@ -47,7 +53,7 @@ def sparse_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     """out [B, Hq, D], lse [B, Hq]: attention over each KV head's named pages (see reference)."""
     _check_pages(q, k_pages, page_ids, page_lens, "sparse_decode_attention")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    if kernel_backend(q.device, backend) == "torch":
+    if kernel_backend(q.device, backend) != "triton":
         return reference.sparse_decode_reference(q, k_pages, v_pages, page_ids, page_lens, scale)
     from icekv.kernels.sparse_decode import merge_splits_kernel, sparse_decode_kernel
 
@@ -80,7 +86,7 @@ def select_pages(q: torch.Tensor, k_pages: torch.Tensor, cand_ids: torch.Tensor,
     _check_pages(q, k_pages, cand_ids, cand_lens, "select_pages")
     if k < 0:
         raise ValueError(f"select_pages: k must be >= 0, got {k}")
-    if kernel_backend(q.device, backend) == "torch":
+    if kernel_backend(q.device, backend) != "triton":
         return reference.page_select_reference(q, k_pages, cand_ids, cand_lens, k)
     from icekv.kernels.page_select import page_score_kernel, page_select_kernel, topk_kernel
 
@@ -114,7 +120,7 @@ def scatter_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor,
         raise ValueError(f"scatter_pages: pages {tuple(src_k.shape)} do not fit slots {tuple(dst_k.shape)}")
     if heads.shape != slots.shape or heads.shape != src_k.shape[:1]:
         raise ValueError(f"scatter_pages: heads {tuple(heads.shape)} and slots {tuple(slots.shape)} must be [{src_k.shape[0]}]")
-    if kernel_backend(dst_k.device, backend) == "torch" or len(heads) == 0:
+    if kernel_backend(dst_k.device, backend) != "triton" or len(heads) == 0:
         return reference.scatter_pages_reference(dst_k, dst_v, src_k, src_v, heads, slots)
     if not (dst_k.is_contiguous() and dst_v.is_contiguous()):
         raise ValueError("scatter_pages: the slot tensors must be contiguous to be written in place")
