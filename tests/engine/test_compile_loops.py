@@ -1,5 +1,7 @@
 """The engine compiles its numba loops at load: a request's decode compiles nothing more."""
 
+import pytest
+
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.index import dci_tree, fused_search
 from icekv.kernels import cpu_decode
@@ -13,10 +15,12 @@ def _signatures() -> dict:
     return {name: list(f.signatures) for name, f in loops.items()}
 
 
-def test_a_sparse_decode_after_engine_load_compiles_nothing(engine, essays_text):
+@pytest.mark.parametrize("score_dtype", ["float32", "bfloat16"])
+def test_a_sparse_decode_after_engine_load_compiles_nothing(engine, essays_text, score_dtype):
     before = _signatures()
     assert all(before.values())  # every loop was compiled at load
-    sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1, icecache=IceCacheConfig(search="centroids"))
+    sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1,
+                          icecache=IceCacheConfig(search="centroids", score_dtype=score_dtype))
     prompt = engine.tokenizer.encode(essays_text)[:700]
     out = engine.generate(prompt, SamplingConfig(max_tokens=24, ignore_eos=True), selection=sel)
     assert out.new_tokens == 24 and out.timings["insert_s"] > 0  # window pages were flushed into the index

@@ -9,18 +9,25 @@ from icekv.index.fused_search import centroid_search
 from icekv.select.gqa import merge_ranked_heads
 
 
-def _layer(sizes, d=32, page_size=16, seed=2):
+def _layer(sizes, d=32, page_size=16, seed=2, dtype=torch.float32):
     """One tree per head over ``sizes`` tokens (random keys: no ties), sharing a store."""
     g = torch.Generator().manual_seed(seed)
     u = torch.randn(d + 1, generator=g)
-    store = PageStore(len(sizes), page_size, d)
-    trees = [DCITree(torch.randn(n, d, generator=g) * 2, page_size, IceCacheConfig(), u / u.norm(), store, h)
+    cfg = IceCacheConfig(score_dtype=str(dtype).removeprefix("torch."))
+    store = PageStore(len(sizes), page_size, d, dtype)
+    trees = [DCITree(torch.randn(n, d, generator=g) * 2, page_size, cfg, u / u.norm(), store, h)
              for h, n in enumerate(sizes)]
     return store, trees
 
 
 def _reference(store, q, candidates, k):
-    ids, scores = store.centroid_candidates(q, candidates)  # [H, c], [H, G, c]
+    """The torch/numpy search, on an fp32 copy of the store (bf16 pages widened: what the compiled
+    search computes with; the reference would round q to bf16 instead)."""
+    heads, _, page_size = store.pad.shape
+    wide = PageStore(heads, page_size, store.keys.shape[-1])
+    wide.keys, wide.centroid = store.keys.float(), store.centroid.float()
+    wide.pad, wide.num_pages = store.pad, store.num_pages
+    ids, scores = wide.centroid_candidates(q, candidates)  # [H, c], [H, G, c]
     return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k))]
 
 
@@ -31,8 +38,9 @@ def _reference(store, q, candidates, k):
     ([600, 300], 2, 5, 1),  # one page selected
     ([300, 200], 3, 6, 40),  # k above the candidates' union: only candidates come back
 ])
-def test_compiled_search_equals_the_reference(sizes, group, candidates, k):
-    store, trees = _layer(sizes)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_search_equals_the_reference(sizes, group, candidates, k, dtype):
+    store, trees = _layer(sizes, dtype=dtype)
     for tree in trees[:1]:  # inserts leave partial pages and spare capacity behind
         tree.insert(torch.randn(24, 32, generator=torch.Generator().manual_seed(5)))
     q = torch.randn(len(sizes), group, 32, generator=torch.Generator().manual_seed(9))  # [H, G, D]

@@ -21,9 +21,10 @@ from icekv.kv import DevicePageCache, PagedKVCache
 def compile_loops(kv_dtype: torch.dtype) -> None:
     """Run every compiled loop once; ``kv_dtype``: the KV pool's dtype (rows are copied by width)."""
     g = torch.Generator().manual_seed(0)
-    tree = DCITree(torch.randn(40, 8, generator=g), 4, IceCacheConfig(), torch.ones(9) / 3)
-    tree.insert(torch.randn(4, 8, generator=g))  # placement
-    centroid_search(tree.store, torch.randn(1, 2, 8, generator=g), 4, 2)
+    for score_dtype in ("float32", "bfloat16"):  # the index's page keys
+        tree = DCITree(torch.randn(40, 8, generator=g), 4, IceCacheConfig(score_dtype=score_dtype), torch.ones(9) / 3)
+        tree.insert(torch.randn(4, 8, generator=g))  # placement
+        centroid_search(tree.store, torch.randn(1, 2, 8, generator=g), 4, 2)
     cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype)
     cache.add(0)
     cache.extend(0, 4)

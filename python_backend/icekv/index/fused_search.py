@@ -9,7 +9,8 @@ thousand entries, each costing more in dispatch than in arithmetic; here it is o
 the centroids once and only the candidates' keys.
 
 Compiled on first call and cached on disk (numba ``cache=True``): only the first process after an
-install pays the compile (seconds). fp32 page keys only: a bf16 store takes the reference path.
+install pays the compile (seconds). A bf16 store (``score_dtype``) is read as its raw bits and
+widened row by row: half the bytes, and the search is bound by its reads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import overload
 
 from icekv.index.page_store import PageStore
 
@@ -29,51 +32,98 @@ def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int) 
     ids = np.full((h, max(k, 0)), -1, dtype=np.int64)  # [H, k] -1: unused
     counts = np.zeros(h, dtype=np.int64)  # [H]
     if h and k > 0:
-        counts = _search(q.float().contiguous().numpy(), store.centroid.numpy(), store.keys.numpy(),
-                         store.pad.numpy(), store.num_pages.numpy(), candidates, ids)
+        counts = _search(q.float().contiguous().numpy(), _raw(store.centroid), _raw(store.keys),
+                         store.pad.numpy(), store.num_pages.numpy(), candidates, ids, numba.get_num_threads())
     return [torch.from_numpy(row[:n]) for row, n in zip(ids, counts)]
 
 
-@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)  # heads in parallel
-def _search(q, centroid, keys, pad, num_pages, candidates, ids):
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """fp32 as is; bf16 as its bits (int16: numpy has no bf16)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _widen(row, buf):
+    """row [D] fp32, or bf16 bits (int16) -> an fp32 row: ``row`` itself, or ``buf`` [D] filled."""
+
+
+@overload(_widen, inline="always")
+def _widen_typed(row, buf):
+    if row.dtype == types.float32:
+        return lambda row, buf: row
+
+    def widen_bf16(row, buf):
+        bits = buf.view(np.int32)
+        for t in range(row.shape[0]):
+            bits[t] = np.int32(row[t]) << 16  # bf16 is the high half of an fp32
+        return buf
+
+    return widen_bf16
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
+def _search(q, centroid, keys, pad, num_pages, candidates, ids, parts):
     """q [H, G, D], centroid [H, cap, D], keys [H, cap, P, D], pad [H, cap, P], num_pages [H]:
-    fills ids [H, k] and returns how many it set per head [H]."""
-    counts = np.zeros(q.shape[0], dtype=np.int64)  # [H]
-    for h in numba.prange(q.shape[0]):
-        qh = q[h].copy()  # [G, D]
-        estimate = _scores(qh, centroid[h, :num_pages[h]])  # [G, m]
-        cand = _candidates(estimate, candidates)  # [n] page ids, ascending
-        exact = np.full((cand.shape[0], qh.shape[0]), -np.inf, dtype=np.float32)  # [n, G]
-        for i in range(cand.shape[0]):
-            _best_token(qh, keys[h, cand[i]], pad[h, cand[i]], exact[i])
-        counts[h] = _merge(exact, cand, ids[h])
+    fills ids [H, k] and returns how many it set per head [H].
+
+    The reads (centroids, then the candidates' keys) are split into ``parts`` slices per head and
+    the slices of all heads run in parallel: a few KV heads do not spread evenly over the cores."""
+    h_n, g_n, _ = q.shape
+    most = max(num_pages.max(), 1)
+    estimate = np.empty((h_n, g_n, most), dtype=np.float32)  # [H, G, m]
+    for task in numba.prange(h_n * parts):
+        h, lo, hi = _slice(task, parts, num_pages)
+        _scores(q[h], centroid[h], lo, hi, estimate[h])
+    cand = np.empty((h_n, most), dtype=np.int64)  # [H, m] each head's candidates first, ascending
+    n_cand = np.zeros(h_n, dtype=np.int64)  # [H]
+    for h in numba.prange(h_n):
+        picked = _candidates(estimate[h, :, : num_pages[h]], candidates)
+        n_cand[h] = picked.shape[0]
+        cand[h, : picked.shape[0]] = picked
+    exact = np.full((h_n, most, g_n), -np.inf, dtype=np.float32)  # [H, m, G] the candidates' scores
+    for task in numba.prange(h_n * parts):
+        h, lo, hi = _slice(task, parts, n_cand)
+        for i in range(lo, hi):
+            _best_token(q[h], keys[h, cand[h, i]], pad[h, cand[h, i]], exact[h, i])
+    counts = np.zeros(h_n, dtype=np.int64)  # [H]
+    for h in numba.prange(h_n):
+        counts[h] = _merge(exact[h, : n_cand[h]], cand[h, : n_cand[h]], ids[h])
     return counts
 
 
 @_jit
-def _scores(qh, rows):
-    """qh [G, D], rows [m, D] -> [G, m] products; a non-finite one (an emptied page) -> -inf."""
-    out = np.empty((qh.shape[0], rows.shape[0]), dtype=np.float32)  # [G, m]
-    for j in range(rows.shape[0]):
+def _slice(task, parts, sizes):
+    """Task -> (head, lo, hi): the task's share of its head's ``sizes[head]`` items."""
+    h, part = task // parts, task % parts
+    return h, sizes[h] * part // parts, sizes[h] * (part + 1) // parts
+
+
+@_jit
+def _scores(qh, rows, lo, hi, out):
+    """qh [G, D], rows [m, D] -> out[:, lo:hi] [G, hi - lo]: the products with rows lo..hi-1; a
+    non-finite one (an emptied page) -> -inf."""
+    buf = np.empty(qh.shape[1], dtype=np.float32)  # [D]
+    for j in range(lo, hi):
+        row = _widen(rows[j], buf)
         for g in range(qh.shape[0]):
             s = np.float32(0.0)
             for t in range(qh.shape[1]):
-                s += qh[g, t] * rows[j, t]
+                s += qh[g, t] * row[t]
             out[g, j] = s if np.isfinite(s) else -np.inf
-    return out
 
 
 @_jit
 def _best_token(qh, page_keys, page_pad, best):
     """qh [G, D], page_keys [P, D], page_pad [P] (0 or -inf): raises best [G] to the best q.k over
     the page's tokens."""
+    buf = np.empty(qh.shape[1], dtype=np.float32)  # [D]
     for slot in range(page_keys.shape[0]):
         if page_pad[slot] != 0.0:
             continue
+        key = _widen(page_keys[slot], buf)
         for g in range(qh.shape[0]):
             s = np.float32(0.0)
             for t in range(qh.shape[1]):
-                s += qh[g, t] * page_keys[slot, t]
+                s += qh[g, t] * key[t]
             best[g] = max(best[g], s)
 
 

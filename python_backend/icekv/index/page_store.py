@@ -26,7 +26,7 @@ class PageStore:
         self.version = torch.zeros(heads, 0, dtype=torch.long)  # [H, cap] bumped on every change
         self.keys = torch.zeros(heads, 0, page_size, dim, dtype=dtype)  # [H, cap, P, D] 0 on holes
         self.pad = torch.full((heads, 0, page_size), NEG_INF)  # [H, cap, P] 0 on a token, -inf on a hole
-        self.centroid = torch.zeros(heads, 0, dim)  # [H, cap, D] each page's mean key
+        self.centroid = torch.zeros(heads, 0, dim, dtype=dtype)  # [H, cap, D] each page's mean key
         self.num_pages = torch.zeros(heads, dtype=torch.long)  # [H] pages in use per head
 
     @property
@@ -55,7 +55,7 @@ class PageStore:
         keys = keys * present[..., None]  # [m, P, D] 0 on holes
         self.keys[head, pages] = keys.to(self.keys.dtype)
         self.pad[head, pages] = torch.where(present, 0.0, NEG_INF)
-        self.centroid[head, pages] = keys.float().sum(1) / present.sum(1, keepdim=True)  # [m, D]
+        self.centroid[head, pages] = (keys.float().sum(1) / present.sum(1, keepdim=True)).to(self.centroid.dtype)  # [m, D]
 
     def _heads(self, head: int | None):
         """The arrays of every head, or of one (kept as a head axis of 1)."""
@@ -97,7 +97,7 @@ class PageStore:
         if m == 0:
             return torch.full((h, 0), -1, dtype=torch.long), torch.full((h, g, 0), NEG_INF)
         # products in torch, the small index work in numpy (a tenth of torch's per-call cost)
-        estimate = (torch.bmm(q.float(), centroid[:, :m].transpose(1, 2)) + _unused(num_pages, m)).numpy()  # [H, G, m]
+        estimate = (torch.bmm(q.float(), centroid[:, :m].float().transpose(1, 2)) + _unused(num_pages, m)).numpy()  # [H, G, m]
         c = min(candidates, m)
         top = np.argpartition(estimate, m - c, axis=2)[..., m - c:]  # [H, G, c] unordered
         pick = np.zeros((h, m), dtype=bool)  # [H, m] the union over query heads

@@ -70,10 +70,7 @@ class IceCacheSelector:
             return [merge_ranked(tree.page_scores(qh, fov), k) for tree, qh in zip(trees, q)]
         if search == "exhaustive":
             return merge_ranked_heads(store.exact_scores(q), k)
-        if store.keys.dtype == torch.float32:  # the compiled search, one call per layer
-            return centroid_search(store, q, self.config.candidates(k), k)
-        ids, scores = store.centroid_candidates(q, self.config.candidates(k))  # [Hkv, c], [Hkv, G, c]
-        return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k))]
+        return centroid_search(store, q, self.config.candidates(k), k)  # compiled, one call per layer
 
     def page_positions(self, layer, heads, pages):
         toks = self.stores[self.leader(layer)].tokens[heads, pages]  # [m, P] local ids
