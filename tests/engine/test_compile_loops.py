@@ -3,13 +3,13 @@
 import pytest
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
-from icekv.index import dci_tree, fused_search
+from icekv.index import dci_tree, fused_search, page_store
 from icekv.kernels import cpu_decode
 from icekv.kv import device_cache, paged_cache
 
 
 def _signatures() -> dict:
-    loops = {"search": fused_search._search, "placement": dci_tree.place_tokens,
+    loops = {"search": fused_search._search, "placement": dci_tree.place_tokens, "rewrite": page_store._rewrite,
              "plan": device_cache._plan_slots, "gather": paged_cache._copy_rows,
              "attention": cpu_decode._decode}
     return {name: list(f.signatures) for name, f in loops.items()}

@@ -1,5 +1,6 @@
 """The shared page store of a layer's trees: batched searches equal per-head ones."""
 
+import pytest
 import torch
 
 from icekv.config import IceCacheConfig
@@ -77,3 +78,30 @@ def test_compact_candidates_rank_like_the_dense_scores():
         assert bool(torch.isneginf(cand[h][:, ~real]).all())
     compact = [row[p] for row, p in zip(ids, merge_ranked_heads(cand, 8))]
     assert [p.tolist() for p in compact] == [p.tolist() for p in merge_ranked_heads(dense, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rewrite_equals_writing_the_members_keys(dtype):
+    """rewrite (old members from their rows, new ones from new_keys) == write of the gathered keys."""
+    g = torch.Generator().manual_seed(6)
+    store, loc = PageStore(2, 4, 8, dtype), torch.full((12,), -1)
+    store.reserve(5)
+    old = torch.randn(8, 8, generator=g) * 3  # tokens 0..7 in pages 0, 1 of head 1
+    store.tokens[1, :2] = torch.arange(8).view(2, 4)
+    store.rewrite(1, torch.tensor([0, 1]), loc, old, 0)
+    assert loc[:8].tolist() == list(range(8))
+    new = torch.randn(4, 8, generator=g)  # tokens 8..11; the members move: a split, holes, an emptied page
+    store.tokens[1, :4] = torch.tensor([[7, 2, 8, -1], [1, 3, 9, 10], [-1, -1, -1, -1], [0, 11, 4, 5]])
+    pages = torch.tensor([0, 1, 2, 3])
+    keys = torch.cat([old, new])
+    toks = store.tokens[1, :4]
+    want = PageStore(2, 4, 8, dtype)
+    want.reserve(5)
+    want.write(1, pages, keys.to(dtype).float()[toks.clamp_min(0)], toks >= 0)
+    store.rewrite(1, pages, loc, new, 8)
+    assert torch.equal(store.keys[1, :4], want.keys[1, :4]) and torch.equal(store.pad[1, :4], want.pad[1, :4])
+    torch.testing.assert_close(store.centroid[1, :4], want.centroid[1, :4], equal_nan=True)
+    assert bool(torch.isnan(store.centroid[1, 2].float()).all())  # no members: no mean
+    placed = toks >= 0
+    assert torch.equal(loc[toks[placed]], (pages[:, None] * 4 + torch.arange(4))[placed])
+    assert not store.keys[0].any()  # the other head untouched

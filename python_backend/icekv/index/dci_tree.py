@@ -195,14 +195,7 @@ class DCITree:
     def _sync_pages(self, pages: torch.Tensor, new_keys: torch.Tensor, first_new: int) -> None:
         """Rewrite the store rows of ``pages`` [m] after their members changed: tokens from
         ``first_new`` on take their key from ``new_keys`` [*, D], older ones from their old row."""
-        toks = self.page_tokens[pages]  # [m, P]
-        present, t = toks >= 0, toks.clamp_min(0)
-        rows = self.store.keys[self.head].view(-1, new_keys.shape[-1])  # [cap * P, D]
-        old = rows[self.loc[t].clamp_min(0)].float()  # [m, P, D] read before any row is written
-        fresh = (t >= first_new)[..., None]
-        keys = torch.where(fresh, new_keys[(t - first_new).clamp(0, max(len(new_keys) - 1, 0))], old)
-        self.store.write(self.head, pages, keys, present)
-        self.loc[t[present]] = (pages[:, None] * self.page_size + torch.arange(self.page_size))[present]
+        self.store.rewrite(self.head, pages, self.loc, new_keys, first_new)
         self.store.num_pages[self.head] = self.num_pages
 
     # ---- CSR: owner -> pages

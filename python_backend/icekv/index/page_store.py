@@ -10,8 +10,11 @@ dominates at decode sizes on a CPU).
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
+
+from icekv.index.score_rows import narrow, raw, widen
 
 NEG_INF = float("-inf")
 
@@ -56,6 +59,14 @@ class PageStore:
         self.keys[head, pages] = keys.to(self.keys.dtype)
         self.pad[head, pages] = torch.where(present, 0.0, NEG_INF)
         self.centroid[head, pages] = (keys.float().sum(1) / present.sum(1, keepdim=True)).to(self.centroid.dtype)  # [m, D]
+
+    def rewrite(self, head: int, pages: torch.Tensor, loc: torch.Tensor, new_keys: torch.Tensor, first_new: int) -> None:
+        """Rebuild the rows of ``pages`` [m] of ``head`` from their members (``tokens``), after a
+        tree moved tokens between them: members from ``first_new`` on take their key from
+        ``new_keys`` [*, D] (fp32), older ones from the row ``loc`` [n] names (token -> page * P +
+        slot), which is then updated. One compiled pass (an insert changes a handful of pages)."""
+        _rewrite(self.tokens[head].numpy(), loc.numpy(), raw(self.keys[head]), self.pad[head].numpy(),
+                 raw(self.centroid[head]), pages.numpy(), new_keys.float().contiguous().numpy(), first_new)
 
     def _heads(self, head: int | None):
         """The arrays of every head, or of one (kept as a head axis of 1)."""
@@ -124,3 +135,32 @@ def _unused(num_pages: torch.Tensor, m: int) -> torch.Tensor:
     """num_pages [H] -> [H, 1, m]: 0 on a page in use, -inf past a head's pages."""
     used = torch.arange(m)[None, :] < num_pages[:, None]  # [H, m]
     return torch.where(used, 0.0, NEG_INF)[:, None, :]
+
+
+@numba.njit(cache=True, nogil=True)
+def _rewrite(tokens, loc, keys, pad, centroid, pages, new_keys, first_new):
+    """:meth:`PageStore.rewrite` on one head's rows: tokens [cap, P], loc [n], keys [cap, P, D],
+    pad [cap, P], centroid [cap, D]; pages [m]; new_keys [n_new, D]."""
+    m, page_size, d = pages.shape[0], pad.shape[1], centroid.shape[1]
+    flat = keys.reshape(-1, d)  # [cap * P, D] the rows loc names
+    fresh = np.zeros((m, page_size, d), dtype=np.float32)  # [m, P, D] every old row read before any is written
+    buf = np.empty(d, dtype=np.float32)
+    for i in range(m):
+        for s in range(page_size):
+            t = tokens[pages[i], s]
+            if t >= first_new:
+                fresh[i, s] = new_keys[t - first_new]
+            elif t >= 0:
+                fresh[i, s] = widen(flat[loc[t]], buf)
+    for i in range(m):
+        page, count = pages[i], 0
+        mean = np.zeros(d, dtype=np.float32)  # [D]
+        for s in range(page_size):
+            t = tokens[page, s]
+            pad[page, s] = 0.0 if t >= 0 else -np.inf
+            narrow(fresh[i, s], keys[page, s])  # zeros on a hole
+            if t >= 0:
+                loc[t] = page * page_size + s
+                mean += fresh[i, s]
+                count += 1
+        narrow(mean / count if count else np.full(d, np.nan, dtype=np.float32), centroid[page])  # no members: NaN
