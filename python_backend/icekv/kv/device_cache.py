@@ -64,15 +64,14 @@ class DevicePageCache:
         first slot of its head that this step does not attend (slots are few; a compiled loop:
         per-call overhead would dominate in numpy or torch).
         """
-        h = heads.numpy()
+        h, p, v = heads.numpy(), pages.numpy(), versions.numpy()
         self._grow(min(int(np.bincount(h, minlength=self.page.shape[0]).max(initial=0)), self.max_slots))
         selected = np.zeros(self.page.shape, dtype=bool)  # [Hkv, S]
-        miss, slots = _plan_slots(self.page.numpy(), self.version.numpy(), h, pages.numpy(), versions.numpy(), selected)
+        miss, slots = _plan_slots(self.page.numpy(), self.version.numpy(), h, p, v, selected)
         self.hits += len(h) - len(miss)
         self.lookups += len(h)
         self.selected = torch.from_numpy(selected)
-        miss = torch.from_numpy(miss)
-        return TransferPlan(heads[miss], pages[miss], versions[miss], torch.from_numpy(slots))
+        return TransferPlan(*(torch.from_numpy(x) for x in (h[miss], p[miss], v[miss], slots)))
 
     def _grow(self, n_slots: int) -> None:
         extra = n_slots - self.k.shape[1]
