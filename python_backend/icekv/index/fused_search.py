@@ -112,11 +112,17 @@ def _candidates(estimate, c):
     for g in range(g_n):
         row = estimate[g]
         cut = _kth_largest(row, c)
-        ties = c - np.sum(row > cut)  # entries equal to the cut that still fit, lowest ids first
+        ties = c  # then: entries equal to the cut that still fit, lowest ids first
         for j in range(m):
-            if row[j] > cut or (row[j] == cut and ties > 0):
-                ties -= row[j] == cut
-                pick[j] |= row[j] > -np.inf
+            if row[j] > cut:
+                pick[j] = True
+                ties -= 1
+        for j in range(m):
+            if ties == 0 or cut == -np.inf:  # -inf: not a page
+                break
+            if row[j] == cut:
+                pick[j] = True
+                ties -= 1
     return np.nonzero(pick)[0]
 
 
