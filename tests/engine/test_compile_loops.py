@@ -3,24 +3,26 @@
 import pytest
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
-from icekv.index import dci_tree, fused_search, page_store
+from icekv.index import dci_tree, fused_search, page_store, tree_walk
 from icekv.kernels import cpu_decode
 from icekv.kv import device_cache, paged_cache
 
 
 def _signatures() -> dict:
     loops = {"search": fused_search._search, "placement": dci_tree.place_tokens, "rewrite": page_store._rewrite,
+             "walk": tree_walk.walk_scores,
              "plan": device_cache._plan_slots, "gather": paged_cache._copy_rows,
              "attention": cpu_decode._decode}
     return {name: list(f.signatures) for name, f in loops.items()}
 
 
+@pytest.mark.parametrize("search", ["centroids", "walk"])
 @pytest.mark.parametrize("score_dtype", ["float32", "bfloat16"])
-def test_a_sparse_decode_after_engine_load_compiles_nothing(engine, essays_text, score_dtype):
+def test_a_sparse_decode_after_engine_load_compiles_nothing(engine, essays_text, score_dtype, search):
     before = _signatures()
     assert all(before.values())  # every loop was compiled at load
     sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1,
-                          icecache=IceCacheConfig(search="centroids", score_dtype=score_dtype))
+                          icecache=IceCacheConfig(search=search, score_dtype=score_dtype))
     prompt = engine.tokenizer.encode(essays_text)[:700]
     out = engine.generate(prompt, SamplingConfig(max_tokens=24, ignore_eos=True), selection=sel)
     assert out.new_tokens == 24 and out.timings["insert_s"] > 0  # window pages were flushed into the index

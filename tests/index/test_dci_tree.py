@@ -164,3 +164,28 @@ def test_bf16_page_keys_score_within_bf16_rounding_and_keep_the_tree():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=0.15)  # |k| ~ 6: bf16 keeps ~3 digits
     with pytest.raises(ConfigError, match="score_dtype"):
         IceCacheConfig(score_dtype="float16")
+
+
+@pytest.mark.parametrize("n, group, fov", [(900, 3, 10), (900, 1, 1), (300, 4, 30), (2000, 3, 200), (40, 2, 10**9)])
+def test_compiled_walk_equals_the_numpy_walk(n, group, fov):
+    keys = _keys(n, seed=n)
+    tree = _tree(keys[: n * 3 // 4])
+    tree.insert(keys[n * 3 // 4 :])  # inserted pages and splits are walked too
+    q = torch.randn(group, 32, generator=torch.Generator().manual_seed(group))
+    got, want = tree.page_scores(q, fov), tree.page_scores_reference(q, fov)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))  # the same pages visited
+    torch.testing.assert_close(got, want)
+    assert int(torch.isfinite(got).sum()) > 0
+    if fov <= 10:
+        assert int(torch.isfinite(got).sum()) < group * tree.num_pages  # a narrow walk skips pages
+
+
+def test_compiled_walk_over_bf16_keys_is_exact_with_an_unlimited_view():
+    keys = _keys(500, seed=3)
+    tree = _tree(keys, cfg=IceCacheConfig(score_dtype="bfloat16"))
+    q = torch.randn(3, 32)
+    got = tree.page_scores(q, field_of_view=10**9)
+    toks = tree.page_tokens[: tree.num_pages]
+    widened = keys.bfloat16().float()  # fp32 q against the bf16 keys
+    exact = (q @ widened.T)[:, toks.clamp_min(0)].masked_fill(toks[None] < 0, float("-inf")).amax(-1)
+    torch.testing.assert_close(got, exact)

@@ -1,6 +1,6 @@
 """Compile the engine's numba loops at load time instead of in a request's first decode step.
 
-The CPU paths of the page index (token placement, page rows, centroids search), of the transfer (slot plan,
+The CPU paths of the page index (token placement, page rows, tree walk, centroids search), of the transfer (slot plan,
 row gather) and the sparse decode attention are numba functions compiled on first call: seconds right after an install,
 ~0.1 s each from numba's disk cache afterwards. Either is too much for a request's first token.
 Running each once on tiny inputs of the dtypes a request will pass compiles exactly the
@@ -24,7 +24,9 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
     for score_dtype in ("float32", "bfloat16"):  # the index's page keys
         tree = DCITree(torch.randn(40, 8, generator=g), 4, IceCacheConfig(score_dtype=score_dtype), torch.ones(9) / 3)
         tree.insert(torch.randn(4, 8, generator=g))  # placement, page rows
-        centroid_search(tree.store, torch.randn(1, 2, 8, generator=g), 4, 2)
+        q = torch.randn(1, 2, 8, generator=g)
+        centroid_search(tree.store, q, 4, 2)
+        tree.page_scores(q[0], 4)  # the walk
     cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype)
     cache.add(0)
     cache.extend(0, 4)

@@ -22,6 +22,8 @@ import torch
 from icekv.config import IceCacheConfig
 from icekv.index.page_store import PageStore
 from icekv.index.placement import place_tokens
+from icekv.index.score_rows import raw
+from icekv.index.tree_walk import walk_scores
 
 ROOT = -1
 
@@ -216,9 +218,17 @@ class DCITree:
 
         Each query head walks the tree top-down: score the children pages of its best
         ``field_of_view`` nodes exactly, descend. A page's score is the best ``q.k`` among its
-        tokens, ``-inf`` where the walk never visited it. Runs on numpy views of the tree (the
-        walk is many small steps; numpy's per-call cost is a fraction of torch's).
+        tokens, ``-inf`` where the walk never visited it. Compiled (:mod:`icekv.index.tree_walk`);
+        :meth:`page_scores_reference` is the same walk in numpy.
         """
+        indptr, csr_pages = (t.numpy() for t in self._csr())
+        scores = walk_scores(q.float().contiguous().numpy(), indptr, csr_pages, self.page_tokens.numpy(),
+                             raw(self.page_keys), self.page_pad.numpy(), self.num_pages, field_of_view)
+        return torch.from_numpy(scores)
+
+    def page_scores_reference(self, q: torch.Tensor, field_of_view: int) -> torch.Tensor:
+        """:meth:`page_scores` on numpy views of the tree (all query heads' walks batched; the
+        specification the compiled walk is tested against). bf16 keys: q is rounded to bf16 too."""
         indptr, csr_pages = (t.numpy() for t in self._csr())
         csr_owner, page_tokens = self._csr_owner.numpy(), self.page_tokens.numpy()
         dtype = self.page_keys.dtype

@@ -19,6 +19,7 @@ import numba
 import numpy as np
 import torch
 
+from icekv.index.kth_largest import kth_largest
 from icekv.index.page_store import PageStore
 from icekv.index.score_rows import raw, widen
 
@@ -111,7 +112,7 @@ def _candidates(estimate, c):
     c = min(c, m)
     for g in range(g_n):
         row = estimate[g]
-        cut = _kth_largest(row, c)
+        cut = kth_largest(row, c)
         ties = c  # then: entries equal to the cut that still fit, lowest ids first
         for j in range(m):
             if row[j] > cut:
@@ -124,35 +125,6 @@ def _candidates(estimate, c):
                 pick[j] = True
                 ties -= 1
     return np.nonzero(pick)[0]
-
-
-@_jit
-def _kth_largest(row, k):
-    """The ``k``-th largest entry of row [m] (1 <= k <= m): a min-heap of the best k seen so far,
-    so most entries cost one comparison with its root."""
-    heap = row[:k].copy()  # [k]
-    for i in range(k // 2 - 1, -1, -1):
-        _sift_down(heap, i)
-    for j in range(k, row.shape[0]):
-        if row[j] > heap[0]:
-            heap[0] = row[j]
-            _sift_down(heap, 0)
-    return heap[0]
-
-
-@_jit
-def _sift_down(heap, i):
-    n = heap.shape[0]
-    while True:
-        low, left, right = i, 2 * i + 1, 2 * i + 2
-        if left < n and heap[left] < heap[low]:
-            low = left
-        if right < n and heap[right] < heap[low]:
-            low = right
-        if low == i:
-            return
-        heap[i], heap[low] = heap[low], heap[i]
-        i = low
 
 
 @_jit
