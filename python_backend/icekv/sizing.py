@@ -60,7 +60,7 @@ def index_bytes(args: ModelArgs, context_tokens: int, selection: SelectionConfig
         sparse_layers = -(-sparse_layers // selection.icecache.layer_group)
     key_bytes = d * DTYPE_BYTES[selection.icecache.score_dtype]
     per_slot = key_bytes + 4 + 8  # key, pad, member id
-    per_page = d * 4 + 8 + 16  # centroid, version, length and owner
+    per_page = key_bytes + 8 + 16  # centroid (in the score dtype), version, length and owner
     promoted_key = d * 4 / promotion_step(selection.icecache)
     per_token = HEADROOM * ((per_slot + per_page / p) / PAGE_FILL + TOKEN_ARRAYS + promoted_key)
     return int(sparse_layers * args.num_kv_heads * context_tokens * per_token)
