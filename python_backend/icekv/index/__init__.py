@@ -1,4 +1,5 @@
-"""IceCache's DCI-tree page index (vectorised torch)."""
+"""IceCache's DCI-tree page index: torch for the bulk work, compiled numba loops for the per-step
+search, walk and insertion."""
 
 from icekv.index.dci_tree import DCITree, promotion_levels
 from icekv.index.page_store import PageStore
