@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from icekv.kernels import scatter_pages
+from icekv.kv.paged_cache import as_bits
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,11 @@ class DevicePageCache:
             with torch.cuda.stream(self._copy_stream):
                 staging = staging.pin_memory().to(self.k.device, non_blocking=True)
             torch.cuda.current_stream(self.k.device).wait_stream(self._copy_stream)
-        scatter_pages(self.k, self.v, staging[0], staging[1], plan.heads, plan.slots)
         h, s = plan.heads.numpy(), plan.slots.numpy()
+        if self.k.is_cuda:
+            scatter_pages(self.k, self.v, staging[0], staging[1], plan.heads, plan.slots)
+        else:  # one numpy copy per tensor: a few dozen pages, where torch's index_put costs more in dispatch
+            as_bits(self.k)[h, s], as_bits(self.v)[h, s] = as_bits(staging[0]), as_bits(staging[1])
         self.page.numpy()[h, s] = plan.pages.numpy()
         self.version.numpy()[h, s] = plan.versions.numpy()
         self.length.numpy()[h, s] = lengths.numpy()

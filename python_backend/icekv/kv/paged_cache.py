@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numba
+import numpy as np
 import torch
 
 from icekv.config import PagingConfig
@@ -167,9 +168,7 @@ class PagedKVCache:
         if self.pool.device.type != "cpu":
             return gather_tokens_reference(self.pool[layer], ids, heads, positions)
         out = self.pool.new_empty((2, *positions.shape, self.pool.shape[-1]))  # [2, n, P, D]
-        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[self.pool.element_size()]  # copied, not read
-        _copy_rows(self.pool[layer].view(as_int).numpy(), ids.numpy(), heads.numpy(), positions.numpy(),
-                   out.view(as_int).numpy())
+        _copy_rows(as_bits(self.pool[layer]), ids.numpy(), heads.numpy(), positions.numpy(), as_bits(out))
         return out
 
     def truncate(self, seq_id: int, length: int) -> None:
@@ -187,6 +186,12 @@ class PagedKVCache:
     def sequence_bytes(self, seq_id: int) -> int:
         """Bytes of the pages this request holds (page-granular), all layers."""
         return len(self._seqs[seq_id].pages) * self.bytes_per_page
+
+
+def as_bits(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as same-width integers in numpy: for copying values of any dtype (bf16
+    included, which numpy lacks) without reading them."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
 
 
 def gather_tokens_reference(pool_layer: torch.Tensor, page_ids: torch.Tensor, heads: torch.Tensor,
