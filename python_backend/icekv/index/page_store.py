@@ -22,7 +22,8 @@ NEG_INF = float("-inf")
 class PageStore:
     """Members [H, cap, P], versions [H, cap], keys [H, cap, P, D], pads [H, cap, P] and centroids
     [H, cap, D] of the pages of ``heads`` trees. The trees write members and versions, and
-    :meth:`write` a page's keys, pad and centroid whenever its members change."""
+    :meth:`rewrite` a page's keys, pad and centroid whenever its members change (:meth:`write`
+    sets them from given keys: the plain-torch specification of a row)."""
 
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype = torch.float32):
         self.tokens = torch.full((heads, 0, page_size), -1, dtype=torch.long)  # [H, cap, P] -1: a hole
