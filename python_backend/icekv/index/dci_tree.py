@@ -232,7 +232,7 @@ class DCITree:
         indptr, csr_pages = (t.numpy() for t in self._csr())
         csr_owner, page_tokens = self._csr_owner.numpy(), self.page_tokens.numpy()
         dtype = self.page_keys.dtype
-        page_keys = (self.page_keys.view(torch.int16) if dtype == torch.bfloat16 else self.page_keys).numpy()
+        page_keys = raw(self.page_keys)
         page_pad = self.page_pad.numpy()
         q_t = q.T.to(dtype).contiguous()  # [D, G]
         g = q.shape[0]

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 import torch
 
-from icekv.index.kth_largest import kth_largest
+from icekv.index.kth_largest import top_k_finite
 from icekv.index.page_store import PageStore
 from icekv.index.score_rows import raw, widen
 
@@ -107,23 +107,9 @@ def _best_token(qh, page_keys, page_pad, best):
 @_jit
 def _candidates(estimate, c):
     """estimate [G, m] -> ascending ids of the union of each row's ``c`` best finite entries."""
-    g_n, m = estimate.shape
-    pick = np.zeros(m, dtype=np.bool_)  # [m]
-    c = min(c, m)
-    for g in range(g_n):
-        row = estimate[g]
-        cut = kth_largest(row, c)
-        ties = c  # then: entries equal to the cut that still fit, lowest ids first
-        for j in range(m):
-            if row[j] > cut:
-                pick[j] = True
-                ties -= 1
-        for j in range(m):
-            if ties == 0 or cut == -np.inf:  # -inf: not a page
-                break
-            if row[j] == cut:
-                pick[j] = True
-                ties -= 1
+    pick = np.zeros(estimate.shape[1], dtype=np.bool_)  # [m]
+    for g in range(estimate.shape[0]):
+        pick |= top_k_finite(estimate[g], c)
     return np.nonzero(pick)[0]
 
 

@@ -1,8 +1,32 @@
-"""The k-th largest entry of a row, compiled (numba): the cut of a top-k without sorting."""
+"""The k largest entries of a row, compiled (numba): a top-k by its cut, without sorting."""
 
 from __future__ import annotations
 
 import numba
+import numpy as np
+
+
+@numba.njit(cache=True, nogil=True)
+def top_k_finite(row, k):
+    """row [m] -> mask [m] of its ``k`` largest entries (ties at the cut: lowest index first),
+    ``-inf`` entries left out (they mark nothing to pick)."""
+    k = min(k, row.shape[0])
+    mask = np.zeros(row.shape[0], dtype=np.bool_)
+    if k == 0:
+        return mask
+    cut = kth_largest(row, k)
+    ties = k  # then: entries equal to the cut that still fit
+    for j in range(row.shape[0]):
+        if row[j] > cut:
+            mask[j] = True
+            ties -= 1
+    for j in range(row.shape[0]):
+        if ties == 0 or cut == -np.inf:
+            break
+        if row[j] == cut:
+            mask[j] = True
+            ties -= 1
+    return mask
 
 
 @numba.njit(cache=True, nogil=True)

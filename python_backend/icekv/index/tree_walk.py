@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from icekv.index.kth_largest import kth_largest
+from icekv.index.kth_largest import top_k_finite
 from icekv.index.score_rows import widen
 
 
@@ -42,15 +42,10 @@ def walk_scores(q, indptr, csr_pages, page_tokens, page_keys, page_pad, num_page
                             dot += q[g, t] * key[t]
                         flat[i * page_size + s] = dot
                         scores[g, page] = max(scores[g, page], dot)
-            keep = min(field_of_view, flat.shape[0])
-            cut = kth_largest(flat, keep)
-            ties = keep - np.sum(flat > cut)  # entries equal to the cut that still fit, lowest index first
+            chosen = top_k_finite(flat, field_of_view)  # [m * P] the best tokens (holes are -inf)
             n_below = 0
             for j in range(flat.shape[0]):
-                chosen = flat[j] > cut
-                if flat[j] == cut and ties > 0:
-                    chosen, ties = True, ties - 1
-                if chosen and flat[j] > -np.inf:  # a token: descend into the pages it owns
+                if chosen[j]:  # descend into the pages this token owns
                     owner = page_tokens[level[j // page_size], j % page_size] + 1
                     for c in range(indptr[owner], indptr[owner + 1]):
                         below[n_below] = csr_pages[c]
