@@ -6,6 +6,7 @@ import torch
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, PageStore
 from icekv.index.fused_search import centroid_search
+from icekv.select import Selection
 from icekv.select.gqa import merge_ranked_heads
 
 
@@ -18,6 +19,14 @@ def _layer(sizes, d=32, page_size=16, seed=2, dtype=torch.float32):
     trees = [DCITree(torch.randn(n, d, generator=g) * 2, page_size, cfg, u / u.norm(), store, h)
              for h, n in enumerate(sizes)]
     return store, trees
+
+
+def _search(store, q, candidates, k):
+    """The compiled search's picks per KV head."""
+    heads, pages = centroid_search(store, q, candidates, k)
+    assert heads.dtype == pages.dtype == "int64" and (heads[1:] >= heads[:-1]).all()  # grouped by head
+    none = torch.zeros(len(heads), dtype=torch.long)
+    return Selection(torch.from_numpy(heads), torch.from_numpy(pages), none).per_head(q.shape[0])
 
 
 def _reference(store, q, candidates, k):
@@ -44,7 +53,7 @@ def test_compiled_search_equals_the_reference(sizes, group, candidates, k, dtype
     for tree in trees[:1]:  # inserts leave partial pages and spare capacity behind
         tree.insert(torch.randn(24, 32, generator=torch.Generator().manual_seed(5)))
     q = torch.randn(len(sizes), group, 32, generator=torch.Generator().manual_seed(9))  # [H, G, D]
-    fused = centroid_search(store, q, candidates, k)
+    fused = _search(store, q, candidates, k)
     want = _reference(store, q, candidates, k)
     assert [p.tolist() for p in fused] == [p.tolist() for p in want]
     for picks, n in zip(fused, store.num_pages.tolist()):
@@ -56,9 +65,9 @@ def test_compiled_search_equals_the_reference(sizes, group, candidates, k, dtype
 def test_nothing_to_select():
     store, _ = _layer([50, 60])
     q = torch.randn(2, 3, 32)
-    assert [len(p) for p in centroid_search(store, q, 8, 0)] == [0, 0]
+    assert [len(p) for p in _search(store, q, 8, 0)] == [0, 0]
     empty = PageStore(2, 16, 32)
-    assert [len(p) for p in centroid_search(empty, q, 8, 4)] == [0, 0]
+    assert [len(p) for p in _search(empty, q, 8, 4)] == [0, 0]
 
 
 def test_a_page_without_tokens_is_never_selected():
@@ -67,5 +76,5 @@ def test_a_page_without_tokens_is_never_selected():
     store.write(0, torch.tensor([page]), torch.zeros(1, 16, 32), torch.zeros(1, 16, dtype=torch.bool))
     assert bool(torch.isnan(store.centroid[0, page]).all())  # its mean key is 0/0
     q = torch.randn(1, 2, 32)
-    picks = centroid_search(store, q, 100, 100)[0].tolist()
+    picks = _search(store, q, 100, 100)[0].tolist()
     assert page not in picks and len(picks) == store.num_pages.item() - 1

@@ -5,7 +5,7 @@ import torch
 
 from icekv.config import SelectionConfig
 from icekv.errors import ConfigError
-from icekv.select import QuestSelector, StreamingSelector, flatten_selection, make_selector
+from icekv.select import QuestSelector, StreamingSelector, make_selector
 from icekv.select.gqa import merge_ranked, merge_ranked_heads
 
 
@@ -37,9 +37,10 @@ def test_streaming_picks_the_most_recent_pages():
     sel = StreamingSelector(page_size=4)
     sel.build(0, torch.randn(2, 40, 8), base=8)  # 10 pages at positions 8..47
     picks = sel.select(0, torch.randn(4, 8), k=3)
-    assert [p.tolist() for p in picks] == [[9, 8, 7], [9, 8, 7]]
+    assert [p.tolist() for p in picks.per_head(2)] == [[9, 8, 7], [9, 8, 7]]
+    assert picks.heads.tolist() == [0, 0, 0, 1, 1, 1] and picks.versions.tolist() == [0] * 6
     sel.insert(0, torch.randn(2, 4, 8))
-    assert sel.select(0, torch.randn(4, 8), k=2)[0].tolist() == [10, 9]
+    assert sel.select(0, torch.randn(4, 8), k=2).per_head(2)[0].tolist() == [10, 9]
     assert sel.page_positions(0, torch.tensor([0]), torch.tensor([10])).tolist() == [[48, 49, 50, 51]]
 
 
@@ -53,7 +54,7 @@ def test_quest_bound_is_an_upper_bound_and_finds_the_hot_page():
     bounds = sel.upper_bounds(0, q)  # [Hq, 16]
     true_max = (q @ keys[0].T).view(2, 16, 4).amax(-1)
     assert bool((bounds >= true_max - 1e-5).all())
-    assert int(sel.select(0, q, k=1)[0][0]) == 9
+    assert sel.select(0, q, k=1).pages.tolist() == [9]
 
 
 @pytest.mark.parametrize(
@@ -92,7 +93,8 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages():
     searches = {s: make_selector(SelectionConfig(policy="icecache", budget=256, icecache=c)) for s, c in configs.items()}
     for sel in searches.values():
         sel.build(2, keys, base=16)
-    picks = {s: sel.select(2, q, 12) for s, sel in searches.items()}
+    selections = {s: sel.select(2, q, 12) for s, sel in searches.items()}
+    picks = {s: selection.per_head(2) for s, selection in selections.items()}
     picks_walk, picks_exact = picks["walk"], picks["exhaustive"]
     assert all(len(p) == 12 for p in picks["centroids"])
     assert [p.tolist() for p in picks["centroids_all"]] == [p.tolist() for p in picks_exact]
@@ -102,14 +104,16 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages():
         assert picks_exact[h].tolist() == merge_ranked(scores, 12).tolist()
         assert len(picks_walk[h]) == 12  # the walk picks as many, from the pages it visited
     # positions and versions of several heads' pages in one lookup, each from its own head's tree
-    heads, pages = flatten_selection(picks_exact)
+    for name, selection in selections.items():  # every search hands over its pages' versions
+        for h, p, v in zip(*(t.tolist() for t in (selection.heads, selection.pages, selection.versions))):
+            assert v == int(searches[name].trees[2][h].page_version[p])
+    heads, pages = selections["exhaustive"].heads, selections["exhaustive"].pages
     sel = searches["exhaustive"]
     positions = sel.page_positions(2, heads, pages)  # [n, P]
     for i, (h, p) in enumerate(zip(heads.tolist(), pages.tolist())):
         tree = sel.trees[2][h]
         toks = tree.page_tokens[p]
         assert positions[i].tolist() == torch.where(toks >= 0, toks + 16, -1).tolist()
-        assert int(sel.page_versions(2, heads, pages)[i]) == int(tree.page_version[p])
     with pytest.raises(ConfigError, match="search"):
         IceCacheConfig(search="beam")
 

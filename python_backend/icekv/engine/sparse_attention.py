@@ -21,7 +21,7 @@ from icekv.config import SelectionConfig
 from icekv.engine.full_attention import FullCacheAttention
 from icekv.kv import DevicePageCache, PagedKVCache
 from icekv.model import ModelArgs
-from icekv.select import PageSelector, flatten_selection
+from icekv.select import PageSelector
 
 
 class SparseCacheAttention(FullCacheAttention):
@@ -78,12 +78,10 @@ class SparseCacheAttention(FullCacheAttention):
         self.cache.write(layer, self.seq_id, self.start, k, v)
         length = self.start + 1
         t0 = time.perf_counter()
-        selection = self.selector.select(layer, q[0], self.cfg.selected_pages)  # per head [k_h]
-        heads, pages = flatten_selection(selection)  # [n], [n]
-        versions = self.selector.page_versions(layer, heads, pages)  # [n]
+        selection = self.selector.select(layer, q[0], self.cfg.selected_pages)
         t1 = time.perf_counter()
         dev = self.device[layer]
-        plan = dev.plan(heads, pages, versions)
+        plan = dev.plan(selection.heads, selection.pages, selection.versions)
         if len(plan):
             positions = self.selector.page_positions(layer, plan.heads, plan.pages)  # [m, P]
             dev.load(plan, self._gather_pages(layer, plan.heads, positions), (positions >= 0).sum(-1))
@@ -139,9 +137,8 @@ class SparseCacheAttention(FullCacheAttention):
         attended = torch.zeros(hkv, length, dtype=torch.bool)
         attended[:, : min(self.sink_end, length)] = True
         attended[:, min(self.win_start, length):] = True
-        heads, pages = flatten_selection(selection)
-        pos = self.selector.page_positions(layer, heads, pages)  # [n, P]
-        attended[heads[:, None].expand_as(pos)[pos >= 0], pos[pos >= 0]] = True
+        pos = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P]
+        attended[selection.heads[:, None].expand_as(pos)[pos >= 0], pos[pos >= 0]] = True
         recall = (probs * attended[:, None, :]).sum(-1).mean().item()
         cosine = F.cosine_similarity(out.float(), full_out.float(), dim=-1).mean().item()
         self.layer_stats[layer].append((recall, cosine))

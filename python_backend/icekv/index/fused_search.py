@@ -4,7 +4,7 @@ Same result as :meth:`PageStore.centroid_candidates` followed by :func:`merge_ra
 reference, tested against this over awkward shapes): per KV head, every query head ranks the
 pages by ``q.centroid``, the union of each query head's best ``candidates`` is rescored exactly
 (best ``q.k`` over the page's tokens), and the query heads' exact rankings are interleaved by rank
-into ``k`` distinct pages. In torch and numpy that is about twenty calls on arrays of a few
+into ``k`` distinct pages, handed back flat (heads, pages) for the slot plan. In torch and numpy that is about twenty calls on arrays of a few
 thousand entries, each costing more in dispatch than in arithmetic; here it is one call that reads
 the centroids once and only the candidates' keys.
 
@@ -19,52 +19,63 @@ import numba
 import numpy as np
 import torch
 
-from icekv.index.kth_largest import top_k_finite
+from icekv.index.kth_largest import cut_and_ties, top_k_finite
 from icekv.index.page_store import PageStore
 from icekv.index.score_rows import raw, widen
 
 _jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # no nnan/ninf: -inf marks holes
 
 
-def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int) -> list[torch.Tensor]:
-    """q [H, G, D] -> per KV head up to ``k`` page ids [k_h] (long), in the merge's order."""
+def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """q [H, G, D] -> (heads [n], pages [n]) int64: up to ``k`` page ids per KV head, grouped by
+    head, each head's in the merge's order."""
     h = store.num_pages.shape[0]
-    ids = np.full((h, max(k, 0)), -1, dtype=np.int64)  # [H, k] -1: unused
-    counts = np.zeros(h, dtype=np.int64)  # [H]
-    if h and k > 0:
-        counts = _search(q.float().contiguous().numpy(), raw(store.centroid), raw(store.keys),
-                         store.pad.numpy(), store.num_pages.numpy(), candidates, ids, numba.get_num_threads())
-    return [torch.from_numpy(row[:n]) for row, n in zip(ids, counts)]
+    if not h or k <= 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return _search(q.float().contiguous().numpy(), raw(store.centroid), raw(store.keys), store.pad.numpy(),
+                   store.num_pages.numpy(), candidates, k, numba.get_num_threads())
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
-def _search(q, centroid, keys, pad, num_pages, candidates, ids, parts):
-    """q [H, G, D], centroid [H, cap, D], keys [H, cap, P, D], pad [H, cap, P], num_pages [H]:
-    fills ids [H, k] and returns how many it set per head [H].
+def _search(q, centroid, keys, pad, num_pages, candidates, k, parts):
+    """q [H, G, D], centroid [H, cap, D], keys [H, cap, P, D], pad [H, cap, P], num_pages [H] ->
+    (heads [n], pages [n]).
 
     The reads (centroids, then the candidates' keys) are split into ``parts`` slices per head and
-    the slices of all heads run in parallel: a few KV heads do not spread evenly over the cores."""
+    the slices of all heads run in parallel (a few KV heads do not spread evenly over the cores),
+    and so do the query heads' candidate cuts (a heap pass over every estimate each)."""
     h_n, g_n, _ = q.shape
     most = max(num_pages.max(), 1)
     estimate = np.empty((h_n, g_n, most), dtype=np.float32)  # [H, G, m]
     for task in numba.prange(h_n * parts):
         h, lo, hi = _slice(task, parts, num_pages)
         _scores(q[h], centroid[h], lo, hi, estimate[h])
+    cut = np.empty((h_n, g_n), dtype=np.float32)  # [H, G] each query head's candidate rule
+    ties = np.empty((h_n, g_n), dtype=np.int64)  # [H, G]
+    for task in numba.prange(h_n * g_n):
+        h, g = task // g_n, task % g_n
+        cut[h, g], ties[h, g] = cut_and_ties(estimate[h, g, : num_pages[h]], candidates)
     cand = np.empty((h_n, most), dtype=np.int64)  # [H, m] each head's candidates first, ascending
     n_cand = np.zeros(h_n, dtype=np.int64)  # [H]
     for h in numba.prange(h_n):
-        picked = _candidates(estimate[h, :, : num_pages[h]], candidates)
-        n_cand[h] = picked.shape[0]
-        cand[h, : picked.shape[0]] = picked
-    exact = np.full((h_n, most, g_n), -np.inf, dtype=np.float32)  # [H, m, G] the candidates' scores
+        n_cand[h] = _union(estimate[h, :, : num_pages[h]], cut[h], ties[h], cand[h])
+    exact = np.full((h_n, g_n, max(n_cand.max(), 1)), -np.inf, dtype=np.float32)  # [H, G, c] candidates' scores
     for task in numba.prange(h_n * parts):
         h, lo, hi = _slice(task, parts, n_cand)
         for i in range(lo, hi):
-            _best_token(q[h], keys[h, cand[h, i]], pad[h, cand[h, i]], exact[h, i])
+            _best_token(q[h], keys[h, cand[h, i]], pad[h, cand[h, i]], exact[h, :, i])
+    ids = np.empty((h_n, k), dtype=np.int64)  # [H, k]
     counts = np.zeros(h_n, dtype=np.int64)  # [H]
     for h in numba.prange(h_n):
-        counts[h] = _merge(exact[h, : n_cand[h]], cand[h, : n_cand[h]], ids[h])
-    return counts
+        counts[h] = _merge(exact[h, :, : n_cand[h]], cand[h, : n_cand[h]], ids[h])
+    heads = np.empty(counts.sum(), dtype=np.int64)  # [n]
+    pages = np.empty(counts.sum(), dtype=np.int64)  # [n]
+    at = 0
+    for h in range(h_n):
+        heads[at : at + counts[h]] = h
+        pages[at : at + counts[h]] = ids[h, : counts[h]]
+        at += counts[h]
+    return heads, pages
 
 
 @_jit
@@ -105,32 +116,58 @@ def _best_token(qh, page_keys, page_pad, best):
 
 
 @_jit
-def _candidates(estimate, c):
-    """estimate [G, m] -> ascending ids of the union of each row's ``c`` best finite entries."""
-    pick = np.zeros(estimate.shape[1], dtype=np.bool_)  # [m]
-    for g in range(estimate.shape[0]):
-        pick |= top_k_finite(estimate[g], c)
-    return np.nonzero(pick)[0]
+def _union(estimate, cut, ties, out):
+    """estimate [G, m], each row's rule (cut [G], ties [G], see ``cut_and_ties``) -> writes the
+    ascending ids of the union of the rows' picks to out and returns how many."""
+    left = ties.copy()  # [G]
+    n = 0
+    for j in range(estimate.shape[1]):
+        picked = False
+        for g in range(estimate.shape[0]):  # every row, so each counts its own ties
+            if estimate[g, j] > cut[g]:
+                picked = True
+            elif estimate[g, j] == cut[g] and left[g] > 0:
+                left[g] -= 1
+                picked = True
+        if picked:
+            out[n] = j
+            n += 1
+    return n
 
 
 @_jit
 def _merge(exact, cand, out):
-    """exact [n, G] scores of pages cand [n] -> out [k]: the query heads' rankings interleaved by
+    """exact [G, n] scores of pages cand [n] -> out [k]: the query heads' rankings interleaved by
     rank (every head's best, then every head's second, ...), duplicates and -inf dropped. Returns
     how many it wrote."""
-    n, g_n = exact.shape
+    g_n, n = exact.shape
     k = out.shape[0]
     kk = min(k, n)
-    order = np.empty((g_n, kk), dtype=np.int64)  # [G, kk] best first; ties keep page order
+    order = np.empty((g_n, kk), dtype=np.int64)  # [G, kk] best first; ties keep page order; -1: none
     for g in range(g_n):
-        order[g] = np.argsort(-exact[:, g], kind="mergesort")[:kk]
+        _ranked(exact[g], kk, order[g])
     taken = np.zeros(n, dtype=np.bool_)  # [n]
     count = 0
     for r in range(kk):
         for g in range(g_n):
             i = order[g, r]
-            if count < k and not taken[i] and exact[i, g] > -np.inf:
+            if count < k and i >= 0 and not taken[i]:
                 taken[i] = True
                 out[count] = cand[i]
                 count += 1
     return count
+
+
+@_jit
+def _ranked(scores, kk, out):
+    """scores [n] -> out [kk]: the indices of the ``kk`` best finite scores, best first (ties:
+    lower index first), -1 past the finite ones. An insertion sort of the few picked."""
+    out[:] = -1
+    pick = np.nonzero(top_k_finite(scores, kk))[0]  # ascending
+    for a in range(pick.shape[0]):
+        i = pick[a]
+        b = a
+        while b > 0 and scores[out[b - 1]] < scores[i]:
+            out[b] = out[b - 1]
+            b -= 1
+        out[b] = i

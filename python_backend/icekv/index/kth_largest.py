@@ -10,23 +10,32 @@ import numpy as np
 def top_k_finite(row, k):
     """row [m] -> mask [m] of its ``k`` largest entries (ties at the cut: lowest index first),
     ``-inf`` entries left out (they mark nothing to pick)."""
-    k = min(k, row.shape[0])
     mask = np.zeros(row.shape[0], dtype=np.bool_)
-    if k == 0:
-        return mask
-    cut = kth_largest(row, k)
-    ties = k  # then: entries equal to the cut that still fit
+    cut, ties = cut_and_ties(row, k)
     for j in range(row.shape[0]):
         if row[j] > cut:
             mask[j] = True
-            ties -= 1
-    for j in range(row.shape[0]):
-        if ties == 0 or cut == -np.inf:
-            break
-        if row[j] == cut:
+        elif row[j] == cut and ties > 0:
             mask[j] = True
             ties -= 1
     return mask
+
+
+@numba.njit(cache=True, nogil=True)
+def cut_and_ties(row, k):
+    """The rule of :func:`top_k_finite` as two numbers: pick every entry above ``cut``, then the
+    first ``ties`` entries equal to it (callers that scan several rows at once apply it themselves).
+    Nothing to pick: cut = +inf."""
+    k = min(k, row.shape[0])
+    if k <= 0:
+        return np.float32(np.inf), 0
+    cut = kth_largest(row, k)
+    if cut == -np.inf:
+        return cut, 0
+    above = 0
+    for j in range(row.shape[0]):
+        above += row[j] > cut
+    return cut, k - above
 
 
 @numba.njit(cache=True, nogil=True)

@@ -8,10 +8,34 @@ decides which tokens form a page (contiguous runs, or semantic clusters for IceC
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One layer's pages for this step: page ``pages[i]`` of KV head ``heads[i]``, at
+    ``versions[i]`` ([n] long each, grouped by head, each head's best first). A version changes
+    whenever its page's contents change, so a device slot holding an older one is reloaded."""
+
+    heads: torch.Tensor  # [n]
+    pages: torch.Tensor  # [n]
+    versions: torch.Tensor  # [n]
+
+    @classmethod
+    def ranked(cls, per_head: list[torch.Tensor], versions: np.ndarray | None = None) -> Selection:
+        """Per KV head page ids [k_h] -> a selection; ``versions`` [Hkv, pages] (None: pages never
+        change)."""
+        heads, pages = flatten_selection(per_head)
+        found = np.zeros(len(pages), dtype=np.int64) if versions is None else versions[heads.numpy(), pages.numpy()]
+        return cls(heads, pages, torch.from_numpy(found))
+
+    def per_head(self, num_heads: int) -> list[torch.Tensor]:
+        """The page ids of each KV head [k_h], best first."""
+        return [self.pages[self.heads == h] for h in range(num_heads)]
 
 
 class PageSelector(Protocol):
@@ -21,15 +45,12 @@ class PageSelector(Protocol):
     def insert(self, layer: int, keys: torch.Tensor) -> None:
         """Append the next full page of keys [Hkv, P, D] (flushed out of the window)."""
 
-    def select(self, layer: int, q: torch.Tensor, k: int) -> list[torch.Tensor]:
-        """q [Hq, D] -> per KV head, up to ``k`` page ids (best first)."""
+    def select(self, layer: int, q: torch.Tensor, k: int) -> Selection:
+        """q [Hq, D] -> per KV head, up to ``k`` pages (best first)."""
 
     def page_positions(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Page ``pages[i]`` of KV head ``heads[i]`` ([m] each) -> positions [m, P] of its tokens
         (-1 = empty slot)."""
-
-    def page_versions(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """Like :meth:`page_positions` -> [m] a counter that changes whenever a page's contents change."""
 
     def index_bytes(self) -> int:
         """Host memory the selector's index holds, all layers (the KV pool itself not included)."""
@@ -59,5 +80,3 @@ class SequencePages:
     def positions(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         return self.base[layer] + pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]
 
-    def versions(self, pages: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(pages)  # contiguous pages never change once full

@@ -15,6 +15,7 @@ import torch
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, PageStore
 from icekv.index.fused_search import centroid_search
+from icekv.select.base import Selection
 from icekv.select.gqa import merge_ranked, merge_ranked_heads
 
 
@@ -62,23 +63,22 @@ class IceCacheSelector:
         self._last[layer] = picks = self._search(layer, q, k)
         return picks
 
-    def _search(self, layer: int, q: torch.Tensor, k: int) -> list[torch.Tensor]:
-        """q [Hkv, G, D] -> per KV head up to ``k`` page ids, by ``config.search``."""
+    def _search(self, layer: int, q: torch.Tensor, k: int) -> Selection:
+        """q [Hkv, G, D] -> per KV head up to ``k`` pages, by ``config.search``."""
         store, search = self.stores[layer], self.config.search
+        versions = store.version.numpy()  # [Hkv, cap]
         if search == "walk":  # one walk per head: each visits different nodes
             trees = self.trees[layer]
             fov = self.config.field_of_view(self.base[layer] + trees[0].n)
-            return [merge_ranked(tree.page_scores(qh, fov), k) for tree, qh in zip(trees, q)]
+            return Selection.ranked([merge_ranked(tree.page_scores(qh, fov), k) for tree, qh in zip(trees, q)], versions)
         if search == "exhaustive":
-            return merge_ranked_heads(store.exact_scores(q), k)
-        return centroid_search(store, q, self.config.candidates(k), k)  # compiled, one call per layer
+            return Selection.ranked(merge_ranked_heads(store.exact_scores(q), k), versions)
+        heads, pages = centroid_search(store, q, self.config.candidates(k), k)  # compiled, one call per layer
+        return Selection(*(torch.from_numpy(x) for x in (heads, pages, versions[heads, pages])))
 
     def page_positions(self, layer, heads, pages):
         toks = self.stores[self.leader(layer)].tokens.numpy()[heads.numpy(), pages.numpy()]  # [m, P] local ids
         return torch.from_numpy(np.where(toks >= 0, toks + self.base[layer], -1))
-
-    def page_versions(self, layer, heads, pages):  # numpy indexing: a tenth of torch's per-call cost
-        return torch.from_numpy(self.stores[self.leader(layer)].version.numpy()[heads.numpy(), pages.numpy()])
 
     def index_bytes(self) -> int:
         return sum(s.nbytes for s in self.stores.values()) + sum(t.nbytes for ts in self.trees.values() for t in ts)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from icekv.select.base import SequencePages
+from icekv.select.base import Selection, SequencePages
 from icekv.select.gqa import merge_ranked
 
 
@@ -44,13 +44,10 @@ class QuestSelector:
     def select(self, layer, q, k):
         bounds = self.upper_bounds(layer, q)  # [Hq, n]
         hkv = self.key_min[layer].shape[0]
-        return [merge_ranked(g, k) for g in bounds.chunk(hkv, dim=0)]
+        return Selection.ranked([merge_ranked(g, k) for g in bounds.chunk(hkv, dim=0)])  # pages never change
 
     def page_positions(self, layer, heads, pages):
         return self.pages.positions(layer, pages)
-
-    def page_versions(self, layer, heads, pages):
-        return self.pages.versions(pages)
 
     def index_bytes(self) -> int:
         return sum(t.nbytes for t in (*self.key_min.values(), *self.key_max.values()))

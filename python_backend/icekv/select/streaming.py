@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from icekv.select.base import SequencePages
+from icekv.select.base import Selection, SequencePages
 
 
 @dataclass
@@ -30,13 +30,10 @@ class StreamingSelector:
     def select(self, layer, q, k):
         n = self.pages.num_pages[layer]
         recent = torch.arange(max(n - k, 0), n).flip(0)  # newest first
-        return [recent] * self.num_kv_heads
+        return Selection.ranked([recent] * self.num_kv_heads)  # contiguous pages never change once full
 
     def page_positions(self, layer, heads, pages):
         return self.pages.positions(layer, pages)
-
-    def page_versions(self, layer, heads, pages):
-        return self.pages.versions(pages)
 
     def index_bytes(self) -> int:
         return 0  # pages are positions: nothing stored
