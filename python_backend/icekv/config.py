@@ -221,10 +221,13 @@ class ServingConfig:
     max_tokens_limit: int = 4096
     store: str | None = None  # context store: a directory or redis://host:port; None: no store
     store_max_bytes: int = 8 << 30
+    max_index_bytes: int | None = None  # host memory for the admitted requests' page indexes; None: the KV pool's size
 
     def __post_init__(self) -> None:
         if self.max_active_requests < 1 or self.max_queued_requests < 0:
             raise ConfigError("max_active_requests must be >= 1 and max_queued_requests >= 0")
+        if self.max_index_bytes is not None and self.max_index_bytes < 0:
+            raise ConfigError(f"max_index_bytes must be >= 0, got {self.max_index_bytes}")
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
             raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")
 
@@ -235,7 +238,7 @@ class ServingConfig:
         values = {k: v for k, v in values.items() if v not in (None, "")}
         known = {"model_dir", "dtype", "policy", "budget", "search", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "max_active_requests", "max_queued_requests",
-                 "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes"}
+                 "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes", "max_index_bytes"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
@@ -274,4 +277,5 @@ class ServingConfig:
             max_tokens_limit=number("max_tokens_limit", cls.max_tokens_limit),
             store=values.get("store"),
             store_max_bytes=number("store_max_bytes", cls.store_max_bytes),
+            max_index_bytes=number("max_index_bytes", cls.max_index_bytes),
         )

@@ -48,9 +48,13 @@ def test_serving_config_from_triton_parameters():
     cfg = ServingConfig.from_triton_parameters({
         "policy": {"string_value": "quest"}, "budget": {"string_value": "128"},
         "host_pool_tokens": {"string_value": "4096"}, "max_active_requests": {"string_value": "2"},
+        "max_index_bytes": {"string_value": "1048576"},
     })
     assert cfg.engine.selection.policy == "quest" and cfg.engine.paging.max_context_tokens == 4096
-    assert cfg.max_active_requests == 2
+    assert cfg.max_active_requests == 2 and cfg.max_index_bytes == 1 << 20
+    assert ServingConfig.from_triton_parameters({}).max_index_bytes is None  # default: the KV pool's size
+    with pytest.raises(Exception, match="max_index_bytes must be >= 0"):
+        ServingConfig.from_triton_parameters({"max_index_bytes": "-1"})
     with pytest.raises(Exception, match="unknown model parameters"):
         ServingConfig.from_triton_parameters({"polcy": {"string_value": "quest"}})
     with pytest.raises(Exception, match="budget must be an integer"):

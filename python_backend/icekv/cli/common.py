@@ -40,6 +40,8 @@ def _serving_flags(parser) -> None:
     parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
                         help="KV page pool capacity in tokens, shared by all requests")
     parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None)
+    parser.add_argument("--max-index-bytes", type=_positive_int("--max-index-bytes"), default=None,
+                        help="host memory for the active requests' page indexes (default: the KV pool's size)")
     parser.add_argument("--store", default=None, help="context store for context_key requests: a directory or redis://")
 
 
@@ -68,7 +70,8 @@ def _serving_parameters(args) -> dict[str, str]:
 
     params = {"model_dir": args.model and str(Path(args.model).resolve()), "policy": args.policy,
               "budget": args.budget, "search": args.search, "host_pool_tokens": args.host_pool_tokens,
-              "max_active_requests": args.max_active_requests, "store": args.store}
+              "max_active_requests": args.max_active_requests, "max_index_bytes": args.max_index_bytes,
+              "store": args.store}
     params = {k: str(v) for k, v in params.items() if v is not None}
     ServingConfig.from_triton_parameters(params)
     return params

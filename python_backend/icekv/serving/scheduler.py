@@ -2,9 +2,11 @@
 
 Every admitted request is an engine step generator (prefill chunk or decode token per step), so
 a long prefill never blocks the other streams for more than one chunk. A request is admitted
-only when its worst case (prompt + max_tokens) fits in the pages not yet promised to others;
-otherwise it waits in a bounded queue, and a full queue answers 'busy'. Cancelled requests are
-closed, which returns their pages.
+only when its worst case (prompt + max_tokens) fits in the pages not yet promised to others, and
+its page index (host memory an IceCache or Quest request builds next to its KV: ~0.7x the KV of
+the indexed layers for IceCache) fits in ``max_index_bytes`` not yet promised; otherwise it waits
+in a bounded queue, and a full queue answers 'busy'. A request that could never fit is refused
+up front. Cancelled requests are closed, which returns their pages and index.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from icekv.config import ServingConfig
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
 from icekv.serving.request import GenerateRequest
+from icekv.sizing import index_bytes
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class Job:
     prompt_ids: list[int]
     sink: Sink
     pages: int  # worst-case pages promised to this request
+    index_bytes: int  # worst-case host bytes of its page index (estimate: icekv.sizing)
     context: object = None  # a CompressedContext the prompt continues
     steps: object = field(default=None)
 
@@ -66,6 +70,7 @@ class SchedulerStats:
     select_s: float = 0.0
     generated_tokens: int = 0
     store_hits: int = 0
+    index_bytes_promised: int = 0
 
 
 class Scheduler:
@@ -88,10 +93,16 @@ class Scheduler:
         ids = self.engine.tokenizer.encode(request.text)
         self.engine.check_fits(len(ids), request.sampling.max_tokens)
         pages = math.ceil((len(ids) + request.sampling.max_tokens) / self.engine.cache.page_size)
+        index = self._index_bytes(request, len(ids), context)
+        if index > self.index_limit:
+            raise IcekvError(
+                f"policy {request.selection.policy} needs a page index of ~{index / 2**20:.0f} MiB for this "
+                f"request, above max_index_bytes ({self.index_limit / 2**20:.0f} MiB): shorten the prompt "
+                f"or max_tokens, or use a smaller index (icecache_r, quest) or none (streaming, full)")
         with self._wake:
             if len(self._queue) >= self.cfg.max_queued_requests:
                 raise BusyError(f"server busy: {len(self._queue)} requests already waiting, retry later")
-            self._queue.append(Job(request, ids, sink, pages, context))
+            self._queue.append(Job(request, ids, sink, pages, index, context))
             self.stats.queued = len(self._queue)
             self._wake.notify()
 
@@ -101,21 +112,35 @@ class Scheduler:
             self._wake.notify()
         self._thread.join(timeout=10)
 
-    # ---- the engine thread
-    def _promised(self) -> int:
-        return sum(j.pages for j in self._active)
+    @property
+    def index_limit(self) -> int:
+        """Host bytes the admitted requests' page indexes may take together."""
+        if self.cfg.max_index_bytes is not None:
+            return self.cfg.max_index_bytes
+        return self.engine.cache.capacity_tokens * self.engine.cache.bytes_per_token
 
+    def _index_bytes(self, request: GenerateRequest, prompt_tokens: int, context) -> int:
+        """Worst-case index of a request: every token it may hold (a compressed context's kept ones too)."""
+        tokens = prompt_tokens + request.sampling.max_tokens
+        if context is not None:
+            tokens += math.ceil(context.kv_budget * context.length)
+        return index_bytes(self.engine.model.args, tokens, request.selection)
+
+    # ---- the engine thread
     def _admit(self) -> None:
         with self._wake:
             while self._queue and len(self._active) < self.cfg.max_active_requests:
                 job = self._queue[0]
-                if self._promised() + job.pages > self.engine.cache.allocator.num_pages:
+                pages = sum(j.pages for j in self._active) + job.pages
+                index = sum(j.index_bytes for j in self._active) + job.index_bytes
+                if pages > self.engine.cache.allocator.num_pages or index > self.index_limit:
                     break  # wait for memory: the head of the queue goes first (no starvation)
                 self._queue.popleft()
                 r = job.request
                 job.steps = self.engine.stream(job.prompt_ids, r.sampling, r.selection, context=job.context)
                 self._active.append(job)
-            self.stats.queued, self.stats.active = len(self._queue), len(self._active)
+            self._count_active()
+            self.stats.queued = len(self._queue)
             if not self._active and not self._stopping:
                 self._wake.wait(timeout=1.0)
 
@@ -137,7 +162,11 @@ class Scheduler:
 
     def _finish(self, job: Job) -> None:
         self._active.remove(job)
+        self._count_active()
+
+    def _count_active(self) -> None:
         self.stats.active = len(self._active)
+        self.stats.index_bytes_promised = sum(j.index_bytes for j in self._active)
 
     def _step(self, job: Job) -> None:
         try:

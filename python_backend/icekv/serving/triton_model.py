@@ -77,6 +77,7 @@ class Metrics:
         "icekv_kv_host_bytes": "KV cache bytes in the host page pool, all live requests",
         "icekv_active_requests": "requests being prefilled or decoded",
         "icekv_queued_requests": "requests waiting for memory or a turn",
+        "icekv_index_bytes_promised": "host bytes of page index the active requests may build (worst case)",
     }
     COUNTERS = {
         "icekv_pages_moved_total": "(layer, KV head) pages copied from the host pool to device slots",
@@ -101,13 +102,14 @@ class Metrics:
         races a metrics message (seen: unload hanging while a background update was in flight)."""
         resident, host = engine.kv_bytes()
         s = scheduler.stats
-        snapshot = (resident, host, s.active, s.queued, s.pages_moved, s.select_s, s.completed, s.failed,
+        snapshot = (resident, host, s.active, s.queued, s.index_bytes_promised, s.pages_moved, s.select_s, s.completed, s.failed,
                     s.cancelled, s.store_hits, s.generated_tokens)
         if snapshot == self._last.get("snapshot"):
             return
         self._last["snapshot"] = snapshot
         for name, value in (("icekv_kv_resident_bytes", resident), ("icekv_kv_host_bytes", host),
-                            ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued)):
+                            ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued),
+                            ("icekv_index_bytes_promised", s.index_bytes_promised)):
             self.metrics[name].set(float(value))
         for name, value in (("icekv_pages_moved_total", s.pages_moved), ("icekv_selection_seconds_total", s.select_s),
                             ("icekv_requests_completed_total", s.completed), ("icekv_requests_failed_total", s.failed),
