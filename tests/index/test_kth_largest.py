@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from icekv.index.fused_search import _ranked, _union
-from icekv.index.kth_largest import cut_and_ties, top_k_finite
+from icekv.index.kth_largest import cut_and_ties, kth_largest, top_k_finite
 
 
 def _rows(seed, m):
@@ -50,3 +50,16 @@ def test_ranked_orders_best_first_ties_lowest_index_first(m, k):
         _ranked(row, k, out)
         want = _stable_top(row, k)
         assert out.tolist() == want + [-1] * (k - len(want))
+
+
+@pytest.mark.parametrize("m, k", [(2000, 96), (400, 100), (1000, 8), (97, 96), (5000, 1000)])
+def test_kth_largest_is_exact_on_long_rows(m, k):
+    """Long rows take the sampled-threshold path; sorted rows, heavy ties and -inf included."""
+    rng = np.random.default_rng(m + k)
+    rows = [rng.standard_normal(m).astype(np.float32),
+            np.sort(rng.standard_normal(m)).astype(np.float32),  # ascending: the sample sees the tail
+            np.sort(rng.standard_normal(m))[::-1].astype(np.float32).copy(),
+            rng.integers(0, 3, m).astype(np.float32),  # ties at the cut
+            np.where(rng.random(m) < 0.9, -np.inf, 1.0).astype(np.float32)]  # mostly -inf
+    for row in rows:
+        assert kth_largest(row, k) == np.sort(row)[::-1][k - 1]

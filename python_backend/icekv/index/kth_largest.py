@@ -38,10 +38,40 @@ def cut_and_ties(row, k):
     return cut, k - above
 
 
+SAMPLE_STEP = 8  # kth_largest: every 8th entry of a long row names a threshold
+
+
 @numba.njit(cache=True, nogil=True)
 def kth_largest(row, k):
-    """The ``k``-th largest entry of row [m] (1 <= k <= m): a min-heap of the best k seen so far,
-    so most entries cost one comparison with its root."""
+    """The ``k``-th largest entry of row [m] (1 <= k <= m).
+
+    A long row is first cut by a threshold read off a sample (every ``SAMPLE_STEP``-th entry, at
+    about 1.5 k / step of its ranks): when at least ``k`` entries reach it, the answer is among
+    them, so the heap sees ~1.5 k entries instead of m (a few times faster at m = 2000, k = 96);
+    otherwise the whole row goes through the heap. Exact either way."""
+    m = row.shape[0]
+    rank = (3 * k) // (2 * SAMPLE_STEP) + 1
+    if m >= 4 * k and rank >= 4:
+        sample = row[::SAMPLE_STEP].copy()  # [m / step]
+        threshold = _heap_kth(sample, min(rank, sample.shape[0]))
+        reach = 0
+        for j in range(m):
+            reach += row[j] >= threshold
+        if reach >= k:
+            kept = np.empty(reach, dtype=row.dtype)  # [reach] every entry >= threshold
+            n = 0
+            for j in range(m):
+                if row[j] >= threshold:
+                    kept[n] = row[j]
+                    n += 1
+            return _heap_kth(kept, k)
+    return _heap_kth(row, k)
+
+
+@numba.njit(cache=True, nogil=True)
+def _heap_kth(row, k):
+    """The ``k``-th largest of row [m]: a min-heap of the best k seen so far, so most entries cost
+    one comparison with its root."""
     heap = row[:k].copy()  # [k]
     for i in range(k // 2 - 1, -1, -1):
         _sift_down(heap, i)
