@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -84,7 +85,8 @@ class SparseCacheAttention(FullCacheAttention):
         plan = dev.plan(selection.heads, selection.pages, selection.versions)
         if len(plan):
             positions = self.selector.page_positions(layer, plan.heads, plan.pages)  # [m, P]
-            dev.load(plan, self._gather_pages(layer, plan.heads, positions), (positions >= 0).sum(-1))
+            lengths = torch.from_numpy(np.count_nonzero(positions.numpy() >= 0, axis=1))  # [m] numpy: no dispatch
+            dev.load(plan, self._gather_pages(layer, plan.heads, positions), lengths)
         t2 = time.perf_counter()
         sink_k, sink_v, win_k, win_v = self._sink_window(layer, length)
         out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)

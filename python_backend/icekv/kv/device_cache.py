@@ -105,7 +105,7 @@ class DevicePageCache:
 
     def attended_lengths(self) -> torch.Tensor:
         """Valid tokens per slot for this step's attention, 0 for slots not selected [Hkv, S]."""
-        return torch.where(self.selected, self.length, 0)
+        return torch.from_numpy(np.where(self.selected.numpy(), self.length.numpy(), 0))  # numpy: no dispatch
 
 
 @numba.njit(cache=True, nogil=True)

@@ -9,6 +9,8 @@ for one layer is then a single ``index_select`` whose result is already ``[H, to
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass, field
 
 import numba
@@ -26,22 +28,23 @@ class _Sequence:
     pages: list[int] = field(default_factory=list)
     length: int = 0
     _ids: torch.Tensor | None = None  # [pages] the page list as a tensor; None = stale
-    _runs: torch.Tensor | None = None  # [pages] count of page-id breaks so far; None = stale
+    _run_starts: list[int] | None = None  # index of the first page of each run of consecutive ids; None = stale
 
     def set_pages(self, pages: list[int]) -> None:
-        self.pages, self._ids, self._runs = pages, None, None
+        self.pages, self._ids, self._run_starts = pages, None, None
 
     def ids(self) -> torch.Tensor:
         if self._ids is None:
             self._ids = torch.tensor(self.pages, dtype=torch.long)
         return self._ids
 
-    def runs(self) -> torch.Tensor:
-        """runs[i] == runs[j] iff pages i..j are consecutive ids (then their tokens are one slice)."""
-        if self._runs is None:
-            ids = self.ids()
-            self._runs = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ids.diff() != 1, 0)])
-        return self._runs
+    def run_starts(self) -> list[int]:
+        """Where each run of consecutive page ids begins (its tokens are one slice of the pool);
+        plain Python ints: read once per layer and step, where a torch call costs more."""
+        if self._run_starts is None:
+            p = self.pages
+            self._run_starts = [i for i in range(len(p)) if i == 0 or p[i] != p[i - 1] + 1]
+        return self._run_starts
 
 
 class PagedKVCache:
@@ -112,6 +115,11 @@ class PagedKVCache:
 
     def write(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] of positions ``start .. start+T-1``."""
+        if k.shape[0] == 1:  # a decode step: plain indexing (every layer, every step)
+            page, slot = self._seqs[seq_id].pages[start // self.page_size], start % self.page_size
+            self.pool[layer, 0, :, page, slot] = k[0]
+            self.pool[layer, 1, :, page, slot] = v[0]
+            return
         pos = torch.arange(start, start + k.shape[0])  # [T]
         pages = self._seqs[seq_id].ids()[pos // self.page_size]  # [T]
         slots = pos % self.page_size  # [T]
@@ -139,15 +147,18 @@ class PagedKVCache:
             return []
         seq, p = self._seqs[seq_id], self.page_size
         first, last = start // p, -(-end // p) - 1
-        _, counts = torch.unique_consecutive(seq.runs()[first : last + 1], return_counts=True)
+        starts = seq.run_starts()
+        at = bisect.bisect_right(starts, first) - 1  # the run holding page ``first``
         out, page = [], first
-        for n in counts.tolist():
+        while page <= last:
+            run_end = starts[at + 1] if at + 1 < len(starts) else len(seq.pages)
+            n = min(run_end, last + 1) - page
             lo, hi = max(start, page * p), min(end, (page + n) * p)  # token range of this run
             p0 = seq.pages[page]
             kv = self.pool[layer, :, :, p0 : p0 + n].flatten(2, 3)  # [2, Hkv, n*P, D] a view
             kv = kv[:, :, lo - page * p : hi - page * p]
             out.append((kv[0], kv[1]))
-            page += n
+            page, at = page + n, at + 1
         return out
 
     def view_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
