@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from icekv.kv import DevicePageCache
-from icekv.select import flatten_selection
+from icekv.select import Selection
 
 
 def _plan(dev, selection, versions):
     """Per-head page lists and versions -> the device's transfer plan."""
-    heads, pages = flatten_selection(selection)
-    return dev.plan(heads, pages, torch.cat(versions))
+    picked = Selection.ranked(selection)
+    return dev.plan(picked.heads, picked.pages, torch.cat(versions))
 
 
 def _load(dev, plan, host_k):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from icekv.config import SelectionConfig
-from icekv.select.base import PageSelector, Selection, flatten_selection
+from icekv.select.base import PageSelector, Selection
 from icekv.select.icecache import IceCacheSelector
 from icekv.select.quest import QuestSelector
 from icekv.select.streaming import StreamingSelector
@@ -23,5 +23,4 @@ def make_selector(cfg: SelectionConfig) -> PageSelector | None:
     )
 
 
-__all__ = ["IceCacheSelector", "PageSelector", "QuestSelector", "Selection", "StreamingSelector", "flatten_selection",
-           "make_selector"]
+__all__ = ["IceCacheSelector", "PageSelector", "QuestSelector", "Selection", "StreamingSelector", "make_selector"]

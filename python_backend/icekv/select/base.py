@@ -29,9 +29,10 @@ class Selection:
     def ranked(cls, per_head: list[torch.Tensor], versions: np.ndarray | None = None) -> Selection:
         """Per KV head page ids [k_h] -> a selection; ``versions`` [Hkv, pages] (None: pages never
         change)."""
-        heads, pages = flatten_selection(per_head)
-        found = np.zeros(len(pages), dtype=np.int64) if versions is None else versions[heads.numpy(), pages.numpy()]
-        return cls(heads, pages, torch.from_numpy(found))
+        heads = np.repeat(np.arange(len(per_head)), [len(s) for s in per_head])  # [n]
+        pages = np.concatenate([s.numpy() for s in per_head]).astype(np.int64) if per_head else np.zeros(0, np.int64)
+        found = np.zeros(len(pages), dtype=np.int64) if versions is None else versions[heads, pages]  # [n]
+        return cls(*(torch.from_numpy(x) for x in (heads, pages, found)))
 
     def per_head(self, num_heads: int) -> list[torch.Tensor]:
         """The page ids of each KV head [k_h], best first."""
@@ -54,13 +55,6 @@ class PageSelector(Protocol):
 
     def index_bytes(self) -> int:
         """Host memory the selector's index holds, all layers (the KV pool itself not included)."""
-
-
-def flatten_selection(selection: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per KV head page ids [k_h] -> (heads [n], pages [n]), grouped by head in selection order."""
-    heads = np.repeat(np.arange(len(selection)), [len(s) for s in selection])
-    pages = np.concatenate([s.numpy() for s in selection]) if selection else np.zeros(0, dtype=np.int64)
-    return torch.from_numpy(heads), torch.from_numpy(pages.astype(np.int64, copy=False))
 
 
 class SequencePages:
