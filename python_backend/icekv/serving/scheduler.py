@@ -141,8 +141,8 @@ class Scheduler:
                 self._active.append(job)
             self._count_active()
             self.stats.queued = len(self._queue)
-            if not self._active and not self._stopping:
-                self._wake.wait(timeout=1.0)
+            if not self._active and not self._stopping:  # idle: wake each tick, so the last
+                self._wake.wait(timeout=self._tick_s)  # request's counters reach the metrics within one
 
     def _loop(self) -> None:
         while not self._stopping:
