@@ -77,3 +77,37 @@ def test_more_pages_than_slots_is_an_error_not_a_stray_write():
     dev = DevicePageCache(1, 2, 4, 8)
     with pytest.raises(ValueError, match="more pages than it has slots"):
         _plan(dev, [torch.tensor([1, 2, 3])], [torch.zeros(3, dtype=torch.long)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fill_from_pool_equals_plan_gather_load(dtype, page_size):
+    """The fused CPU fill against the staged path, over steps whose selections move, repeat, leave
+    heads empty and name pages with holes; slots, their bookkeeping and the counters all equal."""
+    from icekv.config import PagingConfig
+    from icekv.kv import PagedKVCache
+
+    g = torch.Generator().manual_seed(page_size)
+    hkv, d, length, n_pages = 3, 8, 40, 6
+    cache = PagedKVCache(1, hkv, d, PagingConfig(page_size=page_size, max_context_tokens=64), dtype)
+    cache.add(0)
+    cache.extend(0, length)
+    kv = torch.randn(2, length, hkv, d, generator=g).to(dtype)
+    cache.write(0, 0, 0, kv[0], kv[1])
+    members = torch.randint(-1, length, (hkv, n_pages, page_size), generator=g)  # each page's tokens, -1: a hole
+    fused, staged = DevicePageCache(hkv, 3, page_size, d, dtype), DevicePageCache(hkv, 3, page_size, d, dtype)
+    for step in range(8):
+        per_head = [torch.randperm(n_pages, generator=g)[: int(torch.randint(0, 4, (1,), generator=g))]
+                    for _ in range(hkv)]
+        picked = Selection.ranked(per_head)
+        versions = picked.pages % 2 * (step // 3)  # odd pages change every few steps
+        positions = members[picked.heads, picked.pages]  # [n, P]
+        fused.fill_from_pool(picked.heads, picked.pages, versions, positions, cache.pool[0], cache.page_ids(0))
+        plan = staged.plan(picked.heads, picked.pages, versions)
+        if len(plan):
+            rows = members[plan.heads, plan.pages]  # [m, P]
+            staged.load(plan, cache.gather_tokens(0, 0, plan.heads, rows), (rows >= 0).sum(-1))
+        for name in ("k", "v", "page", "version", "length", "selected"):
+            assert torch.equal(getattr(fused, name), getattr(staged, name)), (step, name)
+        assert (fused.bytes_moved, fused.hits, fused.lookups) == (staged.bytes_moved, staged.hits, staged.lookups)
+    assert fused.bytes_moved > 0 and fused.hits > 0  # both copies and reuse were exercised

@@ -1,7 +1,7 @@
 """Compile the engine's numba loops at load time instead of in a request's first decode step.
 
 The CPU paths of the page index (token placement, page rows, tree walk, centroids search), of the transfer (slot plan,
-row gather) and the sparse decode attention are numba functions compiled on first call: seconds right after an install,
+row gather, the fused CPU fill) and the sparse decode attention are numba functions compiled on first call: seconds right after an install,
 ~0.1 s each from numba's disk cache afterwards. Either is too much for a request's first token.
 Running each once on tiny inputs of the dtypes a request will pass compiles exactly the
 signatures the requests use (tested: a sparse decode after this compiles nothing).
@@ -33,6 +33,8 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
     one = torch.zeros(1, dtype=torch.long)
     cache.gather_tokens(0, 0, one, torch.zeros(1, 4, dtype=torch.long))  # row gather
     DevicePageCache(1, 1, 4, 8, kv_dtype).plan(one, one, one)  # slot plan
+    DevicePageCache(1, 1, 4, 8, kv_dtype).fill_from_pool(one, one, one, torch.zeros(1, 4, dtype=torch.long),
+                                                         cache.pool[0], cache.page_ids(0))  # plan + copy
     rows = torch.zeros(1, 1, 8)  # [Hkv, 1, D]
     sparse_decode_cpu(torch.zeros(2, 8), rows, rows, torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8),
                       torch.ones(1, 1, dtype=torch.long), rows, rows)  # decode attention (fp32 only)

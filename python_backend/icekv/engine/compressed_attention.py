@@ -88,6 +88,9 @@ class CompressedSparseAttention(SparseCacheAttention):
         in_ctx_kv = torch.stack([ctx.k[page, idx % p], ctx.v[page, idx % p]])  # [2, n, P, D]
         return torch.where(in_ctx[None, ..., None], in_ctx_kv, own)
 
+    def _pool_rows(self, layer: int):
+        return None  # tokens come from the context and the request's pool: _gather_pages merges them
+
     def _sink_window(self, layer: int, length: int):
         ctx = self.context.layers[layer]
         first = ctx.head_indptr[:-1]  # each head's first page holds its sinks

@@ -61,6 +61,13 @@ class SparseCacheAttention(FullCacheAttention):
         """K/V [2, n, P, D] of selected pages: heads [n], token refs [n, P] from the selector (-1 = empty)."""
         return self.cache.gather_tokens(layer, self.seq_id, heads, refs)
 
+    def _pool_rows(self, layer: int):
+        """(pool layer [2, Hkv, pages, P, D], page ids [pages]) that selected tokens are copied from
+        when the pool and the slots are both in CPU memory; None: stage them via _gather_pages."""
+        if self.cache.pool.is_cuda or self.device[layer].k.is_cuda:
+            return None
+        return self.cache.pool[layer], self.cache.page_ids(self.seq_id)
+
     def _sink_window(self, layer: int, length: int):
         sink_k, sink_v = self.cache.view_range(layer, self.seq_id, 0, min(self.sink_end, length))
         win_k, win_v = self.cache.view_range(layer, self.seq_id, min(self.win_start, length), length)
@@ -82,11 +89,16 @@ class SparseCacheAttention(FullCacheAttention):
         selection = self.selector.select(layer, q[0], self.cfg.selected_pages)
         t1 = time.perf_counter()
         dev = self.device[layer]
-        plan = dev.plan(selection.heads, selection.pages, selection.versions)
-        if len(plan):
-            positions = self.selector.page_positions(layer, plan.heads, plan.pages)  # [m, P]
-            lengths = torch.from_numpy(np.count_nonzero(positions.numpy() >= 0, axis=1))  # [m] numpy: no dispatch
-            dev.load(plan, self._gather_pages(layer, plan.heads, positions), lengths)
+        source = self._pool_rows(layer)
+        if source is not None:  # CPU pool, CPU slots: one compiled pass, straight from the pool
+            positions = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P]
+            dev.fill_from_pool(selection.heads, selection.pages, selection.versions, positions, *source)
+        else:
+            plan = dev.plan(selection.heads, selection.pages, selection.versions)
+            if len(plan):
+                positions = self.selector.page_positions(layer, plan.heads, plan.pages)  # [m, P]
+                lengths = torch.from_numpy(np.count_nonzero(positions.numpy() >= 0, axis=1))  # [m]
+                dev.load(plan, self._gather_pages(layer, plan.heads, positions), lengths)
         t2 = time.perf_counter()
         sink_k, sink_v, win_k, win_v = self._sink_window(layer, length)
         out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)

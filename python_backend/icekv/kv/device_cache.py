@@ -103,6 +103,26 @@ class DevicePageCache:
         self.length.numpy()[h, s] = lengths.numpy()
         self.bytes_moved += len(plan) * self.page_bytes
 
+    def fill_from_pool(self, heads: torch.Tensor, pages: torch.Tensor, versions: torch.Tensor,
+                       positions: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor) -> None:
+        """:meth:`plan` + :meth:`load` in one compiled pass, for slots in CPU memory fed straight
+        from a host pool in CPU memory (no staging buffer, no plan object): selected page
+        ``pages[i]`` of KV head ``heads[i]`` at ``versions[i]`` holds the tokens at ``positions[i]``
+        [n, P] (-1: none) of the pool layer [2, Hkv, pages, P, D] whose page list is ``page_ids``.
+
+        Same slots, bytes and counters as plan + gather + load (tested against them); on the
+        decode loop's CPU path it replaces half a dozen numpy/torch calls per layer and step."""
+        h = heads.numpy()
+        self._grow(min(int(np.bincount(h, minlength=self.page.shape[0]).max(initial=0)), self.max_slots))
+        selected = np.zeros(self.page.shape, dtype=bool)  # [Hkv, S]
+        moved = _fill(self.page.numpy(), self.version.numpy(), self.length.numpy(), selected, h, pages.numpy(),
+                      versions.numpy(), positions.numpy(), as_bits(pool_layer), page_ids.numpy(), as_bits(self.k),
+                      as_bits(self.v))
+        self.selected = torch.from_numpy(selected)
+        self.hits += len(h) - moved
+        self.lookups += len(h)
+        self.bytes_moved += moved * self.page_bytes
+
     def attended_lengths(self) -> torch.Tensor:
         """Valid tokens per slot for this step's attention, 0 for slots not selected [Hkv, S]."""
         return torch.from_numpy(np.where(self.selected.numpy(), self.length.numpy(), 0))  # numpy: no dispatch
@@ -131,3 +151,33 @@ def _plan_slots(page, version, heads, pages, versions, selected):
         slots[r] = s
         selected[h, s] = True
     return miss, slots
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _fill(page, version, length, selected, heads, pages, versions, positions, pool_layer, page_ids, k, v):
+    """:func:`_plan_slots`, then each miss's rows copied from pool_layer [2, Hkv, pages, P, D] into
+    its slot of k, v [Hkv, S, P, D] (zeros past its tokens), and the slot's page, version and length
+    set. Returns the number of pages copied."""
+    miss, slots = _plan_slots(page, version, heads, pages, versions, selected)
+    n, p = miss.shape[0], positions.shape[1]
+    page_size, d = pool_layer.shape[3], pool_layer.shape[4]
+    for row in numba.prange(n * p):  # rows in parallel: each is a cache miss
+        i, j = row // p, row % p
+        h, s, pos = heads[miss[i]], slots[i], positions[miss[i], j]
+        if pos < 0:
+            for t in range(d):
+                k[h, s, j, t] = 0
+                v[h, s, j, t] = 0
+        else:
+            src, off = page_ids[pos // page_size], pos % page_size
+            for t in range(d):
+                k[h, s, j, t] = pool_layer[0, h, src, off, t]
+                v[h, s, j, t] = pool_layer[1, h, src, off, t]
+    for i in range(n):
+        h, s = heads[miss[i]], slots[i]
+        page[h, s], version[h, s] = pages[miss[i]], versions[miss[i]]
+        filled = 0
+        for j in range(p):
+            filled += positions[miss[i], j] >= 0
+        length[h, s] = filled
+    return n

@@ -169,6 +169,10 @@ class PagedKVCache:
             return runs[0]
         return self.gather_range(layer, seq_id, start, end)
 
+    def page_ids(self, seq_id: int) -> torch.Tensor:
+        """The request's pages in sequence order [pages] (position ``t`` is in ``page_ids[t // P]``)."""
+        return self._seqs[seq_id].ids()
+
     def gather_tokens(self, layer: int, seq_id: int, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """K/V of arbitrary tokens, one KV head per row: heads [n], positions [n, P] (-1 = none)
         -> one [2, n, P, D] tensor (K, V), zero where the position is -1: a staging buffer.
