@@ -23,10 +23,10 @@ def _layer(sizes, d=32, page_size=16, seed=2, dtype=torch.float32):
 
 def _search(store, q, candidates, k):
     """The compiled search's picks per KV head."""
-    heads, pages = centroid_search(store, q, candidates, k)
-    assert heads.dtype == pages.dtype == "int64" and (heads[1:] >= heads[:-1]).all()  # grouped by head
-    none = torch.zeros(len(heads), dtype=torch.long)
-    return Selection(torch.from_numpy(heads), torch.from_numpy(pages), none).per_head(q.shape[0])
+    heads, pages, versions = centroid_search(store, q, candidates, k)
+    assert heads.dtype == pages.dtype == versions.dtype == "int64" and (heads[1:] >= heads[:-1]).all()  # by head
+    assert versions.tolist() == store.version[heads, pages].tolist()
+    return Selection(*map(torch.from_numpy, (heads, pages, versions))).per_head(q.shape[0])
 
 
 def _reference(store, q, candidates, k):

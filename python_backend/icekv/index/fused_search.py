@@ -4,7 +4,7 @@ Same result as :meth:`PageStore.centroid_candidates` followed by :func:`merge_ra
 reference, tested against this over awkward shapes): per KV head, every query head ranks the
 pages by ``q.centroid``, the union of each query head's best ``candidates`` is rescored exactly
 (best ``q.k`` over the page's tokens), and the query heads' exact rankings are interleaved by rank
-into ``k`` distinct pages, handed back flat (heads, pages) for the slot plan. In torch and numpy
+into ``k`` distinct pages, handed back flat (heads, pages, versions) for the slot plan. In torch and numpy
 that is about twenty calls on arrays of a few thousand entries, each costing more in dispatch than
 in arithmetic; here it is one call that reads the centroids once and only the candidates' keys.
 In the decode loop the index comes from DRAM (the dense layers evict it): at 32k a layer reads
@@ -28,20 +28,20 @@ from icekv.index.score_rows import raw, widen
 _jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # no nnan/ninf: -inf marks holes
 
 
-def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """q [H, G, D] -> (heads [n], pages [n]) int64: up to ``k`` page ids per KV head, grouped by
-    head, each head's in the merge's order."""
-    h = store.num_pages.shape[0]
-    if not h or k <= 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+def centroid_search(store: PageStore, q: torch.Tensor, candidates: int,
+                    k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q [H, G, D] -> (heads [n], pages [n], versions [n]) int64: up to ``k`` page ids per KV
+    head, grouped by head, each head's in the merge's order, with the pages' versions."""
+    if not store.num_pages.shape[0] or k <= 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     return _search(q.float().contiguous().numpy(), raw(store.centroid), raw(store.keys), store.pad.numpy(),
-                   store.num_pages.numpy(), candidates, k, numba.get_num_threads())
+                   store.num_pages.numpy(), store.version.numpy(), candidates, k, numba.get_num_threads())
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
-def _search(q, centroid, keys, pad, num_pages, candidates, k, parts):
-    """q [H, G, D], centroid [H, cap, D], keys [H, cap, P, D], pad [H, cap, P], num_pages [H] ->
-    (heads [n], pages [n]).
+def _search(q, centroid, keys, pad, num_pages, version, candidates, k, parts):
+    """q [H, G, D], centroid [H, cap, D], keys [H, cap, P, D], pad [H, cap, P], num_pages [H],
+    version [H, cap] -> (heads [n], pages [n], versions [n]).
 
     The reads (centroids, then the candidates' keys) are split into ``parts`` slices per head and
     the slices of all heads run in parallel (a few KV heads do not spread evenly over the cores),
@@ -72,12 +72,13 @@ def _search(q, centroid, keys, pad, num_pages, candidates, k, parts):
         counts[h] = _merge(exact[h, :, : n_cand[h]], cand[h, : n_cand[h]], ids[h])
     heads = np.empty(counts.sum(), dtype=np.int64)  # [n]
     pages = np.empty(counts.sum(), dtype=np.int64)  # [n]
+    versions = np.empty(counts.sum(), dtype=np.int64)  # [n]
     at = 0
     for h in range(h_n):
-        heads[at : at + counts[h]] = h
-        pages[at : at + counts[h]] = ids[h, : counts[h]]
-        at += counts[h]
-    return heads, pages
+        for r in range(counts[h]):
+            heads[at], pages[at], versions[at] = h, ids[h, r], version[h, ids[h, r]]
+            at += 1
+    return heads, pages, versions
 
 
 @_jit

@@ -66,15 +66,14 @@ class IceCacheSelector:
     def _search(self, layer: int, q: torch.Tensor, k: int) -> Selection:
         """q [Hkv, G, D] -> per KV head up to ``k`` pages, by ``config.search``."""
         store, search = self.stores[layer], self.config.search
+        if search == "centroids":  # compiled, one call per layer
+            return Selection(*map(torch.from_numpy, centroid_search(store, q, self.config.candidates(k), k)))
         versions = store.version.numpy()  # [Hkv, cap]
         if search == "walk":  # one walk per head: each visits different nodes
             trees = self.trees[layer]
             fov = self.config.field_of_view(self.base[layer] + trees[0].n)
             return Selection.ranked([merge_ranked(tree.page_scores(qh, fov), k) for tree, qh in zip(trees, q)], versions)
-        if search == "exhaustive":
-            return Selection.ranked(merge_ranked_heads(store.exact_scores(q), k), versions)
-        heads, pages = centroid_search(store, q, self.config.candidates(k), k)  # compiled, one call per layer
-        return Selection(*(torch.from_numpy(x) for x in (heads, pages, versions[heads, pages])))
+        return Selection.ranked(merge_ranked_heads(store.exact_scores(q), k), versions)  # exhaustive
 
     def page_positions(self, layer, heads, pages):
         toks = self.stores[self.leader(layer)].tokens.numpy()[heads.numpy(), pages.numpy()]  # [m, P] local ids
