@@ -1,8 +1,9 @@
 """Compile the engine's numba loops at load time instead of in a request's first decode step.
 
-The CPU paths of the page index (token placement, page rows, tree walk, centroids search), of the transfer (slot plan,
-row gather, the fused CPU fill) and the sparse decode attention are numba functions compiled on first call: seconds right after an install,
-~0.1 s each from numba's disk cache afterwards. Either is too much for a request's first token.
+The CPU paths of the page index (token placement, page rows, tree walk, centroids search), of the
+transfer (slot plan, row gather, the fused CPU fill) and the sparse decode attention are numba
+functions compiled on first call: seconds right after an install, ~0.1 s each from numba's disk
+cache afterwards. Either is too much for a request's first token.
 Running each once on tiny inputs of the dtypes a request will pass compiles exactly the
 signatures the requests use (tested: a sparse decode after this compiles nothing).
 """
