@@ -236,7 +236,7 @@ class ServingConfig:
         """``params``: config.pbtxt parameters, ``{key: {"string_value": ...}}`` or plain strings."""
         values = {k: (v.get("string_value") if isinstance(v, dict) else v) for k, v in params.items()}
         values = {k: v for k, v in values.items() if v not in (None, "")}
-        known = {"model_dir", "dtype", "policy", "budget", "search", "page_size", "host_pool_tokens",
+        known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "max_active_requests", "max_queued_requests",
                  "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes", "max_index_bytes"}
         unknown = sorted(set(values) - known)
@@ -259,7 +259,8 @@ class ServingConfig:
             policy=values.get("policy", SelectionConfig.policy),
             budget=number("budget", SelectionConfig.budget),
             page_size=paging.page_size,
-            icecache=IceCacheConfig(search=values.get("search", IceCacheConfig.search)),
+            icecache=IceCacheConfig(search=values.get("search", IceCacheConfig.search),
+                                    score_dtype=values.get("score_dtype", IceCacheConfig.score_dtype)),
         )
         engine = EngineConfig(
             model_dir=values.get("model_dir"),

@@ -37,6 +37,7 @@ def _serving_flags(parser) -> None:
     parser.add_argument("--policy", default=None, help="default page selection policy (config: icecache)")
     parser.add_argument("--budget", type=_positive_int("--budget"), default=None)
     _search_flag(parser, default=None, hint=" (config: centroids)")
+    _score_dtype_flag(parser, default=None)
     parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
                         help="KV page pool capacity in tokens, shared by all requests")
     parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None)
@@ -56,7 +57,11 @@ def _icecache_flags(parser) -> None:
     _search_flag(parser, default=IceCacheConfig.search)
     parser.add_argument("--rerank", type=_positive_int("--rerank"), default=IceCacheConfig.rerank,
                         help="icecache --search centroids: pages rescored exactly per query head, times k")
-    parser.add_argument("--score-dtype", choices=("float32", "bfloat16"), default="float32",
+    _score_dtype_flag(parser, default=IceCacheConfig.score_dtype)
+
+
+def _score_dtype_flag(parser, default: str | None) -> None:
+    parser.add_argument("--score-dtype", choices=("float32", "bfloat16"), default=default,
                         help="icecache: dtype of the index's page keys (bfloat16: half the memory and bytes)")
 
 
@@ -69,7 +74,8 @@ def _serving_parameters(args) -> dict[str, str]:
     from icekv.config import ServingConfig
 
     params = {"model_dir": args.model and str(Path(args.model).resolve()), "policy": args.policy,
-              "budget": args.budget, "search": args.search, "host_pool_tokens": args.host_pool_tokens,
+              "budget": args.budget, "search": args.search, "score_dtype": args.score_dtype,
+              "host_pool_tokens": args.host_pool_tokens,
               "max_active_requests": args.max_active_requests, "max_index_bytes": args.max_index_bytes,
               "store": args.store}
     params = {k: str(v) for k, v in params.items() if v is not None}
