@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from icekv.kernels import scatter_pages
-from icekv.kv.paged_cache import as_bits
+from icekv.kv.paged_cache import as_bits, copy_token
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,9 @@ class DevicePageCache:
         per-call overhead would dominate in numpy or torch).
         """
         h, p, v = heads.numpy(), pages.numpy(), versions.numpy()
-        self._grow(min(int(np.bincount(h, minlength=self.page.shape[0]).max(initial=0)), self.max_slots))
-        selected = np.zeros(self.page.shape, dtype=bool)  # [Hkv, S]
+        selected = self._begin_step(h)  # [Hkv, S]
         miss, slots = _plan_slots(self.page.numpy(), self.version.numpy(), h, p, v, selected)
-        self.hits += len(h) - len(miss)
-        self.lookups += len(h)
-        self.selected = torch.from_numpy(selected)
+        self._end_step(selected, len(h), len(miss))
         return TransferPlan(*(torch.from_numpy(x) for x in (h[miss], p[miss], v[miss], slots)))
 
     def _grow(self, n_slots: int) -> None:
@@ -113,15 +110,22 @@ class DevicePageCache:
         Same slots, bytes and counters as plan + gather + load (tested against them); on the
         decode loop's CPU path it replaces half a dozen numpy/torch calls per layer and step."""
         h = heads.numpy()
-        self._grow(min(int(np.bincount(h, minlength=self.page.shape[0]).max(initial=0)), self.max_slots))
-        selected = np.zeros(self.page.shape, dtype=bool)  # [Hkv, S]
+        selected = self._begin_step(h)  # [Hkv, S]
         moved = _fill(self.page.numpy(), self.version.numpy(), self.length.numpy(), selected, h, pages.numpy(),
                       versions.numpy(), positions.numpy(), as_bits(pool_layer), page_ids.numpy(), as_bits(self.k),
                       as_bits(self.v))
-        self.selected = torch.from_numpy(selected)
-        self.hits += len(h) - moved
-        self.lookups += len(h)
+        self._end_step(selected, len(h), moved)
         self.bytes_moved += moved * self.page_bytes
+
+    def _begin_step(self, heads: np.ndarray) -> np.ndarray:
+        """Slots for the most pages a head selects (up to ``max_slots``); a cleared attended mask."""
+        self._grow(min(int(np.bincount(heads, minlength=self.page.shape[0]).max(initial=0)), self.max_slots))
+        return np.zeros(self.page.shape, dtype=bool)  # [Hkv, S]
+
+    def _end_step(self, selected: np.ndarray, lookups: int, misses: int) -> None:
+        self.selected = torch.from_numpy(selected)
+        self.hits += lookups - misses
+        self.lookups += lookups
 
     def attended_lengths(self) -> torch.Tensor:
         """Valid tokens per slot for this step's attention, 0 for slots not selected [Hkv, S]."""
@@ -160,19 +164,10 @@ def _fill(page, version, length, selected, heads, pages, versions, positions, po
     set. Returns the number of pages copied."""
     miss, slots = _plan_slots(page, version, heads, pages, versions, selected)
     n, p = miss.shape[0], positions.shape[1]
-    page_size, d = pool_layer.shape[3], pool_layer.shape[4]
     for row in numba.prange(n * p):  # rows in parallel: each is a cache miss
         i, j = row // p, row % p
-        h, s, pos = heads[miss[i]], slots[i], positions[miss[i], j]
-        if pos < 0:
-            for t in range(d):
-                k[h, s, j, t] = 0
-                v[h, s, j, t] = 0
-        else:
-            src, off = page_ids[pos // page_size], pos % page_size
-            for t in range(d):
-                k[h, s, j, t] = pool_layer[0, h, src, off, t]
-                v[h, s, j, t] = pool_layer[1, h, src, off, t]
+        h, s = heads[miss[i]], slots[i]
+        copy_token(pool_layer, page_ids, h, positions[miss[i], j], k[h, s, j], v[h, s, j])
     for i in range(n):
         h, s = heads[miss[i]], slots[i]
         page[h, s], version[h, s] = pages[miss[i]], versions[miss[i]]

@@ -224,18 +224,25 @@ def gather_tokens_reference(pool_layer: torch.Tensor, page_ids: torch.Tensor, he
 
 @numba.njit(cache=True, nogil=True, parallel=True)  # rows in parallel: each is a cache miss
 def _copy_rows(pool_layer, page_ids, heads, positions, out):
-    """out[:, i, j] = the K/V row of position positions[i, j] of head heads[i], 0 where it is -1.
-    Element loops: numba copies explicit loops several times faster than row slices."""
+    """out[:, i, j] = the K/V row of position positions[i, j] of head heads[i], 0 where it is -1."""
     n, p = positions.shape
-    page_size, d = pool_layer.shape[3], pool_layer.shape[4]
     for row in numba.prange(n * p):
         i, j = row // p, row % p
-        pos = positions[i, j]
-        for kv in range(2):
-            if pos < 0:
-                for t in range(d):
-                    out[kv, i, j, t] = 0
-            else:
-                page, slot = page_ids[pos // page_size], pos % page_size
-                for t in range(d):
-                    out[kv, i, j, t] = pool_layer[kv, heads[i], page, slot, t]
+        copy_token(pool_layer, page_ids, heads[i], positions[i, j], out[0, i, j], out[1, i, j])
+
+
+@numba.njit(cache=True, nogil=True)
+def copy_token(pool_layer, page_ids, head, pos, k_row, v_row):
+    """k_row, v_row [D] = the K/V of position ``pos`` of ``head`` in pool_layer [2, Hkv, pages, P,
+    D] (page list ``page_ids``), zeros when pos is -1. Element loops: numba copies explicit loops
+    several times faster than row slices."""
+    if pos < 0:
+        for t in range(k_row.shape[0]):
+            k_row[t] = 0
+            v_row[t] = 0
+        return
+    page_size = pool_layer.shape[3]
+    page, slot = page_ids[pos // page_size], pos % page_size
+    for t in range(k_row.shape[0]):
+        k_row[t] = pool_layer[0, head, page, slot, t]
+        v_row[t] = pool_layer[1, head, page, slot, t]

@@ -102,8 +102,8 @@ class Metrics:
         races a metrics message (seen: unload hanging while a background update was in flight)."""
         resident, host = engine.kv_bytes()
         s = scheduler.stats
-        snapshot = (resident, host, s.active, s.queued, s.index_bytes_promised, s.pages_moved, s.select_s, s.completed, s.failed,
-                    s.cancelled, s.store_hits, s.generated_tokens)
+        snapshot = (resident, host, s.active, s.queued, s.index_bytes_promised, s.pages_moved, s.select_s,
+                    s.completed, s.failed, s.cancelled, s.store_hits, s.generated_tokens)
         if snapshot == self._last.get("snapshot"):
             return
         self._last["snapshot"] = snapshot
