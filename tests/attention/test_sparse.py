@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,3 +57,30 @@ def test_garbage_in_unattended_slots_is_ignored(backend):
     page_v[0, 0, 2:], page_v[0, 1] = 1e4, -1e4  # stale data from earlier steps
     b = sparse_paged_attention(q, sink, sink, page_k, page_v, lens, sink, sink)
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("sink,win_start,length", [(4, 9, 13), (0, 5, 6), (8, 8, 8), (3, 16, 23)])
+def test_tail_read_from_pool_equals_the_tail_as_tensors(sink, win_start, length):
+    """The decode loop's CPU path reads sink and window by position straight from the request's
+    pages (scattered, partial) in the pool: same output as the reference over copies of them."""
+    from icekv.config import PagingConfig
+    from icekv.kernels.cpu_decode import sparse_decode_pool_cpu
+    from icekv.kv import PagedKVCache
+
+    g = torch.Generator().manual_seed(length)
+    hq, hkv, d, p = 6, 2, 16, 4
+    cache = PagedKVCache(2, hkv, d, PagingConfig(page_size=p, max_context_tokens=128))
+    cache.add(0), cache.add(1)
+    for n in (5, 3, 9, 4, 7, 7):  # interleaved growth: the pages of request 0 are not consecutive
+        for seq in (0, 1):
+            start = cache.extend(seq, n)
+            cache.write(1, seq, start, torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g))
+    cache.truncate(0, length)
+    q = torch.randn(hq, d, generator=g)
+    page_k, page_v = torch.randn(2, hkv, 3, p, d, generator=g)
+    page_len = torch.tensor([[4, 0, 2], [1, 3, 4]])
+    sink_k, sink_v = cache.gather_range(1, 0, 0, sink)
+    win_k, win_v = cache.gather_range(1, 0, win_start, length)
+    tail = np.array([[0, sink], [win_start, length]])
+    got = sparse_decode_pool_cpu(q, cache.pool[1], cache.page_ids(0), tail, page_k, page_v, page_len)
+    torch.testing.assert_close(got, reference(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v), rtol=1e-5, atol=1e-5)

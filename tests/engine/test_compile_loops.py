@@ -11,7 +11,8 @@ from icekv.kv import device_cache, paged_cache
 def _signatures() -> dict:
     loops = {"search": fused_search._search, "placement": dci_tree.place_tokens, "rewrite": page_store._rewrite,
              "walk": tree_walk.walk_scores,
-             "plan": device_cache._plan_slots, "gather": paged_cache._copy_rows,
+             "positions": page_store._positions, "plan": device_cache._plan_slots, "fill": device_cache._fill,
+             "gather": paged_cache._copy_rows,
              "attention": cpu_decode._decode}
     return {name: list(f.signatures) for name, f in loops.items()}
 

@@ -10,6 +10,7 @@ signatures the requests use (tested: a sparse decode after this compiles nothing
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from icekv.config import IceCacheConfig, PagingConfig
@@ -27,6 +28,7 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
         tree.insert(torch.randn(4, 8, generator=g))  # placement, page rows
         q = torch.randn(1, 2, 8, generator=g)
         centroid_search(tree.store, q, 4, 2)
+        tree.store.positions(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 0)  # selected pages' tokens
         tree.page_scores(q[0], 4)  # the walk
     cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype)
     cache.add(0)
@@ -38,4 +40,4 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
                                                          cache.pool[0], cache.page_ids(0))  # plan + copy
     rows = torch.zeros(1, 1, 8)  # [Hkv, 1, D]
     sparse_decode_cpu(torch.zeros(2, 8), rows, rows, torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8),
-                      torch.ones(1, 1, dtype=torch.long), rows, rows)  # decode attention (fp32 only)
+                      torch.ones(1, 1, dtype=torch.long), rows, rows)  # decode attention (fp32 only), tail from the pool

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from icekv.attention import sparse_paged_attention
 from icekv.config import SelectionConfig
 from icekv.engine.full_attention import FullCacheAttention
+from icekv.kernels.cpu_decode import sparse_decode_pool_cpu
+from icekv.kernels.dispatch import kernel_backend
 from icekv.kv import DevicePageCache, PagedKVCache
 from icekv.model import ModelArgs
 from icekv.select import PageSelector
@@ -47,6 +49,8 @@ class SparseCacheAttention(FullCacheAttention):
             layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, p, args.head_dim, cache.pool.dtype)
             for layer in self.sparse_layers
         }
+        # CPU fp32 pool under the compiled kernels: attention reads sink and window from the pool
+        self.tail_from_pool = cache.pool.dtype == torch.float32 and kernel_backend(cache.pool.device) == "numba"
 
     # ---- where tokens live (the request's pool); CompressedSparseAttention overrides these
     def _sink_tokens(self) -> int:
@@ -100,8 +104,12 @@ class SparseCacheAttention(FullCacheAttention):
                 lengths = torch.from_numpy(np.count_nonzero(positions.numpy() >= 0, axis=1))  # [m]
                 dev.load(plan, self._gather_pages(layer, plan.heads, positions), lengths)
         t2 = time.perf_counter()
-        sink_k, sink_v, win_k, win_v = self._sink_window(layer, length)
-        out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)
+        if source is not None and self.tail_from_pool and q.dtype == torch.float32:
+            tail = np.array([[0, min(self.sink_end, length)], [min(self.win_start, length), length]])  # [2, 2] sink, window
+            out = sparse_decode_pool_cpu(q[0], *source, tail, dev.k, dev.v, dev.attended_lengths())
+        else:
+            sink_k, sink_v, win_k, win_v = self._sink_window(layer, length)
+            out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)
         t3 = time.perf_counter()
         self.timings["select_s"] += t1 - t0
         self.timings["transfer_s"] += t2 - t1

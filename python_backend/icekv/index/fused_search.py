@@ -24,7 +24,7 @@ import torch
 
 from icekv.index.kth_largest import cut_and_ties, top_k_finite
 from icekv.index.page_store import PageStore
-from icekv.index.score_rows import raw, widen
+from icekv.index.score_rows import widen
 
 _jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # no nnan/ninf: -inf marks holes
 
@@ -35,8 +35,7 @@ def centroid_search(store: PageStore, q: torch.Tensor, candidates: int,
     head, grouped by head, each head's in the merge's order, with the pages' versions."""
     if not store.num_pages.shape[0] or k <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return _search(q.float().contiguous().numpy(), raw(store.centroid), raw(store.keys), store.pad.numpy(),
-                   store.num_pages.numpy(), store.version.numpy(), candidates, k, numba.get_num_threads())
+    return _search(q.float().contiguous().numpy(), *store.search_views(), candidates, k, numba.get_num_threads())
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)

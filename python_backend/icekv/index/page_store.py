@@ -32,6 +32,7 @@ class PageStore:
         self.pad = torch.full((heads, 0, page_size), NEG_INF)  # [H, cap, P] 0 on a token, -inf on a hole
         self.centroid = torch.zeros(heads, 0, dim, dtype=dtype)  # [H, cap, D] each page's mean key
         self.num_pages = torch.zeros(heads, dtype=torch.long)  # [H] pages in use per head
+        self._search_views: tuple | None = None  # numpy views for the compiled search; None: stale
 
     @property
     def capacity(self) -> int:
@@ -53,6 +54,21 @@ class PageStore:
         self.keys = torch.cat([self.keys, self.keys.new_zeros(h, extra, p, d)], 1)
         self.pad = torch.cat([self.pad, self.pad.new_full((h, extra, p), NEG_INF)], 1)
         self.centroid = torch.cat([self.centroid, self.centroid.new_zeros(h, extra, d)], 1)
+        self._search_views = None
+
+    def search_views(self) -> tuple:
+        """(centroid, keys, pad, num_pages, version) as numpy views (bf16 as bits) for the compiled
+        search: built once per allocation, as the search runs every layer and step and each
+        conversion costs microseconds there. The views share memory: they see every write."""
+        if self._search_views is None:
+            self._search_views = (raw(self.centroid), raw(self.keys), self.pad.numpy(), self.num_pages.numpy(),
+                                  self.version.numpy())
+        return self._search_views
+
+    def positions(self, heads: np.ndarray, pages: np.ndarray, base: int) -> np.ndarray:
+        """Members of page ``pages[i]`` of head ``heads[i]`` ([n] each) as positions (local id +
+        ``base``), -1 on holes: [n, P]."""
+        return _positions(self.tokens.numpy(), heads, pages, base)
 
     def write(self, head: int, pages: torch.Tensor, keys: torch.Tensor, present: torch.Tensor) -> None:
         """Set ``pages`` [m] of ``head``: keys [m, P, D] (any value on holes), present [m, P] bool."""
@@ -165,3 +181,14 @@ def _rewrite(tokens, loc, keys, pad, centroid, pages, new_keys, first_new):
                 mean += fresh[i, s]
                 count += 1
         narrow(mean / count if count else np.full(d, np.nan, dtype=np.float32), centroid[page])  # no members: NaN
+
+
+@numba.njit(cache=True, nogil=True)
+def _positions(tokens, heads, pages, base):
+    """tokens [H, cap, P], heads [n], pages [n] -> [n, P] positions, -1 on holes."""
+    out = np.empty((heads.shape[0], tokens.shape[2]), dtype=np.int64)
+    for i in range(heads.shape[0]):
+        for j in range(tokens.shape[2]):
+            t = tokens[heads[i], pages[i], j]
+            out[i, j] = t + base if t >= 0 else -1
+    return out

@@ -1,10 +1,13 @@
 """Sparse paged decode attention on a CPU, compiled (numba): the CPU twin of the OpenAI-Triton
 decode kernel, with :func:`icekv.attention.sparse.paged_prefix_attention` as its reference.
 
-One decode query per head reads its KV head's sink, selected page slots and window in place (no
-concatenated copies), two passes: scores and their max, then the weighted sum of values. At
-decode sizes (a few hundred tokens per head) torch's dozen calls cost ~0.3 ms in dispatch; this
-is one call. fp32 only (numba has no bf16); query heads run in parallel.
+One decode query per head reads its KV head's selected page slots and its *tail* (sink and
+window tokens) in place, two passes: scores and their max, then the weighted sum of values. The
+tail is read straight from the request's pages in the host pool, by position ranges
+(:func:`sparse_decode_pool_cpu`, the decode loop's path: no views or copies to build per layer),
+or from given tensors (:func:`sparse_decode_cpu`). At decode sizes (a few hundred tokens per head)
+torch's dozen calls cost ~0.3 ms in dispatch; this is one call. fp32 only (numba has no bf16);
+query heads run in parallel.
 """
 
 from __future__ import annotations
@@ -18,33 +21,43 @@ def sparse_decode_cpu(q: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tenso
                       page_v: torch.Tensor, page_len: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor) -> torch.Tensor:
     """q [Hq, D]; sink_k/v [Hkv, S, D]; page_k/v [Hkv, K, P, D], page_len [Hkv, K]; win_k/v
     [Hkv, W, D] (all fp32, CPU) -> [Hq, D]; query head ``h`` reads KV head ``h // (Hq / Hkv)``."""
-    out = torch.empty_like(q)  # [Hq, D]
-    # contiguous: one compiled layout (sink and window may be strided views of the pool, a few rows)
-    args = (t.contiguous().numpy() for t in (q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v))
-    _decode(*args, q.shape[-1] ** -0.5, out.numpy())
-    return out
+    tail = torch.stack([torch.cat([sink_k, win_k], 1), torch.cat([sink_v, win_v], 1)])  # [2, Hkv, S+W, D]
+    n = tail.shape[2]
+    ranges = np.array([[0, n]], dtype=np.int64)  # [1, 2] every tail row, as one page of n tokens
+    return sparse_decode_pool_cpu(q, tail[:, :, None], torch.zeros(1, dtype=torch.long), ranges, page_k, page_v, page_len)
+
+
+def sparse_decode_pool_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, ranges: np.ndarray,
+                           page_k: torch.Tensor, page_v: torch.Tensor, page_len: torch.Tensor) -> torch.Tensor:
+    """q [Hq, D]; tail tokens: the positions in ``ranges`` [R, 2] (start, end) of a request whose
+    page list is ``page_ids`` [pages] in pool_layer [2, Hkv, pool pages, P, D]; page_k/v [Hkv, K,
+    P, D] slots with page_len [Hkv, K] valid tokens (0: not attended). All fp32, CPU -> [Hq, D]."""
+    out = np.empty(q.shape, dtype=np.float32)  # [Hq, D]
+    _decode(q.contiguous().numpy(), pool_layer.numpy(), page_ids.numpy(), ranges, page_k.numpy(), page_v.numpy(),
+            page_len.numpy(), q.shape[-1] ** -0.5, out)
+    return torch.from_numpy(out)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
-def _decode(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v, scale, out):
+def _decode(q, pool, page_ids, ranges, page_k, page_v, page_len, scale, out):
     hq, d = q.shape
     hkv, n_slots, page_size, _ = page_k.shape
-    n_sink, n_win = sink_k.shape[1], win_k.shape[1]
-    most = n_sink + n_slots * page_size + n_win
+    pool_page = pool.shape[3]
+    n_tail = 0
+    for r in range(ranges.shape[0]):
+        n_tail += max(ranges[r, 1] - ranges[r, 0], 0)
     for h in numba.prange(hq):
         kv = h // (hq // hkv)
-        scores = np.empty(most, dtype=np.float32)  # [L] attended tokens: sink, pages, window
+        scores = np.empty(n_tail + n_slots * page_size, dtype=np.float32)  # [L] attended tokens: tail, pages
         n = 0
-        for t in range(n_sink):
-            scores[n] = _dot(q[h], sink_k[kv, t]) * scale
-            n += 1
+        for r in range(ranges.shape[0]):
+            for pos in range(ranges[r, 0], ranges[r, 1]):
+                scores[n] = _dot(q[h], pool[0, kv, page_ids[pos // pool_page], pos % pool_page]) * scale
+                n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):
                 scores[n] = _dot(q[h], page_k[kv, j, t]) * scale
                 n += 1
-        for t in range(n_win):
-            scores[n] = _dot(q[h], win_k[kv, t]) * scale
-            n += 1
         top = -np.inf
         for i in range(n):
             top = max(top, scores[i])
@@ -54,16 +67,14 @@ def _decode(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v, scale, ou
             total += scores[i]
         acc = np.zeros(d, dtype=np.float32)  # [D]
         n = 0
-        for t in range(n_sink):
-            _axpy(scores[n], sink_v[kv, t], acc)
-            n += 1
+        for r in range(ranges.shape[0]):
+            for pos in range(ranges[r, 0], ranges[r, 1]):
+                _axpy(scores[n], pool[1, kv, page_ids[pos // pool_page], pos % pool_page], acc)
+                n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):
                 _axpy(scores[n], page_v[kv, j, t], acc)
                 n += 1
-        for t in range(n_win):
-            _axpy(scores[n], win_v[kv, t], acc)
-            n += 1
         for i in range(d):
             out[h, i] = acc[i] / total
 

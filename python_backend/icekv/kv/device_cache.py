@@ -48,6 +48,7 @@ class DevicePageCache:
         self.bytes_moved = 0
         self.hits = 0
         self.lookups = 0
+        self._views: tuple | None = None  # (page, version, length, k bits, v bits) numpy views; None: stale
 
     @property
     def resident_bytes(self) -> int:
@@ -79,6 +80,15 @@ class DevicePageCache:
         self.k, self.v = pad(self.k, 0), pad(self.v, 0)
         self.page, self.version = pad(self.page, -1), pad(self.version, -1)
         self.length, self.selected = pad(self.length, 0), pad(self.selected, False)
+        self._views = None
+
+    def _slot_views(self) -> tuple:
+        """(page, version, length, k bits, v bits) as numpy views, rebuilt only when slots grow:
+        the fused fill runs every layer and step, where each conversion costs microseconds."""
+        if self._views is None:
+            self._views = (self.page.numpy(), self.version.numpy(), self.length.numpy(), as_bits(self.k),
+                           as_bits(self.v))
+        return self._views
 
     def load(self, plan: TransferPlan, staging: torch.Tensor, lengths: torch.Tensor) -> None:
         """Write the planned pages: staging [2, n, P, D] their K and V, gathered from the host into
@@ -111,15 +121,16 @@ class DevicePageCache:
         decode loop's CPU path it replaces half a dozen numpy/torch calls per layer and step."""
         h = heads.numpy()
         selected = self._begin_step(h)  # [Hkv, S]
-        moved = _fill(self.page.numpy(), self.version.numpy(), self.length.numpy(), selected, h, pages.numpy(),
-                      versions.numpy(), positions.numpy(), as_bits(pool_layer), page_ids.numpy(), as_bits(self.k),
-                      as_bits(self.v))
+        page, version, length, k, v = self._slot_views()
+        moved = _fill(page, version, length, selected, h, pages.numpy(), versions.numpy(), positions.numpy(),
+                      as_bits(pool_layer), page_ids.numpy(), k, v)
         self._end_step(selected, len(h), moved)
         self.bytes_moved += moved * self.page_bytes
 
     def _begin_step(self, heads: np.ndarray) -> np.ndarray:
         """Slots for the most pages a head selects (up to ``max_slots``); a cleared attended mask."""
-        self._grow(min(int(np.bincount(heads, minlength=self.page.shape[0]).max(initial=0)), self.max_slots))
+        if self.page.shape[1] < self.max_slots:  # once every slot exists, no count is needed
+            self._grow(min(int(np.bincount(heads, minlength=self.page.shape[0]).max(initial=0)), self.max_slots))
         return np.zeros(self.page.shape, dtype=bool)  # [Hkv, S]
 
     def _end_step(self, selected: np.ndarray, lookups: int, misses: int) -> None:

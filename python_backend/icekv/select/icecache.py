@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from icekv.config import IceCacheConfig
@@ -76,8 +75,7 @@ class IceCacheSelector:
         return Selection.ranked(merge_ranked_heads(store.exact_scores(q), k), versions)  # exhaustive
 
     def page_positions(self, layer, heads, pages):
-        toks = self.stores[self.leader(layer)].tokens.numpy()[heads.numpy(), pages.numpy()]  # [m, P] local ids
-        return torch.from_numpy(np.where(toks >= 0, toks + self.base[layer], -1))
+        return torch.from_numpy(self.stores[self.leader(layer)].positions(heads.numpy(), pages.numpy(), self.base[layer]))
 
     def index_bytes(self) -> int:
         return sum(s.nbytes for s in self.stores.values()) + sum(t.nbytes for ts in self.trees.values() for t in ts)
