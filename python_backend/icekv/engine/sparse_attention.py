@@ -49,7 +49,10 @@ class SparseCacheAttention(FullCacheAttention):
             layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, p, args.head_dim, cache.pool.dtype)
             for layer in self.sparse_layers
         }
-        # CPU fp32 pool under the compiled kernels: attention reads sink and window from the pool
+        # CPU pool and slots: the fill copies straight from the pool's layer views (made once here)
+        on_cpu = not cache.pool.is_cuda and all(not d.k.is_cuda for d in self.device.values())
+        self.pool_layers = {layer: cache.pool[layer] for layer in self.sparse_layers} if on_cpu else None
+        # fp32 pool under the compiled kernels: attention reads sink and window from the pool too
         self.tail_from_pool = cache.pool.dtype == torch.float32 and kernel_backend(cache.pool.device) == "numba"
 
     # ---- where tokens live (the request's pool); CompressedSparseAttention overrides these
@@ -68,9 +71,9 @@ class SparseCacheAttention(FullCacheAttention):
     def _pool_rows(self, layer: int):
         """(pool layer [2, Hkv, pages, P, D], page ids [pages]) that selected tokens are copied from
         when the pool and the slots are both in CPU memory; None: stage them via _gather_pages."""
-        if self.cache.pool.is_cuda or self.device[layer].k.is_cuda:
+        if self.pool_layers is None:
             return None
-        return self.cache.pool[layer], self.cache.page_ids(self.seq_id)
+        return self.pool_layers[layer], self.cache.page_ids(self.seq_id)
 
     def _sink_window(self, layer: int, length: int):
         sink_k, sink_v = self.cache.view_range(layer, self.seq_id, 0, min(self.sink_end, length))
