@@ -75,9 +75,14 @@ class SparseCacheAttention(FullCacheAttention):
             return None
         return self.pool_layers[layer], self.cache.page_ids(self.seq_id)
 
+    def _tail_ranges(self, length: int) -> np.ndarray:
+        """[2, 2] position ranges (start, end) of the sink and the window in the request's pages."""
+        return np.array([[0, min(self.sink_end, length)], [min(self.win_start, length), length]])
+
     def _sink_window(self, layer: int, length: int):
-        sink_k, sink_v = self.cache.view_range(layer, self.seq_id, 0, min(self.sink_end, length))
-        win_k, win_v = self.cache.view_range(layer, self.seq_id, min(self.win_start, length), length)
+        (sink_start, sink_end), (win_start, win_end) = self._tail_ranges(length).tolist()
+        sink_k, sink_v = self.cache.view_range(layer, self.seq_id, sink_start, sink_end)
+        win_k, win_v = self.cache.view_range(layer, self.seq_id, win_start, win_end)
         return sink_k, sink_v, win_k, win_v
 
     def _window_start(self, length: int) -> int:
@@ -108,8 +113,7 @@ class SparseCacheAttention(FullCacheAttention):
                 dev.load(plan, self._gather_pages(layer, plan.heads, positions), lengths)
         t2 = time.perf_counter()
         if source is not None and self.tail_from_pool and q.dtype == torch.float32:
-            tail = np.array([[0, min(self.sink_end, length)], [min(self.win_start, length), length]])  # [2, 2] sink, window
-            out = sparse_decode_pool_cpu(q[0], *source, tail, dev.k, dev.v, dev.attended_lengths())
+            out = sparse_decode_pool_cpu(q[0], *source, self._tail_ranges(length), dev.k, dev.v, dev.attended_lengths())
         else:
             sink_k, sink_v, win_k, win_v = self._sink_window(layer, length)
             out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)
