@@ -40,4 +40,4 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
                                                          cache.pool[0], cache.page_ids(0))  # plan + copy
     rows = torch.zeros(1, 1, 8)  # [Hkv, 1, D]
     sparse_decode_cpu(torch.zeros(2, 8), rows, rows, torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8),
-                      torch.ones(1, 1, dtype=torch.long), rows, rows)  # decode attention (fp32 only), tail from the pool
+                      torch.ones(1, 1, dtype=torch.long), rows, rows)  # decode attention (fp32 only; the kernel of the pool-tail path too)
