@@ -16,6 +16,8 @@ import numba
 import numpy as np
 import torch
 
+from icekv.kv.paged_cache import pool_row
+
 
 def sparse_decode_cpu(q: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, page_k: torch.Tensor,
                       page_v: torch.Tensor, page_len: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor) -> torch.Tensor:
@@ -42,7 +44,6 @@ def sparse_decode_pool_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: 
 def _decode(q, pool, page_ids, ranges, page_k, page_v, page_len, scale, out):
     hq, d = q.shape
     hkv, n_slots, page_size, _ = page_k.shape
-    pool_page = pool.shape[3]
     n_tail = 0
     for r in range(ranges.shape[0]):
         n_tail += max(ranges[r, 1] - ranges[r, 0], 0)
@@ -52,7 +53,7 @@ def _decode(q, pool, page_ids, ranges, page_k, page_v, page_len, scale, out):
         n = 0
         for r in range(ranges.shape[0]):
             for pos in range(ranges[r, 0], ranges[r, 1]):
-                scores[n] = _dot(q[h], pool[0, kv, page_ids[pos // pool_page], pos % pool_page]) * scale
+                scores[n] = _dot(q[h], pool_row(pool, 0, page_ids, kv, pos)) * scale
                 n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):
@@ -69,7 +70,7 @@ def _decode(q, pool, page_ids, ranges, page_k, page_v, page_len, scale, out):
         n = 0
         for r in range(ranges.shape[0]):
             for pos in range(ranges[r, 0], ranges[r, 1]):
-                _axpy(scores[n], pool[1, kv, page_ids[pos // pool_page], pos % pool_page], acc)
+                _axpy(scores[n], pool_row(pool, 1, page_ids, kv, pos), acc)
                 n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):

@@ -241,8 +241,15 @@ def copy_token(pool_layer, page_ids, head, pos, k_row, v_row):
             k_row[t] = 0
             v_row[t] = 0
         return
-    page_size = pool_layer.shape[3]
-    page, slot = page_ids[pos // page_size], pos % page_size
+    k_src, v_src = pool_row(pool_layer, 0, page_ids, head, pos), pool_row(pool_layer, 1, page_ids, head, pos)
     for t in range(k_row.shape[0]):
-        k_row[t] = pool_layer[0, head, page, slot, t]
-        v_row[t] = pool_layer[1, head, page, slot, t]
+        k_row[t] = k_src[t]
+        v_row[t] = v_src[t]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def pool_row(pool_layer, kv, page_ids, head, pos):
+    """The K (kv = 0) or V (kv = 1) row [D] of position ``pos`` of ``head`` in pool_layer [2, Hkv,
+    pages, P, D] of a request whose page list is ``page_ids``: a view, not a copy."""
+    page_size = pool_layer.shape[3]
+    return pool_layer[kv, head, page_ids[pos // page_size], pos % page_size]
