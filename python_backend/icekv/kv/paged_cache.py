@@ -10,7 +10,6 @@ for one layer is then a single ``index_select`` whose result is already ``[H, to
 from __future__ import annotations
 
 import bisect
-
 from dataclasses import dataclass, field
 
 import numba
