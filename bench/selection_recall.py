@@ -6,8 +6,8 @@ search's top-k pages (per query head, before the GQA merge) to the exact top-k p
 the DCI-tree walk (the paper's) and the centroids search at several candidate counts (the default
 ``IceCacheConfig.candidates(k)`` is 96 for budgets up to 256).
 
-    .venv/bin/python bench/selection_recall.py [--length 4000] [--budget 256] [--candidates 48,96,192] [--bf16]
-        [--out bench/results]
+    .venv/bin/python bench/selection_recall.py [--length 4000] [--budget 256] [--candidates 48,96,192]
+        [--score-dtypes bfloat16,int8] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--candidates", default="48,96,192", help="centroids search: pages rescored per query head")
-    ap.add_argument("--bf16", action="store_true",
-                    help="also the centroids search over a bf16 copy of the index (score_dtype=bfloat16), per candidate count")
+    ap.add_argument("--score-dtypes", default="",
+                    help="also the centroids search over a copy of the index with its page keys in these score "
+                         "dtypes (e.g. bfloat16,int8), per candidate count")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     engine = Engine(EngineConfig())
@@ -69,9 +70,10 @@ def main() -> None:
     searches = {"walk": lambda tree, q: tree.page_scores(q, fov)}
     for c in (int(x) for x in args.candidates.split(",")):
         searches[f"centroids_c{c}"] = lambda tree, q, c=c: tree.centroid_page_scores(q, c)
-    if args.bf16:  # the same searches over an index that holds its page keys in bf16
+    narrow = [d for d in args.score_dtypes.split(",") if d]
+    for dtype in narrow:  # the same searches over an index that holds its page keys in that dtype
         for c in (int(x) for x in args.candidates.split(",")):
-            searches[f"centroids_c{c}_bf16"] = lambda tree, q, c=c: tree.bf16.centroid_page_scores(q, c)
+            searches[f"centroids_c{c}_{dtype}"] = lambda tree, q, c=c, d=dtype: tree.narrow[d].centroid_page_scores(q, c)
     per_layer = {name: {} for name in searches}
     query_s = dict.fromkeys(searches, 0.0)
     build_s = 0.0
@@ -83,8 +85,7 @@ def main() -> None:
             t0 = time.perf_counter()
             tree = DCITree(head_keys, p, cfg, u)
             build_s += time.perf_counter() - t0
-            if args.bf16:
-                tree.bf16 = DCITree(head_keys, p, replace(cfg, score_dtype="bfloat16"), u)
+            tree.narrow = {d: DCITree(head_keys, p, replace(cfg, score_dtype=d), u) for d in narrow}
             toks = tree.page_tokens[: tree.num_pages]
             group = qs.shape[1] // keys.shape[0]
             for q in qs[:, h * group : (h + 1) * group]:  # [G, D]
@@ -101,14 +102,14 @@ def main() -> None:
     engine.release(req)
     result = {
         "command": "bench/selection_recall.py " + " ".join(
-            f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(args).items() if v is not False),
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != ""),
         "prompt_tokens": len(ids), "steps": args.steps, "k_pages": k, "page_size": p,
         "field_of_view": fov,
         "mean_recall": {name: sum(r.values()) / len(r) for name, r in per_layer.items()},
         "query_s_total": query_s, "tree_build_s_total": build_s, "per_layer_recall": per_layer,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "_bf16" if args.bf16 else ""
+    suffix = "".join(f"_{d}" for d in narrow)
     (args.out / f"selection_recall_{args.length}_b{args.budget}{suffix}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer_recall"}, indent=1))
     for name, r in per_layer.items():

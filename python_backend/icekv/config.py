@@ -14,6 +14,7 @@ from pathlib import Path
 from icekv.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+SCORE_DTYPES = ("float32", "bfloat16", "int8")  # the IceCache index's page keys, see icekv.index.score_rows
 
 
 def default_cache_dir() -> Path:
@@ -92,7 +93,9 @@ class IceCacheConfig:
     ``score_dtype="bfloat16"`` keeps the index's page keys (its only copy of them) and centroids in
     bf16: half the index memory and search bytes; the compiled walk and centroids searches widen
     the keys to fp32, the exhaustive search (torch) rounds q to bf16. Accuracy was unchanged in
-    our evals, speed about the same on our CPU, so it is off.
+    our evals, speed about the same on our CPU, so it is off. ``score_dtype="int8"`` stores each
+    key as int8 values with its own fp32 scale (max |value| / 127: nothing clips), about a quarter
+    of fp32's bytes; every search scores with the decoded keys (:mod:`icekv.index.score_rows`).
     """
 
     ratio_1: float = 0.02
@@ -105,15 +108,15 @@ class IceCacheConfig:
     search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (every page exactly) | "centroids"
     rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k,
     min_candidates: int = 96  # and at least this many (small k needs a floor: 2 x 8 misses pages)
-    score_dtype: str = "float32"  # "bfloat16": the dtype of the index's page keys (half the memory)
+    score_dtype: str = "float32"  # the index's page keys: "bfloat16" half the memory, "int8" about a quarter
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:
             raise ConfigError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
         if self.rerank < 1 or self.min_candidates < 1:
             raise ConfigError(f"rerank and min_candidates must be >= 1, got {self.rerank}, {self.min_candidates}")
-        if self.score_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"score_dtype must be float32 or bfloat16, got {self.score_dtype!r}")
+        if self.score_dtype not in SCORE_DTYPES:
+            raise ConfigError(f"score_dtype must be one of {', '.join(SCORE_DTYPES)}, got {self.score_dtype!r}")
         if not (0 < self.ratio_1 <= 0.5):
             raise ConfigError(f"ratio_1 must be in (0, 0.5], got {self.ratio_1}")
         if not (0 < self.ratio_2 <= 0.5):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from icekv.config import SelectionConfig
 from icekv.index.dci_tree import promotion_step
+from icekv.index.score_rows import row_width
 from icekv.model import ModelArgs
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 # The IceCache index keeps each indexed key once in a page-major store whose pages hold P/2..P
 # tokens (about 7/8 full on random and on SmolLM2 keys) and grow with 1/8 headroom; every token
 # also has a norm, a projection, a parent, a level and a store location (32 bytes), every page a
@@ -58,7 +61,7 @@ def index_bytes(args: ModelArgs, context_tokens: int, selection: SelectionConfig
         return 0
     if selection.policy == "icecache_r":
         sparse_layers = -(-sparse_layers // selection.icecache.layer_group)
-    key_bytes = d * DTYPE_BYTES[selection.icecache.score_dtype]
+    key_bytes = row_width(d, getattr(torch, selection.icecache.score_dtype)) * DTYPE_BYTES[selection.icecache.score_dtype]
     per_slot = key_bytes + 4 + 8  # key, pad, member id
     per_page = key_bytes + 8 + 16  # centroid (in the score dtype), version, length and owner
     promoted_key = d * 4 / promotion_step(selection.icecache)

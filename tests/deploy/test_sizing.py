@@ -2,7 +2,7 @@
 
 import torch
 
-from icekv.config import PagingConfig, SelectionConfig
+from icekv.config import IceCacheConfig, PagingConfig, SelectionConfig
 from icekv.engine.full_attention import FullCacheAttention
 from icekv.engine.sparse_attention import SparseCacheAttention
 from icekv.kv import PagedKVCache
@@ -35,8 +35,8 @@ def test_index_estimate_is_close_to_a_built_index(tmp_path):
     make_tiny_hf_model("llama", tmp_path)
     a = load_model(tmp_path).args
     n = 3000
-    for policy in ("icecache", "icecache_r", "quest"):
-        sel = SelectionConfig(policy=policy, budget=64, n_unlimited_layers=1)
+    for policy, score_dtype in (("icecache", "float32"), ("icecache", "int8"), ("icecache_r", "float32"), ("quest", "float32")):
+        sel = SelectionConfig(policy=policy, budget=64, n_unlimited_layers=1, icecache=IceCacheConfig(score_dtype=score_dtype))
         selector = make_selector(sel)
         g = torch.Generator().manual_seed(0)
         for layer in range(1, a.num_layers):

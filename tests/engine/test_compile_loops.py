@@ -18,7 +18,7 @@ def _signatures() -> dict:
 
 
 @pytest.mark.parametrize("search", ["centroids", "walk"])
-@pytest.mark.parametrize("score_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("score_dtype", ["float32", "bfloat16", "int8"])
 def test_a_sparse_decode_after_engine_load_compiles_nothing(engine, essays_text, score_dtype, search):
     before = _signatures()
     assert all(before.values())  # every loop was compiled at load

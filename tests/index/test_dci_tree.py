@@ -7,6 +7,7 @@ from icekv.config import IceCacheConfig
 from icekv.errors import ConfigError
 from icekv.index import DCITree, promotion_levels
 from icekv.index.dci_tree import balanced_cut
+from icekv.index.score_rows import decode, encode
 
 
 def _keys(n, d=32, seed=0):
@@ -149,27 +150,32 @@ def test_centroid_search_rescores_the_best_pages_by_centroid_exactly():
     assert _tree(torch.zeros(0, 32)).centroid_page_scores(q, 8).shape == (3, 0)
 
 
-def test_bf16_page_keys_score_within_bf16_rounding_and_keep_the_tree():
+@pytest.mark.parametrize("score_dtype, tol", [("bfloat16", 0.15), ("int8", 0.25)])  # |q.k| ~ 20-40
+def test_narrow_page_keys_score_within_their_rounding_and_keep_the_tree(score_dtype, tol):
     keys = _keys(900)
     q = torch.randn(3, 32, generator=torch.Generator().manual_seed(9))
     exact = _tree(keys)
-    half = _tree(keys, cfg=IceCacheConfig(score_dtype="bfloat16"))
-    half.insert(_keys(40, seed=4))
+    narrow = _tree(keys, cfg=IceCacheConfig(score_dtype=score_dtype))
+    narrow.insert(_keys(40, seed=4))
     exact.insert(_keys(40, seed=4))
-    assert half.page_keys.dtype == torch.bfloat16
-    assert torch.equal(half.page_tokens, exact.page_tokens)  # same pages: only scoring changes
+    assert narrow.page_keys.dtype == getattr(torch, score_dtype)
+    assert torch.equal(narrow.page_tokens, exact.page_tokens)  # same pages: only scoring changes
     want = exact.exact_page_scores(q)
-    for got in (half.exact_page_scores(q), half.page_scores(q, field_of_view=10**9)):
+    for got in (narrow.exact_page_scores(q), narrow.page_scores(q, field_of_view=10**9),
+                narrow.centroid_page_scores(q, candidates=10**9)):
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=0.15)  # |k| ~ 6: bf16 keeps ~3 digits
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=tol)  # bf16: ~3 digits; int8: 1/254 of the largest entry
+        assert not torch.equal(got, want)  # the keys were rounded
     with pytest.raises(ConfigError, match="score_dtype"):
         IceCacheConfig(score_dtype="float16")
 
 
-@pytest.mark.parametrize("n, group, fov", [(900, 3, 10), (900, 1, 1), (300, 4, 30), (2000, 3, 200), (40, 2, 10**9)])
-def test_compiled_walk_equals_the_numpy_walk(n, group, fov):
+@pytest.mark.parametrize("n, group, fov, score_dtype", [(900, 3, 10, "float32"), (900, 1, 1, "float32"),
+                                                       (300, 4, 30, "float32"), (2000, 3, 200, "float32"),
+                                                       (40, 2, 10**9, "float32"), (900, 3, 10, "int8")])
+def test_compiled_walk_equals_the_numpy_walk(n, group, fov, score_dtype):
     keys = _keys(n, seed=n)
-    tree = _tree(keys[: n * 3 // 4])
+    tree = _tree(keys[: n * 3 // 4], cfg=IceCacheConfig(score_dtype=score_dtype))
     tree.insert(keys[n * 3 // 4 :])  # inserted pages and splits are walked too
     q = torch.randn(group, 32, generator=torch.Generator().manual_seed(group))
     got, want = tree.page_scores(q, fov), tree.page_scores_reference(q, fov)
@@ -180,12 +186,13 @@ def test_compiled_walk_equals_the_numpy_walk(n, group, fov):
         assert int(torch.isfinite(got).sum()) < group * tree.num_pages  # a narrow walk skips pages
 
 
-def test_compiled_walk_over_bf16_keys_is_exact_with_an_unlimited_view():
+@pytest.mark.parametrize("score_dtype", ["bfloat16", "int8"])
+def test_compiled_walk_over_narrow_keys_is_exact_with_an_unlimited_view(score_dtype):
     keys = _keys(500, seed=3)
-    tree = _tree(keys, cfg=IceCacheConfig(score_dtype="bfloat16"))
+    tree = _tree(keys, cfg=IceCacheConfig(score_dtype=score_dtype))
     q = torch.randn(3, 32)
     got = tree.page_scores(q, field_of_view=10**9)
     toks = tree.page_tokens[: tree.num_pages]
-    widened = keys.bfloat16().float()  # fp32 q against the bf16 keys
+    widened = decode(encode(keys, getattr(torch, score_dtype)))  # fp32 q against the stored keys
     exact = (q @ widened.T)[:, toks.clamp_min(0)].masked_fill(toks[None] < 0, float("-inf")).amax(-1)
     torch.testing.assert_close(got, exact)

@@ -6,6 +6,7 @@ import torch
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, PageStore
 from icekv.index.fused_search import centroid_search
+from icekv.index.score_rows import decode
 from icekv.select import Selection
 from icekv.select.gqa import merge_ranked_heads
 
@@ -30,11 +31,11 @@ def _search(store, q, candidates, k):
 
 
 def _reference(store, q, candidates, k):
-    """The torch/numpy search, on an fp32 copy of the store (bf16 pages widened: what the compiled
-    search computes with; the reference would round q to bf16 instead)."""
+    """The torch/numpy search, on an fp32 copy of the store (bf16 and int8 pages decoded: what the
+    compiled search computes with; the reference would round q to bf16 instead)."""
     heads, _, page_size = store.pad.shape
-    wide = PageStore(heads, page_size, store.keys.shape[-1])
-    wide.keys, wide.centroid = store.keys.float(), store.centroid.float()
+    wide = PageStore(heads, page_size, q.shape[-1])
+    wide.keys, wide.centroid = decode(store.keys), decode(store.centroid)
     wide.pad, wide.num_pages = store.pad, store.num_pages
     ids, scores = wide.centroid_candidates(q, candidates)  # [H, c], [H, G, c]
     return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k))]
@@ -47,7 +48,7 @@ def _reference(store, q, candidates, k):
     ([600, 300], 2, 5, 1),  # one page selected
     ([300, 200], 3, 6, 40),  # k above the candidates' union: only candidates come back
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_compiled_search_equals_the_reference(sizes, group, candidates, k, dtype):
     store, trees = _layer(sizes, dtype=dtype)
     for tree in trees[:1]:  # inserts leave partial pages and spare capacity behind
@@ -70,11 +71,12 @@ def test_nothing_to_select():
     assert [len(p) for p in _search(empty, q, 8, 4)] == [0, 0]
 
 
-def test_a_page_without_tokens_is_never_selected():
-    store, _ = _layer([64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_a_page_without_tokens_is_never_selected(dtype):
+    store, _ = _layer([64], dtype=dtype)
     page = 0
     store.write(0, torch.tensor([page]), torch.zeros(1, 16, 32), torch.zeros(1, 16, dtype=torch.bool))
-    assert bool(torch.isnan(store.centroid[0, page]).all())  # its mean key is 0/0
+    assert bool(torch.isnan(decode(store.centroid[0, page])).all())  # its mean key is 0/0
     q = torch.randn(1, 2, 32)
     picks = _search(store, q, 100, 100)[0].tolist()
     assert page not in picks and len(picks) == store.num_pages.item() - 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from icekv.config import SEARCHES, IceCacheConfig
+from icekv.config import SCORE_DTYPES, SEARCHES, IceCacheConfig
 from icekv.errors import IcekvError
 
 
@@ -61,8 +61,9 @@ def _icecache_flags(parser) -> None:
 
 
 def _score_dtype_flag(parser, default: str | None) -> None:
-    parser.add_argument("--score-dtype", choices=("float32", "bfloat16"), default=default,
-                        help="icecache: dtype of the index's page keys (bfloat16: half the memory and bytes)")
+    parser.add_argument("--score-dtype", choices=SCORE_DTYPES, default=default,
+                        help="icecache: dtype of the index's page keys (bfloat16: half the memory and bytes, "
+                             "int8 with a scale per key: about a quarter)")
 
 
 def _icecache_config(args):

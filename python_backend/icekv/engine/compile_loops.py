@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from icekv.config import IceCacheConfig, PagingConfig
+from icekv.config import SCORE_DTYPES, IceCacheConfig, PagingConfig
 from icekv.index import DCITree
 from icekv.index.fused_search import centroid_search
 from icekv.kernels.cpu_decode import sparse_decode_cpu
@@ -23,7 +23,7 @@ from icekv.kv import DevicePageCache, PagedKVCache
 def compile_loops(kv_dtype: torch.dtype) -> None:
     """Run every compiled loop once; ``kv_dtype``: the KV pool's dtype (rows are copied by width)."""
     g = torch.Generator().manual_seed(0)
-    for score_dtype in ("float32", "bfloat16"):  # the index's page keys
+    for score_dtype in SCORE_DTYPES:  # the index's page keys
         tree = DCITree(torch.randn(40, 8, generator=g), 4, IceCacheConfig(score_dtype=score_dtype), torch.ones(9) / 3)
         tree.insert(torch.randn(4, 8, generator=g))  # placement, page rows
         q = torch.randn(1, 2, 8, generator=g)

@@ -22,7 +22,7 @@ import torch
 from icekv.config import IceCacheConfig
 from icekv.index.page_store import PageStore
 from icekv.index.placement import place_tokens
-from icekv.index.score_rows import raw
+from icekv.index.score_rows import computable, raw
 from icekv.index.tree_walk import walk_scores
 
 ROOT = -1
@@ -184,7 +184,7 @@ class DCITree:
 
     @property
     def page_keys(self) -> torch.Tensor:
-        return self.store.keys[self.head]  # [cap, P, D] fp32 or bf16, 0 on holes
+        return self.store.keys[self.head]  # [cap, P, W] rows of the score dtype, 0 on holes
 
     @property
     def page_pad(self) -> torch.Tensor:
@@ -192,7 +192,7 @@ class DCITree:
 
     @property
     def page_centroid(self) -> torch.Tensor:
-        return self.store.centroid[self.head]  # [cap, D] each page's mean key
+        return self.store.centroid[self.head]  # [cap, W] each page's mean key, a row of the score dtype
 
     def _sync_pages(self, pages: torch.Tensor, new_keys: torch.Tensor, first_new: int) -> None:
         """Rewrite the store rows of ``pages`` [m] after their members changed: tokens from
@@ -228,13 +228,13 @@ class DCITree:
 
     def page_scores_reference(self, q: torch.Tensor, field_of_view: int) -> torch.Tensor:
         """:meth:`page_scores` on numpy views of the tree (all query heads' walks batched; the
-        specification the compiled walk is tested against). bf16 keys: q is rounded to bf16 too."""
+        specification the compiled walk is tested against). bf16 keys: q is rounded to bf16 too;
+        int8 keys are decoded to fp32."""
         indptr, csr_pages = (t.numpy() for t in self._csr())
         csr_owner, page_tokens = self._csr_owner.numpy(), self.page_tokens.numpy()
         dtype = self.page_keys.dtype
         page_keys = raw(self.page_keys)
         page_pad = self.page_pad.numpy()
-        q_t = q.T.to(dtype).contiguous()  # [D, G]
         g = q.shape[0]
         heads = np.arange(g)[:, None]
         scores = np.full((g, self.num_pages), -np.inf, dtype=np.float32)  # [G, num_pages]
@@ -242,7 +242,8 @@ class DCITree:
         owner_ok = np.ones((g, len(pages)), dtype=bool)  # [G, m] page reached by head g
         while len(pages):
             toks = page_tokens.take(pages, axis=0)  # [m, P]
-            k = torch.from_numpy(page_keys.take(pages, axis=0)).view(dtype)  # [m, P, D] (bf16 moved as int16)
+            k = computable(torch.from_numpy(page_keys.take(pages, axis=0)).view(dtype))  # [m, P, D] (bf16 moved as int16)
+            q_t = q.T.to(k.dtype)  # [D, G]
             # the product in torch: numpy's BLAS threads would fight torch's for the same cores
             s = (k.reshape(-1, k.shape[-1]) @ q_t).float().numpy().T.reshape(g, len(pages), -1)  # [G, m, P]
             s += page_pad.take(pages, axis=0)  # -inf on holes

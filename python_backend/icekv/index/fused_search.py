@@ -12,8 +12,10 @@ In the decode loop the index comes from DRAM (the dense layers evict it): at 32k
 ~1.7 MB of centroids and ~2.2 MB of candidate keys, and that, not arithmetic, sets its time.
 
 Compiled on first call and cached on disk (numba ``cache=True``): only the first process after an
-install pays the compile (seconds). A bf16 store (``score_dtype``) is read as its raw bits and
-widened row by row (half the bytes read; on our CPU no faster, the widening costs what it saves).
+install pays the compile (seconds). A bf16 or int8 store (``score_dtype``) is read as raw rows and
+widened one at a time (:mod:`icekv.index.score_rows`): bf16 halves the bytes read, but on our CPU
+the widening costs about what it saves; int8 reads about a quarter and is faster in the decode
+loop, where the reads come from DRAM.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def centroid_search(store: PageStore, q: torch.Tensor, candidates: int,
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
 def _search(q, centroid, keys, pad, num_pages, version, candidates, k, parts):
-    """q [H, G, D], centroid [H, cap, D], keys [H, cap, P, D], pad [H, cap, P], num_pages [H],
-    version [H, cap] -> (heads [n], pages [n], versions [n]).
+    """q [H, G, D], centroid [H, cap, W], keys [H, cap, P, W] (rows of the score dtype), pad
+    [H, cap, P], num_pages [H], version [H, cap] -> (heads [n], pages [n], versions [n]).
 
     The reads (centroids, then the candidates' keys) are split into ``parts`` slices per head and
     the slices of all heads run in parallel (a few KV heads do not spread evenly over the cores),
@@ -90,7 +92,7 @@ def _slice(task, parts, sizes):
 
 @_jit
 def _scores(qh, rows, lo, hi, out):
-    """qh [G, D], rows [m, D] -> out[:, lo:hi] [G, hi - lo]: the products with rows lo..hi-1; a
+    """qh [G, D], rows [m, W] -> out[:, lo:hi] [G, hi - lo]: the products with rows lo..hi-1; a
     non-finite one (an emptied page) -> -inf."""
     buf = np.empty(qh.shape[1], dtype=np.float32)  # [D]
     for j in range(lo, hi):
@@ -104,7 +106,7 @@ def _scores(qh, rows, lo, hi, out):
 
 @_jit
 def _best_token(qh, page_keys, page_pad, best):
-    """qh [G, D], page_keys [P, D], page_pad [P] (0 or -inf): raises best [G] to the best q.k over
+    """qh [G, D], page_keys [P, W], page_pad [P] (0 or -inf): raises best [G] to the best q.k over
     the page's tokens."""
     buf = np.empty(qh.shape[1], dtype=np.float32)  # [D]
     for slot in range(page_keys.shape[0]):

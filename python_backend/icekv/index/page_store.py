@@ -1,8 +1,8 @@
 """The pages of one layer's DCI trees (one per KV head), and the searches that read them.
 
 Each DCI tree decides which tokens form its pages; the pages live here: their members (local
-token ids), version, keys page-major (the index's only copy of them, in fp32 or the bf16 score
-dtype), a pad row (``-inf`` on a hole) and the page's mean key. The heads of a layer share one set of ``[H, cap, ...]`` tensors,
+token ids), version, keys page-major (the index's only copy of them, as rows of the score dtype:
+fp32, bf16 or int8 with a scale, see :mod:`icekv.index.score_rows`), a pad row (``-inf`` on a hole) and the page's mean key. The heads of a layer share one set of ``[H, cap, ...]`` tensors,
 so a search scores every head's pages with one batched product, and the transfer path looks up
 every head's selected pages with one index, instead of one small call per head (per-call overhead
 dominates at decode sizes on a CPU).
@@ -14,23 +14,32 @@ import numba
 import numpy as np
 import torch
 
-from icekv.index.score_rows import narrow, raw, widen
+from icekv.index.score_rows import (
+    computable,
+    decode,
+    encode,
+    narrow,
+    raw,
+    row_width,
+    widen,
+)
 
 NEG_INF = float("-inf")
 
 
 class PageStore:
-    """Members [H, cap, P], versions [H, cap], keys [H, cap, P, D], pads [H, cap, P] and centroids
-    [H, cap, D] of the pages of ``heads`` trees. The trees write members and versions, and
+    """Members [H, cap, P], versions [H, cap], keys [H, cap, P, W], pads [H, cap, P] and centroids
+    [H, cap, W] of the pages (W: the stored row's width, D unless int8) of ``heads`` trees. The trees write members and versions, and
     :meth:`rewrite` a page's keys, pad and centroid whenever its members change (:meth:`write`
     sets them from given keys: the plain-torch specification of a row)."""
 
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype = torch.float32):
         self.tokens = torch.full((heads, 0, page_size), -1, dtype=torch.long)  # [H, cap, P] -1: a hole
         self.version = torch.zeros(heads, 0, dtype=torch.long)  # [H, cap] bumped on every change
-        self.keys = torch.zeros(heads, 0, page_size, dim, dtype=dtype)  # [H, cap, P, D] 0 on holes
+        w = row_width(dim, dtype)
+        self.keys = torch.zeros(heads, 0, page_size, w, dtype=dtype)  # [H, cap, P, W] 0 on holes
         self.pad = torch.full((heads, 0, page_size), NEG_INF)  # [H, cap, P] 0 on a token, -inf on a hole
-        self.centroid = torch.zeros(heads, 0, dim, dtype=dtype)  # [H, cap, D] each page's mean key
+        self.centroid = torch.zeros(heads, 0, w, dtype=dtype)  # [H, cap, W] each page's mean key
         self.num_pages = torch.zeros(heads, dtype=torch.long)  # [H] pages in use per head
         self._search_views: tuple | None = None  # numpy views for the compiled search; None: stale
 
@@ -72,10 +81,10 @@ class PageStore:
 
     def write(self, head: int, pages: torch.Tensor, keys: torch.Tensor, present: torch.Tensor) -> None:
         """Set ``pages`` [m] of ``head``: keys [m, P, D] (any value on holes), present [m, P] bool."""
-        keys = keys * present[..., None]  # [m, P, D] 0 on holes
-        self.keys[head, pages] = keys.to(self.keys.dtype)
+        keys = keys.float() * present[..., None]  # [m, P, D] 0 on holes
+        self.keys[head, pages] = encode(keys, self.keys.dtype)
         self.pad[head, pages] = torch.where(present, 0.0, NEG_INF)
-        self.centroid[head, pages] = (keys.float().sum(1) / present.sum(1, keepdim=True)).to(self.centroid.dtype)  # [m, D]
+        self.centroid[head, pages] = encode(keys.sum(1) / present.sum(1, keepdim=True), self.centroid.dtype)  # [m, W]
 
     def rewrite(self, head: int, pages: torch.Tensor, loc: torch.Tensor, new_keys: torch.Tensor, first_new: int) -> None:
         """Rebuild the rows of ``pages`` [m] of ``head`` from their members (``tokens``), after a
@@ -96,9 +105,10 @@ class PageStore:
 
         ``head``: score only that head's pages (q [1, G, D])."""
         keys, pad, _, num_pages = self._heads(head)
-        h, _, p, d = keys.shape
+        h, _, p, _ = keys.shape
         m = int(num_pages.max()) if h else 0
-        s = torch.bmm(keys[:, :m].view(h, m * p, d), q.transpose(1, 2).to(keys.dtype))  # [H, m*P, G]
+        keys = computable(keys[:, :m])  # [H, m, P, D]
+        s = torch.bmm(keys.reshape(h, m * p, q.shape[-1]), q.transpose(1, 2).to(keys.dtype))  # [H, m*P, G]
         s = (s.float().view(h, m, p, q.shape[1]) + pad[:, :m, :, None]).amax(2)  # [H, m, G]
         return s.transpose(1, 2) + _unused(num_pages, m)
 
@@ -119,13 +129,13 @@ class PageStore:
 
         Only the centroids and the candidates' keys are read. ``head``: that head only (q [1, G, D])."""
         keys, pad, centroid, num_pages = self._heads(head)
-        h, cap, p, d = keys.shape
+        h, cap, p, w = keys.shape
         g = q.shape[1]
         m = int(num_pages.max()) if h else 0
         if m == 0:
             return torch.full((h, 0), -1, dtype=torch.long), torch.full((h, g, 0), NEG_INF)
         # products in torch, the small index work in numpy (a tenth of torch's per-call cost)
-        estimate = (torch.bmm(q.float(), centroid[:, :m].float().transpose(1, 2)) + _unused(num_pages, m)).numpy()  # [H, G, m]
+        estimate = (torch.bmm(q.float(), decode(centroid[:, :m]).transpose(1, 2)) + _unused(num_pages, m)).numpy()  # [H, G, m]
         c = min(candidates, m)
         top = np.argpartition(estimate, m - c, axis=2)[..., m - c:]  # [H, G, c] unordered
         pick = np.zeros((h, m), dtype=bool)  # [H, m] the union over query heads
@@ -133,10 +143,10 @@ class PageStore:
         hs, pages = np.nonzero(pick & np.isfinite(estimate[:, 0]))  # [n], [n] grouped by head, pages ascending
         n = len(hs)
         flat = torch.from_numpy(hs * cap + pages)  # [n] rows of the [H * cap] views
-        k = keys.view(h * cap, p, d).index_select(0, flat)  # [n, P, D]
+        k = computable(keys.view(h * cap, p, w).index_select(0, flat))  # [n, P, D]
         # every query head against every candidate in one product (cheaper on a CPU than a bmm of
         # n tiny batches or one skinny product per head), then each candidate keeps its own head's
-        s = (k.view(-1, d) @ q.reshape(-1, d).T.to(k.dtype)).float()  # [n * P, H * G]
+        s = (k.reshape(n * p, q.shape[-1]) @ q.reshape(h * g, -1).T.to(k.dtype)).float()  # [n * P, H * G]
         s = s.view(n, p, -1) + pad.view(h * cap, p).index_select(0, flat)[..., None]  # [n, P, H * G]
         s = s.amax(1).numpy().reshape(n, h, g)[np.arange(n), hs]  # [n, G]
         per_head = np.bincount(hs, minlength=h)  # [H]
@@ -156,10 +166,10 @@ def _unused(num_pages: torch.Tensor, m: int) -> torch.Tensor:
 
 @numba.njit(cache=True, nogil=True)
 def _rewrite(tokens, loc, keys, pad, centroid, pages, new_keys, first_new):
-    """:meth:`PageStore.rewrite` on one head's rows: tokens [cap, P], loc [n], keys [cap, P, D],
-    pad [cap, P], centroid [cap, D]; pages [m]; new_keys [n_new, D]."""
-    m, page_size, d = pages.shape[0], pad.shape[1], centroid.shape[1]
-    flat = keys.reshape(-1, d)  # [cap * P, D] the rows loc names
+    """:meth:`PageStore.rewrite` on one head's rows: tokens [cap, P], loc [n], keys [cap, P, W],
+    pad [cap, P], centroid [cap, W]; pages [m]; new_keys [n_new, D]."""
+    m, page_size, d = pages.shape[0], pad.shape[1], new_keys.shape[1]
+    flat = keys.reshape(-1, keys.shape[2])  # [cap * P, W] the rows loc names
     fresh = np.zeros((m, page_size, d), dtype=np.float32)  # [m, P, D] every old row read before any is written
     buf = np.empty(d, dtype=np.float32)
     for i in range(m):
@@ -180,7 +190,7 @@ def _rewrite(tokens, loc, keys, pad, centroid, pages, new_keys, first_new):
                 loc[t] = page * page_size + s
                 mean += fresh[i, s]
                 count += 1
-        narrow(mean / count if count else np.full(d, np.nan, dtype=np.float32), centroid[page])  # no members: NaN
+        narrow(mean / np.float32(count) if count else np.full(d, np.nan, dtype=np.float32), centroid[page])  # no members: NaN
 
 
 @numba.njit(cache=True, nogil=True)

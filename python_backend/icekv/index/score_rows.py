@@ -1,9 +1,16 @@
-"""Rows of the index's score dtype inside numba loops: fp32 as is, bf16 as raw bits.
+"""Rows of the index's score dtype: the page keys and centroids it ranks pages with.
 
-numpy (and so numba) has no bf16: a bf16 tensor crosses as its int16 bits (:func:`raw`), and
-compiled loops widen a row to fp32 to compute with it (:func:`widen`) or round an fp32 row back
-(:func:`narrow`, round-to-nearest-even like torch). Each compiles to a plain copy-free path for
-fp32 rows.
+Three formats, one per ``IceCacheConfig.score_dtype``:
+
+- ``float32``: a row is its D values.
+- ``bfloat16``: D bf16 values. numpy (and so numba) has no bf16: they cross as int16 bits.
+- ``int8``: D int8 values and, in the row's last four bytes, its fp32 scale (value * scale is
+  the key; scale = max |key| / 127 per row, so no row clips; NaN marks a row with no key).
+  A quarter of fp32's bytes, and self-describing: every compiled loop reads a row as one array.
+
+:func:`encode` and :func:`decode` are the torch side (the specification), :func:`widen` and
+:func:`narrow` the same conversions inside numba loops, bit-identical to them. Each compiles to a
+plain copy-free path for fp32 rows.
 """
 
 from __future__ import annotations
@@ -13,24 +20,70 @@ import torch
 from numba import types
 from numba.extending import overload
 
+SCALE_BYTES = 4  # int8 rows: the fp32 scale after the values
+INT8_MAX = 127
+
+
+def row_width(dim: int, dtype: torch.dtype) -> int:
+    """Entries of a stored row of ``dim`` values."""
+    return dim + SCALE_BYTES if dtype == torch.int8 else dim
+
+
+def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., D] -> rows [..., row_width(D)] in ``dtype``."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / INT8_MAX  # [..., 1] NaN stays NaN
+    values = torch.where(scale > 0, torch.round(x / scale), 0.0).clamp(-INT8_MAX, INT8_MAX)  # [..., D]
+    return torch.cat([values.to(torch.int8), scale.contiguous().view(torch.int8)], -1)
+
+
+def decode(rows: torch.Tensor) -> torch.Tensor:
+    """rows [..., W] -> the keys [..., D] in fp32."""
+    if rows.dtype != torch.int8:
+        return rows.float()
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)  # [..., 1]
+    return rows[..., :-SCALE_BYTES].float() * scale
+
+
+def computable(rows: torch.Tensor) -> torch.Tensor:
+    """rows [..., W] -> [..., D] in a dtype torch multiplies: fp32 and bf16 as they are, int8 decoded."""
+    return decode(rows) if rows.dtype == torch.int8 else rows
+
 
 def raw(t: torch.Tensor) -> np.ndarray:
-    """fp32 as is; bf16 as its bits (int16)."""
+    """fp32 and int8 as they are; bf16 as its bits (int16)."""
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def widen(row, buf):
-    """row [D] fp32, or bf16 bits -> an fp32 row: ``row`` itself, or ``buf`` [D] filled."""
+    """row [W] of any format, buf [D] fp32 -> the row's keys in fp32: ``row`` itself, or ``buf`` filled."""
 
 
 def narrow(row, out):
-    """Write the fp32 row [D] into ``out`` [D]: fp32, or bf16 bits rounded to nearest even."""
+    """Write the fp32 row [D] into ``out`` [W]: fp32; bf16 bits rounded to nearest even; int8
+    values and scale as :func:`encode` writes them."""
 
 
 @overload(widen, inline="always")
 def _widen(row, buf):
     if row.dtype == types.float32:
         return lambda row, buf: row
+
+    if row.dtype == types.int8:
+        def from_int8(row, buf):
+            d = buf.shape[0]
+            bits = buf.view(np.int32)
+            word = np.int32(0)
+            for b in range(SCALE_BYTES):  # little-endian bytes of the fp32 scale
+                word |= np.int32(np.uint8(row[d + b])) << (8 * b)
+            bits[0] = word
+            scale = buf[0]
+            for t in range(d):
+                buf[t] = np.float32(row[t]) * scale
+            return buf
+        return from_int8
 
     def from_bits(row, buf):
         bits = buf.view(np.int32)
@@ -47,6 +100,28 @@ def _narrow(row, out):
         def copy(row, out):
             out[:] = row
         return copy
+
+    if out.dtype == types.int8:
+        def to_int8(row, out):
+            d = row.shape[0]
+            top = np.float32(0.0)
+            for t in range(d):
+                a = abs(np.float32(row[t]))
+                if not a <= top:  # a NaN wins too
+                    top = a
+            scale = top / np.float32(INT8_MAX)
+            top_value = np.float32(INT8_MAX)
+            for t in range(d):
+                v = np.float32(0.0)  # a zero or NaN row: values 0
+                if scale > 0:
+                    v = min(max(np.rint(np.float32(row[t]) / scale), -top_value), top_value)
+                out[t] = np.int8(v)
+            word = np.empty(1, dtype=np.float32)
+            word[0] = scale
+            bits = word.view(np.int32)[0]
+            for b in range(SCALE_BYTES):
+                out[d + b] = np.int8(np.uint8((bits >> (8 * b)) & 0xFF))
+        return to_int8
 
     def to_bits(row, out):
         bits = row.view(np.uint32)

@@ -20,7 +20,7 @@ from icekv.index.score_rows import widen
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
 def walk_scores(q, indptr, csr_pages, page_tokens, page_keys, page_pad, num_pages, field_of_view):
     """q [G, D] fp32; indptr [n + 2] over owner keys (root 0, token t -> t + 1) into csr_pages
-    [num_pages]; page_tokens [cap, P], page_keys [cap, P, D] (fp32 or bf16 bits), page_pad
+    [num_pages]; page_tokens [cap, P], page_keys [cap, P, W] (rows of the score dtype), page_pad
     [cap, P] -> scores [G, num_pages]."""
     g_n, d = q.shape
     page_size = page_tokens.shape[1]
