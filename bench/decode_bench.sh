@@ -13,6 +13,9 @@ $I bench decode "${ARGS[@]}" --unlimited-layers 0 --out bench/results/decode_all
 $I bench decode "${ARGS[@]}" --score-dtype bfloat16 --out bench/results/decode_bf16_scores
 $I bench decode "${ARGS[@]}" --score-dtype bfloat16 --search exhaustive --out bench/results/decode_bf16_exhaustive
 $I bench decode "${ARGS[@]}" --score-dtype bfloat16 --search centroids --out bench/results/decode_centroids_bf16
+$I bench decode "${ARGS[@]}" --score-dtype int8 --search centroids --out bench/results/decode_centroids_int8
+$I bench decode "${ARGS[@]}" --score-dtype int8 --search centroids --unlimited-layers 0 \
+    --out bench/results/decode_centroids_int8_all_layers_budgeted
 # time to first token needs real prefills (16k: ~4 minutes on 2 cores)
 $I bench decode --contexts 4096,16384 --policies full,icecache,icecache_r --budget 256 --steps 8 \
     --search centroids --ttft-contexts 4096,16384 --out bench/results/decode_ttft

@@ -50,6 +50,10 @@ def test_size_matches_the_model_shape(smollm2_dir):
     assert out["host_pool_bytes"] == 2 * 4096 * out["kv_bytes_per_token"]
     assert out["device_bytes_budget"] < out["device_bytes_full"]
     assert 0 < out["index_host_bytes"] < out["host_pool_bytes"]  # per request: about 1.6x its indexed keys
+    small = json.loads(icekv("size", "--context", "4096", "--score-dtype", "int8", "--json").stdout)
+    assert 0.3 * out["index_host_bytes"] < small["index_host_bytes"] < 0.5 * out["index_host_bytes"]  # keys 68 B, not 256
+    bad = icekv("size", "--score-dtype", "float16")
+    assert bad.returncode != 0 and "--score-dtype" in bad.stderr
 
 
 @pytest.mark.model

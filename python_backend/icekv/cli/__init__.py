@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from icekv.cli.common import _icecache_flags, _positive_int, _serving_flags, _serving_parameters
-from icekv.config import SelectionConfig
+from icekv.cli.common import _icecache_flags, _positive_int, _score_dtype_flag, _serving_flags, _serving_parameters
+from icekv.config import IceCacheConfig, SelectionConfig
 from icekv.errors import IcekvError
 
 
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     sz.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8, help="requests held at once")
     sz.add_argument("--budget", type=_positive_int("--budget"), default=256)
     sz.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    _score_dtype_flag(sz, default=IceCacheConfig.score_dtype)
     sz.add_argument("--json", action="store_true")
 
     serve = sub.add_parser("serve", help="run tritonserver with the icekv model until SIGINT/SIGTERM")

@@ -108,14 +108,14 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_size(args) -> int:
-    from icekv.config import SelectionConfig
+    from icekv.config import IceCacheConfig, SelectionConfig
     from icekv.engine.engine import resolve_model_dir
     from icekv.model import ModelArgs
     from icekv.sizing import size
 
     model_args = ModelArgs.from_dir(resolve_model_dir(args.model))
-    plan = size(model_args, args.context, args.concurrent, SelectionConfig(policy="icecache", budget=args.budget),
-                args.dtype)
+    selection = SelectionConfig(policy="icecache", budget=args.budget, icecache=IceCacheConfig(score_dtype=args.score_dtype))
+    plan = size(model_args, args.context, args.concurrent, selection, args.dtype)
     if args.json:
         print(json.dumps(plan.to_dict()))
         return 0
@@ -125,5 +125,5 @@ def _cmd_size(args) -> int:
           f"(--host-pool-tokens {args.concurrent * args.context})")
     print(f"device KV per request: full attention {mib(plan.device_bytes_full)}; "
           f"icecache budget {args.budget}: at most {mib(plan.device_bytes_budget)} ({plan.device_saving:.1f}x less)")
-    print(f"host memory of the icecache index per request: about {mib(plan.index_host_bytes)}")
+    print(f"host memory of the icecache index per request ({args.score_dtype} page keys): about {mib(plan.index_host_bytes)}")
     return 0
