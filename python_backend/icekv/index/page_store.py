@@ -2,7 +2,8 @@
 
 Each DCI tree decides which tokens form its pages; the pages live here: their members (local
 token ids), version, keys page-major (the index's only copy of them, as rows of the score dtype:
-fp32, bf16 or int8 with a scale, see :mod:`icekv.index.score_rows`), a pad row (``-inf`` on a hole) and the page's mean key. The heads of a layer share one set of ``[H, cap, ...]`` tensors,
+fp32, bf16 or int8 with a scale, see :mod:`icekv.index.score_rows`), a pad row (``-inf`` on a
+hole) and the page's mean key. The heads of a layer share one set of ``[H, cap, ...]`` tensors,
 so a search scores every head's pages with one batched product, and the transfer path looks up
 every head's selected pages with one index, instead of one small call per head (per-call overhead
 dominates at decode sizes on a CPU).
@@ -14,24 +15,16 @@ import numba
 import numpy as np
 import torch
 
-from icekv.index.score_rows import (
-    computable,
-    decode,
-    encode,
-    narrow,
-    raw,
-    row_width,
-    widen,
-)
+from icekv.index.score_rows import computable, decode, encode, narrow, raw, row_width, widen
 
 NEG_INF = float("-inf")
 
 
 class PageStore:
     """Members [H, cap, P], versions [H, cap], keys [H, cap, P, W], pads [H, cap, P] and centroids
-    [H, cap, W] of the pages (W: the stored row's width, D unless int8) of ``heads`` trees. The trees write members and versions, and
-    :meth:`rewrite` a page's keys, pad and centroid whenever its members change (:meth:`write`
-    sets them from given keys: the plain-torch specification of a row)."""
+    [H, cap, W] (W: a stored row's width, D unless int8) of the pages of ``heads`` trees. The trees
+    write members and versions, and :meth:`rewrite` a page's keys, pad and centroid whenever its
+    members change (:meth:`write` sets them from given keys: the plain-torch specification of a row)."""
 
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype = torch.float32):
         self.tokens = torch.full((heads, 0, page_size), -1, dtype=torch.long)  # [H, cap, P] -1: a hole
