@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import types
+from numba import njit, types
 from numba.extending import overload
 
 SCALE_BYTES = 4  # int8 rows: the fp32 scale after the values
@@ -102,26 +102,7 @@ def _narrow(row, out):
         return copy
 
     if out.dtype == types.int8:
-        def to_int8(row, out):
-            d = row.shape[0]
-            top = np.float32(0.0)
-            for t in range(d):
-                a = abs(np.float32(row[t]))
-                if not a <= top:  # a NaN wins too
-                    top = a
-            scale = top / np.float32(INT8_MAX)
-            top_value = np.float32(INT8_MAX)
-            for t in range(d):
-                v = np.float32(0.0)  # a zero or NaN row: values 0
-                if scale > 0:
-                    v = min(max(np.rint(np.float32(row[t]) / scale), -top_value), top_value)
-                out[t] = np.int8(v)
-            word = np.empty(1, dtype=np.float32)
-            word[0] = scale
-            bits = word.view(np.int32)[0]
-            for b in range(SCALE_BYTES):
-                out[d + b] = np.int8(np.uint8((bits >> (8 * b)) & 0xFF))
-        return to_int8
+        return lambda row, out: _to_int8(row, out)  # a call, not inlined: numba's SSA pass warns on its branches
 
     def to_bits(row, out):
         bits = row.view(np.uint32)
@@ -129,3 +110,26 @@ def _narrow(row, out):
             b = bits[t]
             out[t] = np.int16(np.int32((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)))
     return to_bits
+
+
+@njit(cache=True, nogil=True)
+def _to_int8(row, out):
+    """:func:`narrow` into an int8 row: values and scale as :func:`encode` writes them."""
+    d = row.shape[0]
+    top = np.float32(0.0)
+    for t in range(d):
+        a = abs(np.float32(row[t]))
+        if not a <= top:  # a NaN wins too
+            top = a
+    scale = top / np.float32(INT8_MAX)
+    top_value = np.float32(INT8_MAX)
+    for t in range(d):
+        v = np.float32(0.0)  # a zero or NaN row: values 0
+        if scale > 0:
+            v = min(max(np.rint(np.float32(row[t]) / scale), -top_value), top_value)
+        out[t] = np.int8(v)
+    word = np.empty(1, dtype=np.float32)
+    word[0] = scale
+    bits = word.view(np.int32)[0]
+    for b in range(SCALE_BYTES):
+        out[d + b] = np.int8(np.uint8((bits >> (8 * b)) & 0xFF))
