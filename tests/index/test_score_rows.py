@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from icekv.index.score_rows import decode, encode, narrow, raw, row_width, widen
+from icekv.index.score_rows import decode, dots, encode, narrow, raw, row_width, widen
 
 
 @numba.njit(cache=True)
@@ -20,6 +20,15 @@ def _widen_rows(rows, d):
     buf = np.empty(d, dtype=np.float32)
     for i in range(rows.shape[0]):
         out[i] = widen(rows[i], buf)
+    return out
+
+
+@numba.njit(cache=True)
+def _dots_rows(qh, rows):
+    out = np.empty((rows.shape[0], qh.shape[0]), dtype=np.float32)
+    buf = np.empty(qh.shape[1], dtype=np.float32)
+    for i in range(rows.shape[0]):
+        dots(qh, rows[i], buf, out[i])
     return out
 
 
@@ -56,3 +65,15 @@ def test_int8_rows_keep_each_key_to_half_a_step_of_its_own_scale():
     assert bool(((decode(rows) - x).abs() <= step / 2 * (1 + 1e-5)).all())
     assert bool((rows[:, :-4].abs().amax(-1) == 127).all())
     assert torch.equal(encode(decode(rows), torch.int8), rows)  # re-encoding a stored row keeps it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("g", [1, 3])
+def test_compiled_dots_are_the_products_with_the_decoded_keys(dtype, g):
+    rows = encode(_awkward_rows(), dtype)  # [n, W]
+    qh = torch.randn(g, 24, generator=torch.Generator().manual_seed(3))  # [G, D]
+    got = torch.from_numpy(_dots_rows(qh.numpy(), raw(rows)))  # [n, G]
+    want = decode(rows) @ qh.T  # [n, G]
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got)) and not bool(finite[1].any())  # the NaN row stays NaN
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5 * float(want[finite].abs().max()))

@@ -21,11 +21,11 @@ import torch
 
 from icekv.config import IceCacheConfig
 from icekv.index.page_store import PageStore
+from icekv.index.parents import ROOT, append_tokens
 from icekv.index.placement import place_tokens
 from icekv.index.score_rows import computable, raw
 from icekv.index.tree_walk import walk_scores
 
-ROOT = -1
 
 
 def with_headroom(n: int) -> int:
@@ -47,13 +47,18 @@ def promotion_step(cfg: IceCacheConfig) -> int:
     return max(round(1 / cfg.ratio_1), 1)
 
 
+def upper_step(cfg: IceCacheConfig) -> int:
+    """Every ``upper_step``-th token of a level >= 1 is promoted one level higher."""
+    return max(round(1 / cfg.ratio_2), 2)
+
+
 def promotion_levels(j: torch.Tensor, cfg: IceCacheConfig) -> torch.Tensor:
     """Level of the tokens with local indices ``j`` [n]: a deterministic schedule in sequence order.
 
     Every ``1/ratio_1``-th token reaches level 1, every ``1/ratio_2``-th of those level 2, and so
     on up to ``max_level``; token 0 always sits at the top level.
     """
-    step1, step2 = promotion_step(cfg), max(round(1 / cfg.ratio_2), 2)
+    step1, step2 = promotion_step(cfg), upper_step(cfg)
     level = torch.zeros_like(j)
     promoted = j % step1 == 0
     q = j // step1
@@ -282,8 +287,8 @@ class DCITree:
     def insert(self, keys: torch.Tensor) -> set[int]:
         """Append tokens (keys [m, D], next in sequence order) without a rebuild.
 
-        Levels, norms, projections and parents are computed for the whole batch at once; the
-        placement into pages (which may split a full page) goes token by token, compiled
+        Norms, levels, projections and parents in one compiled call (:mod:`icekv.index.parents`),
+        then the placement into pages (which may split a full page), token by token, compiled
         (:mod:`icekv.index.placement`). Returns the ids of the pages that changed (new tokens,
         splits, new pages).
         """
@@ -292,27 +297,15 @@ class DCITree:
             return set()
         self._grow(m)
         first = self.n
-        new = torch.arange(first, first + m)  # [m] local ids
         self.n += m
-        keys = keys.float()
-        self.norm2[new] = keys.pow(2).sum(-1)
-        self.max_norm2 = max(self.max_norm2, float(self.norm2[new].max()))
-        self.level[new] = promotion_levels(new, self.cfg)
-        self.proj[new] = self._project(keys, self.norm2[new])
-        promoted = new[new % self.step == 0]
-        self.node_keys[promoted // self.step] = keys[promoted - first]
-        level = self.level[: self.n]
-        for lvl in sorted(set(self.level[new].tolist()), reverse=True):
-            mine = self.level[new] == lvl
-            who = new[mine]
-            higher = level[level > lvl]
-            if len(higher) == 0:
-                self.parent[who] = ROOT
-            else:
-                self.parent[who] = self._nearest(who, keys[mine], torch.nonzero(level == int(higher.min())).flatten())
+        keys = keys.float().contiguous()
+        parent = self.parent.numpy()
+        self.max_norm2 = append_tokens(
+            keys.numpy(), first, self.u.numpy(), self.max_norm2, self.norm2.numpy(), self.proj.numpy(),
+            self.level.numpy(), parent, self.node_keys.numpy(), self.step, upper_step(self.cfg), self.cfg.max_level)
         self._csr_dirty = True
         changed, self.num_pages = place_tokens(
-            new.numpy(), self.parent[new].numpy(), self.proj.numpy(), self.page_tokens.numpy(),
+            np.arange(first, self.n), parent[first : self.n], self.proj.numpy(), self.page_tokens.numpy(),
             self.page_len.numpy(), self.page_owner.numpy(), self.page_version.numpy(), self.num_pages)
         self._sync_pages(torch.from_numpy(changed), keys, first)
         return set(changed.tolist())

@@ -12,10 +12,11 @@ In the decode loop the index comes from DRAM (the dense layers evict it): at 32k
 ~1.7 MB of centroids and ~2.2 MB of candidate keys, and that, not arithmetic, sets its time.
 
 Compiled on first call and cached on disk (numba ``cache=True``): only the first process after an
-install pays the compile (seconds). A bf16 or int8 store (``score_dtype``) is read as raw rows and
-widened one at a time (:mod:`icekv.index.score_rows`): bf16 halves the bytes read, but on our CPU
-the widening costs about what it saves; int8 reads about a quarter and is faster in the decode
-loop, where the reads come from DRAM.
+install pays the compile (seconds). A bf16 or int8 store (``score_dtype``) is read as raw rows
+(:func:`icekv.index.score_rows.dots`): bf16 rows are widened one at a time, which costs about what
+the halved reads save; int8 rows are multiplied as they are and scaled once per product (half
+the arithmetic of widening them; in the decode loop, where the reads come from DRAM, the search
+takes about the same time either way).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from icekv.index.kth_largest import cut_and_ties, top_k_finite
 from icekv.index.page_store import PageStore
-from icekv.index.score_rows import widen
+from icekv.index.score_rows import dots
 
 _jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # no nnan/ninf: -inf marks holes
 
@@ -95,12 +96,11 @@ def _scores(qh, rows, lo, hi, out):
     """qh [G, D], rows [m, W] -> out[:, lo:hi] [G, hi - lo]: the products with rows lo..hi-1; a
     non-finite one (an emptied page) -> -inf."""
     buf = np.empty(qh.shape[1], dtype=np.float32)  # [D]
+    products = np.empty(qh.shape[0], dtype=np.float32)  # [G]
     for j in range(lo, hi):
-        row = widen(rows[j], buf)
+        dots(qh, rows[j], buf, products)
         for g in range(qh.shape[0]):
-            s = np.float32(0.0)
-            for t in range(qh.shape[1]):
-                s += qh[g, t] * row[t]
+            s = products[g]
             out[g, j] = s if np.isfinite(s) else -np.inf
 
 
@@ -109,15 +109,13 @@ def _best_token(qh, page_keys, page_pad, best):
     """qh [G, D], page_keys [P, W], page_pad [P] (0 or -inf): raises best [G] to the best q.k over
     the page's tokens."""
     buf = np.empty(qh.shape[1], dtype=np.float32)  # [D]
+    products = np.empty(qh.shape[0], dtype=np.float32)  # [G]
     for slot in range(page_keys.shape[0]):
         if page_pad[slot] != 0.0:
             continue
-        key = widen(page_keys[slot], buf)
+        dots(qh, page_keys[slot], buf, products)
         for g in range(qh.shape[0]):
-            s = np.float32(0.0)
-            for t in range(qh.shape[1]):
-                s += qh[g, t] * key[t]
-            best[g] = max(best[g], s)
+            best[g] = max(best[g], products[g])
 
 
 @_jit

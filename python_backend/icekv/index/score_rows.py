@@ -10,7 +10,9 @@ Three formats, one per ``IceCacheConfig.score_dtype``:
 
 :func:`encode` and :func:`decode` are the torch side (the specification), :func:`widen` and
 :func:`narrow` the same conversions inside numba loops, bit-identical to them. Each compiles to a
-plain copy-free path for fp32 rows.
+plain copy-free path for fp32 rows. :func:`dots` is what the searches spend their time in: the
+query heads' products with one row, for int8 without widening it first (the scale is applied
+once per product, not once per value: twice as fast, equal to within fp32 rounding).
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ def widen(row, buf):
     """row [W] of any format, buf [D] fp32 -> the row's keys in fp32: ``row`` itself, or ``buf`` filled."""
 
 
+def dots(qh, row, buf, out):
+    """qh [G, D] fp32, row [W] of any format, buf [D] fp32 scratch -> out [G]: each query head's
+    product with the row's key (NaN for an int8 row with no key)."""
+
+
 def narrow(row, out):
     """Write the fp32 row [D] into ``out`` [W]: fp32; bf16 bits rounded to nearest even; int8
     values and scale as :func:`encode` writes them."""
@@ -74,12 +81,7 @@ def _widen(row, buf):
     if row.dtype == types.int8:
         def from_int8(row, buf):
             d = buf.shape[0]
-            bits = buf.view(np.int32)
-            word = np.int32(0)
-            for b in range(SCALE_BYTES):  # little-endian bytes of the fp32 scale
-                word |= np.int32(np.uint8(row[d + b])) << (8 * b)
-            bits[0] = word
-            scale = buf[0]
+            scale = _int8_scale(row, buf)
             for t in range(d):
                 buf[t] = np.float32(row[t]) * scale
             return buf
@@ -92,6 +94,40 @@ def _widen(row, buf):
         return buf
 
     return from_bits
+
+
+@overload(dots, inline="always")
+def _dots(qh, row, buf, out):
+    if row.dtype == types.int8:
+        def int8_dots(qh, row, buf, out):
+            scale = _int8_scale(row, buf)
+            for g in range(qh.shape[0]):
+                s = np.float32(0.0)
+                for t in range(qh.shape[1]):
+                    s += qh[g, t] * np.float32(row[t])
+                out[g] = s * scale
+        return int8_dots
+
+    def widened_dots(qh, row, buf, out):
+        key = widen(row, buf)
+        for g in range(qh.shape[0]):
+            s = np.float32(0.0)
+            for t in range(qh.shape[1]):
+                s += qh[g, t] * key[t]
+            out[g] = s
+    return widened_dots
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _int8_scale(row, buf):
+    """The fp32 scale in the last four bytes of an int8 row [D + 4] (buf [D] fp32 scratch)."""
+    d = buf.shape[0]
+    word = np.int32(0)
+    for b in range(SCALE_BYTES):  # little-endian bytes of the fp32 scale
+        word |= np.int32(np.uint8(row[d + b])) << (8 * b)
+    bits = buf.view(np.int32)
+    bits[0] = word
+    return buf[0]
 
 
 @overload(narrow, inline="always")
