@@ -1,8 +1,8 @@
 """Compile the engine's numba loops at load time instead of in a request's first decode step.
 
-The CPU paths of the page index (token placement, page rows, tree walk, centroids search), of the
-transfer (slot plan, row gather, the fused CPU fill) and the sparse decode attention are numba
-functions compiled on first call: seconds right after an install, ~0.1 s each from numba's disk
+The CPU paths of the page index (insertion bookkeeping, token placement, page rows, tree walk,
+centroids search), of the transfer (slot plan, row gather, the fused CPU fill) and the sparse
+decode attention are numba functions compiled on first call: seconds right after an install, ~0.1 s each from numba's disk
 cache afterwards. Either is too much for a request's first token.
 Running each once on tiny inputs of the dtypes a request will pass compiles exactly the
 signatures the requests use (tested: a sparse decode after this compiles nothing).
@@ -25,7 +25,7 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     for score_dtype in SCORE_DTYPES:  # the index's page keys
         tree = DCITree(torch.randn(40, 8, generator=g), 4, IceCacheConfig(score_dtype=score_dtype), torch.ones(9) / 3)
-        tree.insert(torch.randn(4, 8, generator=g))  # placement, page rows
+        tree.insert(torch.randn(4, 8, generator=g))  # parents, placement, page rows
         q = torch.randn(1, 2, 8, generator=g)
         centroid_search(tree.store, q, 4, 2)
         tree.store.positions(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 0)  # selected pages' tokens

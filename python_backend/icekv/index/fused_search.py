@@ -14,9 +14,9 @@ In the decode loop the index comes from DRAM (the dense layers evict it): at 32k
 Compiled on first call and cached on disk (numba ``cache=True``): only the first process after an
 install pays the compile (seconds). A bf16 or int8 store (``score_dtype``) is read as raw rows
 (:func:`icekv.index.score_rows.dots`): bf16 rows are widened one at a time, which costs about what
-the halved reads save; int8 rows are multiplied as they are and scaled once per product (half
-the arithmetic of widening them; in the decode loop, where the reads come from DRAM, the search
-takes about the same time either way).
+the halved reads save; int8 rows are multiplied as they are and scaled once per product: twice as
+fast as widening them while the rows are in cache, about the same in the decode loop, where they
+come from DRAM; there int8 is faster than fp32 by reading a quarter of the bytes.
 """
 
 from __future__ import annotations
