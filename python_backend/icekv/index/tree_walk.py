@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from icekv.index.kth_largest import top_k_finite
-from icekv.index.score_rows import widen
+from icekv.index.score_rows import dots
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
@@ -26,7 +26,9 @@ def walk_scores(q, indptr, csr_pages, page_tokens, page_keys, page_pad, num_page
     page_size = page_tokens.shape[1]
     scores = np.full((g_n, num_pages), -np.inf, dtype=np.float32)  # [G, num_pages]
     for g in numba.prange(g_n):
+        qg = q[g : g + 1]  # [1, D]
         buf = np.empty(d, dtype=np.float32)  # [D]
+        dot = np.empty(1, dtype=np.float32)  # [1]
         level = csr_pages[indptr[0] : indptr[1]].copy()  # [m] the root's pages
         below = np.empty(num_pages, dtype=np.int64)  # the next level's pages (each page once per walk)
         while level.shape[0]:
@@ -36,12 +38,9 @@ def walk_scores(q, indptr, csr_pages, page_tokens, page_keys, page_pad, num_page
                 for s in range(page_size):
                     flat[i * page_size + s] = -np.inf
                     if page_pad[page, s] == 0.0:
-                        key = widen(page_keys[page, s], buf)
-                        dot = np.float32(0.0)
-                        for t in range(d):
-                            dot += q[g, t] * key[t]
-                        flat[i * page_size + s] = dot
-                        scores[g, page] = max(scores[g, page], dot)
+                        dots(qg, page_keys[page, s], buf, dot)
+                        flat[i * page_size + s] = dot[0]
+                        scores[g, page] = max(scores[g, page], dot[0])
             chosen = top_k_finite(flat, field_of_view)  # [m * P] the best tokens (holes are -inf)
             n_below = 0
             for j in range(flat.shape[0]):
