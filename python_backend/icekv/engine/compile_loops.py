@@ -2,8 +2,8 @@
 
 The CPU paths of the page index (insertion bookkeeping, token placement, page rows, tree walk,
 centroids search), of the transfer (slot plan, row gather, the fused CPU fill) and the sparse
-decode attention are numba functions compiled on first call: seconds right after an install, ~0.1 s each from numba's disk
-cache afterwards. Either is too much for a request's first token.
+decode attention are numba functions compiled on first call: seconds right after an install,
+~0.1 s each from numba's disk cache afterwards. Either is too much for a request's first token.
 Running each once on tiny inputs of the dtypes a request will pass compiles exactly the
 signatures the requests use (tested: a sparse decode after this compiles nothing).
 """
@@ -40,4 +40,4 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
                                                          cache.pool[0], cache.page_ids(0))  # plan + copy
     rows = torch.zeros(1, 1, 8)  # [Hkv, 1, D]
     sparse_decode_cpu(torch.zeros(2, 8), rows, rows, torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8),
-                      torch.ones(1, 1, dtype=torch.long), rows, rows)  # decode attention (fp32 only; the kernel of the pool-tail path too)
+                      torch.ones(1, 1, dtype=torch.long), rows, rows)  # decode attention (fp32; also the pool-tail kernel)

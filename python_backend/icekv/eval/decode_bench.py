@@ -129,7 +129,8 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
     }
 
 
-TIMES = ("tpot_s", "step_max_s", "select_s", "transfer_s", "attention_s", "insert_s", "other_s", "index_build_s", "ttft_s")
+TIMES = ("tpot_s", "step_max_s", "select_s", "transfer_s", "attention_s", "insert_s", "other_s", "index_build_s",
+         "ttft_s")
 
 
 def median_record(runs: list[dict]) -> dict:

@@ -27,7 +27,6 @@ from icekv.index.score_rows import computable, raw
 from icekv.index.tree_walk import walk_scores
 
 
-
 def with_headroom(n: int) -> int:
     """Capacity for ``n`` items that a long decode can grow into (1/8 more, at least 16): each
     growth copies everything, so it must be rare, but doubling would leave half the index's memory
@@ -247,7 +246,7 @@ class DCITree:
         owner_ok = np.ones((g, len(pages)), dtype=bool)  # [G, m] page reached by head g
         while len(pages):
             toks = page_tokens.take(pages, axis=0)  # [m, P]
-            k = computable(torch.from_numpy(page_keys.take(pages, axis=0)).view(dtype))  # [m, P, D] (bf16 moved as int16)
+            k = computable(torch.from_numpy(page_keys.take(pages, axis=0)).view(dtype))  # [m, P, D] bf16 came as int16
             q_t = q.T.to(k.dtype)  # [D, G]
             # the product in torch: numpy's BLAS threads would fight torch's for the same cores
             s = (k.reshape(-1, k.shape[-1]) @ q_t).float().numpy().T.reshape(g, len(pages), -1)  # [G, m, P]
