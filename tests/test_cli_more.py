@@ -68,7 +68,8 @@ def test_bench_decode_times_stages_and_first_token(smollm2_dir):
     assert ice["select_s"] > 0 and ice["resident_kv_bytes"] < ice["total_kv_bytes"]
     assert full["index_bytes"] == 0 and 0 < ice["index_bytes"] < ice["total_kv_bytes"]
     assert full["repeats"] == ice["repeats"] == 2  # times are medians of two interleaved decodes
-    for r in (full, ice):  # the slowest step is one of the timed steps
+    for r in (full, ice):  # the slowest and the first step are among the timed steps
         assert 0 < r["step_max_s"] <= r["tpot_s"] * r["steps"]
+        assert 0 < r["first_step_s"] <= r["step_max_s"]
     bad = icekv("bench", "decode", "--contexts", "600", "--ttft-contexts", "700", "--model", str(smollm2_dir))
     assert bad.returncode == 2 and "--ttft-contexts" in bad.stderr

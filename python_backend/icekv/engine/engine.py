@@ -69,6 +69,7 @@ class Generation:
     timings: dict = field(default_factory=dict)  # select_s, transfer_s, attention_s, index_build_s
     layer_stats: dict = field(default_factory=dict)  # probe: layer -> {"recall", "cosine"}
     step_max_s: float = 0.0  # the slowest decode step (a window flush inserts into every layer's index)
+    first_step_s: float = 0.0  # the first decode step: caches cold after prefill, slots filled from empty
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -267,7 +268,7 @@ class Engine:
         stream = TextStream(self.tokenizer, sampling.stop)
         eos = set() if sampling.ignore_eos else set(self.model.args.eos_token_ids)
         logits, finish = req.logits, "length"
-        step_max_s = 0.0
+        step_s = []  # each decode step's wall time
         while True:
             token = sample_next(logits, sampling, generator)
             if token in eos:
@@ -283,7 +284,7 @@ class Engine:
             positions = backend.begin_step(1)
             logits = self.model(torch.tensor([token]), positions, backend)[-1]  # [V]
             backend.end_step()
-            step_max_s = max(step_max_s, time.perf_counter() - t_step)
+            step_s.append(time.perf_counter() - t_step)
         yield stream.flush()
         decode_s = time.perf_counter() - t0
         new = stream.token_ids
@@ -309,7 +310,8 @@ class Engine:
             policy=selection.policy,
             budget=None if selection.policy == "full" else selection.budget,
             timings=dict(getattr(backend, "timings", {})),
-            step_max_s=step_max_s,
+            step_max_s=max(step_s, default=0.0),
+            first_step_s=step_s[0] if step_s else 0.0,
             layer_stats={
                 layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}
                 for layer, v in (backend.layer_stats.items() if sparse else ())
