@@ -16,6 +16,7 @@ from icekv.compress import CompressedContext, evict, make_compressor
 from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compressed_attention import CompressedPrefixAttention, CompressedSparseAttention
 from icekv.engine.full_attention import FullCacheAttention
+from icekv.engine.index_build import IndexingPrefillAttention, PrefillIndex
 from icekv.engine.sampling import sample_next
 from icekv.engine.sparse_attention import SparseCacheAttention
 from icekv.engine.text_stream import TextStream
@@ -84,6 +85,7 @@ class Prefilled:
     logits: torch.Tensor  # [V] for the token after the prompt
     prefill_s: float
     context: CompressedContext | None = None  # a compressed context the prompt continues
+    index: PrefillIndex | None = None  # a sparse policy's index built during prefill, for the first decode
 
 
 def model_identity(model_dir: Path, dtype: str) -> str:
@@ -174,17 +176,24 @@ class Engine:
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_fits(len(ids), sampling.max_tokens)
-        req = yield from self._prefill_steps(ids, on_progress, context)
+        selection = selection or self.config.selection
+        req = yield from self._prefill_steps(ids, on_progress, context, selection)
         try:
             return (yield from self._decode_steps(req, sampling, selection))
         finally:
             self.release(req)
 
-    def prefill(self, ids: list[int], on_progress: OnProgress | None = None) -> Prefilled:
-        """Run the prompt through the model with full attention, ``prefill_chunk_tokens`` at a time."""
-        return drain(self._prefill_steps(ids, on_progress))
+    def prefill(self, ids: list[int], on_progress: OnProgress | None = None,
+                selection: SelectionConfig | None = None) -> Prefilled:
+        """Run the prompt through the model with full attention, ``prefill_chunk_tokens`` at a time.
+
+        With a sparse ``selection``, its index is built layer by layer meanwhile, for the first
+        decode under that same selection (see :mod:`icekv.engine.index_build`)."""
+        return drain(self._prefill_steps(ids, on_progress, None, selection))
 
     def release(self, req: Prefilled) -> None:
+        if req.index is not None:
+            req.index.cancel()
         self.cache.free(req.seq_id)
 
     def decode(
@@ -199,14 +208,20 @@ class Engine:
         so the same prefill can be decoded again (e.g. under another policy)."""
         return drain(self._decode_steps(req, sampling, selection, probe), on_text)
 
-    def _prefill_steps(self, ids: list[int], on_progress: OnProgress | None,
-                       context: CompressedContext | None = None) -> Generator[str, None, Prefilled]:
+    def _prefill_steps(self, ids: list[int], on_progress: OnProgress | None, context: CompressedContext | None = None,
+                       selection: SelectionConfig | None = None) -> Generator[str, None, Prefilled]:
         if not ids:
             raise ConfigError("prompt is empty")
         seq_id = next(self._seq_ids)
         self.cache.add(seq_id)
+        index = None
         try:
-            backend = self._dense_backend(seq_id, context)
+            selector = make_selector(selection) if selection is not None and context is None else None
+            if selector is None:
+                backend = self._dense_backend(seq_id, context)
+            else:
+                index = PrefillIndex(selection, selector)
+                backend = IndexingPrefillAttention(self.cache, seq_id, self.model.args.num_layers, len(ids), index)
             chunk = self.config.prefill_chunk_tokens
             t0 = time.perf_counter()
             for start in range(0, len(ids), chunk):
@@ -216,10 +231,12 @@ class Engine:
                 if on_progress:
                     on_progress(min(start + chunk, len(ids)), len(ids))
                 yield ""
-        except BaseException:  # errors and early close both give the pages back
+        except BaseException:  # errors and early close both give the pages back (and stop the index builds)
+            if index is not None:
+                index.cancel()
             self.cache.free(seq_id)
             raise
-        return Prefilled(seq_id, list(ids), logits[-1], time.perf_counter() - t0, context)
+        return Prefilled(seq_id, list(ids), logits[-1], time.perf_counter() - t0, context, index)
 
     def _dense_backend(self, seq_id: int, context: CompressedContext | None):
         if context is None:
@@ -242,7 +259,11 @@ class Engine:
     def _decode_steps(self, req, sampling, selection, probe=False) -> Steps:
         selection = selection or self.config.selection
         self.check_fits(len(req.prompt_ids), sampling.max_tokens)
-        selector = make_selector(selection)
+        index, req.index = req.index, None  # a prefill-built index serves one decode: decoding changes it
+        if index is not None and index.selection != selection:
+            index.cancel()
+            index = None
+        selector = index.selector if index is not None else make_selector(selection)
         if req.context is not None and selection.policy not in ("full", "icecache"):
             # quest/streaming assume contiguous pages; icecache_r shares one token-to-page map across
             # layers, but compression keeps different tokens in each layer
@@ -254,7 +275,8 @@ class Engine:
             backend = CompressedSparseAttention(self.cache, req.seq_id, self.model.args, selection, selector, req.context)
             self._decoding[req.seq_id] = backend
         else:  # builds the index: part of time to first token (timings["index_build_s"]), not of decode
-            backend = SparseCacheAttention(self.cache, req.seq_id, self.model.args, selection, selector, probe)
+            backend = SparseCacheAttention(self.cache, req.seq_id, self.model.args, selection, selector, probe,
+                                           prebuilt=index.wait if index is not None else None)
             self._decoding[req.seq_id] = backend
         t0 = time.perf_counter()
         try:

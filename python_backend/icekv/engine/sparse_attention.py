@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,23 +28,41 @@ from icekv.model import ModelArgs
 from icekv.select import PageSelector
 
 
+def sparse_layers(cfg: SelectionConfig, num_layers: int) -> range:
+    """The layers that attend under the budget: all but the first ``n_unlimited_layers``."""
+    return range(min(cfg.n_unlimited_layers, num_layers), num_layers)
+
+
+def sink_tokens(cfg: SelectionConfig) -> int:
+    """Sink tokens at the start of a request's own pages."""
+    return cfg.n_sink_pages * cfg.page_size
+
+
+def window_start(cfg: SelectionConfig, sink_end: int, length: int) -> int:
+    """First position of the window: the page of the newest token and the pages before it."""
+    newest_page = (length - 1) // cfg.page_size
+    return max(sink_end, (newest_page - cfg.n_win_pages + 1) * cfg.page_size)
+
+
 class SparseCacheAttention(FullCacheAttention):
     """Built after prefill, from the request's full cache; decodes one token per step."""
 
     def __init__(self, cache: PagedKVCache, seq_id: int, args: ModelArgs, cfg: SelectionConfig,
-                 selector: PageSelector, probe: bool = False):
+                 selector: PageSelector, probe: bool = False, prebuilt: Callable[[], set[int]] | None = None):
         super().__init__(cache, seq_id)
         self.cfg, self.selector, self.probe = cfg, selector, probe
         p = cfg.page_size
-        self.sparse_layers = range(min(cfg.n_unlimited_layers, args.num_layers), args.num_layers)
+        self.sparse_layers = sparse_layers(cfg, args.num_layers)
         self.sink_end = self._sink_tokens()
         length = cache.length(seq_id)
         self.win_start = self._window_start(length)
         self.timings.update(select_s=0.0, transfer_s=0.0, index_build_s=0.0, insert_s=0.0)
         self.layer_stats: dict[int, list[tuple[float, float]]] = defaultdict(list)  # probe: (recall, cosine)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # index_build_s: what the build adds to time to first token
+        built = prebuilt() if prebuilt else set()  # layers whose index prefill built (it waits for them)
         for layer in self.sparse_layers:
-            selector.build(layer, self._region_keys(layer), self.sink_end)
+            if layer not in built:
+                selector.build(layer, self._region_keys(layer), self.sink_end)
         self.timings["index_build_s"] = time.perf_counter() - t0
         self.device = {
             layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, p, args.head_dim, cache.pool.dtype)
@@ -57,8 +76,7 @@ class SparseCacheAttention(FullCacheAttention):
 
     # ---- where tokens live (the request's pool); CompressedSparseAttention overrides these
     def _sink_tokens(self) -> int:
-        """Sink tokens at the start of the request's own pages."""
-        return self.cfg.n_sink_pages * self.cfg.page_size
+        return sink_tokens(self.cfg)
 
     def _region_keys(self, layer: int):
         """Keys of the indexed region at build time, per KV head: [Hkv, n, D] (or a list of [n_h, D])."""
@@ -86,9 +104,7 @@ class SparseCacheAttention(FullCacheAttention):
         return sink_k, sink_v, win_k, win_v
 
     def _window_start(self, length: int) -> int:
-        """First position of the window: the page of the newest token and the pages before it."""
-        newest_page = (length - 1) // self.cfg.page_size
-        return max(self.sink_end, (newest_page - self.cfg.n_win_pages + 1) * self.cfg.page_size)
+        return window_start(self.cfg, self.sink_end, length)
 
     def attend(self, layer, q, k, v):
         if layer not in self.device:

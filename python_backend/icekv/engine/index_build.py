@@ -1,0 +1,73 @@
+"""A sparse policy's index, built layer by layer while the prompt is prefilled.
+
+Built after prefill, every layer's index adds to the time to the first token. Here, as soon as
+prefill has written a layer's indexed region (the prompt between the sink and the window: final
+once the chunk that reaches the window has passed that layer), the region is copied out and a
+worker thread builds that layer's index while the forward pass goes on through the remaining
+layers and chunks. The build runs in torch and numba, which release the GIL, so it runs beside
+the forward pass; the first decode step waits only for what is left. On a CPU the two share the
+cores; with prefill on a GPU the host-side build is hidden almost entirely.
+
+A prefill-built index serves one decode, under the same :class:`SelectionConfig`: decoding
+changes it (window pages are inserted), so a second decode of the same prompt builds afresh.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from icekv.config import SelectionConfig
+from icekv.engine.full_attention import FullCacheAttention
+from icekv.engine.sparse_attention import sink_tokens, sparse_layers, window_start
+from icekv.kv import PagedKVCache
+from icekv.select import PageSelector
+
+
+class PrefillIndex:
+    """Per-layer index builds started during one request's prefill, for one selection policy."""
+
+    def __init__(self, selection: SelectionConfig, selector: PageSelector):
+        self.selection, self.selector = selection, selector
+        self.builds: dict[int, Future] = {}  # layer -> its build on the worker
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icekv-index")
+
+    def submit(self, layer: int, keys: torch.Tensor, base: int) -> None:
+        """Build ``layer``'s index from its region's keys [Hkv, n, D] (position of key 0: ``base``)."""
+        self.builds[layer] = self._worker.submit(self.selector.build, layer, keys, base)
+
+    def wait(self) -> set[int]:
+        """Block until every started build is done; the layers they built. A failed build raises."""
+        try:
+            for build in self.builds.values():
+                build.result()
+        finally:
+            self._worker.shutdown(wait=True)
+        return set(self.builds)
+
+    def cancel(self) -> None:
+        """Drop builds not yet started and wait for the running one (it reads only its own copy)."""
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+class IndexingPrefillAttention(FullCacheAttention):
+    """Full attention for prefill that also starts ``index``'s per-layer builds for a prompt of
+    ``prompt_tokens`` tokens, each as soon as that layer has written its indexed region."""
+
+    def __init__(self, cache: PagedKVCache, seq_id: int, num_layers: int, prompt_tokens: int, index: PrefillIndex):
+        super().__init__(cache, seq_id)
+        self.index = index
+        cfg = index.selection
+        self.layers = sparse_layers(cfg, num_layers)
+        self.sink_end = sink_tokens(cfg)
+        self.region_end = max(window_start(cfg, self.sink_end, prompt_tokens), self.sink_end)
+        self.final_at = min(self.region_end, prompt_tokens)  # written up to here, the region is final
+
+    def attend(self, layer, q, k, v):
+        out = super().attend(layer, q, k, v)
+        written = self.cache.length(self.seq_id)  # this chunk's end: the layer has written up to it
+        if layer in self.layers and layer not in self.index.builds and written >= self.final_at:
+            keys, _ = self.cache.gather_range(layer, self.seq_id, self.sink_end, self.region_end)  # [Hkv, n, D] a copy
+            self.index.submit(layer, keys, self.sink_end)
+        return out

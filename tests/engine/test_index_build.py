@@ -1,0 +1,101 @@
+"""The sparse index built layer by layer during prefill (icekv.engine.index_build), on the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.engine.index_build import IndexingPrefillAttention, PrefillIndex
+from icekv.engine.sparse_attention import sink_tokens, window_start
+from icekv.select import make_selector
+
+pytestmark = pytest.mark.model
+
+SAMPLING = SamplingConfig(max_tokens=12, ignore_eos=True)
+
+
+def _prompt(engine, n):
+    return engine.tokenizer.encode("The archive kept letters, maps and the harbour's ledgers. " * 60)[:n]
+
+
+@pytest.mark.parametrize("policy, n", [("icecache", 330), ("icecache_r", 330), ("quest", 330), ("icecache", 20)])
+def test_index_built_during_prefill_decodes_as_one_built_after(engine, policy, n):
+    ids = _prompt(engine, n)  # 20: shorter than sink + window, an empty region
+    sel = SelectionConfig(policy=policy, budget=128, n_unlimited_layers=1)
+    during = engine.prefill(ids, selection=sel)
+    after = engine.prefill(ids)
+    try:
+        assert set(during.index.builds) == set(range(1, engine.model.args.num_layers))
+        assert after.index is None
+        a = engine.decode(during, SAMPLING, sel)
+        b = engine.decode(after, SAMPLING, sel)
+        assert during.index is None  # taken by the first decode
+        assert a.token_ids == b.token_ids and a.kv.bytes_moved == b.kv.bytes_moved
+    finally:
+        engine.release(during)
+        engine.release(after)
+
+
+def test_prefill_built_trees_equal_trees_built_after(engine):
+    ids = _prompt(engine, 300)
+    sel = SelectionConfig(policy="icecache", budget=128, icecache=IceCacheConfig(search="walk"))
+    req = engine.prefill(ids, selection=sel)
+    try:
+        built = req.index.wait()
+        fresh = make_selector(sel)
+        sink = sink_tokens(sel)
+        end = window_start(sel, sink, len(ids))
+        for layer in sorted(built):
+            fresh.build(layer, engine.cache.gather_range(layer, req.seq_id, sink, end)[0], sink)
+            ours, theirs = req.index.selector.stores[layer], fresh.stores[layer]
+            assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.keys, theirs.keys)
+    finally:
+        engine.release(req)
+
+
+def test_builds_start_as_soon_as_each_layer_has_its_region(engine):
+    ids = _prompt(engine, 330)  # window from 304: final after the chunk ending at 320, one before the last
+    sel = SelectionConfig(policy="icecache", budget=128)
+    index = PrefillIndex(sel, make_selector(sel))
+    seq_id = -1
+    engine.cache.add(seq_id)
+    try:
+        backend = IndexingPrefillAttention(engine.cache, seq_id, engine.model.args.num_layers, len(ids), index)
+        started = {}  # chunk end -> builds started by then
+        for start in range(0, len(ids), 64):
+            tokens = torch.tensor(ids[start : start + 64])  # [C]
+            engine.model(tokens, backend.begin_step(len(tokens)), backend, logit_rows=torch.tensor([-1]))
+            started[min(start + 64, len(ids))] = len(index.builds)
+        assert started[256] == 0 and started[320] == len(backend.layers) == engine.model.args.num_layers - 2
+        assert index.wait() == set(backend.layers)
+    finally:
+        index.cancel()
+        engine.cache.free(seq_id)
+
+
+def test_index_for_another_selection_is_dropped_and_rebuilt(engine):
+    ids = _prompt(engine, 300)
+    built_for = SelectionConfig(policy="icecache", budget=128)
+    other = SelectionConfig(policy="icecache", budget=256)
+    req = engine.prefill(ids, selection=built_for)
+    ref = engine.prefill(ids)
+    try:
+        index = req.index
+        a = engine.decode(req, SAMPLING, other)
+        assert all(f.done() for f in index.builds.values()) and req.index is None
+        assert a.token_ids == engine.decode(ref, SAMPLING, other).token_ids
+    finally:
+        engine.release(req)
+        engine.release(ref)
+
+
+def test_release_without_decode_stops_the_builds(engine):
+    req = engine.prefill(_prompt(engine, 300), selection=SelectionConfig(policy="icecache", budget=128))
+    index = req.index
+    engine.release(req)
+    assert all(f.done() for f in index.builds.values())
+    free_before = engine.cache.allocator.num_free
+    req = engine.prefill(_prompt(engine, 300))  # the pool is whole again
+    engine.release(req)
+    assert engine.cache.allocator.num_free == free_before
