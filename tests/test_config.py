@@ -15,6 +15,7 @@ from icekv.errors import ConfigError
         (lambda: SamplingConfig(top_p=0), "top_p"),
         (lambda: EngineConfig(dtype="int8"), "dtype"),
         (lambda: EngineConfig(prefill_chunk_tokens=0), "prefill_chunk_tokens"),
+        (lambda: EngineConfig(index_threads=-1), "index_threads"),
     ],
 )
 def test_bad_settings_name_the_field(make, field):

@@ -193,6 +193,10 @@ class EngineConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     prefill_chunk_tokens: int = 512
     num_threads: int | None = None
+    # threads that build a sparse policy's index during prefill; 0: the first decode builds it after
+    # prefill; None: the cores the forward pass leaves free (0 where it uses them all: on shared
+    # cores the build slows prefill by about what it saves)
+    index_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -203,6 +207,8 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.index_threads is not None and self.index_threads < 0:
+            raise ConfigError(f"index_threads must be >= 0, got {self.index_threads}")
         if self.selection.page_size != self.paging.page_size:
             raise ConfigError(
                 f"selection.page_size {self.selection.page_size} differs from paging.page_size "
@@ -240,7 +246,7 @@ class ServingConfig:
         values = {k: (v.get("string_value") if isinstance(v, dict) else v) for k, v in params.items()}
         values = {k: v for k, v in values.items() if v not in (None, "")}
         known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
-                 "prefill_chunk_tokens", "num_threads", "max_active_requests", "max_queued_requests",
+                 "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
                  "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes", "max_index_bytes"}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -272,6 +278,7 @@ class ServingConfig:
             selection=selection,
             prefill_chunk_tokens=number("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens),
             num_threads=number("num_threads", None),
+            index_threads=number("index_threads", None),
         )
         return cls(
             engine=engine,

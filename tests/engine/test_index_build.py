@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.config import EngineConfig, IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.engine import Engine
 from icekv.engine.index_build import IndexingPrefillAttention, PrefillIndex
 from icekv.engine.sparse_attention import sink_tokens, window_start
 from icekv.select import make_selector
@@ -13,6 +14,12 @@ from icekv.select import make_selector
 pytestmark = pytest.mark.model
 
 SAMPLING = SamplingConfig(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir):
+    """One thread builds the index during prefill (this machine's default may leave none free)."""
+    return Engine(EngineConfig(model_dir=str(smollm2_dir), index_threads=1))
 
 
 def _prompt(engine, n):
@@ -99,3 +106,14 @@ def test_release_without_decode_stops_the_builds(engine):
     req = engine.prefill(_prompt(engine, 300))  # the pool is whole again
     engine.release(req)
     assert engine.cache.allocator.num_free == free_before
+
+
+def test_no_index_threads_means_the_first_decode_builds_it(smollm2_dir):
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), index_threads=0))
+    req = engine.prefill(_prompt(engine, 300), selection=SelectionConfig(policy="icecache", budget=128))
+    try:
+        assert req.index is None
+        gen = engine.decode(req, SAMPLING, SelectionConfig(policy="icecache", budget=128))
+        assert gen.timings["index_build_s"] > 0 and len(gen.token_ids) == SAMPLING.max_tokens
+    finally:
+        engine.release(req)

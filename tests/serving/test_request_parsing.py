@@ -59,6 +59,10 @@ def test_serving_config_from_triton_parameters():
         ServingConfig.from_triton_parameters({"score_dtype": "float16"})
     with pytest.raises(Exception, match="max_index_bytes must be >= 0"):
         ServingConfig.from_triton_parameters({"max_index_bytes": "-1"})
+    assert ServingConfig.from_triton_parameters({"index_threads": "2"}).engine.index_threads == 2
+    assert ServingConfig.from_triton_parameters({}).engine.index_threads is None  # the cores prefill leaves free
+    with pytest.raises(Exception, match="index_threads must be >= 0"):
+        ServingConfig.from_triton_parameters({"index_threads": "-2"})
     with pytest.raises(Exception, match="unknown model parameters"):
         ServingConfig.from_triton_parameters({"polcy": {"string_value": "quest"}})
     with pytest.raises(Exception, match="budget must be an integer"):

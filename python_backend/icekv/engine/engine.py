@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -112,6 +113,8 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        free_cores = max((os.cpu_count() or 1) - torch.get_num_threads(), 0)
+        self.index_threads = free_cores if config.index_threads is None else config.index_threads
         self.model_dir = resolve_model_dir(config.model_dir)
         self.model = load_model(self.model_dir, getattr(torch, config.dtype))
         self.tokenizer = Tokenizer(self.model_dir)
@@ -187,8 +190,8 @@ class Engine:
                 selection: SelectionConfig | None = None) -> Prefilled:
         """Run the prompt through the model with full attention, ``prefill_chunk_tokens`` at a time.
 
-        With a sparse ``selection``, its index is built layer by layer meanwhile, for the first
-        decode under that same selection (see :mod:`icekv.engine.index_build`)."""
+        With a sparse ``selection`` and ``index_threads``, its index is built layer by layer
+        meanwhile, for the first decode under that same selection (:mod:`icekv.engine.index_build`)."""
         return drain(self._prefill_steps(ids, on_progress, None, selection))
 
     def release(self, req: Prefilled) -> None:
@@ -216,11 +219,12 @@ class Engine:
         self.cache.add(seq_id)
         index = None
         try:
-            selector = make_selector(selection) if selection is not None and context is None else None
+            build = selection is not None and context is None and self.index_threads > 0
+            selector = make_selector(selection) if build else None
             if selector is None:
                 backend = self._dense_backend(seq_id, context)
             else:
-                index = PrefillIndex(selection, selector)
+                index = PrefillIndex(selection, selector, self.index_threads)
                 backend = IndexingPrefillAttention(self.cache, seq_id, self.model.args.num_layers, len(ids), index)
             chunk = self.config.prefill_chunk_tokens
             t0 = time.perf_counter()

@@ -5,8 +5,9 @@ prefill has written a layer's indexed region (the prompt between the sink and th
 once the chunk that reaches the window has passed that layer), the region is copied out and a
 worker thread builds that layer's index while the forward pass goes on through the remaining
 layers and chunks. The build runs in torch and numba, which release the GIL, so it runs beside
-the forward pass; the first decode step waits only for what is left. On a CPU the two share the
-cores; with prefill on a GPU the host-side build is hidden almost entirely.
+the forward pass; the first decode step waits only for what is left. It pays where the build has
+cores of its own (``EngineConfig.index_threads``: by default the cores the forward pass leaves
+free); on cores the forward pass uses, it slows prefill by about what it saves.
 
 A prefill-built index serves one decode, under the same :class:`SelectionConfig`: decoding
 changes it (window pages are inserted), so a second decode of the same prompt builds afresh.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numba
 import torch
 
 from icekv.config import SelectionConfig
@@ -28,10 +30,11 @@ from icekv.select import PageSelector
 class PrefillIndex:
     """Per-layer index builds started during one request's prefill, for one selection policy."""
 
-    def __init__(self, selection: SelectionConfig, selector: PageSelector):
+    def __init__(self, selection: SelectionConfig, selector: PageSelector, threads: int = 1):
         self.selection, self.selector = selection, selector
         self.builds: dict[int, Future] = {}  # layer -> its build on the worker
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icekv-index")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icekv-index",
+                                          initializer=_use_threads, initargs=(threads,))
 
     def submit(self, layer: int, keys: torch.Tensor, base: int) -> None:
         """Build ``layer``'s index from its region's keys [Hkv, n, D] (position of key 0: ``base``)."""
@@ -49,6 +52,12 @@ class PrefillIndex:
     def cancel(self) -> None:
         """Drop builds not yet started and wait for the running one (it reads only its own copy)."""
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def _use_threads(n: int) -> None:
+    """The worker's own thread counts (both are per calling thread): the forward pass keeps its."""
+    torch.set_num_threads(n)
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
 class IndexingPrefillAttention(FullCacheAttention):

@@ -3,10 +3,10 @@
 Contexts are *synthesized* unless listed in ``ttft_contexts``: the KV of a real prefill of essay
 text is tiled until the cache has the asked length (latency does not depend on the text; the
 keys keep realistic norms and structure). Listed contexts are really prefilled (the essay tokens
-tiled), which times the first token: ``ttft_s`` = prefill + index build. That prefill builds the
-first sparse policy's index layer by layer as it goes (as serving does), so that policy's first
-decode waits only for what is left of the build (``index_prebuilt``); the other policies build
-theirs after prefill. The same cache serves every policy and, with ``peer_hf``, Hugging Face
+tiled), which times the first token: ``ttft_s`` = prefill + index build. Where the engine has
+index threads, that prefill builds the first sparse policy's index layer by layer as it goes (as
+serving does), so that policy's first decode waits only for what is left of the build
+(``index_prebuilt``); the other policies build theirs after prefill. The same cache serves every policy and, with ``peer_hf``, Hugging Face
 transformers' own full-cache decoding on the same model.
 """
 
