@@ -81,7 +81,7 @@ def test_builds_start_as_soon_as_each_layer_has_its_region(engine):
         engine.cache.free(seq_id)
 
 
-def test_index_for_another_selection_is_dropped_and_rebuilt(engine):
+def test_index_waits_for_the_decode_under_its_own_selection(engine):
     ids = _prompt(engine, 300)
     built_for = SelectionConfig(policy="icecache", budget=128)
     other = SelectionConfig(policy="icecache", budget=256)
@@ -89,9 +89,10 @@ def test_index_for_another_selection_is_dropped_and_rebuilt(engine):
     ref = engine.prefill(ids)
     try:
         index = req.index
-        a = engine.decode(req, SAMPLING, other)
-        assert all(f.done() for f in index.builds.values()) and req.index is None
-        assert a.token_ids == engine.decode(ref, SAMPLING, other).token_ids
+        assert engine.decode(req, SAMPLING, other).token_ids == engine.decode(ref, SAMPLING, other).token_ids
+        assert req.index is index  # another selection built its own and left this one
+        assert engine.decode(req, SAMPLING, built_for).token_ids == engine.decode(ref, SAMPLING, built_for).token_ids
+        assert req.index is None
     finally:
         engine.release(req)
         engine.release(ref)
@@ -117,3 +118,14 @@ def test_no_index_threads_means_the_first_decode_builds_it(smollm2_dir):
         assert gen.timings["index_build_s"] > 0 and len(gen.token_ids) == SAMPLING.max_tokens
     finally:
         engine.release(req)
+
+
+def test_bench_first_token_uses_the_index_built_during_prefill(engine, essays_text):
+    from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench
+
+    cfg = DecodeBenchConfig(contexts=(600,), policies=("full", "icecache", "icecache_r"), budget=64, steps=2,
+                            seed_tokens=300, ttft_contexts=(600,), repeats=2)
+    full, ice, ice_r = run_decode_bench(engine, cfg, essays_text)
+    assert ice["index_prebuilt"] and not ice_r["index_prebuilt"] and not full["index_prebuilt"]
+    for r in (ice, ice_r):  # time to first token: this prefill plus what its first decode spent on the index
+        assert r["ttft_s"] == r["prefill_s"] + r["index_build_s"] and r["index_build_s"] >= 0

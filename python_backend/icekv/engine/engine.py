@@ -211,7 +211,8 @@ class Engine:
         so the same prefill can be decoded again (e.g. under another policy)."""
         return drain(self._decode_steps(req, sampling, selection, probe), on_text)
 
-    def _prefill_steps(self, ids: list[int], on_progress: OnProgress | None, context: CompressedContext | None = None,
+    def _prefill_steps(self, ids: list[int], on_progress: OnProgress | None,
+                       context: CompressedContext | None = None,
                        selection: SelectionConfig | None = None) -> Generator[str, None, Prefilled]:
         if not ids:
             raise ConfigError("prompt is empty")
@@ -263,10 +264,9 @@ class Engine:
     def _decode_steps(self, req, sampling, selection, probe=False) -> Steps:
         selection = selection or self.config.selection
         self.check_fits(len(req.prompt_ids), sampling.max_tokens)
-        index, req.index = req.index, None  # a prefill-built index serves one decode: decoding changes it
-        if index is not None and index.selection != selection:
-            index.cancel()
-            index = None
+        index = req.index if req.index is not None and req.index.selection == selection else None
+        if index is not None:  # a prefill-built index serves one decode under its selection: decoding changes it
+            req.index = None
         selector = index.selector if index is not None else make_selector(selection)
         if req.context is not None and selection.policy not in ("full", "icecache"):
             # quest/streaming assume contiguous pages; icecache_r shares one token-to-page map across

@@ -9,8 +9,9 @@ the forward pass; the first decode step waits only for what is left. It pays whe
 cores of its own (``EngineConfig.index_threads``: by default the cores the forward pass leaves
 free); on cores the forward pass uses, it slows prefill by about what it saves.
 
-A prefill-built index serves one decode, under the same :class:`SelectionConfig`: decoding
-changes it (window pages are inserted), so a second decode of the same prompt builds afresh.
+A prefill-built index serves the first decode under the same :class:`SelectionConfig` (decodes
+under other selections leave it be): decoding changes it (window pages are inserted), so a second
+decode under that selection builds afresh. Releasing the request stops builds still running.
 """
 
 from __future__ import annotations
@@ -77,6 +78,6 @@ class IndexingPrefillAttention(FullCacheAttention):
         out = super().attend(layer, q, k, v)
         written = self.cache.length(self.seq_id)  # this chunk's end: the layer has written up to it
         if layer in self.layers and layer not in self.index.builds and written >= self.final_at:
-            keys, _ = self.cache.gather_range(layer, self.seq_id, self.sink_end, self.region_end)  # [Hkv, n, D] a copy
+            keys, _ = self.cache.gather_range(layer, self.seq_id, self.sink_end, self.region_end)  # [Hkv, n, D]
             self.index.submit(layer, keys, self.sink_end)
         return out

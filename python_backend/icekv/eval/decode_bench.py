@@ -6,8 +6,8 @@ keys keep realistic norms and structure). Listed contexts are really prefilled (
 tiled), which times the first token: ``ttft_s`` = prefill + index build. Where the engine has
 index threads, that prefill builds the first sparse policy's index layer by layer as it goes (as
 serving does), so that policy's first decode waits only for what is left of the build
-(``index_prebuilt``); the other policies build theirs after prefill. The same cache serves every policy and, with ``peer_hf``, Hugging Face
-transformers' own full-cache decoding on the same model.
+(``index_prebuilt``); the other policies build theirs after prefill. The same cache serves every
+policy and, with ``peer_hf``, Hugging Face transformers' own full-cache decoding on the same model.
 """
 
 from __future__ import annotations

@@ -126,8 +126,9 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
     full = {r["context"]: r for r in records if r["policy"] == "full"}
     lines = ["# icekv bench decode", "", "```", meta.get("command", ""), "```", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items() if k != "command"] + [""]
-    lines += ["| context | policy | TPOT ms | slowest step ms | first step ms | select ms | transfer ms | attention ms | "
-              "insert ms | other ms | index build s | TTFT s | resident KV MiB | total KV MiB | index MiB | TPOT / full |",
+    lines += ["| context | policy | TPOT ms | slowest step ms | first step ms | select ms | transfer ms | "
+              "attention ms | insert ms | other ms | index build s | TTFT s | resident KV MiB | total KV MiB | "
+              "index MiB | TPOT / full |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         base = full.get(r["context"])
@@ -140,7 +141,8 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
                      f"{'-' if r.get('ttft_s') is None else format(r['ttft_s'], '.2f')} | {mib('resident_kv_bytes')} | "
                      f"{mib('total_kv_bytes')} | {mib('index_bytes')} | {ratio} |")
     if any(r.get("index_prebuilt") for r in records):
-        lines += ["", "\\* index built layer by layer during prefill: the time shown is what was left to wait for after it"]
+        lines += ["", "\\* index built layer by layer during prefill: the time shown is what was left to wait "
+                  "for after it"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
