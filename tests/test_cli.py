@@ -35,6 +35,7 @@ def test_generate_json_answers_paris(smollm2_dir):
         (["generate", "--prompt", "hi", "--policy", "magic"], "unknown policy"),
         (["generate", "--prompt", "hi", "--policy", "icecache", "--budget", "32"], "must exceed sink + window"),
         (["generate", "--prompt", "hi", "--policy", "quest", "--budget", "250"], "not a multiple of the page size"),
+        (["serve", "--index-threads", "-1"], "--index-threads must be >= 0"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message):

@@ -82,7 +82,10 @@ def test_start_command_is_icekv_serve_with_valid_flags(docs):
     args = [re.sub(r"\$\((\w+)\)", lambda m: config[m.group(1)], a) for a in _container(docs)["args"]]
     parsed = build_parser().parse_args(args)  # exits on an unknown flag
     assert parsed.command == "serve"
-    _serving_parameters(parsed)  # the values form a valid ServingConfig
+    params = _serving_parameters(parsed)  # the values form a valid ServingConfig
+    assert "index_threads" not in params  # default: the cores the forward pass leaves free
+    pinned = build_parser().parse_args([*args, "--index-threads", "2"])
+    assert _serving_parameters(pinned)["index_threads"] == "2"
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["icekv"]' in dockerfile and 'CMD ["serve"' in dockerfile
     assert parsed.model == config["ICEKV_MODEL_DIR"] and parsed.model.startswith(config["ICEKV_CACHE"])

@@ -9,14 +9,14 @@ from icekv.config import SCORE_DTYPES, SEARCHES, IceCacheConfig
 from icekv.errors import IcekvError
 
 
-def _positive_int(flag: str):
+def _positive_int(flag: str, least: int = 1):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {least}, got {value}")
         return value
 
     return parse
@@ -43,6 +43,9 @@ def _serving_flags(parser) -> None:
     parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None)
     parser.add_argument("--max-index-bytes", type=_positive_int("--max-index-bytes"), default=None,
                         help="host memory for the active requests' page indexes (default: the KV pool's size)")
+    parser.add_argument("--index-threads", type=_positive_int("--index-threads", least=0), default=None,
+                        help="threads that build a request's page index during its prefill; 0: after it "
+                             "(default: the cores the forward pass leaves free)")
     parser.add_argument("--store", default=None, help="context store for context_key requests: a directory or redis://")
 
 
@@ -78,7 +81,7 @@ def _serving_parameters(args) -> dict[str, str]:
               "budget": args.budget, "search": args.search, "score_dtype": args.score_dtype,
               "host_pool_tokens": args.host_pool_tokens,
               "max_active_requests": args.max_active_requests, "max_index_bytes": args.max_index_bytes,
-              "store": args.store}
+              "index_threads": args.index_threads, "store": args.store}
     params = {k: str(v) for k, v in params.items() if v is not None}
     ServingConfig.from_triton_parameters(params)
     return params
