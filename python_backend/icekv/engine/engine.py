@@ -88,6 +88,10 @@ class Prefilled:
     context: CompressedContext | None = None  # a compressed context the prompt continues
     index: PrefillIndex | None = None  # a sparse policy's index built during prefill, for the first decode
 
+    def prebuilt_index(self, selection: SelectionConfig) -> PrefillIndex | None:
+        """The index prefill built, if it was built for ``selection`` and no decode has taken it."""
+        return self.index if self.index is not None and self.index.selection == selection else None
+
 
 def model_identity(model_dir: Path, dtype: str) -> str:
     """A stable id for stored artefacts: the config's hash, the weights' sizes and the dtype."""
@@ -264,7 +268,7 @@ class Engine:
     def _decode_steps(self, req, sampling, selection, probe=False) -> Steps:
         selection = selection or self.config.selection
         self.check_fits(len(req.prompt_ids), sampling.max_tokens)
-        index = req.index if req.index is not None and req.index.selection == selection else None
+        index = req.prebuilt_index(selection)
         if index is not None:  # a prefill-built index serves one decode under its selection: decoding changes it
             req.index = None
         selector = index.selector if index is not None else make_selector(selection)

@@ -71,7 +71,7 @@ class IndexingPrefillAttention(FullCacheAttention):
         cfg = index.selection
         self.layers = sparse_layers(cfg, num_layers)
         self.sink_end = sink_tokens(cfg)
-        self.region_end = max(window_start(cfg, self.sink_end, prompt_tokens), self.sink_end)
+        self.region_end = window_start(cfg, self.sink_end, prompt_tokens)
         self.final_at = min(self.region_end, prompt_tokens)  # written up to here, the region is final
 
     def attend(self, layer, q, k, v):

@@ -39,7 +39,8 @@ def sink_tokens(cfg: SelectionConfig) -> int:
 
 
 def window_start(cfg: SelectionConfig, sink_end: int, length: int) -> int:
-    """First position of the window: the page of the newest token and the pages before it."""
+    """First position of the window: the page of the newest token and the pages before it; never
+    before ``sink_end``, so the indexed region ``sink_end .. window_start`` is never negative."""
     newest_page = (length - 1) // cfg.page_size
     return max(sink_end, (newest_page - cfg.n_win_pages + 1) * cfg.page_size)
 
@@ -80,7 +81,7 @@ class SparseCacheAttention(FullCacheAttention):
 
     def _region_keys(self, layer: int):
         """Keys of the indexed region at build time, per KV head: [Hkv, n, D] (or a list of [n_h, D])."""
-        return self.cache.gather_range(layer, self.seq_id, self.sink_end, max(self.win_start, self.sink_end))[0]
+        return self.cache.gather_range(layer, self.seq_id, self.sink_end, self.win_start)[0]  # win_start >= sink_end
 
     def _gather_pages(self, layer: int, heads: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
         """K/V [2, n, P, D] of selected pages: heads [n], token refs [n, P] from the selector (-1 = empty)."""

@@ -114,7 +114,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
     """One timed decode of ``cfg.steps`` tokens with ``policy`` from the request's cache: a record."""
     sampling = SamplingConfig(max_tokens=cfg.steps + 1, ignore_eos=True)
     sel = selection_for(cfg, policy)
-    prebuilt = req.index is not None and req.index.selection == sel  # this decode takes prefill's index
+    prebuilt = req.prebuilt_index(sel) is not None  # this decode takes prefill's index
     gen = drain(engine._decode_steps(req, sampling, sel))
     steps = max(gen.new_tokens - 1, 1)
     t = {k: v / steps for k, v in gen.timings.items() if k not in ("index_build_s",)}
