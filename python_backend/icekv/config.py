@@ -72,7 +72,6 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
-POLICIES = ("full", "streaming", "quest", "icecache", "icecache_r")
 SEARCHES = ("walk", "exhaustive", "centroids")  # IceCache page searches
 
 
@@ -156,8 +155,9 @@ class SelectionConfig:
             object.__setattr__(self, "n_sink_pages", default_pages)
         if self.n_win_pages is None:
             object.__setattr__(self, "n_win_pages", default_pages)
-        if self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        from icekv.policies import get_policy  # the registry; imported here because it imports this module
+
+        get_policy(self.policy)  # an unknown name is a ConfigError naming the known ones
         if self.budget < 1:
             raise ConfigError(f"budget must be >= 1 token, got {self.budget}")
         if self.n_sink_pages < 0 or self.n_win_pages < 1 or self.n_unlimited_layers < 0:
@@ -180,6 +180,36 @@ class SelectionConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """How the engine shares its steps among requests (continuous batching, chunked prefill).
+
+    Each step runs one decode token of every running request plus prefill chunks of the others,
+    up to ``max_step_tokens`` tokens in all: a long prompt holds the others' next tokens for at
+    most one step. A request is admitted (FIFO) when its worst case fits in what the running ones
+    have not been promised: KV pages (prompt + max_tokens), page-index host memory
+    (``max_index_bytes``, None: the pool's size) and compressed-context bytes
+    (``max_context_bytes``, None: the pool's size). One that could never fit is refused at submit.
+    """
+
+    max_running: int = 8  # requests in prefill or decode at once
+    max_waiting: int = 64  # waiting for memory or a turn; beyond this: busy
+    max_step_tokens: int = 512  # tokens per engine step: every running decode + prefill chunks
+    max_index_bytes: int | None = None
+    max_context_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_waiting < 0:
+            raise ConfigError("max_running (max_active_requests) must be >= 1 and max_waiting "
+                              "(max_queued_requests) >= 0")
+        if self.max_step_tokens <= self.max_running:
+            raise ConfigError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_running "
+                              f"({self.max_running}): every running decode and some prefill fit in one step")
+        for name in ("max_index_bytes", "max_context_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to load a model and run requests on it.
 
@@ -191,7 +221,8 @@ class EngineConfig:
     dtype: str = "float32"
     paging: PagingConfig = field(default_factory=PagingConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
-    prefill_chunk_tokens: int = 512
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    prefill_chunk_tokens: int = 512  # the most prompt tokens of one request in one step
     num_threads: int | None = None
     # threads that build a sparse policy's index during prefill; 0: the first decode builds it after
     # prefill; None: the cores the forward pass leaves free (0 where it uses them all: on shared
@@ -224,19 +255,12 @@ class ServingConfig:
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    max_active_requests: int = 8  # requests interleaved on the engine at once
-    max_queued_requests: int = 64  # waiting for memory or a turn; beyond this: 'busy'
     default_max_tokens: int = 128
     max_tokens_limit: int = 4096
     store: str | None = None  # context store: a directory or redis://host:port; None: no store
     store_max_bytes: int = 8 << 30
-    max_index_bytes: int | None = None  # host memory for the admitted requests' page indexes; None: the KV pool's size
 
     def __post_init__(self) -> None:
-        if self.max_active_requests < 1 or self.max_queued_requests < 0:
-            raise ConfigError("max_active_requests must be >= 1 and max_queued_requests >= 0")
-        if self.max_index_bytes is not None and self.max_index_bytes < 0:
-            raise ConfigError(f"max_index_bytes must be >= 0, got {self.max_index_bytes}")
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
             raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")
 
@@ -247,7 +271,8 @@ class ServingConfig:
         values = {k: v for k, v in values.items() if v not in (None, "")}
         known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
-                 "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes", "max_index_bytes"}
+                 "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
+                 "max_index_bytes", "max_context_bytes"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
@@ -271,22 +296,27 @@ class ServingConfig:
             icecache=IceCacheConfig(search=values.get("search", IceCacheConfig.search),
                                     score_dtype=values.get("score_dtype", IceCacheConfig.score_dtype)),
         )
+        scheduler = SchedulerConfig(
+            max_running=number("max_active_requests", SchedulerConfig.max_running),
+            max_waiting=number("max_queued_requests", SchedulerConfig.max_waiting),
+            max_step_tokens=number("max_step_tokens", SchedulerConfig.max_step_tokens),
+            max_index_bytes=number("max_index_bytes", SchedulerConfig.max_index_bytes),
+            max_context_bytes=number("max_context_bytes", SchedulerConfig.max_context_bytes),
+        )
         engine = EngineConfig(
             model_dir=values.get("model_dir"),
             dtype=values.get("dtype", EngineConfig.dtype),
             paging=paging,
             selection=selection,
+            scheduler=scheduler,
             prefill_chunk_tokens=number("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens),
             num_threads=number("num_threads", None),
             index_threads=number("index_threads", None),
         )
         return cls(
             engine=engine,
-            max_active_requests=number("max_active_requests", cls.max_active_requests),
-            max_queued_requests=number("max_queued_requests", cls.max_queued_requests),
             default_max_tokens=number("default_max_tokens", cls.default_max_tokens),
             max_tokens_limit=number("max_tokens_limit", cls.max_tokens_limit),
             store=values.get("store"),
             store_max_bytes=number("store_max_bytes", cls.store_max_bytes),
-            max_index_bytes=number("max_index_bytes", cls.max_index_bytes),
         )

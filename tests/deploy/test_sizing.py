@@ -7,7 +7,7 @@ from icekv.engine.full_attention import FullCacheAttention
 from icekv.engine.sparse_attention import SparseCacheAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
-from icekv.select import make_selector
+from icekv.policies import make_selector
 from icekv.sizing import size
 from tests.conftest import make_tiny_hf_model
 

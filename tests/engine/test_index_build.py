@@ -8,8 +8,8 @@ import torch
 from icekv.config import EngineConfig, IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.index_build import IndexingPrefillAttention, PrefillIndex
-from icekv.engine.sparse_attention import sink_tokens, window_start
-from icekv.select import make_selector
+from icekv.policies import sink_tokens, window_start
+from icekv.policies import make_selector
 
 pytestmark = pytest.mark.model
 

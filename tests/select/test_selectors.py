@@ -5,7 +5,8 @@ import torch
 
 from icekv.config import SelectionConfig
 from icekv.errors import ConfigError
-from icekv.select import QuestSelector, StreamingSelector, make_selector
+from icekv.policies import make_selector
+from icekv.select import QuestSelector, StreamingSelector
 from icekv.select.gqa import merge_ranked, merge_ranked_heads
 
 

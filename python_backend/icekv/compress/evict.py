@@ -6,8 +6,10 @@ import torch
 
 from icekv.errors import ConfigError
 
+CONTEXT_SINKS = 4  # a compressed context's first tokens, kept in every layer and head (attention sinks)
 
-def evict(scores: torch.Tensor, kv_budget: float, n_sinks: int = 4) -> torch.Tensor:
+
+def evict(scores: torch.Tensor, kv_budget: float, n_sinks: int = CONTEXT_SINKS) -> torch.Tensor:
     """scores [L, Hkv, T] -> keep mask [L, Hkv, T] with exactly round(kv_budget * L*Hkv*T) kept.
 
     The first ``n_sinks`` tokens of every head are always kept (they count against the budget);

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from icekv.compress.evict import CONTEXT_SINKS
 from icekv.compress.scoring import keydiff_scores, refeed_scores
 from icekv.errors import ConfigError
 
@@ -22,7 +23,7 @@ class KV2Compressor:
     rho: float | None = None
     rounds: int = 1
     chunk: int = 4096
-    n_sinks: int = 4
+    n_sinks: int = CONTEXT_SINKS
 
     def __post_init__(self) -> None:
         if self.rho is not None and not (0 < self.rho <= 1):

@@ -12,12 +12,13 @@ import torch
 from icekv.attention import paged_prefix_attention
 from icekv.compress.compressed import CompressedContext
 from icekv.config import SelectionConfig
+from icekv.compress.evict import CONTEXT_SINKS
+from icekv.engine.full_attention import request_kv_stats
+from icekv.engine.results import KVStats
 from icekv.engine.sparse_attention import SparseCacheAttention
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
 from icekv.select import PageSelector
-
-CONTEXT_SINKS = 4  # eviction always keeps a context's first 4 tokens in every head
 
 
 class CompressedPrefixAttention:
@@ -40,6 +41,9 @@ class CompressedPrefixAttention:
         tail_k, tail_v = self.cache.gather(layer, self.seq_id)  # [Hkv, S, D]
         page_k, page_v, page_len = self.prefix[layer]
         return paged_prefix_attention(q, page_k, page_v, page_len, tail_k, tail_v)
+
+    def kv_stats(self) -> KVStats:
+        return request_kv_stats(self.cache, self.seq_id, self.resident_bytes(), self.context)
 
     def resident_bytes(self) -> int:
         pages = sum(2 * k.numel() * k.element_size() for k, _, _ in self.prefix)
@@ -103,6 +107,9 @@ class CompressedSparseAttention(SparseCacheAttention):
         self.cache.write(layer, self.seq_id, self.start, k, v)
         tail_k, tail_v = self.cache.gather(layer, self.seq_id)  # [Hkv, S, D]
         return paged_prefix_attention(q, *self.prefix[layer], tail_k, tail_v)
+
+    def kv_stats(self) -> KVStats:
+        return request_kv_stats(self.cache, self.seq_id, self.resident_bytes(), self.context, **self.transfer_stats())
 
     def resident_bytes(self) -> int:
         dense = sum(2 * self.prefix[l][0].numel() * self.prefix[l][0].element_size()

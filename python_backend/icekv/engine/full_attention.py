@@ -8,7 +8,18 @@ from collections import defaultdict
 import torch
 
 from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step
+from icekv.compress import CompressedContext
+from icekv.engine.results import KVStats
 from icekv.kv import PagedKVCache
+
+
+def request_kv_stats(cache: PagedKVCache, seq_id: int, resident_bytes: int, context: CompressedContext | None = None,
+                     **transfer) -> KVStats:
+    """One request's :class:`KVStats`: its own pages, plus the full size of a compressed context it
+    continues (what the uncompressed cache would hold), and the backend's transfer counters."""
+    own = cache.sequence_bytes(seq_id)
+    total = own + (context.full_bytes if context is not None else 0)
+    return KVStats(resident_bytes, total, own // cache.bytes_per_page, **transfer)
 
 
 class FullCacheAttention:
@@ -31,6 +42,10 @@ class FullCacheAttention:
 
     def end_step(self) -> None:
         """Called after every layer has run the step; full attention has nothing to do."""
+
+    def kv_stats(self) -> KVStats:
+        """Everything is resident under full attention."""
+        return request_kv_stats(self.cache, self.seq_id, self.cache.sequence_bytes(self.seq_id))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.seq_id, self.start, k, v)

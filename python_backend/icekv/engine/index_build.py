@@ -23,7 +23,7 @@ import torch
 
 from icekv.config import SelectionConfig
 from icekv.engine.full_attention import FullCacheAttention
-from icekv.engine.sparse_attention import sink_tokens, sparse_layers, window_start
+from icekv.policies import sink_tokens, sparse_layers, window_start
 from icekv.kv import PagedKVCache
 from icekv.select import PageSelector
 

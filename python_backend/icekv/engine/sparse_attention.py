@@ -20,29 +20,14 @@ import torch.nn.functional as F
 
 from icekv.attention import sparse_paged_attention
 from icekv.config import SelectionConfig
-from icekv.engine.full_attention import FullCacheAttention
+from icekv.engine.full_attention import FullCacheAttention, request_kv_stats
+from icekv.engine.results import KVStats
 from icekv.kernels.cpu_decode import sparse_decode_pool_cpu
 from icekv.kernels.dispatch import kernel_backend
 from icekv.kv import DevicePageCache, PagedKVCache
 from icekv.model import ModelArgs
+from icekv.policies import sink_tokens, sparse_layers, window_start
 from icekv.select import PageSelector
-
-
-def sparse_layers(cfg: SelectionConfig, num_layers: int) -> range:
-    """The layers that attend under the budget: all but the first ``n_unlimited_layers``."""
-    return range(min(cfg.n_unlimited_layers, num_layers), num_layers)
-
-
-def sink_tokens(cfg: SelectionConfig) -> int:
-    """Sink tokens at the start of a request's own pages."""
-    return cfg.n_sink_pages * cfg.page_size
-
-
-def window_start(cfg: SelectionConfig, sink_end: int, length: int) -> int:
-    """First position of the window: the page of the newest token and the pages before it; never
-    before ``sink_end``, so the indexed region ``sink_end .. window_start`` is never negative."""
-    newest_page = (length - 1) // cfg.page_size
-    return max(sink_end, (newest_page - cfg.n_win_pages + 1) * cfg.page_size)
 
 
 class SparseCacheAttention(FullCacheAttention):
@@ -163,6 +148,9 @@ class SparseCacheAttention(FullCacheAttention):
         sink_win = min(self.sink_end, length) + max(length - self.win_start, 0)
         slots = sum(d.resident_bytes for d in self.device.values())
         return full_layers * length * per_token_layer + len(self.sparse_layers) * sink_win * per_token_layer + slots
+
+    def kv_stats(self) -> KVStats:
+        return request_kv_stats(self.cache, self.seq_id, self.resident_bytes(), **self.transfer_stats())
 
     def transfer_stats(self) -> dict:
         moved = sum(d.bytes_moved for d in self.device.values())

@@ -20,8 +20,7 @@ from typing import Callable
 import torch
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
-from icekv.engine import Engine
-from icekv.engine.engine import Prefilled, drain
+from icekv.engine import Engine, Prefilled
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
     sampling = SamplingConfig(max_tokens=cfg.steps + 1, ignore_eos=True)
     sel = selection_for(cfg, policy)
     prebuilt = req.prebuilt_index(sel) is not None  # this decode takes prefill's index
-    gen = drain(engine._decode_steps(req, sampling, sel))
+    gen = engine.decode(req, sampling, sel)
     steps = max(gen.new_tokens - 1, 1)
     t = {k: v / steps for k, v in gen.timings.items() if k not in ("index_build_s",)}
     split = {k: t.get(k, 0.0) for k in ("select_s", "transfer_s", "attention_s", "insert_s")}

@@ -91,6 +91,16 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         self.allocator.free(self._seqs.pop(seq_id).pages)
 
+    def free_if_present(self, seq_id: int) -> None:
+        """:meth:`free` for a request that may not have a cache yet (failed before its prefill)."""
+        if seq_id in self._seqs:
+            self.free(seq_id)
+
+    def pages_held(self, seq_id: int) -> int:
+        """Pages the request holds now (0 for one without a cache)."""
+        seq = self._seqs.get(seq_id)
+        return len(seq.pages) if seq is not None else 0
+
     def length(self, seq_id: int) -> int:
         return self._seqs[seq_id].length
 

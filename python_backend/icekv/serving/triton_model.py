@@ -17,7 +17,7 @@ from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
 from icekv.serving.repository import INPUTS
 from icekv.serving.request import RequestError, parse_request
-from icekv.serving.scheduler import BusyError, Scheduler
+from icekv.serving.engine_loop import BusyError, EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,11 @@ class Metrics:
                 self.families.append(family)
                 self.metrics[name] = family.Metric(labels={"model": "icekv"})
 
-    def update(self, scheduler: Scheduler, engine: Engine) -> None:
+    def update(self, loop: EngineLoop, engine: Engine) -> None:
         """Push changed values only: an idle server sends nothing to Triton, so a shutdown never
         races a metrics message (seen: unload hanging while a background update was in flight)."""
         resident, host = engine.kv_bytes()
-        s = scheduler.stats
+        s = loop.stats
         snapshot = (resident, host, s.active, s.queued, s.index_bytes_promised, s.pages_moved, s.select_s,
                     s.completed, s.failed, s.cancelled, s.store_hits, s.generated_tokens)
         if snapshot == self._last.get("snapshot"):
@@ -139,7 +139,7 @@ class TritonModel:
 
             self.store = ContextStore.open(self.cfg.store, self.engine.model_id, self.cfg.store_max_bytes)
         self.metrics = Metrics(self.pb)
-        self.scheduler = Scheduler(self.engine, self.cfg, on_tick=lambda: self.metrics.update(self.scheduler, self.engine))
+        self.loop = EngineLoop(self.engine, on_tick=lambda: self.metrics.update(self.loop, self.engine))
         log.warning("icekv: loaded %s in %.1f s (policy %s)", self.engine.model_dir, time.perf_counter() - t0,
                     self.cfg.engine.selection.policy)
 
@@ -156,7 +156,7 @@ class TritonModel:
                 req = parse_request(inputs, params, self.cfg)
                 context = self._context(req.context_key) if req.context_key is not None else None
                 sink.stream = req.stream
-                self.scheduler.submit(req, sink, context)
+                self.loop.submit(req, sink, context)
             except BusyError as e:
                 sink.error(str(e), kind="busy")
             except (IcekvError, json.JSONDecodeError) as e:
@@ -170,9 +170,9 @@ class TritonModel:
         context = self.store.load(key)  # StoreError (corrupt/foreign) is a client-visible error too
         if context is None:
             raise RequestError(f"unknown context_key {key!r}: not in the context store (run icekv compress)")
-        self.scheduler.stats.store_hits += 1
+        self.loop.stats.store_hits += 1
         return context
 
     def finalize(self) -> None:
-        self.scheduler.stop()
+        self.loop.stop()
         self.metrics = None

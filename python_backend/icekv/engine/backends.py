@@ -1,0 +1,59 @@
+"""Which attention backend a request runs under, in prefill and in decode: one place for it.
+
+Prefill always attends the full prompt (over a compressed context: the context's kept pages plus
+the prompt); where index threads are free, a sparse policy's index is built meanwhile. Decode runs
+under the request's policy: full attention, or sink + selected pages + window per KV head, over the
+request's own pages or a compressed context.
+"""
+
+from __future__ import annotations
+
+from icekv.compress import CompressedContext
+from icekv.engine.compressed_attention import CompressedPrefixAttention, CompressedSparseAttention
+from icekv.engine.full_attention import FullCacheAttention
+from icekv.engine.index_build import IndexingPrefillAttention, PrefillIndex
+from icekv.engine.sequence import Sequence
+from icekv.engine.sparse_attention import SparseCacheAttention
+from icekv.errors import ConfigError
+from icekv.kv import PagedKVCache
+from icekv.model import ModelArgs
+from icekv.policies import get_policy
+
+
+def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelArgs) -> None:
+    if context.page_size != cache.page_size or len(context.layers) != args.num_layers:
+        raise ConfigError("the compressed context was made for another model or page size")
+
+
+def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_threads: int):
+    """Full attention over the prompt; with free index threads, a sparse policy's index is built
+    layer by layer meanwhile (``seq.index``), for the first decode under that same selection."""
+    if seq.context is not None:
+        return CompressedPrefixAttention(cache, seq.seq_id, seq.context)
+    policy = get_policy(seq.selection.policy)
+    if not policy.sparse or index_threads == 0:
+        return FullCacheAttention(cache, seq.seq_id)
+    seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads)
+    return IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
+
+
+def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
+    """The backend for the request's decode steps under its policy (a sparse one builds its index
+    here, or takes the one prefill built for this selection)."""
+    selection, prefilled = seq.selection, seq.prefilled
+    context = prefilled.context if prefilled is not None else seq.context
+    index = seq.index if prefilled is None else prefilled.prebuilt_index(selection)
+    if index is not None and index.selection != selection:
+        index.cancel()
+        index = None
+    if prefilled is not None and index is not None:
+        prefilled.index = None  # decoding changes the index: it serves this one decode
+    seq.index = None
+    selector = index.selector if index is not None else get_policy(selection.policy).make_selector(selection)
+    if selector is None:
+        return FullCacheAttention(cache, seq.seq_id) if context is None else \
+            CompressedPrefixAttention(cache, seq.seq_id, context)
+    if context is not None:
+        return CompressedSparseAttention(cache, seq.seq_id, args, selection, selector, context)
+    return SparseCacheAttention(cache, seq.seq_id, args, selection, selector, seq.probe,
+                                prebuilt=index.wait if index is not None else None)

@@ -1,0 +1,62 @@
+"""What the engine hands back: a finished generation, its KV statistics, a prefilled prompt."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from icekv.compress import CompressedContext
+from icekv.config import SelectionConfig
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """KV cache of one request: bytes on the compute device vs in total (all layers), and traffic.
+    Every attention backend reports this one shape (``kv_stats()``)."""
+
+    resident_bytes: int
+    total_bytes: int
+    pages: int
+    bytes_moved: int = 0
+    pages_moved: int = 0  # (layer, KV head) pages copied host -> device
+    slot_hit_rate: float = 0.0
+    index_bytes: int = 0  # host memory of the page index (IceCache trees, Quest bounds)
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    new_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prefill_s: float
+    decode_s: float
+    tpot_s: float
+    kv: KVStats
+    policy: str = "full"
+    budget: int | None = None
+    timings: dict = field(default_factory=dict)  # select_s, transfer_s, attention_s, index_build_s
+    layer_stats: dict = field(default_factory=dict)  # probe: layer -> {"recall", "cosine"}
+    step_max_s: float = 0.0  # the slowest decode step (a window flush inserts into every layer's index)
+    first_step_s: float = 0.0  # the first decode step: caches cold after prefill, slots filled from empty
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Prefilled:
+    """A prompt whose KV is in the pool; decode it (possibly several times), then release it."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    logits: torch.Tensor  # [V] for the token after the prompt
+    prefill_s: float
+    context: CompressedContext | None = None  # a compressed context the prompt continues
+    index: object = None  # a PrefillIndex: a sparse policy's index built during prefill, for the first decode
+
+    def prebuilt_index(self, selection: SelectionConfig):
+        """The index prefill built, if it was built for ``selection`` and no decode has taken it."""
+        return self.index if self.index is not None and self.index.selection == selection else None

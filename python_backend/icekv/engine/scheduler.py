@@ -1,0 +1,99 @@
+"""Which requests run in the next engine step: the waiting queue, admission and the token budget.
+
+Requests wait in FIFO order until their worst case fits in what the running ones have not been
+promised: KV pages for prompt + max_tokens, page-index host memory and compressed-context bytes
+(:class:`icekv.config.SchedulerConfig`). Each step takes one decode token of every running
+request first, then fills the rest of ``max_step_tokens`` with prompt chunks of the others, so a
+long prompt never holds another request's next token for more than one step. Cancelled requests,
+queued or running, are dropped at the start of the next step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from icekv.config import SchedulerConfig
+from icekv.engine.sequence import Sequence
+from icekv.errors import IcekvError
+from icekv.kv import PagedKVCache
+
+
+class BusyError(IcekvError):
+    """Too many requests are waiting; the client should retry later."""
+
+
+class Scheduler:
+    """Holds the waiting and running requests; :meth:`add` and ``Sequence.cancel`` may be called
+    from any thread, :meth:`schedule` and :meth:`remove` from the one thread that steps."""
+
+    def __init__(self, cfg: SchedulerConfig, cache: PagedKVCache, chunk_tokens: int):
+        self.cfg, self.cache, self.chunk_tokens = cfg, cache, chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._lock = threading.Lock()
+        pool_bytes = cache.capacity_tokens * cache.bytes_per_token
+        self.index_limit = pool_bytes if cfg.max_index_bytes is None else cfg.max_index_bytes
+        self.context_limit = pool_bytes if cfg.max_context_bytes is None else cfg.max_context_bytes
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` (its worst case already set); IcekvError if it could never fit, BusyError
+        if the queue is full."""
+        if seq.pages > self.cache.allocator.num_pages:
+            raise IcekvError(f"the request needs {seq.pages} KV pages, more than the pool's "
+                             f"{self.cache.allocator.num_pages}")
+        if seq.index_bytes > self.index_limit:
+            raise IcekvError(
+                f"policy {seq.selection.policy} needs a page index of ~{seq.index_bytes / 2**20:.0f} MiB for this "
+                f"request, above max_index_bytes ({self.index_limit / 2**20:.0f} MiB): shorten the prompt "
+                f"or max_tokens, or use a smaller index (icecache_r, quest) or none (streaming, full)")
+        if seq.context_bytes > self.context_limit:
+            raise IcekvError(f"the compressed context takes {seq.context_bytes / 2**20:.0f} MiB, above "
+                             f"max_context_bytes ({self.context_limit / 2**20:.0f} MiB)")
+        with self._lock:
+            if len(self.waiting) >= self.cfg.max_waiting:
+                raise BusyError(f"server busy: {len(self.waiting)} requests already waiting, retry later")
+            self.waiting.append(seq)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+        """This step's work [(sequence, tokens)], and the cancelled requests dropped before it."""
+        with self._lock:
+            dropped = [s for s in self.waiting if s.cancel_requested]
+            self.waiting = deque(s for s in self.waiting if not s.cancel_requested)
+            self._admit()
+        dropped += [s for s in self.running if s.cancel_requested]
+        self.running = [s for s in self.running if not s.cancel_requested]
+        work = [(s, 1) for s in self.running if s.decoding]
+        budget = self.cfg.max_step_tokens - len(work)
+        for seq in self.running:
+            if not seq.decoding and budget > 0:
+                n = min(seq.remaining_prompt, self.chunk_tokens, budget)
+                work.append((seq, n))
+                budget -= n
+        return work, dropped
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_running:
+            seq = self.waiting[0]
+            if not self._fits(seq):
+                break  # the head of the queue goes first: no starvation
+            self.running.append(self.waiting.popleft())
+
+    def _fits(self, seq: Sequence) -> bool:
+        promised = sum(self._pages_to_come(s) for s in self.running)
+        index = sum(s.index_bytes for s in self.running) + seq.index_bytes
+        context = sum(s.context_bytes for s in self.running) + seq.context_bytes
+        return (promised + self._pages_to_come(seq) <= self.cache.allocator.num_free
+                and index <= self.index_limit and context <= self.context_limit)
+
+    def _pages_to_come(self, seq: Sequence) -> int:
+        """Pages ``seq`` may still allocate: its worst case less what it holds."""
+        return max(seq.pages - self.cache.pages_held(seq.seq_id), 0)

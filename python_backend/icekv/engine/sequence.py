@@ -1,0 +1,158 @@
+"""One request inside the engine: its settings, where it is (waiting, prefill, decode, done), and
+what it has produced. The scheduler decides when it runs; the step runner moves it forward."""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from icekv.compress import CompressedContext
+from icekv.config import SamplingConfig, SelectionConfig
+from icekv.engine.results import Generation, Prefilled
+from icekv.engine.sampling import sample_next
+from icekv.engine.text_stream import TextStream
+from icekv.errors import IcekvError
+
+OnText = Callable[[str], None]
+OnProgress = Callable[[int, int], None]
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class Cancelled(IcekvError):
+    """The request was cancelled (by its client, or because the engine stopped)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's state. ``prefilled``: decode over an existing prompt's KV (its pages stay, the
+    decoded tokens are truncated afterwards); ``prefill_only``: stop after prefill and keep the
+    pages (the result is then a :class:`Prefilled`)."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    selection: SelectionConfig
+    context: CompressedContext | None = None
+    on_text: OnText | None = None
+    on_progress: OnProgress | None = None
+    prefilled: Prefilled | None = None
+    prefill_only: bool = False
+    probe: bool = False
+    # what admission charges (worst case): set by the scheduler at submit
+    pages: int = 0
+    index_bytes: int = 0
+    context_bytes: int = 0
+    # progress
+    phase: Phase = Phase.WAITING
+    prefill_done: int = 0  # prompt tokens already through the model
+    backend: object = None  # this phase's attention backend
+    decoder_ready: bool = False  # backend is the decode one (set up at the first decode step)
+    index: object = None  # a PrefillIndex built during prefill
+    next_token: int | None = None  # sampled, to be fed by the next decode step
+    stream: TextStream | None = None
+    eos: set[int] = field(default_factory=set)
+    logits: torch.Tensor | None = None  # [V] after the prompt (kept for a prefill-only request)
+    generator: torch.Generator | None = None
+    step_s: list[float] = field(default_factory=list)  # each decode step's wall time
+    t_prefill: float = 0.0
+    prefill_s: float = 0.0
+    t_decode: float = 0.0
+    finish_reason: str = "length"
+    result: Generation | Prefilled | None = None
+    error: BaseException | None = None
+    _cancel: threading.Event = field(default_factory=threading.Event)
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    # ---- called from any thread
+    def cancel(self) -> None:
+        """Ask the engine to drop this request at its next step (queued or running)."""
+        self._cancel.set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    # ---- called by the engine's step
+    @property
+    def remaining_prompt(self) -> int:
+        return len(self.prompt_ids) - self.prefill_done
+
+    @property
+    def decoding(self) -> bool:
+        """Its next step feeds one token (the prompt is in the cache, its own or ``prefilled``)."""
+        return self.phase is Phase.DECODE or (self.phase is Phase.WAITING and self.prefilled is not None)
+
+    def start_decode(self, tokenizer, eos: set[int], logits: torch.Tensor) -> None:
+        """The prompt is in the cache: sample the first token from ``logits`` [V]."""
+        s = self.sampling
+        self.generator = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        self.stream = TextStream(tokenizer, s.stop)
+        self.eos = set() if s.ignore_eos else eos
+        self.phase, self.t_decode = Phase.DECODE, time.perf_counter()
+        self.accept(logits)
+
+    def accept(self, logits: torch.Tensor) -> None:
+        """Sample the next token from logits [V]; finishes on EOS, a stop string or max_tokens."""
+        token = sample_next(logits, self.sampling, self.generator)
+        if token in self.eos:
+            self.finish_reason = "stop"
+            return self._emit_last()
+        self._emit(self.stream.push(token))
+        if self.stream.stopped:
+            self.finish_reason = "stop"
+            return self._emit_last()
+        if len(self.stream.token_ids) >= self.sampling.max_tokens:
+            return self._emit_last()
+        self.next_token = token
+
+    def _emit(self, text: str) -> None:
+        if text and self.on_text:
+            self.on_text(text)
+
+    def _emit_last(self) -> None:
+        self._emit(self.stream.flush())
+        self.next_token = None
+        self.phase = Phase.DONE
+
+    def fail(self, error: BaseException) -> None:
+        """Stop stepping this request; the engine retires it with ``error``."""
+        self.error, self.phase = error, Phase.DONE
+
+    def finish(self, result: Generation | Prefilled | None = None, error: BaseException | None = None) -> None:
+        self.result, self.error, self.phase = result, error, Phase.DONE
+        self._done.set()
+
+    def generation(self, kv) -> Generation:
+        """The finished decode as a :class:`Generation`; ``kv`` the backend's :class:`KVStats`."""
+        decode_s = time.perf_counter() - self.t_decode
+        new = self.stream.token_ids
+        backend = self.backend if self.decoder_ready else None
+        return Generation(
+            text=self.stream.text, token_ids=new, prompt_tokens=len(self.prompt_ids), new_tokens=len(new),
+            finish_reason=self.finish_reason, prefill_s=self.prefill_s, decode_s=decode_s,
+            tpot_s=decode_s / max(len(new) - 1, 1),  # n tokens take n-1 decode steps
+            kv=kv, policy=self.selection.policy,
+            budget=None if self.selection.policy == "full" else self.selection.budget,
+            timings=dict(getattr(backend, "timings", {})),
+            step_max_s=max(self.step_s, default=0.0), first_step_s=self.step_s[0] if self.step_s else 0.0,
+            layer_stats={layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}
+                         for layer, v in getattr(backend, "layer_stats", {}).items()},
+        )

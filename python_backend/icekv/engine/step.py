@@ -1,0 +1,131 @@
+"""One engine step over a batch of sequences: a flat token batch through the model once.
+
+Each sequence contributes its next decode token or a chunk of its prompt. The dense layers run
+once over the flat batch ``[N]`` (tokens with their own positions); every layer's attention is
+split back by sequence and run by that sequence's own backend (full, sparse under its policy, or
+over a compressed context), so requests under different policies share a step. A sequence whose
+backend fails is failed alone: its rows get zeros for the rest of the step and the others go on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from icekv.engine.backends import check_context, decode_backend, prefill_backend
+from icekv.engine.sequence import Phase, Sequence
+from icekv.kv import PagedKVCache
+from icekv.model import Decoder, Tokenizer
+
+Work = list[tuple[Sequence, int]]  # (sequence, tokens it feeds this step)
+
+
+class BatchAttention:
+    """The model's attention backend for one step: rows ``bounds[i]:bounds[i+1]`` of the flat
+    batch belong to ``seqs[i]`` and go to its backend."""
+
+    def __init__(self, seqs: list[Sequence], sizes: list[int]):
+        self.seqs = seqs
+        self.bounds = [0]
+        for n in sizes:
+            self.bounds.append(self.bounds[-1] + n)
+        self.failed: dict[int, BaseException] = {}  # index in seqs -> its error
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k, v [N, Hkv, D] of the whole batch -> [N, Hq, D]."""
+        outs = []
+        for i, seq in enumerate(self.seqs):
+            a, b = self.bounds[i], self.bounds[i + 1]
+            if i not in self.failed:
+                try:
+                    outs.append(seq.backend.attend(layer, q[a:b], k[a:b], v[a:b]))  # [n_i, Hq, D]
+                    continue
+                except Exception as e:  # this sequence fails; the step goes on for the others
+                    self.failed[i] = e
+            outs.append(q.new_zeros(q[a:b].shape))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class StepRunner:
+    """Moves the scheduled sequences forward by one step: prepares their backends, runs the
+    model once over all their tokens, then samples (or records prefill progress) per sequence."""
+
+    def __init__(self, model: Decoder, tokenizer: Tokenizer, cache: PagedKVCache, index_threads: int):
+        self.model, self.tokenizer, self.cache, self.index_threads = model, tokenizer, cache, index_threads
+        self.eos = set(model.args.eos_token_ids)
+
+    def run(self, work: Work) -> None:
+        ready, tokens = [], []
+        for seq, n in work:
+            try:
+                fed = self._prepare(seq, n)
+            except Exception as e:
+                seq.fail(e)
+                continue
+            if fed is not None:
+                ready.append(seq)
+                tokens.append(fed)
+        if not ready:
+            return
+        positions = [seq.backend.begin_step(len(t)) for seq, t in zip(ready, tokens)]
+        sizes = [len(t) for t in tokens]
+        samples = [i for i, seq in enumerate(ready) if seq.decoding or seq.remaining_prompt == sizes[i]]
+        batch = BatchAttention(ready, sizes)
+        ends = batch.bounds[1:]
+        t0 = time.perf_counter()
+        try:
+            logits = self.model(torch.tensor([t for ts in tokens for t in ts]), torch.cat(positions), batch,
+                                logit_rows=torch.tensor([ends[i] - 1 for i in samples], dtype=torch.long))  # [R, V]
+        except Exception as e:  # outside any one sequence's attention: the whole step failed
+            for seq in ready:
+                seq.fail(e)
+            return
+        step_s = time.perf_counter() - t0
+        rows = dict(zip(samples, logits))
+        for i, seq in enumerate(ready):
+            if i in batch.failed:
+                seq.fail(batch.failed[i])
+                continue
+            try:
+                seq.backend.end_step()
+                self._advance(seq, sizes[i], rows.get(i), step_s)
+            except Exception as e:
+                seq.fail(e)
+
+    def _prepare(self, seq: Sequence, n: int) -> list[int] | None:
+        """The token ids ``seq`` feeds this step (its backend set up); None: nothing to feed."""
+        if seq.phase is Phase.WAITING and seq.prefilled is not None:  # decode over an existing prompt
+            seq.prefill_s = seq.prefilled.prefill_s
+            seq.start_decode(self.tokenizer, self.eos, seq.prefilled.logits)
+        elif seq.phase is Phase.WAITING:
+            if seq.context is not None:
+                check_context(seq.context, self.cache, self.model.args)
+            self.cache.add(seq.seq_id)
+            seq.phase, seq.t_prefill = Phase.PREFILL, time.perf_counter()
+            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads)
+        if seq.phase is Phase.DONE:
+            return None
+        if seq.phase is Phase.PREFILL:
+            return seq.prompt_ids[seq.prefill_done : seq.prefill_done + n]
+        if not seq.decoder_ready:  # the first decode step: build (or take) its index, not decode time
+            t0 = time.perf_counter()
+            seq.backend, seq.decoder_ready = decode_backend(self.cache, seq, self.model.args), True
+            seq.t_decode += time.perf_counter() - t0
+        return [seq.next_token]
+
+    def _advance(self, seq: Sequence, n: int, logits: torch.Tensor | None, step_s: float) -> None:
+        if seq.phase is Phase.DECODE:
+            seq.step_s.append(step_s)
+            seq.accept(logits)
+            return
+        seq.prefill_done += n
+        if seq.on_progress:
+            seq.on_progress(seq.prefill_done, len(seq.prompt_ids))
+        if seq.remaining_prompt:
+            return
+        seq.prefill_s, seq.logits = time.perf_counter() - seq.t_prefill, logits
+        if seq.prefill_only:
+            seq.phase = Phase.DONE
+            return
+        seq.start_decode(self.tokenizer, self.eos, logits)

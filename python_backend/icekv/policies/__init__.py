@@ -1,0 +1,31 @@
+"""The registry of decode-time policies: a name -> everything about that policy (one file each).
+
+Adding a policy: a file here that makes a :class:`Policy`, and its line in :data:`_REGISTERED`.
+"""
+
+from __future__ import annotations
+
+from icekv.errors import ConfigError
+from icekv.policies import full, icecache, quest, streaming
+from icekv.policies.base import Policy, sink_tokens, sparse_layers, window_start
+
+_REGISTERED = (full.POLICY, streaming.POLICY, quest.POLICY, icecache.ICECACHE, icecache.ICECACHE_R)
+
+
+def policy_names() -> tuple[str, ...]:
+    return tuple(p.name for p in _REGISTERED)
+
+
+def get_policy(name: str) -> Policy:
+    for policy in _REGISTERED:
+        if policy.name == name:
+            return policy
+    raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())}")
+
+
+def make_selector(cfg):
+    """A fresh selector (per request) for ``cfg.policy``; None for full attention."""
+    return get_policy(cfg.policy).make_selector(cfg)
+
+
+__all__ = ["Policy", "get_policy", "make_selector", "policy_names", "sink_tokens", "sparse_layers", "window_start"]

@@ -1,0 +1,64 @@
+"""What a decode-time policy is, and the region rules every sparse policy shares.
+
+A policy is one registered unit (:class:`Policy`): its name, the per-request page selector it
+builds (none for full attention), the host memory its index takes, and whether it can select over
+a compressed context. The cache regions of a sparse policy are the same for every policy and are
+written here once: the first ``n_unlimited_layers`` layers attend their full cache; in the others
+each KV head attends its sink, ``k`` selected pages of the indexed region, and its window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from icekv.config import SelectionConfig
+from icekv.model import ModelArgs
+from icekv.select.base import PageSelector
+
+SelectorFactory = Callable[[SelectionConfig], PageSelector]
+IndexSizer = Callable[[ModelArgs, int, SelectionConfig], int]
+
+
+def no_index(args: ModelArgs, tokens: int, cfg: SelectionConfig) -> int:
+    """Policies that keep no page index beside the KV pool."""
+    return 0
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything about one policy. ``selector`` None: full attention (no budget, no index)."""
+
+    name: str
+    selector: SelectorFactory | None
+    index_bytes: IndexSizer = no_index  # (model, tokens held, selection) -> host bytes of the index
+    compressed_context: bool = False  # can it select over a compressed context's per-head pages?
+
+    @property
+    def sparse(self) -> bool:
+        return self.selector is not None
+
+    def make_selector(self, cfg: SelectionConfig) -> PageSelector | None:
+        """A fresh selector for one request; None for full attention."""
+        return self.selector(cfg) if self.selector is not None else None
+
+    def sparse_layers(self, cfg: SelectionConfig, num_layers: int) -> range:
+        """The layers that attend under the budget."""
+        return sparse_layers(cfg, num_layers) if self.sparse else range(0)
+
+
+def sparse_layers(cfg: SelectionConfig, num_layers: int) -> range:
+    """All but the first ``n_unlimited_layers``."""
+    return range(min(cfg.n_unlimited_layers, num_layers), num_layers)
+
+
+def sink_tokens(cfg: SelectionConfig) -> int:
+    """Sink tokens at the start of a request's own pages."""
+    return cfg.n_sink_pages * cfg.page_size
+
+
+def window_start(cfg: SelectionConfig, sink_end: int, length: int) -> int:
+    """First position of the window: the page of the newest token and the pages before it; never
+    before ``sink_end``, so the indexed region ``sink_end .. window_start`` is never negative."""
+    newest_page = (length - 1) // cfg.page_size
+    return max(sink_end, (newest_page - cfg.n_win_pages + 1) * cfg.page_size)

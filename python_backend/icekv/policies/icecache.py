@@ -1,0 +1,52 @@
+"""IceCache (a DCI-tree per layer and KV head) and IceCache(r) (one tree per group of layers).
+
+Each can select over a compressed context only without layer reuse: compression keeps different
+tokens in each layer, while IceCache(r) shares one token-to-page map across a group of layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from icekv.config import SelectionConfig
+from icekv.index.dci_tree import promotion_step
+from icekv.index.score_rows import row_width
+from icekv.model import ModelArgs
+from icekv.policies.base import Policy, sparse_layers
+from icekv.select.icecache import IceCacheSelector
+
+# The index keeps each indexed key once in a page-major store whose pages hold P/2..P tokens
+# (about 7/8 full on random and on SmolLM2 keys) and grow with 1/8 headroom; every token also has
+# a norm, a projection, a parent, a level and a store location (32 bytes), every page a mean key,
+# and the promoted tokens (1 in ``promotion_step``) a second key copy for the parent search.
+PAGE_FILL, HEADROOM, TOKEN_ARRAYS = 7 / 8, 9 / 8, 32
+SCORE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+
+
+def tree_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, trees_per_kv_head: int) -> int:
+    """Host bytes of ``trees_per_kv_head`` trees per KV head over ``tokens`` tokens each."""
+    d, p, ice = args.head_dim, cfg.page_size, cfg.icecache
+    key_bytes = row_width(d, getattr(torch, ice.score_dtype)) * SCORE_BYTES[ice.score_dtype]
+    per_slot = key_bytes + 4 + 8  # key, pad, member id
+    per_page = key_bytes + 8 + 16  # centroid (in the score dtype), version, length and owner
+    promoted_key = d * 4 / promotion_step(ice)
+    per_token = HEADROOM * ((per_slot + per_page / p) / PAGE_FILL + TOKEN_ARRAYS + promoted_key)
+    return int(trees_per_kv_head * args.num_kv_heads * tokens * per_token)
+
+
+def icecache_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig) -> int:
+    return tree_index_bytes(args, tokens, cfg, len(sparse_layers(cfg, args.num_layers)))
+
+
+def icecache_r_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig) -> int:
+    groups = -(-len(sparse_layers(cfg, args.num_layers)) // cfg.icecache.layer_group)
+    return tree_index_bytes(args, tokens, cfg, groups)
+
+
+def _selector(layer_reuse: bool):
+    return lambda cfg: IceCacheSelector(cfg.page_size, cfg.icecache, layer_reuse=layer_reuse,
+                                        first_sparse_layer=cfg.n_unlimited_layers)
+
+
+ICECACHE = Policy("icecache", selector=_selector(False), index_bytes=icecache_index_bytes, compressed_context=True)
+ICECACHE_R = Policy("icecache_r", selector=_selector(True), index_bytes=icecache_r_index_bytes)
