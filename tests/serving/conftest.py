@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from icekv.serving.launcher import TritonServer
-from icekv.serving.scheduler import TICK_S
+from icekv.serving.engine_loop import TICK_S
 
 HOST_POOL_TOKENS = 8192
 

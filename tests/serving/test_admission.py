@@ -1,21 +1,23 @@
-"""Admission counts the page index's host memory as well as the KV pages (real engine, real model)."""
+"""Admission counts the page index's host memory as well as the KV pages (real engine, real model),
+through the serving engine thread."""
 
 import threading
 
 import pytest
 
-from icekv.config import SamplingConfig, SelectionConfig, ServingConfig
+from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.engine import Engine
 from icekv.errors import IcekvError
+from icekv.serving.engine_loop import EngineLoop
 from icekv.serving.request import GenerateRequest
-from icekv.serving.scheduler import Scheduler
 from icekv.sizing import index_bytes
 
 
 class ListSink:
     """Collects one request's results; ``seen_active``: the most requests active while it streamed."""
 
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler, self.texts, self.result, self.failure = scheduler, [], None, None
+    def __init__(self, loop: EngineLoop):
+        self.loop, self.texts, self.result, self.failure = loop, [], None, None
         self.finished = threading.Event()
         self.seen_active = 0
 
@@ -24,7 +26,7 @@ class ListSink:
 
     def text(self, delta: str) -> None:
         self.texts.append(delta)
-        self.seen_active = max(self.seen_active, self.scheduler.stats.active)
+        self.seen_active = max(self.seen_active, len(self.loop.engine.scheduler.running))
 
     def done(self, result) -> None:
         self.result = result
@@ -47,43 +49,46 @@ def _estimate(engine, request) -> int:
 
 
 @pytest.fixture
-def scheduler_for(engine):
+def loop_for(smollm2_dir):
     made = []
 
     def make(max_index_bytes):
-        made.append(Scheduler(engine, ServingConfig(max_active_requests=4, max_index_bytes=max_index_bytes)))
+        cfg = EngineConfig(model_dir=str(smollm2_dir),
+                           scheduler=SchedulerConfig(max_running=4, max_index_bytes=max_index_bytes))
+        made.append(EngineLoop(Engine(cfg)))
         return made[-1]
     yield make
-    for scheduler in made:
-        scheduler.stop()
+    for loop in made:
+        loop.stop()
 
 
-def test_a_request_whose_index_could_never_fit_is_refused_up_front(engine, essays_text, scheduler_for):
-    scheduler = scheduler_for(1 << 20)
+def test_a_request_whose_index_could_never_fit_is_refused_up_front(engine, essays_text, loop_for):
+    loop = loop_for(1 << 20)
     ice = _request(essays_text, "icecache")
     assert _estimate(engine, ice) > 1 << 20
     with pytest.raises(IcekvError, match="max_index_bytes"):
-        scheduler.submit(ice, ListSink(scheduler))
-    streaming = ListSink(scheduler)  # no index: the same prompt is served
-    scheduler.submit(_request(essays_text, "streaming"), streaming)
+        loop.submit(ice, ListSink(loop))
+    streaming = ListSink(loop)  # no index: the same prompt is served
+    loop.submit(_request(essays_text, "streaming"), streaming)
     assert streaming.finished.wait(120) and streaming.failure is None
     assert streaming.result.new_tokens == 6
 
 
-def test_requests_wait_for_index_memory_then_all_complete(engine, essays_text, scheduler_for):
+def test_requests_wait_for_index_memory_then_all_complete(engine, essays_text, loop_for):
     first, second = _request(essays_text, "icecache"), _request(essays_text, "icecache", words=240)
     one = max(_estimate(engine, first), _estimate(engine, second))
-    scheduler = scheduler_for(int(1.5 * one))  # room for one index at a time (KV pages: plenty)
-    sinks = [ListSink(scheduler), ListSink(scheduler)]
-    scheduler.submit(first, sinks[0])
-    scheduler.submit(second, sinks[1])
+    loop = loop_for(int(1.5 * one))  # room for one index at a time (KV pages: plenty)
+    sinks = [ListSink(loop), ListSink(loop)]
+    loop.submit(first, sinks[0])
+    loop.submit(second, sinks[1])
     for sink in sinks:
         assert sink.finished.wait(180) and sink.failure is None
         assert sink.result.new_tokens == 6
         assert sink.seen_active == 1  # never both at once
-    assert scheduler.stats.index_bytes_promised == 0 and scheduler.stats.active == 0
+    assert loop.stats.index_bytes_promised == 0 and loop.stats.active == 0
 
 
-def test_default_index_limit_is_the_kv_pool_size(engine, scheduler_for):
-    scheduler = scheduler_for(None)
-    assert scheduler.index_limit == engine.cache.capacity_tokens * engine.cache.bytes_per_token > 0
+def test_default_index_limit_is_the_kv_pool_size(loop_for):
+    loop = loop_for(None)
+    cache = loop.engine.cache
+    assert loop.index_limit == cache.capacity_tokens * cache.bytes_per_token > 0

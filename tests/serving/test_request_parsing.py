@@ -48,11 +48,14 @@ def test_serving_config_from_triton_parameters():
     cfg = ServingConfig.from_triton_parameters({
         "policy": {"string_value": "quest"}, "budget": {"string_value": "128"},
         "host_pool_tokens": {"string_value": "4096"}, "max_active_requests": {"string_value": "2"},
-        "max_index_bytes": {"string_value": "1048576"},
+        "max_index_bytes": {"string_value": "1048576"}, "max_step_tokens": {"string_value": "256"},
     })
     assert cfg.engine.selection.policy == "quest" and cfg.engine.paging.max_context_tokens == 4096
-    assert cfg.max_active_requests == 2 and cfg.max_index_bytes == 1 << 20
-    assert ServingConfig.from_triton_parameters({}).max_index_bytes is None  # default: the KV pool's size
+    scheduler = cfg.engine.scheduler
+    assert scheduler.max_running == 2 and scheduler.max_index_bytes == 1 << 20 and scheduler.max_step_tokens == 256
+    assert ServingConfig.from_triton_parameters({}).engine.scheduler.max_index_bytes is None  # default: the pool's size
+    with pytest.raises(Exception, match="max_step_tokens .4. must exceed max_running .8."):
+        ServingConfig.from_triton_parameters({"max_step_tokens": "4"})
     for narrow in ("bfloat16", "int8"):  # half, about a quarter of the index memory
         assert ServingConfig.from_triton_parameters({"score_dtype": narrow}).engine.selection.icecache.score_dtype == narrow
     with pytest.raises(Exception, match="score_dtype must be one of float32, bfloat16, int8"):

@@ -40,7 +40,10 @@ def _serving_flags(parser) -> None:
     _score_dtype_flag(parser, default=None)
     parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
                         help="KV page pool capacity in tokens, shared by all requests")
-    parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None)
+    parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None,
+                        help="requests batched together (in prefill or decode) at once (default 8)")
+    parser.add_argument("--max-step-tokens", type=_positive_int("--max-step-tokens"), default=None,
+                        help="tokens per engine step: every running decode plus prompt chunks (default 512)")
     parser.add_argument("--max-index-bytes", type=_positive_int("--max-index-bytes"), default=None,
                         help="host memory for the active requests' page indexes (default: the KV pool's size)")
     parser.add_argument("--index-threads", type=_positive_int("--index-threads", least=0), default=None,
@@ -80,7 +83,8 @@ def _serving_parameters(args) -> dict[str, str]:
     params = {"model_dir": args.model and str(Path(args.model).resolve()), "policy": args.policy,
               "budget": args.budget, "search": args.search, "score_dtype": args.score_dtype,
               "host_pool_tokens": args.host_pool_tokens,
-              "max_active_requests": args.max_active_requests, "max_index_bytes": args.max_index_bytes,
+              "max_active_requests": args.max_active_requests,
+              "max_step_tokens": args.max_step_tokens, "max_index_bytes": args.max_index_bytes,
               "index_threads": args.index_threads, "store": args.store}
     params = {k: str(v) for k, v in params.items() if v is not None}
     ServingConfig.from_triton_parameters(params)
