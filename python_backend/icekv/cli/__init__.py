@@ -91,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--out", type=Path, default=None, help="write results.json + report.md + tpot.png here")
     bd.add_argument("--json", action="store_true")
 
+    bb = bench_sub.add_parser("batch", help="aggregate decode throughput of requests batched together")
+    bb.add_argument("--contexts", default="4096,16384")
+    bb.add_argument("--batch", default="1,2,4,8", help="comma list of requests decoding together")
+    bb.add_argument("--policies", default="full,icecache")
+    bb.add_argument("--budget", type=_positive_int("--budget"), default=256)
+    bb.add_argument("--steps", type=_positive_int("--steps"), default=32)
+    _icecache_flags(bb)
+    bb.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    bb.add_argument("--out", type=Path, default=None, help="write results.json + report.md + throughput.png here")
+    bb.add_argument("--json", action="store_true")
+
     sz = sub.add_parser("size", help="host pool and device memory for a model, context length and budget")
     sz.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
     sz.add_argument("--context", type=_positive_int("--context"), default=32768, help="tokens per request")

@@ -71,6 +71,8 @@ def _run_and_report(args, run, write, unit: str) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.bench_command == "batch":
+        return _cmd_bench_batch(args)
     import platform
     import time
 
@@ -104,6 +106,43 @@ def _cmd_bench(args) -> int:
         write_decode_report(records, args.out, meta)
     print(json.dumps({"meta": meta, "records": records}) if args.json else
           "\n".join(f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token" for r in records))
+    return 0
+
+
+def _cmd_bench_batch(args) -> int:
+    import platform
+    import time
+
+    import torch
+
+    from icekv.assets import Assets
+    from icekv.config import EngineConfig, PagingConfig, SchedulerConfig, SelectionConfig
+    from icekv.engine import Engine
+    from icekv.eval.batch_bench import BatchBenchConfig, run_batch_bench
+
+    contexts = _csv("--contexts", args.contexts, int)
+    batches = _csv("--batch", args.batch, int)
+    policies = _csv("--policies", args.policies, str)
+    if min(batches) < 1 or min(contexts) < 2:
+        raise IcekvError("--batch values must be >= 1 and --contexts >= 2 tokens")
+    for policy in policies:
+        SelectionConfig(policy=policy, budget=args.budget)  # errors early
+    cfg = BatchBenchConfig(contexts, batches, policies, args.budget, args.steps, icecache=_icecache_config(args))
+    paging = PagingConfig(max_context_tokens=max(batches) * (max(contexts) + args.steps + 32) + 2048)
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging,
+                                 scheduler=SchedulerConfig(max_running=max(batches), max_step_tokens=max(batches) + 512)))
+    t0 = time.perf_counter()
+    records = run_batch_bench(engine, cfg, Assets().haystack_text("essays"), lambda m: print(m, file=sys.stderr))
+    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, torch threads {torch.get_num_threads()}",
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    if args.out:
+        from icekv.eval.batch_report import write_batch_report
+
+        write_batch_report(records, args.out, meta)
+    print(json.dumps({"meta": meta, "records": records}) if args.json else
+          "\n".join(f"{r['context']:>6} x{r['batch']:<3} {r['policy']:<12} {r['tokens_per_s']:8.1f} tokens/s"
+                    for r in records))
     return 0
 
 

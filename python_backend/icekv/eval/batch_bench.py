@@ -1,0 +1,115 @@
+"""Decode throughput of batched steps: B requests of one context length decoding together.
+
+Each request's cache is the same synthesized context (:func:`synthesize`: a real prefill tiled to
+the length, copied per request); the B requests decode ``steps`` tokens together through the
+engine's scheduler, one engine step per token. Per (context, batch, policy): aggregate decode
+tokens/s, each step's latency (median, p99) and its split (dense layers and everything else
+outside attention, page selection, transfer, attention, index insertion), summed over the batch's
+backends. The first step (index build, slots filled from empty) is reported on its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.engine import Engine, Prefilled
+from icekv.eval.decode_bench import synthesize
+
+SPLIT = ("select_s", "transfer_s", "attention_s", "insert_s")
+
+
+@dataclass(frozen=True)
+class BatchBenchConfig:
+    contexts: tuple[int, ...] = (4096, 16384)
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    policies: tuple[str, ...] = ("full", "icecache")
+    budget: int = 256
+    steps: int = 32
+    seed_tokens: int = 1024
+    icecache: IceCacheConfig = IceCacheConfig()
+
+
+def copy_prefilled(engine: Engine, source: Prefilled) -> Prefilled:
+    """A new request whose cache holds the same KV as ``source``'s."""
+    req = engine.prefill(source.prompt_ids[:1])
+    cache, length = engine.cache, len(source.prompt_ids)
+    cache.extend(req.seq_id, length - 1)
+    for layer in range(engine.model.args.num_layers):
+        k, v = cache.gather(layer, source.seq_id)  # [Hkv, L, D]
+        cache.write(layer, req.seq_id, 0, k.transpose(0, 1), v.transpose(0, 1))
+    return Prefilled(req.seq_id, list(source.prompt_ids), source.logits, 0.0)
+
+
+def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig, steps: int) -> dict:
+    """Decode ``steps`` + 1 tokens for every request in ``reqs`` together; per-step times."""
+    sampling = SamplingConfig(max_tokens=steps + 1, ignore_eos=True)
+    seqs = [engine.submit(r.prompt_ids, sampling, selection, prefilled=r) for r in reqs]
+    step_s, splits, first_s = [], [], None
+    while not all(s.done for s in seqs):
+        before = _split(seqs)
+        t0 = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - t0
+        if first_s is None:  # index build and first fill: not a steady-state step
+            first_s = elapsed
+            continue
+        if all(s.done for s in seqs):  # the step that only retires (nothing decoded)
+            break
+        after = _split(seqs)
+        step_s.append(elapsed)
+        splits.append({k: after[k] - before[k] for k in SPLIT})
+    for s in seqs:
+        if s.error is not None:
+            raise s.error
+    total = sum(step_s)
+    split = {k: sum(x[k] for x in splits) / len(splits) for k in SPLIT}
+    return {
+        "tokens_per_s": len(reqs) * len(step_s) / total,
+        "step_median_s": statistics.median(step_s),
+        "step_p99_s": sorted(step_s)[min(len(step_s) - 1, round(0.99 * (len(step_s) - 1)))],
+        "first_step_s": first_s,
+        **split,
+        "dense_other_s": max(statistics.mean(step_s) - sum(split.values()), 0.0),
+        "steps": len(step_s),
+        "index_bytes": sum(s.result.kv.index_bytes for s in seqs),
+        "resident_kv_bytes": sum(s.result.kv.resident_bytes for s in seqs),
+    }
+
+
+def _split(seqs) -> dict:
+    out = dict.fromkeys(SPLIT, 0.0)
+    for s in seqs:
+        timings = getattr(s.backend, "timings", {}) if s.decoder_ready else {}
+        for k in SPLIT:
+            out[k] += timings.get(k, 0.0)
+    return out
+
+
+def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
+                    progress: Callable[[str], None] | None = None) -> list[dict]:
+    seed_ids = engine.tokenizer.encode(seed_text)[: cfg.seed_tokens]
+    records = []
+    for length in cfg.contexts:
+        reqs = [synthesize(engine, seed_ids, length)]
+        try:
+            for batch in cfg.batches:
+                while len(reqs) < batch:
+                    reqs.append(copy_prefilled(engine, reqs[0]))
+                for policy in cfg.policies:
+                    selection = SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache)
+                    record = {"context": length, "batch": batch, "policy": policy,
+                              "budget": None if policy == "full" else cfg.budget,
+                              "search": cfg.icecache.search if policy.startswith("icecache") else None,
+                              **time_batch(engine, reqs[:batch], selection, cfg.steps)}
+                    records.append(record)
+                    if progress:
+                        progress(f"{length} x{batch} {policy}: {record['tokens_per_s']:.1f} tokens/s, "
+                                 f"step {record['step_median_s'] * 1000:.1f} ms")
+        finally:
+            for r in reqs:
+                engine.release(r)
+    return records

@@ -1,0 +1,44 @@
+"""Write ``icekv bench batch``'s results.json, report.md and throughput.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_batch_report(records: list[dict], out: Path, meta: dict) -> None:
+    """Per (context, batch, policy): tokens/s, step latency and split, scaling vs batch 1."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    ms = lambda x: f"{1000 * x:.1f}"
+    single = {(r["context"], r["policy"]): r["tokens_per_s"] for r in records if r["batch"] == 1}
+    lines = ["# icekv bench batch", "", "```", meta.get("command", ""), "```", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items() if k != "command"] + [""]
+    lines += ["Per step (all the batch's requests): median and p99 latency, and the mean split; "
+              "'dense + other' is the step less selection, transfer, attention and insertion.", "",
+              "| context | batch | policy | tokens/s | vs batch 1 | step median ms | step p99 ms | first step ms | "
+              "dense + other ms | select ms | transfer ms | attention ms | insert ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        base = single.get((r["context"], r["policy"]))
+        scale = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['context']} | {r['batch']} | {r['policy']} | {r['tokens_per_s']:.1f} | {scale} | "
+                     f"{ms(r['step_median_s'])} | {ms(r['step_p99_s'])} | {ms(r['first_step_s'])} | "
+                     f"{ms(r['dense_other_s'])} | {ms(r['select_s'])} | {ms(r['transfer_s'])} | "
+                     f"{ms(r['attention_s'])} | {ms(r['insert_s'])} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for context, policy in sorted({(r["context"], r["policy"]) for r in records}):
+        rs = sorted((r for r in records if r["context"] == context and r["policy"] == policy), key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"{policy} {context}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests decoding together")
+    ax.set_ylabel("aggregate decode tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=100)

@@ -1,0 +1,135 @@
+"""Continuous batching with the real model: a request's greedy tokens do not depend on what else
+runs in its steps (lengths, policies, compressed contexts, requests joining and leaving), and
+cancellation, failures and long prompts stay confined to their own request."""
+
+from dataclasses import replace
+
+import pytest
+
+from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.engine import BusyError, Cancelled, Engine
+from icekv.errors import IcekvError
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingConfig(max_tokens=10, ignore_eos=True)
+POLICIES = ("full", "streaming", "quest", "icecache", "icecache_r")
+
+
+def _prompts(text: str, lengths) -> list[str]:
+    words = text.split()
+    return [" ".join(words[i * 37 : i * 37 + n]) for i, n in enumerate(lengths)]
+
+
+def _drain(engine, seqs) -> None:
+    while not all(s.done for s in seqs):
+        engine.step()
+
+
+@pytest.fixture(scope="module")
+def context(engine, essays_text):
+    """A compressed context (keydiff: no re-feed, cheap) that questions continue."""
+    ids = engine.tokenizer.encode(" ".join(essays_text.split()[2000:2300]))
+    return engine.compress(ids, "keydiff", 0.5)
+
+
+def test_batched_greedy_output_equals_each_request_alone(engine, essays_text, context):
+    prompts = _prompts(essays_text, (90, 420, 160, 610, 300))
+    requests = [dict(prompt=p, selection=SelectionConfig(policy=pol, budget=64)) for p, pol in zip(prompts, POLICIES)]
+    requests += [dict(prompt=" Question: what is the essay about? Answer:", context=context,
+                      selection=SelectionConfig(policy=pol, budget=64)) for pol in ("full", "icecache")]
+    alone = [engine.generate(r["prompt"], GREEDY, selection=r["selection"], context=r.get("context")).token_ids
+             for r in requests]
+    free = engine.cache.allocator.num_free
+    first = [engine.submit(r["prompt"], GREEDY, r["selection"], r.get("context")) for r in requests[:4]]
+    for _ in range(6):  # the first four are prefilled and decoding when the others join
+        engine.step()
+    later = [engine.submit(r["prompt"], GREEDY, r["selection"], r.get("context")) for r in requests[4:]]
+    assert not any(s.done for s in later)
+    _drain(engine, first + later)
+    for seq, expected, r in zip(first + later, alone, requests):
+        assert seq.error is None, seq.error
+        assert seq.result.token_ids == expected, r["selection"].policy
+    assert engine.cache.allocator.num_free == free  # every request gave its pages back
+
+
+def test_requests_of_different_lengths_leave_mid_run(engine, essays_text):
+    prompts = _prompts(essays_text, (50, 200, 120))
+    budgets = (3, 12, 7)  # they finish at different steps
+    alone = [engine.generate(p, replace(GREEDY, max_tokens=n)).token_ids for p, n in zip(prompts, budgets)]
+    seqs = [engine.submit(p, replace(GREEDY, max_tokens=n)) for p, n in zip(prompts, budgets)]
+    _drain(engine, seqs)
+    assert [s.result.token_ids for s in seqs] == alone
+    assert [s.result.new_tokens for s in seqs] == list(budgets)
+
+
+def test_cancelling_a_running_and_a_queued_request_frees_them_alone(smollm2_dir, essays_text):
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_running=2)))
+    a, b, c = _prompts(essays_text, (150, 250, 100))
+    expected = engine.generate(a, GREEDY).token_ids
+    free = engine.cache.allocator.num_free
+    seqs = [engine.submit(p, GREEDY) for p in (a, b, c)]
+    for _ in range(3):
+        engine.step()
+    assert seqs[1] in engine.scheduler.running and seqs[2] in engine.scheduler.waiting
+    assert engine.cache.pages_held(seqs[1].seq_id) > 0
+    seqs[1].cancel()
+    seqs[2].cancel()
+    finished = engine.step()
+    assert set(finished) == {seqs[1], seqs[2]}
+    assert isinstance(seqs[1].error, Cancelled) and isinstance(seqs[2].error, Cancelled)
+    assert engine.cache.pages_held(seqs[1].seq_id) == 0 and engine.cache.pages_held(seqs[2].seq_id) == 0
+    _drain(engine, seqs)
+    assert seqs[0].result.token_ids == expected
+    assert engine.cache.allocator.num_free == free
+
+
+def test_a_request_failing_inside_a_step_fails_alone(engine, essays_text, context):
+    broken_layer = replace(context.layers[5], k=context.layers[5].k[..., :3])  # attention at layer 5 fails
+    broken = replace(context, layers=[*context.layers[:5], broken_layer, *context.layers[6:]])
+    prompts = _prompts(essays_text, (80, 200))
+    expected = [engine.generate(p, GREEDY).token_ids for p in prompts]
+    free = engine.cache.allocator.num_free
+    seqs = [engine.submit(prompts[0], GREEDY), engine.submit(" And so?", GREEDY, context=broken),
+            engine.submit(prompts[1], GREEDY)]
+    _drain(engine, seqs)
+    assert seqs[1].error is not None and seqs[1].result is None
+    assert [seqs[0].result.token_ids, seqs[2].result.token_ids] == expected
+    assert engine.cache.allocator.num_free == free
+    with pytest.raises(type(seqs[1].error)):  # generate() raises the request's own error
+        engine.generate(" And so?", GREEDY, context=broken)
+
+
+def test_a_long_prompt_never_holds_the_decoding_requests_back(smollm2_dir, essays_text):
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_step_tokens=64)))
+    short = [engine.submit(p, replace(GREEDY, max_tokens=40)) for p in _prompts(essays_text, (20, 30))]
+    while not all(s.stream is not None for s in short):  # both decoding
+        engine.step()
+    long = engine.submit(_prompts(essays_text, (1200,))[0], GREEDY)
+    prefill_steps = 0
+    while long.prefill_done < len(long.prompt_ids):
+        before = [len(s.stream.token_ids) for s in short]
+        engine.step()
+        prefill_steps += 1
+        assert [len(s.stream.token_ids) for s in short] == [n + 1 for n in before]  # a token each, every step
+    assert prefill_steps >= len(long.prompt_ids) // 62  # the prompt went in chunks of at most 62 tokens
+    _drain(engine, short + [long])
+    assert long.result.token_ids == engine.generate(long.prompt_ids, GREEDY).token_ids
+
+
+def test_admission_waits_for_pages_and_refuses_what_never_fits(smollm2_dir):
+    from icekv.config import PagingConfig
+
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(16, 512),
+                                 scheduler=SchedulerConfig(max_waiting=1)))
+    big = [engine.submit([1] * 300, replace(GREEDY, max_tokens=8))]
+    engine.step()
+    second = engine.submit([2] * 300, replace(GREEDY, max_tokens=8))  # 308 + 308 tokens > 512: waits
+    engine.step()
+    assert second in engine.scheduler.waiting and big[0] in engine.scheduler.running
+    with pytest.raises(BusyError, match="busy"):
+        engine.submit([3] * 10, GREEDY)
+    _drain(engine, big + [second])
+    assert second.error is None and second.result.new_tokens == 8
+    with pytest.raises(IcekvError, match="exceeds the KV cache capacity"):
+        engine.submit([1] * 510, GREEDY)
