@@ -23,16 +23,16 @@ import torch
 from icekv.assets import Assets
 from icekv.config import EngineConfig, IceCacheConfig, SelectionConfig
 from icekv.engine import Engine
-from icekv.engine.full_attention import FullCacheAttention
+from icekv.engine.backends import DenseAttention, RequestPages
 from icekv.eval.tasks import HaystackSampler
 from icekv.index import DCITree
 
 
-class RecordingAttention(FullCacheAttention):
+class RecordingAttention(DenseAttention):
     """Full attention that keeps each layer's decode queries."""
 
-    def __init__(self, cache, seq_id):
-        super().__init__(cache, seq_id)
+    def __init__(self, source):
+        super().__init__(source)
         self.queries: dict[int, list[torch.Tensor]] = {}
 
     def attend(self, layer, q, k, v):
@@ -55,7 +55,7 @@ def main() -> None:
     sample = HaystackSampler(Assets().haystack_text("essays"), engine.tokenizer).make("niah_single", args.length, seed=1)
     ids = engine.tokenizer.encode(sample.prompt)
     req = engine.prefill(ids)
-    backend = RecordingAttention(engine.cache, req.seq_id)
+    backend = RecordingAttention(RequestPages(engine.cache, req.seq_id))
     logits = req.logits
     for _ in range(args.steps):
         token = int(logits.argmax())

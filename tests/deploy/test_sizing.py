@@ -3,8 +3,7 @@
 import torch
 
 from icekv.config import IceCacheConfig, PagingConfig, SelectionConfig
-from icekv.engine.full_attention import FullCacheAttention
-from icekv.engine.sparse_attention import SparseCacheAttention
+from icekv.engine.backends import DenseAttention, RequestPages, SparseAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
 from icekv.policies import make_selector
@@ -19,9 +18,9 @@ def test_plan_bounds_the_real_resident_bytes(tmp_path):
     sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1)
     cache = PagedKVCache(a.num_layers, a.num_kv_heads, a.head_dim, PagingConfig(16, 2048))
     cache.add(0)
-    backend = FullCacheAttention(cache, 0)
+    backend = DenseAttention(RequestPages(cache, 0))
     model(torch.arange(500) % 512, backend.begin_step(500), backend)
-    sparse = SparseCacheAttention(cache, 0, a, sel, make_selector(sel))
+    sparse = SparseAttention(RequestPages(cache, 0), a, sel, make_selector(sel))
     for t in range(20):
         model(torch.tensor([t]), sparse.begin_step(1), sparse)
         sparse.end_step()

@@ -1,4 +1,4 @@
-"""The sparse index built layer by layer during prefill (icekv.engine.index_build), on the real model."""
+"""The sparse index built layer by layer during prefill (icekv.engine.backends.prefill_index), on the real model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from icekv.config import EngineConfig, IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
-from icekv.engine.index_build import IndexingPrefillAttention, PrefillIndex
+from icekv.engine.backends.prefill_index import IndexingPrefillAttention, PrefillIndex
 from icekv.policies import sink_tokens, window_start
 from icekv.policies import make_selector
 

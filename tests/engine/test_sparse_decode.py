@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from icekv.config import PagingConfig, SamplingConfig, SelectionConfig
-from icekv.engine.full_attention import FullCacheAttention
-from icekv.engine.sparse_attention import SparseCacheAttention
+from icekv.engine.backends import DenseAttention, RequestPages, SparseAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
 from icekv.policies import make_selector
@@ -18,10 +17,10 @@ def _decode_logits(model, ids, new_tokens, selection=None):
     a = model.args
     cache = PagedKVCache(a.num_layers, a.num_kv_heads, a.head_dim, PagingConfig(16, 1024))
     cache.add(0)
-    backend = FullCacheAttention(cache, 0)
+    backend = DenseAttention(RequestPages(cache, 0))
     model(torch.tensor(ids), backend.begin_step(len(ids)), backend)
     if selection is not None:
-        backend = SparseCacheAttention(cache, 0, a, selection, make_selector(selection))
+        backend = SparseAttention(RequestPages(cache, 0), a, selection, make_selector(selection))
     out = []
     for t in new_tokens:
         out.append(model(torch.tensor([t]), backend.begin_step(1), backend)[-1])

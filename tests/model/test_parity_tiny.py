@@ -35,13 +35,13 @@ def test_logits_and_greedy_match_transformers(arch, tmp_path):
 
 def _paged_greedy(model, ids, n, page_size):
     """Greedy decode through the real paged cache, prefilling in uneven chunks."""
-    from icekv.engine.full_attention import FullCacheAttention
+    from icekv.engine.backends import DenseAttention, RequestPages
     from icekv.kv import PagedKVCache
 
     a = model.args
     cache = PagedKVCache(a.num_layers, a.num_kv_heads, a.head_dim, PagingConfig(page_size, 256))
     cache.add(0)
-    backend = FullCacheAttention(cache, 0)
+    backend = DenseAttention(RequestPages(cache, 0))
     for chunk in (ids[:37], ids[37:]):
         logits = model(torch.tensor(chunk), backend.begin_step(len(chunk)), backend)
     out = []

@@ -19,7 +19,7 @@ import torch
 from icekv.compress import CompressedContext, evict, make_compressor
 from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
 from icekv.engine.compile_loops import compile_loops
-from icekv.engine.full_attention import request_kv_stats
+from icekv.engine.backends import DenseAttention, token_source
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
 from icekv.engine.sequence import Cancelled, OnProgress, OnText, Phase, Sequence
@@ -131,8 +131,8 @@ class Engine:
             if seq.error is None and seq.prefill_only:
                 result = Prefilled(seq.seq_id, seq.prompt_ids, seq.logits, seq.prefill_s, seq.context, seq.index)
             elif seq.error is None:
-                kv = seq.backend.kv_stats() if seq.backend is not None else \
-                    request_kv_stats(self.cache, seq.seq_id, self.cache.sequence_bytes(seq.seq_id))
+                backend = seq.backend or DenseAttention(token_source(self.cache, seq.seq_id, seq.context))
+                kv = backend.kv_stats()
                 result = seq.generation(kv)
         except Exception as e:
             seq.error = e
@@ -177,7 +177,7 @@ class Engine:
                 selection: SelectionConfig | None = None) -> Prefilled:
         """Run the prompt through the model and keep its KV, to decode later (maybe several times).
         With a sparse ``selection`` and free index threads, its index is built meanwhile, for the
-        first decode under that same selection (:mod:`icekv.engine.index_build`)."""
+        first decode under that same selection (:mod:`icekv.engine.backends.prefill_index`)."""
         return self.run(self.submit(ids, SamplingConfig(max_tokens=1), selection or FULL, on_progress=on_progress,
                                     prefill_only=True))
 

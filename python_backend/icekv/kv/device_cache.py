@@ -10,12 +10,12 @@ slots, the diff and the byte accounting are the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numba
 import numpy as np
 import torch
 
-from icekv.kernels import scatter_pages
 from icekv.kv.paged_cache import as_bits, copy_token
 
 
@@ -34,11 +34,15 @@ class TransferPlan:
 
 class DevicePageCache:
     """Slots are allocated as selections first need them, up to ``max_slots`` (the budget's
-    selected pages), so a short request never holds more device memory than it can use."""
+    selected pages), so a short request never holds more device memory than it can use.
+
+    ``scatter(dst_k, dst_v, src_k, src_v, heads, slots)`` writes loaded pages into slots on a GPU
+    (the engine passes ``icekv.kernels.scatter_pages``; None: torch indexing)."""
 
     def __init__(self, num_kv_heads: int, max_slots: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        self.max_slots = max_slots
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 scatter: Callable | None = None):
+        self.max_slots, self.scatter = max_slots, scatter
         self.k = torch.zeros((num_kv_heads, 0, page_size, head_dim), dtype=dtype, device=device)  # [Hkv, S, P, D]
         self.v = torch.zeros_like(self.k)
         self.page = torch.full((num_kv_heads, 0), -1, dtype=torch.long)  # resident page id per slot
@@ -101,8 +105,10 @@ class DevicePageCache:
                 staging = staging.pin_memory().to(self.k.device, non_blocking=True)
             torch.cuda.current_stream(self.k.device).wait_stream(self._copy_stream)
         h, s = plan.heads.numpy(), plan.slots.numpy()
-        if self.k.is_cuda:
-            scatter_pages(self.k, self.v, staging[0], staging[1], plan.heads, plan.slots)
+        if self.k.is_cuda and self.scatter is not None:
+            self.scatter(self.k, self.v, staging[0], staging[1], plan.heads, plan.slots)
+        elif self.k.is_cuda:
+            self.k[plan.heads, plan.slots], self.v[plan.heads, plan.slots] = staging[0], staging[1]
         else:  # one numpy copy per tensor: a few dozen pages, where torch's index_put costs more in dispatch
             as_bits(self.k)[h, s], as_bits(self.v)[h, s] = as_bits(staging[0]), as_bits(staging[1])
         self.page.numpy()[h, s] = plan.pages.numpy()

@@ -1,19 +1,19 @@
-"""Which attention backend a request runs under, in prefill and in decode: one place for it.
+"""Attention backends, composed from a token source (:mod:`.sources`: the request's pages, or a
+compressed context then its pages) and how they attend (:mod:`.dense`, :mod:`.sparse`); and which
+one a request runs under, in prefill and in decode: the one place that decides it.
 
-Prefill always attends the full prompt (over a compressed context: the context's kept pages plus
-the prompt); where index threads are free, a sparse policy's index is built meanwhile. Decode runs
-under the request's policy: full attention, or sink + selected pages + window per KV head, over the
-request's own pages or a compressed context.
+Prefill always attends the whole prompt; where index threads are free, a sparse policy's index is
+built meanwhile. Decode runs under the request's policy.
 """
 
 from __future__ import annotations
 
 from icekv.compress import CompressedContext
-from icekv.engine.compressed_attention import CompressedPrefixAttention, CompressedSparseAttention
-from icekv.engine.full_attention import FullCacheAttention
-from icekv.engine.index_build import IndexingPrefillAttention, PrefillIndex
+from icekv.engine.backends.dense import DenseAttention
+from icekv.engine.backends.sources import ContextPages, RequestPages, token_source
+from icekv.engine.backends.sparse import SparseAttention
+from icekv.engine.backends.prefill_index import IndexingPrefillAttention, PrefillIndex
 from icekv.engine.sequence import Sequence
-from icekv.engine.sparse_attention import SparseCacheAttention
 from icekv.errors import ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
@@ -28,11 +28,9 @@ def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelAr
 def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_threads: int):
     """Full attention over the prompt; with free index threads, a sparse policy's index is built
     layer by layer meanwhile (``seq.index``), for the first decode under that same selection."""
-    if seq.context is not None:
-        return CompressedPrefixAttention(cache, seq.seq_id, seq.context)
     policy = get_policy(seq.selection.policy)
-    if not policy.sparse or index_threads == 0:
-        return FullCacheAttention(cache, seq.seq_id)
+    if seq.context is not None or not policy.sparse or index_threads == 0:
+        return DenseAttention(token_source(cache, seq.seq_id, seq.context))
     seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads)
     return IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
 
@@ -50,10 +48,12 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
         prefilled.index = None  # decoding changes the index: it serves this one decode
     seq.index = None
     selector = index.selector if index is not None else get_policy(selection.policy).make_selector(selection)
+    source = token_source(cache, seq.seq_id, context)
     if selector is None:
-        return FullCacheAttention(cache, seq.seq_id) if context is None else \
-            CompressedPrefixAttention(cache, seq.seq_id, context)
-    if context is not None:
-        return CompressedSparseAttention(cache, seq.seq_id, args, selection, selector, context)
-    return SparseCacheAttention(cache, seq.seq_id, args, selection, selector, seq.probe,
-                                prebuilt=index.wait if index is not None else None)
+        return DenseAttention(source)
+    return SparseAttention(source, args, selection, selector, seq.probe,
+                           prebuilt=index.wait if index is not None else None)
+
+
+__all__ = ["ContextPages", "DenseAttention", "RequestPages", "SparseAttention", "check_context", "decode_backend",
+           "prefill_backend", "token_source"]

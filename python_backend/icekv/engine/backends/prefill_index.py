@@ -22,9 +22,10 @@ import numba
 import torch
 
 from icekv.config import SelectionConfig
-from icekv.engine.full_attention import FullCacheAttention
-from icekv.policies import sink_tokens, sparse_layers, window_start
+from icekv.engine.backends.dense import DenseAttention
+from icekv.engine.backends.sources import RequestPages
 from icekv.kv import PagedKVCache
+from icekv.policies import sink_tokens, sparse_layers, window_start
 from icekv.select import PageSelector
 
 
@@ -61,12 +62,12 @@ def _use_threads(n: int) -> None:
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
-class IndexingPrefillAttention(FullCacheAttention):
+class IndexingPrefillAttention(DenseAttention):
     """Full attention for prefill that also starts ``index``'s per-layer builds for a prompt of
     ``prompt_tokens`` tokens, each as soon as that layer has written its indexed region."""
 
     def __init__(self, cache: PagedKVCache, seq_id: int, num_layers: int, prompt_tokens: int, index: PrefillIndex):
-        super().__init__(cache, seq_id)
+        super().__init__(RequestPages(cache, seq_id))
         self.index = index
         cfg = index.selection
         self.layers = sparse_layers(cfg, num_layers)

@@ -1,0 +1,47 @@
+"""Full attention: every token of the request (its own pages, after a compressed context if any)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from icekv.engine.backends.sources import RequestPages
+from icekv.engine.results import KVStats
+
+
+class DenseAttention:
+    """Writes each layer's new K/V into the request's pages and attends over every token.
+
+    Call :meth:`begin_step` before each forward pass; it reserves the pages for the step.
+    """
+
+    def __init__(self, source: RequestPages):
+        self.source = source
+        self.cache, self.seq_id = source.cache, source.seq_id
+        self.start = 0  # own position of this step's first token
+        self.positions = torch.zeros(0, dtype=torch.long)  # RoPE positions of this step's tokens
+        self.timings: dict[str, float] = defaultdict(float)  # attention_s: gather + attend, all layers
+
+    def begin_step(self, n_tokens: int) -> torch.Tensor:
+        """Reserve room for ``n_tokens`` new tokens; returns their positions [n_tokens]."""
+        self.start = self.cache.extend(self.seq_id, n_tokens)
+        self.positions = self.source.offset + torch.arange(self.start, self.start + n_tokens)
+        return self.positions
+
+    def end_step(self) -> None:
+        """Called after every layer has run the step; full attention has nothing to do."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.source.write(layer, self.start, k, v)
+        t0 = time.perf_counter()
+        out = self.source.attend_all(layer, q, self.positions - self.source.offset)
+        self.timings["attention_s"] += time.perf_counter() - t0
+        return out
+
+    def kv_stats(self) -> KVStats:
+        """Everything is resident under full attention."""
+        source = self.source
+        resident = source.context_bytes(range(self.cache.num_layers)) + self.cache.sequence_bytes(self.seq_id)
+        return source.kv_stats(resident)

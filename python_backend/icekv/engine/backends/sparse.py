@@ -1,0 +1,147 @@
+"""Budgeted decoding: sink + selected pages + window, per KV head, over any token source.
+
+The pool owns every token of every layer. Per layer and KV head, the tokens between the sink and
+the window are the *indexed region*; a selector groups them into pages and picks ``k`` per step,
+and only those move into the layer's :class:`DevicePageCache` slots. The first
+``n_unlimited_layers`` layers attend everything. When the window grows past ``n_win_pages`` pages
+its oldest page is flushed into the index, so every token is always reachable (window until
+flushed, index afterwards).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from icekv.attention import sparse_paged_attention
+from icekv.config import SelectionConfig
+from icekv.engine.backends.dense import DenseAttention
+from icekv.engine.backends.sources import RequestPages
+from icekv.engine.results import KVStats
+from icekv.kernels import scatter_pages
+from icekv.kernels.cpu_decode import sparse_decode_pool_cpu
+from icekv.kernels.dispatch import kernel_backend
+from icekv.kv import DevicePageCache
+from icekv.model import ModelArgs
+from icekv.policies import sparse_layers, window_start
+from icekv.select import PageSelector
+
+
+class SparseAttention(DenseAttention):
+    """Built after prefill, from the request's cache; decodes one token per step. ``prebuilt``
+    waits for the layers whose index prefill built and names them."""
+
+    def __init__(self, source: RequestPages, args: ModelArgs, cfg: SelectionConfig, selector: PageSelector,
+                 probe: bool = False, prebuilt: Callable[[], set[int]] | None = None):
+        super().__init__(source)
+        self.cfg, self.selector, self.probe = cfg, selector, probe
+        self.sparse_layers = sparse_layers(cfg, args.num_layers)
+        self.sink_end = source.sink_end(cfg)
+        self.win_start = window_start(cfg, self.sink_end, source.length())
+        self.timings.update(select_s=0.0, transfer_s=0.0, index_build_s=0.0, insert_s=0.0)
+        self.layer_stats: dict[int, list[tuple[float, float]]] = defaultdict(list)  # probe: (recall, cosine)
+        t0 = time.perf_counter()  # index_build_s: what the build adds to time to first token
+        built = prebuilt() if prebuilt else set()
+        for layer in self.sparse_layers:
+            if layer not in built:
+                selector.build(layer, source.region_keys(layer, self.sink_end, self.win_start), self.sink_end)
+        self.timings["index_build_s"] = time.perf_counter() - t0
+        self.device = {
+            layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, cfg.page_size, args.head_dim,
+                                   self.cache.pool.dtype, scatter=scatter_pages)
+            for layer in self.sparse_layers
+        }
+        # fp32 pool under the compiled kernels: attention reads sink and window from the pool too
+        pool = self.cache.pool
+        self.tail_from_pool = pool.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
+
+    def attend(self, layer, q, k, v):
+        if layer not in self.device:
+            return super().attend(layer, q, k, v)
+        if q.shape[0] != 1:
+            raise ValueError("sparse attention decodes one token per step")
+        self.source.write(layer, self.start, k, v)
+        length = self.start + 1
+        t0 = time.perf_counter()
+        selection = self.selector.select(layer, q[0], self.cfg.selected_pages)
+        t1 = time.perf_counter()
+        dev = self.device[layer]
+        rows = self.source.pool_rows(layer) if not dev.k.is_cuda else None
+        if rows is not None:  # pool and slots in CPU memory: one compiled pass, straight from the pool
+            positions = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P]
+            dev.fill_from_pool(selection.heads, selection.pages, selection.versions, positions, *rows)
+        else:
+            plan = dev.plan(selection.heads, selection.pages, selection.versions)
+            if len(plan):
+                positions = self.selector.page_positions(layer, plan.heads, plan.pages)  # [m, P]
+                lengths = torch.from_numpy(np.count_nonzero(positions.numpy() >= 0, axis=1))  # [m]
+                dev.load(plan, self.source.gather_pages(layer, plan.heads, positions), lengths)
+        t2 = time.perf_counter()
+        if rows is not None and self.tail_from_pool and q.dtype == torch.float32:
+            tail = self.source.tail_ranges(self.sink_end, self.win_start, length)
+            out = sparse_decode_pool_cpu(q[0], *rows, tail, dev.k, dev.v, dev.attended_lengths())
+        else:
+            sink_k, sink_v, win_k, win_v = self.source.sink_window(layer, self.sink_end, self.win_start, length)
+            out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)
+        t3 = time.perf_counter()
+        self.timings["select_s"] += t1 - t0
+        self.timings["transfer_s"] += t2 - t1
+        self.timings["attention_s"] += t3 - t2
+        if self.probe:
+            self._measure(layer, q[0], out, selection, length)
+        return out[None]
+
+    def end_step(self) -> None:
+        """After every layer has run: flush window pages that fell out of the window."""
+        length = self.start + self.positions.numel()
+        target = window_start(self.cfg, self.sink_end, length)
+        while self.win_start < target:
+            t0 = time.perf_counter()
+            for layer in self.sparse_layers:
+                keys, _ = self.cache.gather_range(layer, self.seq_id, self.win_start, self.win_start + self.cfg.page_size)
+                self.selector.insert(layer, keys)
+            self.timings["insert_s"] += time.perf_counter() - t0
+            self.win_start += self.cfg.page_size
+
+    # ---- statistics
+    def resident_bytes(self) -> int:
+        """Bytes on the compute device: dense layers whole; sink, window and slots of sparse ones."""
+        length = self.source.length()
+        per_token_layer = self.cache.bytes_per_token // self.cache.num_layers
+        dense = [layer for layer in range(self.cache.num_layers) if layer not in self.device]
+        tail = self.source.sink_tokens_held(self.sink_end) + max(length - self.win_start, 0)
+        slots = sum(d.resident_bytes for d in self.device.values())
+        return (self.source.context_bytes(dense) + len(dense) * length * per_token_layer
+                + len(self.sparse_layers) * tail * per_token_layer + slots)
+
+    def kv_stats(self) -> KVStats:
+        moved = sum(d.bytes_moved for d in self.device.values())
+        hits = sum(d.hits for d in self.device.values())
+        lookups = sum(d.lookups for d in self.device.values())
+        pages = sum(d.bytes_moved // d.page_bytes for d in self.device.values())
+        return self.source.kv_stats(self.resident_bytes(), bytes_moved=moved, pages_moved=pages,
+                                    slot_hit_rate=hits / lookups if lookups else 0.0,
+                                    index_bytes=self.selector.index_bytes())
+
+    def _measure(self, layer, q, out, selection, length):
+        """Share of the full softmax mass on the attended tokens, and output cosine vs full (own
+        tokens only: the probe runs without a compressed context)."""
+        keys, values = self.cache.gather_range(layer, self.seq_id, 0, length)  # [Hkv, T, D]
+        hkv = keys.shape[0]
+        group = q.shape[0] // hkv
+        scores = torch.einsum("hgd,htd->hgt", q.view(hkv, group, -1), keys) / keys.shape[-1] ** 0.5
+        probs = scores.softmax(-1)  # [Hkv, G, T]
+        full_out = torch.einsum("hgt,htd->hgd", probs, values).reshape(q.shape)  # [Hq, D]
+        attended = torch.zeros(hkv, length, dtype=torch.bool)
+        attended[:, : min(self.sink_end, length)] = True
+        attended[:, min(self.win_start, length):] = True
+        pos = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P]
+        attended[selection.heads[:, None].expand_as(pos)[pos >= 0], pos[pos >= 0]] = True
+        recall = (probs * attended[:, None, :]).sum(-1).mean().item()
+        cosine = F.cosine_similarity(out.float(), full_out.float(), dim=-1).mean().item()
+        self.layer_stats[layer].append((recall, cosine))
