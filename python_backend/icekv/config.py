@@ -155,14 +155,12 @@ class SelectionConfig:
             object.__setattr__(self, "n_sink_pages", default_pages)
         if self.n_win_pages is None:
             object.__setattr__(self, "n_win_pages", default_pages)
-        from icekv.policies import get_policy  # the registry; imported here because it imports this module
-
-        get_policy(self.policy)  # an unknown name is a ConfigError naming the known ones
+        policy = self._policy()  # an unknown name is a ConfigError naming the known ones
         if self.budget < 1:
             raise ConfigError(f"budget must be >= 1 token, got {self.budget}")
         if self.n_sink_pages < 0 or self.n_win_pages < 1 or self.n_unlimited_layers < 0:
             raise ConfigError("n_sink_pages must be >= 0, n_win_pages >= 1, n_unlimited_layers >= 0")
-        if self.policy == "full":
+        if not policy.sparse:
             return
         if self.budget % self.page_size:
             raise ConfigError(f"budget {self.budget} is not a multiple of the page size {self.page_size}")
@@ -172,6 +170,16 @@ class SelectionConfig:
                 f"budget {self.budget} must exceed sink + window = {fixed} tokens "
                 f"({self.n_sink_pages} + {self.n_win_pages} pages of {self.page_size})"
             )
+
+    def _policy(self):
+        from icekv.policies import get_policy  # the registry; imported here because it imports this module
+
+        return get_policy(self.policy)
+
+    @property
+    def attended_budget(self) -> int | None:
+        """The budget, or None under a policy that attends every token (``full``)."""
+        return self.budget if self._policy().sparse else None
 
     @property
     def selected_pages(self) -> int:

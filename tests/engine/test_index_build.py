@@ -26,19 +26,22 @@ def _prompt(engine, n):
     return engine.tokenizer.encode("The archive kept letters, maps and the harbour's ledgers. " * 60)[:n]
 
 
-@pytest.mark.parametrize("policy, n", [("icecache", 330), ("icecache_r", 330), ("quest", 330), ("icecache", 20)])
-def test_index_built_during_prefill_decodes_as_one_built_after(engine, policy, n):
+@pytest.mark.parametrize("policy, n, budget", [("icecache", 330, 128), ("icecache_r", 330, 128), ("quest", 330, 128),
+                                               ("icecache", 20, 48)])
+def test_index_built_during_prefill_decodes_as_one_built_after(engine, policy, n, budget):
     ids = _prompt(engine, n)  # 20: shorter than sink + window, an empty region
-    sel = SelectionConfig(policy=policy, budget=128, n_unlimited_layers=1)
+    # budget 48: 20 + 40 tokens exceed it, so the decode selects (within the budget it attends all)
+    sel = SelectionConfig(policy=policy, budget=budget, n_unlimited_layers=1)
     during = engine.prefill(ids, selection=sel)
     after = engine.prefill(ids)
     try:
         assert set(during.index.builds) == set(range(1, engine.model.args.num_layers))
         assert after.index is None
-        a = engine.decode(during, SAMPLING, sel)
-        b = engine.decode(after, SAMPLING, sel)
+        sampling = SamplingConfig(max_tokens=40, ignore_eos=True) if n == 20 else SAMPLING
+        a = engine.decode(during, sampling, sel)
+        b = engine.decode(after, sampling, sel)
         assert during.index is None  # taken by the first decode
-        assert a.token_ids == b.token_ids and a.kv.bytes_moved == b.kv.bytes_moved
+        assert a.token_ids == b.token_ids and a.kv.bytes_moved == b.kv.bytes_moved > 0
     finally:
         engine.release(during)
         engine.release(after)

@@ -67,15 +67,21 @@ def test_prompts_shorter_than_sink_and_window_decode(policy, tmp_path):
 
 
 @pytest.mark.model
-def test_real_model_budget_covering_context_matches_full(engine):
+def test_real_model_request_within_its_budget_attends_every_token(engine):
+    """260 + 20 tokens under a 512-token budget: nothing to select, no index, full attention's
+    tokens; under a 64-token budget the same request selects pages."""
     ids = engine.tokenizer.encode("The history of the city begins " * 40)[:260]
+    sampling = SamplingConfig(max_tokens=20, ignore_eos=True)
     req = engine.prefill(ids)
     try:
-        full = engine.decode(req, SamplingConfig(max_tokens=20, ignore_eos=True))
+        full = engine.decode(req, sampling)
         for policy in ("quest", "icecache"):
-            sel = SelectionConfig(policy=policy, budget=512)
-            sparse = engine.decode(req, SamplingConfig(max_tokens=20, ignore_eos=True), sel)
-            assert sparse.token_ids == full.token_ids
-            assert sparse.kv.bytes_moved > 0 and sparse.policy == policy
+            within = engine.decode(req, sampling, SelectionConfig(policy=policy, budget=512))
+            assert within.token_ids == full.token_ids and within.policy == policy
+            assert within.kv.bytes_moved == 0 and within.kv.index_bytes == 0
+            assert within.kv.resident_bytes == within.kv.total_bytes
+            beyond = engine.decode(req, sampling, SelectionConfig(policy=policy, budget=64))
+            assert beyond.kv.bytes_moved > 0 and beyond.kv.index_bytes > 0
+            assert beyond.kv.resident_bytes < beyond.kv.total_bytes
     finally:
         engine.release(req)

@@ -17,6 +17,7 @@ from icekv.config import SCORE_DTYPES, IceCacheConfig, PagingConfig
 from icekv.index import DCITree
 from icekv.index.fused_search import centroid_search
 from icekv.kernels.cpu_decode import sparse_decode_cpu
+from icekv.kernels.cpu_paged_decode import paged_decode_cpu
 from icekv.kv import DevicePageCache, PagedKVCache
 
 
@@ -41,3 +42,5 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
     rows = torch.zeros(1, 1, 8)  # [Hkv, 1, D]
     sparse_decode_cpu(torch.zeros(2, 8), rows, rows, torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8),
                       torch.ones(1, 1, dtype=torch.long), rows, rows)  # decode attention (fp32; also the pool-tail kernel)
+    one_page = torch.zeros(1, dtype=torch.long)
+    paged_decode_cpu(torch.zeros(1, 2, 8), torch.zeros(2, 1, 1, 4, 8), one_page, one_page, one_page + 1)  # full decode

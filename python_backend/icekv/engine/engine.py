@@ -99,7 +99,9 @@ class Engine:
         seq.pages = math.ceil(held / self.cache.page_size)
         if not prefill_only:
             kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
-            seq.index_bytes = get_policy(selection.policy).index_bytes(self.model.args, held + kept, selection)
+            policy = get_policy(selection.policy)
+            if context is not None or policy.selects(selection, held):
+                seq.index_bytes = policy.index_bytes(self.model.args, held + kept, selection)
         seq.context_bytes = context.nbytes if context is not None else 0
         self.scheduler.add(seq)
         return seq

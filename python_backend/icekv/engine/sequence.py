@@ -92,6 +92,11 @@ class Sequence:
 
     # ---- called by the engine's step
     @property
+    def tokens_held(self) -> int:
+        """The most tokens of its own this request may hold: prompt + max_tokens."""
+        return len(self.prompt_ids) + self.sampling.max_tokens
+
+    @property
     def remaining_prompt(self) -> int:
         return len(self.prompt_ids) - self.prefill_done
 
@@ -150,7 +155,7 @@ class Sequence:
             finish_reason=self.finish_reason, prefill_s=self.prefill_s, decode_s=decode_s,
             tpot_s=decode_s / max(len(new) - 1, 1),  # n tokens take n-1 decode steps
             kv=kv, policy=self.selection.policy,
-            budget=None if self.selection.policy == "full" else self.selection.budget,
+            budget=self.selection.attended_budget,
             timings=dict(getattr(backend, "timings", {})),
             step_max_s=max(self.step_s, default=0.0), first_step_s=self.step_s[0] if self.step_s else 0.0,
             layer_stats={layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}

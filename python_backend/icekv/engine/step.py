@@ -1,10 +1,9 @@
 """One engine step over a batch of sequences: a flat token batch through the model once.
 
 Each sequence contributes its next decode token or a chunk of its prompt. The dense layers run
-once over the flat batch ``[N]`` (tokens with their own positions); every layer's attention is
-split back by sequence and run by that sequence's own backend (full, sparse under its policy, or
-over a compressed context), so requests under different policies share a step. A sequence whose
-backend fails is failed alone: its rows get zeros for the rest of the step and the others go on.
+once over the flat batch ``[N]`` (tokens with their own positions); each layer's attention is
+split back by sequence (:class:`icekv.engine.batch_attention.BatchAttention`), so requests under
+different policies share a step.
 """
 
 from __future__ import annotations
@@ -14,37 +13,12 @@ import time
 import torch
 
 from icekv.engine.backends import check_context, decode_backend, prefill_backend
+from icekv.engine.batch_attention import BatchAttention
 from icekv.engine.sequence import Phase, Sequence
 from icekv.kv import PagedKVCache
 from icekv.model import Decoder, Tokenizer
 
 Work = list[tuple[Sequence, int]]  # (sequence, tokens it feeds this step)
-
-
-class BatchAttention:
-    """The model's attention backend for one step: rows ``bounds[i]:bounds[i+1]`` of the flat
-    batch belong to ``seqs[i]`` and go to its backend."""
-
-    def __init__(self, seqs: list[Sequence], sizes: list[int]):
-        self.seqs = seqs
-        self.bounds = [0]
-        for n in sizes:
-            self.bounds.append(self.bounds[-1] + n)
-        self.failed: dict[int, BaseException] = {}  # index in seqs -> its error
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq, D], k, v [N, Hkv, D] of the whole batch -> [N, Hq, D]."""
-        outs = []
-        for i, seq in enumerate(self.seqs):
-            a, b = self.bounds[i], self.bounds[i + 1]
-            if i not in self.failed:
-                try:
-                    outs.append(seq.backend.attend(layer, q[a:b], k[a:b], v[a:b]))  # [n_i, Hq, D]
-                    continue
-                except Exception as e:  # this sequence fails; the step goes on for the others
-                    self.failed[i] = e
-            outs.append(q.new_zeros(q[a:b].shape))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class StepRunner:
@@ -71,7 +45,7 @@ class StepRunner:
         positions = [seq.backend.begin_step(len(t)) for seq, t in zip(ready, tokens)]
         sizes = [len(t) for t in tokens]
         samples = [i for i, seq in enumerate(ready) if seq.decoding or seq.remaining_prompt == sizes[i]]
-        batch = BatchAttention(ready, sizes)
+        batch = BatchAttention(ready, sizes, self.cache)
         ends = batch.bounds[1:]
         t0 = time.perf_counter()
         try:

@@ -102,7 +102,7 @@ def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
                 for policy in cfg.policies:
                     selection = SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache)
                     record = {"context": length, "batch": batch, "policy": policy,
-                              "budget": None if policy == "full" else cfg.budget,
+                              "budget": selection.attended_budget,
                               "search": cfg.icecache.search if policy.startswith("icecache") else None,
                               **time_batch(engine, reqs[:batch], selection, cfg.steps)}
                     records.append(record)

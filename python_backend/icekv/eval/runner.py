@@ -69,7 +69,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
                 try:
                     for sel in selections:
                         gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full")
-                        key = (task, length, sel.policy, None if sel.policy == "full" else sel.budget)
+                        key = (task, length, sel.policy, sel.attended_budget)
                         acc[key].append((sample.score(gen.text), gen))
                         done += 1
                         if progress:

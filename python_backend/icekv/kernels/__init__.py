@@ -7,9 +7,10 @@ how the backend is chosen and :mod:`icekv.kernels.reference` for the shared data
 
 from icekv.kernels.dispatch import (
     kernel_backend,
+    paged_decode_attention,
     scatter_pages,
     select_pages,
     sparse_decode_attention,
 )
 
-__all__ = ["kernel_backend", "scatter_pages", "select_pages", "sparse_decode_attention"]
+__all__ = ["kernel_backend", "paged_decode_attention", "scatter_pages", "select_pages", "sparse_decode_attention"]

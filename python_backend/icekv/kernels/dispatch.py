@@ -133,3 +133,15 @@ def scatter_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor,
         heads.to(torch.int32).contiguous(), slots.to(torch.int32).contiguous(), n_slots, dst_k, dst_v,
         PAGE_ELEMS=page_size * d, BLOCK=cfg.block, num_warps=cfg.num_warps,
     )
+
+
+def paged_decode_attention(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
+                           lengths: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """Full decode attention of a batch of requests over their pages in the pool (contract in
+    :func:`icekv.kernels.reference.paged_decode_reference`): compiled on a CPU for fp32, the
+    reference elsewhere."""
+    if kernel_backend(q.device, backend) == "numba" and q.dtype == pool_layer.dtype == torch.float32:
+        from icekv.kernels.cpu_paged_decode import paged_decode_cpu
+
+        return paged_decode_cpu(q, pool_layer, page_ids, starts, lengths)
+    return reference.paged_decode_reference(q, pool_layer, page_ids, starts, lengths)

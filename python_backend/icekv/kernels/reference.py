@@ -86,3 +86,18 @@ def scatter_pages_reference(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: tor
     """In place: dst_k/v [Hkv, S, P, D][heads[i], slots[i]] = src_k/v [n, P, D][i]."""
     dst_k[heads.long(), slots.long()] = src_k.to(dst_k.dtype)
     dst_v[heads.long(), slots.long()] = src_v.to(dst_v.dtype)
+
+
+def paged_decode_reference(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
+                           lengths: torch.Tensor) -> torch.Tensor:
+    """Full decode attention of each request over its pages in the pool: q [B, Hq, D], pool_layer
+    [2, Hkv, pool pages, P, D], page_ids [total pages], starts [B], lengths [B] -> [B, Hq, D]."""
+    _, hkv, _, page_size, d = pool_layer.shape
+    out = []
+    for i in range(q.shape[0]):
+        n, first = int(lengths[i]), int(starts[i])
+        pages = page_ids[first : first + -(-n // page_size)].long()  # [pages]
+        kv = pool_layer[:, :, pages].flatten(2, 3)[:, :, :n]  # [2, Hkv, n, D]
+        scores = torch.matmul(q[i].view(hkv, -1, d), kv[0].transpose(1, 2)) * d**-0.5  # [Hkv, G, n]
+        out.append(torch.matmul(scores.softmax(-1), kv[1]).reshape(q.shape[1:]))  # [Hq, D]
+    return torch.stack(out)

@@ -130,8 +130,11 @@ class PagedKVCache:
             self.pool[layer, 1, :, page, slot] = v[0]
             return
         pos = torch.arange(start, start + k.shape[0])  # [T]
-        pages = self._seqs[seq_id].ids()[pos // self.page_size]  # [T]
-        slots = pos % self.page_size  # [T]
+        self.write_rows(layer, self._seqs[seq_id].ids()[pos // self.page_size], pos % self.page_size, k, v)
+
+    def write_rows(self, layer: int, pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at pool page ``pages[t]``, slot ``slots[t]`` ([T] each): one copy
+        for tokens of any requests (a batch's decode tokens)."""
         self.pool[layer, 0, :, pages, slots] = k.transpose(0, 1)  # indexed view: [Hkv, T, D]
         self.pool[layer, 1, :, pages, slots] = v.transpose(0, 1)
 

@@ -38,6 +38,11 @@ class Policy:
     def sparse(self) -> bool:
         return self.selector is not None
 
+    def selects(self, cfg: SelectionConfig, tokens_held: int) -> bool:
+        """Does a request that holds at most ``tokens_held`` tokens select pages? Not when they all
+        fit in the budget: it attends every token (full attention), with no index to build."""
+        return self.sparse and tokens_held > cfg.budget
+
     def make_selector(self, cfg: SelectionConfig) -> PageSelector | None:
         """A fresh selector for one request; None for full attention."""
         return self.selector(cfg) if self.selector is not None else None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from icekv.config import SchedulerConfig
+
 MODEL_NAME = "icekv"
 SHIM = Path(__file__).with_name("model_shim.py")
 
@@ -39,7 +41,9 @@ OUTPUTS = (
 # search: centroids, not the paper's walk - higher recall and ~4x faster (bench/selection_recall.py)
 DEFAULT_PARAMETERS = {"policy": "icecache", "budget": "256", "search": "centroids", "page_size": "16",
                       "host_pool_tokens": "32768",
-                      "max_active_requests": "8", "max_queued_requests": "64"}
+                      "max_active_requests": str(SchedulerConfig.max_running),
+                      "max_queued_requests": str(SchedulerConfig.max_waiting),
+                      "max_step_tokens": str(SchedulerConfig.max_step_tokens)}
 
 
 def render_config(parameters: dict[str, str] | None = None) -> str:

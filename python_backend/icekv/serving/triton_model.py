@@ -97,10 +97,10 @@ class Metrics:
                 self.families.append(family)
                 self.metrics[name] = family.Metric(labels={"model": "icekv"})
 
-    def update(self, loop: EngineLoop, engine: Engine) -> None:
+    def update(self, loop: EngineLoop) -> None:
         """Push changed values only: an idle server sends nothing to Triton, so a shutdown never
         races a metrics message (seen: unload hanging while a background update was in flight)."""
-        resident, host = engine.kv_bytes()
+        resident, host = loop.engine.kv_bytes()
         s = loop.stats
         snapshot = (resident, host, s.active, s.queued, s.index_bytes_promised, s.pages_moved, s.select_s,
                     s.completed, s.failed, s.cancelled, s.store_hits, s.generated_tokens)
@@ -132,14 +132,14 @@ class TritonModel:
             raise IcekvError("the icekv model must be decoupled (model_transaction_policy { decoupled: true })")
         self.cfg = ServingConfig.from_triton_parameters(model_config.get("parameters", {}))
         t0 = time.perf_counter()
-        self.engine = Engine(self.cfg.engine)
+        self.metrics = Metrics(self.pb)
+        self.loop = EngineLoop(lambda: Engine(self.cfg.engine), on_tick=self.metrics.update)
+        self.engine = self.loop.engine
         self.store = None
         if self.cfg.store:
             from icekv.store import ContextStore
 
             self.store = ContextStore.open(self.cfg.store, self.engine.model_id, self.cfg.store_max_bytes)
-        self.metrics = Metrics(self.pb)
-        self.loop = EngineLoop(self.engine, on_tick=lambda: self.metrics.update(self.loop, self.engine))
         log.warning("icekv: loaded %s in %.1f s (policy %s)", self.engine.model_dir, time.perf_counter() - t0,
                     self.cfg.engine.selection.policy)
 

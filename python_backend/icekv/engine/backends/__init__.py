@@ -29,7 +29,9 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
     """Full attention over the prompt; with free index threads, a sparse policy's index is built
     layer by layer meanwhile (``seq.index``), for the first decode under that same selection."""
     policy = get_policy(seq.selection.policy)
-    if seq.context is not None or not policy.sparse or index_threads == 0:
+    # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
+    selects = policy.sparse and (seq.prefill_only or policy.selects(seq.selection, seq.tokens_held))
+    if seq.context is not None or not selects or index_threads == 0:
         return DenseAttention(token_source(cache, seq.seq_id, seq.context))
     seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads)
     return IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
@@ -47,10 +49,13 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
     if prefilled is not None and index is not None:
         prefilled.index = None  # decoding changes the index: it serves this one decode
     seq.index = None
-    selector = index.selector if index is not None else get_policy(selection.policy).make_selector(selection)
     source = token_source(cache, seq.seq_id, context)
-    if selector is None:
+    policy = get_policy(selection.policy)
+    if not policy.sparse or (context is None and not policy.selects(selection, seq.tokens_held)):
+        if index is not None:
+            index.cancel()
         return DenseAttention(source)
+    selector = index.selector if index is not None else policy.make_selector(selection)
     return SparseAttention(source, args, selection, selector, seq.probe,
                            prebuilt=index.wait if index is not None else None)
 

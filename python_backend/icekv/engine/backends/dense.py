@@ -30,6 +30,10 @@ class DenseAttention:
         self.positions = self.source.offset + torch.arange(self.start, self.start + n_tokens)
         return self.positions
 
+    def attends_all(self, layer: int) -> bool:
+        """Does ``layer`` attend every token (so a batch may attend it for this request)?"""
+        return True
+
     def end_step(self) -> None:
         """Called after every layer has run the step; full attention has nothing to do."""
 

@@ -60,6 +60,9 @@ class SparseAttention(DenseAttention):
         pool = self.cache.pool
         self.tail_from_pool = pool.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
 
+    def attends_all(self, layer: int) -> bool:
+        return layer not in self.device  # the unlimited layers
+
     def attend(self, layer, q, k, v):
         if layer not in self.device:
             return super().attend(layer, q, k, v)

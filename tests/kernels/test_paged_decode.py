@@ -1,0 +1,58 @@
+"""The batched paged decode (numba, CPU) against its torch reference, and the reference against
+plain attention over each request's contiguous keys, over awkward shapes."""
+
+import pytest
+import torch
+
+from icekv.attention import decode_attention
+from icekv.kernels import paged_decode_attention
+from icekv.kernels.cpu_paged_decode import paged_decode_cpu
+from icekv.kernels.reference import paged_decode_reference
+
+
+def _batch(lengths, hq=6, hkv=2, d=16, page_size=4, pool_pages=64, seed=0):
+    """Requests of ``lengths`` tokens on shuffled (non-consecutive) pages of one pool layer."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(2, hkv, pool_pages, page_size, d, generator=g)  # [2, Hkv, pages, P, D]
+    order = torch.randperm(pool_pages, generator=g)
+    ids, starts, at = [], [], 0
+    for n in lengths:
+        pages = -(-n // page_size)
+        starts.append(at)
+        ids.append(order[at : at + pages])
+        at += pages
+    q = torch.randn(len(lengths), hq, d, generator=g)  # [B, Hq, D]
+    return q, pool, torch.cat(ids), torch.tensor(starts), torch.tensor(lengths)
+
+
+@pytest.mark.parametrize("lengths", [[1], [4], [5], [1, 9, 4, 17], [33, 2]])  # one token, full and partial pages
+@pytest.mark.parametrize("hq, hkv", [(6, 2), (2, 2), (8, 1)])  # GQA groups of 3, none, all heads on one
+def test_compiled_matches_reference(lengths, hq, hkv):
+    q, pool, ids, starts, lens = _batch(lengths, hq, hkv)
+    torch.testing.assert_close(paged_decode_cpu(q, pool, ids, starts, lens),
+                               paged_decode_reference(q, pool, ids, starts, lens), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_is_attention_over_each_requests_tokens():
+    q, pool, ids, starts, lens = _batch([7, 12, 3])
+    out = paged_decode_reference(q, pool, ids, starts, lens)
+    for i, n in enumerate(lens.tolist()):
+        pages = ids[int(starts[i]) : int(starts[i]) + -(-n // 4)]
+        k, v = (pool[j][:, pages].flatten(1, 2)[:, :n] for j in (0, 1))  # [Hkv, n, D]
+        torch.testing.assert_close(out[i], decode_attention(q[i], k, v))
+
+
+def test_a_request_gets_the_same_bits_alone_and_in_a_batch():
+    """What makes a request's greedy tokens independent of the batch it decodes in."""
+    q, pool, ids, starts, lens = _batch([9, 30, 5, 16])
+    together = paged_decode_cpu(q, pool, ids, starts, lens)
+    for i in range(4):
+        alone = paged_decode_cpu(q[i : i + 1], pool, ids, starts[i : i + 1], lens[i : i + 1])
+        assert torch.equal(alone[0], together[i])
+
+
+def test_dispatch_falls_back_to_the_reference_off_fp32():
+    q, pool, ids, starts, lens = _batch([6, 11])
+    half = paged_decode_attention(q.double(), pool.double(), ids, starts, lens)  # not fp32: the reference
+    torch.testing.assert_close(half.float(), paged_decode_cpu(q, pool, ids, starts, lens), rtol=1e-5, atol=1e-5)
+    assert half.dtype == torch.float64
