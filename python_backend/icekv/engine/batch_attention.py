@@ -19,10 +19,10 @@ from icekv.kv import PagedKVCache
 
 
 class PagedDecodeBatch:
-    """The page table of a step's single-token requests (their pages and lengths after this
-    step's token) and where each one's new token goes in the pool."""
+    """The page table of a step's decoding requests (their pages and lengths after this step's
+    token) and where each one's new token goes in the pool; :meth:`rows` picks a subset."""
 
-    def __init__(self, cache: PagedKVCache, seqs: list[Sequence]):
+    def __init__(self, cache: PagedKVCache, seqs: list[Sequence], rows: list[int]):
         ids = [cache.page_ids(s.seq_id) for s in seqs]
         self.page_ids = torch.cat(ids)  # [total pages]
         self.starts = torch.tensor([0] + [len(i) for i in ids[:-1]]).cumsum(0)  # [B]
@@ -30,6 +30,17 @@ class PagedDecodeBatch:
         new = self.lengths - 1  # [B] position of each request's new token
         self.pages = self.page_ids[self.starts + new // cache.page_size]  # [B]
         self.slots = new % cache.page_size  # [B]
+        self.batch_rows = torch.tensor(rows)  # [B] each request's row in the step's flat batch
+        self._subsets: dict[tuple[int, ...], tuple] = {}
+
+    def rows(self, members: tuple[int, ...]) -> tuple:
+        """(flat rows, pages, slots, starts, lengths) of requests ``members`` (indices into the
+        batch), made once per distinct subset: the layers of a step mostly share one."""
+        if members not in self._subsets:
+            index = torch.tensor(members)  # [G]
+            self._subsets[members] = tuple(t[index] for t in (self.batch_rows, self.pages, self.slots,
+                                                               self.starts, self.lengths))
+        return self._subsets[members]
 
 
 class BatchAttention:
@@ -41,7 +52,8 @@ class BatchAttention:
         self.failed: dict[int, BaseException] = {}  # index in seqs -> its error
         self.decoding = [i for i, seq in enumerate(seqs)
                          if seq.phase is Phase.DECODE and seq.backend.source.context is None]
-        self.table = PagedDecodeBatch(cache, [seqs[i] for i in self.decoding]) if self.decoding else None
+        self.table = PagedDecodeBatch(cache, [seqs[i] for i in self.decoding],
+                                      [self.bounds[i] for i in self.decoding]) if self.decoding else None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k, v [N, Hkv, D] of the whole batch -> [N, Hq, D]."""
@@ -62,18 +74,16 @@ class BatchAttention:
 
     def _pooled_decode(self, layer, q, k, v, out) -> set[int]:
         """One paged decode for the requests attending ``layer`` in full; the requests it served."""
-        group = [j for j, i in enumerate(self.decoding)
-                 if i not in self.failed and self.seqs[i].backend.attends_all(layer)]
+        group = tuple(j for j, i in enumerate(self.decoding)
+                      if i not in self.failed and self.seqs[i].backend.attends_all(layer))
         if not group:
             return set()
-        t = self.table
-        members = [self.decoding[j] for j in group]
-        rows = torch.tensor([self.bounds[i] for i in members])  # [G]
-        index = torch.tensor(group)  # [G]
+        rows, pages, slots, starts, lengths = self.table.rows(group)  # [G] each
         t0 = time.perf_counter()
-        self.cache.write_rows(layer, t.pages[index], t.slots[index], k[rows], v[rows])
-        out[rows] = paged_decode_attention(q[rows], self.cache.pool[layer], t.page_ids, t.starts[index],
-                                           t.lengths[index])  # [G, Hq, D]
+        self.cache.write_rows(layer, pages, slots, k[rows], v[rows])
+        out[rows] = paged_decode_attention(q[rows], self.cache.pool[layer], self.table.page_ids, starts,
+                                           lengths)  # [G, Hq, D]
+        members = [self.decoding[j] for j in group]
         share = (time.perf_counter() - t0) / len(members)
         for i in members:
             self.seqs[i].backend.timings["attention_s"] += share

@@ -4,8 +4,9 @@ One call per layer for every request of an engine step that decodes under full a
 query head of each request reads its whole sequence in place, page by page, through the batch's
 page table (FlashInfer's CSR form: request ``b`` owns ``page_ids[starts[b] : starts[b] + pages_b]``).
 Replaces a dozen torch calls per request and layer, which dominate at decode sizes; its reference
-is :func:`icekv.kernels.reference.paged_decode_reference`. fp32 only; (request, head) pairs run in
-parallel, and each pair's arithmetic does not depend on the other requests in the batch.
+is :func:`icekv.kernels.reference.paged_decode_reference`. fp32 only; (request, KV head) pairs run
+in parallel, each reading its keys and values once for all the query heads that share them (GQA),
+and each pair's arithmetic does not depend on the other requests in the batch.
 """
 
 from __future__ import annotations
@@ -31,20 +32,30 @@ def paged_decode_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.
 def _paged_decode(q, pool, page_ids, starts, lengths, scale, out):
     b, hq, d = q.shape
     hkv, page_size = pool.shape[1], pool.shape[3]
-    for row in numba.prange(b * hq):
-        i, h = row // hq, row % hq
-        kv, n, first = h // (hq // hkv), lengths[i], starts[i]
-        scores = np.empty(n, dtype=np.float32)  # [L]
-        top = -np.inf
+    group = hq // hkv
+    for row in numba.prange(b * hkv):  # each (request, KV head) reads its keys and values once
+        i, kv = row // hkv, row % hkv
+        n, first = lengths[i], starts[i]
+        scores = np.empty((group, n), dtype=np.float32)  # [G, L]
         for pos in range(n):
-            scores[pos] = _dot(q[i, h], pool[0, kv, page_ids[first + pos // page_size], pos % page_size]) * scale
-            top = max(top, scores[pos])
-        total = np.float32(0.0)
+            key = pool[0, kv, page_ids[first + pos // page_size], pos % page_size]
+            for g in range(group):
+                scores[g, pos] = _dot(q[i, kv * group + g], key) * scale
+        acc = np.zeros((group, d), dtype=np.float32)  # [G, D]
+        totals = np.empty(group, dtype=np.float32)
+        for g in range(group):
+            top = -np.inf
+            for pos in range(n):
+                top = max(top, scores[g, pos])
+            total = np.float32(0.0)
+            for pos in range(n):
+                scores[g, pos] = np.exp(scores[g, pos] - top)
+                total += scores[g, pos]
+            totals[g] = total
         for pos in range(n):
-            scores[pos] = np.exp(scores[pos] - top)
-            total += scores[pos]
-        acc = np.zeros(d, dtype=np.float32)  # [D]
-        for pos in range(n):
-            _axpy(scores[pos], pool[1, kv, page_ids[first + pos // page_size], pos % page_size], acc)
-        for t in range(d):
-            out[i, h, t] = acc[t] / total
+            value = pool[1, kv, page_ids[first + pos // page_size], pos % page_size]
+            for g in range(group):
+                _axpy(scores[g, pos], value, acc[g])
+        for g in range(group):
+            for t in range(d):
+                out[i, kv * group + g, t] = acc[g, t] / totals[g]
