@@ -1,4 +1,4 @@
-"""`icekv compress`, `generate --context-key`, `size` and `bench decode`, run as a user would."""
+"""`icekv compress`, `generate --context-key`, `size`, `bench decode` and `bench batch`, run as a user would."""
 
 import json
 
@@ -34,6 +34,9 @@ def test_compress_then_answer_from_the_store(tmp_path, smollm2_dir):
     (["compress", "--context-file", "README.md", "--method", "snapkv", "--rho", "0.5"], "--rho and --rounds"),
     (["generate", "--prompt", "x", "--context-key", "abc", "--store", "/tmp/icekv-empty-store"], "not in the context store"),
     (["bench", "decode", "--policies", "magic"], "unknown policy"),
+    (["bench", "batch", "--batch", "0,2"], "--batch values must be >= 1"),
+    (["bench", "batch", "--batch", "two"], "--batch: cannot read"),
+    (["bench", "batch", "--policies", "full,nope"], "unknown policy"),
     (["eval", "--compress", "zip", "--out", "/tmp/x"], "--compress: unknown method"),
     (["eval", "--compress", "kv2", "--kv-budgets", "1.5", "--out", "/tmp/x"], "--kv-budgets"),
 ])
@@ -73,3 +76,20 @@ def test_bench_decode_times_stages_and_first_token(smollm2_dir):
         assert 0 < r["first_step_s"] <= r["step_max_s"]
     bad = icekv("bench", "decode", "--contexts", "600", "--ttft-contexts", "700", "--model", str(smollm2_dir))
     assert bad.returncode == 2 and "--ttft-contexts" in bad.stderr
+
+
+@pytest.mark.model
+def test_bench_batch_reports_throughput_and_the_step_split(smollm2_dir, tmp_path):
+    proc = icekv("bench", "batch", "--contexts", "400", "--batch", "1,3", "--policies", "full,icecache", "--budget", "64",
+                 "--steps", "4", "--model", str(smollm2_dir), "--out", str(tmp_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(proc.stdout)["records"]
+    assert [(r["batch"], r["policy"]) for r in records] == [(1, "full"), (1, "icecache"), (3, "full"), (3, "icecache")]
+    for r in records:
+        assert r["steps"] == 4 and r["tokens_per_s"] > 0
+        assert 0 < r["step_median_s"] <= r["step_p99_s"]
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["steps"] / (r["steps"] * r["mean_step_s"]))
+    ice = [r for r in records if r["policy"] == "icecache"]
+    assert all(r["select_s"] > 0 and r["index_bytes"] > 0 for r in ice)
+    assert ice[1]["index_bytes"] == 3 * ice[0]["index_bytes"]  # three requests, three indexes of one context
+    assert (tmp_path / "report.md").read_text().count("| 400 |") == 4 and (tmp_path / "throughput.png").stat().st_size

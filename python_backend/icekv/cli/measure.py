@@ -1,8 +1,9 @@
-"""`icekv eval`, `bench decode`, `size`: measuring accuracy, speed and memory."""
+"""`icekv eval`, `bench decode | batch`, `size`: measuring accuracy, speed and memory."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from icekv.cli.common import _csv, _icecache_config
@@ -43,9 +44,6 @@ def _cmd_eval_compression(args) -> int:
 
 def _run_and_report(args, run, write, unit: str) -> int:
     """Load the model and the haystack, run an evaluation with a progress bar on stderr, save it."""
-    import time
-
-    import torch
     from tqdm import tqdm
 
     from icekv.assets import Assets
@@ -60,90 +58,72 @@ def _run_and_report(args, run, write, unit: str) -> int:
         bar.total = total
         bar.update(done - bar.n)
 
-    t0 = time.perf_counter()
-    records = run(engine, text, progress)
+    records, meta = _timed(engine, lambda: run(engine, text, progress))
     bar.close()
-    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
-            "wall_s": round(time.perf_counter() - t0, 1), "torch_threads": torch.get_num_threads()}
     write(records, args.out, meta)
     print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
     return 0
 
 
 def _cmd_bench(args) -> int:
-    if args.bench_command == "batch":
-        return _cmd_bench_batch(args)
-    import platform
-    import time
-
-    import torch
-
-    from icekv.assets import Assets
-    from icekv.config import EngineConfig, PagingConfig, SelectionConfig
-    from icekv.engine import Engine
-    from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench
-
-    contexts = _csv("--contexts", args.contexts, int)
-    policies = _csv("--policies", args.policies, str)
-    for policy in policies:
-        SelectionConfig(policy=policy, budget=args.budget, n_unlimited_layers=args.unlimited_layers)  # errors early
-    ttft = _csv("--ttft-contexts", args.ttft_contexts, int) if args.ttft_contexts else ()
-    if set(ttft) - set(contexts):
-        raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
-    cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf",
-                            ttft_contexts=ttft, icecache=_icecache_config(args),
-                            unlimited_layers=args.unlimited_layers, repeats=args.repeats)
-    paging = PagingConfig(max_context_tokens=max(contexts) + 2048 + args.steps + 16)
-    engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
-    t0 = time.perf_counter()
-    records = run_decode_bench(engine, cfg, Assets().haystack_text("essays"), lambda m: print(m, file=sys.stderr))
-    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
-            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, torch threads {torch.get_num_threads()}",
-            "wall_s": round(time.perf_counter() - t0, 1)}
-    if args.out:
-        from icekv.eval.report import write_decode_report
-
-        write_decode_report(records, args.out, meta)
-    print(json.dumps({"meta": meta, "records": records}) if args.json else
-          "\n".join(f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token" for r in records))
-    return 0
-
-
-def _cmd_bench_batch(args) -> int:
-    import platform
-    import time
-
-    import torch
-
     from icekv.assets import Assets
     from icekv.config import EngineConfig, PagingConfig, SchedulerConfig, SelectionConfig
     from icekv.engine import Engine
-    from icekv.eval.batch_bench import BatchBenchConfig, run_batch_bench
 
     contexts = _csv("--contexts", args.contexts, int)
-    batches = _csv("--batch", args.batch, int)
     policies = _csv("--policies", args.policies, str)
-    if min(batches) < 1 or min(contexts) < 2:
-        raise IcekvError("--batch values must be >= 1 and --contexts >= 2 tokens")
-    for policy in policies:
-        SelectionConfig(policy=policy, budget=args.budget)  # errors early
-    cfg = BatchBenchConfig(contexts, batches, policies, args.budget, args.steps, icecache=_icecache_config(args))
-    paging = PagingConfig(max_context_tokens=max(batches) * (max(contexts) + args.steps + 32) + 2048)
-    engine = Engine(EngineConfig(model_dir=args.model, paging=paging,
-                                 scheduler=SchedulerConfig(max_running=max(batches), max_step_tokens=max(batches) + 512)))
-    t0 = time.perf_counter()
-    records = run_batch_bench(engine, cfg, Assets().haystack_text("essays"), lambda m: print(m, file=sys.stderr))
-    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
-            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, torch threads {torch.get_num_threads()}",
-            "wall_s": round(time.perf_counter() - t0, 1)}
-    if args.out:
-        from icekv.eval.batch_report import write_batch_report
+    if args.bench_command == "batch":
+        from icekv.eval.batch_bench import BatchBenchConfig, run_batch_bench
+        from icekv.eval.batch_report import write_batch_report as write_report
 
-        write_batch_report(records, args.out, meta)
-    print(json.dumps({"meta": meta, "records": records}) if args.json else
-          "\n".join(f"{r['context']:>6} x{r['batch']:<3} {r['policy']:<12} {r['tokens_per_s']:8.1f} tokens/s"
-                    for r in records))
+        batches = _csv("--batch", args.batch, int)
+        if min(batches) < 1 or min(contexts) < 2:
+            raise IcekvError("--batch values must be >= 1 and --contexts >= 2 tokens")
+        for policy in policies:
+            SelectionConfig(policy=policy, budget=args.budget)  # errors early
+        cfg = BatchBenchConfig(contexts, batches, policies, args.budget, args.steps, icecache=_icecache_config(args))
+        paging = PagingConfig(max_context_tokens=max(batches) * (max(contexts) + args.steps + 32) + 2048)
+        scheduler = SchedulerConfig(max_running=max(batches), max_step_tokens=max(batches) + 512)
+        run = run_batch_bench
+        line = lambda r: f"{r['context']:>6} x{r['batch']:<3} {r['policy']:<12} {r['tokens_per_s']:8.1f} tokens/s"
+    else:
+        from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench
+        from icekv.eval.report import write_decode_report as write_report
+
+        for policy in policies:
+            SelectionConfig(policy=policy, budget=args.budget, n_unlimited_layers=args.unlimited_layers)  # errors early
+        ttft = _csv("--ttft-contexts", args.ttft_contexts, int) if args.ttft_contexts else ()
+        if set(ttft) - set(contexts):
+            raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
+        cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf",
+                                ttft_contexts=ttft, icecache=_icecache_config(args),
+                                unlimited_layers=args.unlimited_layers, repeats=args.repeats)
+        paging = PagingConfig(max_context_tokens=max(contexts) + 2048 + args.steps + 16)
+        scheduler = SchedulerConfig()
+        run = run_decode_bench
+        line = lambda r: f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token"
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler))
+    records, meta = _timed(engine, lambda: run(engine, cfg, Assets().haystack_text("essays"),
+                                               lambda m: print(m, file=sys.stderr)))
+    if args.out:
+        write_report(records, args.out, meta)
+    print(json.dumps({"meta": meta, "records": records}) if args.json else "\n".join(map(line, records)))
     return 0
+
+
+def _timed(engine, run) -> tuple[list[dict], dict]:
+    """A benchmark's records and what they were measured with (command, model, machine, wall time)."""
+    import platform
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    records = run()
+    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    return records, meta
 
 
 def _cmd_size(args) -> int:

@@ -156,8 +156,8 @@ class Sequence:
             tpot_s=decode_s / max(len(new) - 1, 1),  # n tokens take n-1 decode steps
             kv=kv, policy=self.selection.policy,
             budget=self.selection.attended_budget,
-            timings=dict(getattr(backend, "timings", {})),
+            timings=dict(backend.timings) if backend else {},
             step_max_s=max(self.step_s, default=0.0), first_step_s=self.step_s[0] if self.step_s else 0.0,
             layer_stats={layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}
-                         for layer, v in getattr(backend, "layer_stats", {}).items()},
+                         for layer, v in (backend.layer_stats.items() if backend else ())},
         )

@@ -30,19 +30,18 @@ class StepRunner:
         self.eos = set(model.args.eos_token_ids)
 
     def run(self, work: Work) -> None:
-        ready, tokens = [], []
+        ready, tokens, positions = [], [], []
         for seq, n in work:
             try:
                 fed = self._prepare(seq, n)
+                if fed is not None:
+                    positions.append(seq.backend.begin_step(len(fed)))  # [n] (reserves its pages)
+                    ready.append(seq)
+                    tokens.append(fed)
             except Exception as e:
                 seq.fail(e)
-                continue
-            if fed is not None:
-                ready.append(seq)
-                tokens.append(fed)
         if not ready:
             return
-        positions = [seq.backend.begin_step(len(t)) for seq, t in zip(ready, tokens)]
         sizes = [len(t) for t in tokens]
         samples = [i for i, seq in enumerate(ready) if seq.decoding or seq.remaining_prompt == sizes[i]]
         batch = BatchAttention(ready, sizes, self.cache)

@@ -45,8 +45,9 @@ def copy_prefilled(engine: Engine, source: Prefilled) -> Prefilled:
 
 
 def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig, steps: int) -> dict:
-    """Decode ``steps`` + 1 tokens for every request in ``reqs`` together; per-step times."""
-    sampling = SamplingConfig(max_tokens=steps + 1, ignore_eos=True)
+    """Every request in ``reqs`` decodes together: a first step (index build, slots filled from
+    empty), then ``steps`` timed ones; the first token comes from the prefill's logits."""
+    sampling = SamplingConfig(max_tokens=steps + 2, ignore_eos=True)
     seqs = [engine.submit(r.prompt_ids, sampling, selection, prefilled=r) for r in reqs]
     step_s, splits, first_s = [], [], None
     while not all(s.done for s in seqs):
@@ -54,11 +55,9 @@ def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig
         t0 = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - t0
-        if first_s is None:  # index build and first fill: not a steady-state step
+        if first_s is None:  # not a steady-state step
             first_s = elapsed
             continue
-        if all(s.done for s in seqs):  # the step that only retires (nothing decoded)
-            break
         after = _split(seqs)
         step_s.append(elapsed)
         splits.append({k: after[k] - before[k] for k in SPLIT})
@@ -71,6 +70,7 @@ def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig
         "tokens_per_s": len(reqs) * len(step_s) / total,
         "step_median_s": statistics.median(step_s),
         "step_p99_s": sorted(step_s)[min(len(step_s) - 1, round(0.99 * (len(step_s) - 1)))],
+        "mean_step_s": total / len(step_s),
         "first_step_s": first_s,
         **split,
         "dense_other_s": max(statistics.mean(step_s) - sum(split.values()), 0.0),
@@ -83,7 +83,7 @@ def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig
 def _split(seqs) -> dict:
     out = dict.fromkeys(SPLIT, 0.0)
     for s in seqs:
-        timings = getattr(s.backend, "timings", {}) if s.decoder_ready else {}
+        timings = s.backend.timings if s.decoder_ready else {}
         for k in SPLIT:
             out[k] += timings.get(k, 0.0)
     return out

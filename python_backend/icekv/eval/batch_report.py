@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from icekv.eval.report import plot_lines
+
 
 def write_batch_report(records: list[dict], out: Path, meta: dict) -> None:
     """Per (context, batch, policy): tokens/s, step latency and split, scaling vs batch 1."""
@@ -27,18 +29,8 @@ def write_batch_report(records: list[dict], out: Path, meta: dict) -> None:
                      f"{ms(r['dense_other_s'])} | {ms(r['select_s'])} | {ms(r['transfer_s'])} | "
                      f"{ms(r['attention_s'])} | {ms(r['insert_s'])} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    series = {}
     for context, policy in sorted({(r["context"], r["policy"]) for r in records}):
         rs = sorted((r for r in records if r["context"] == context and r["policy"] == policy), key=lambda r: r["batch"])
-        ax.plot([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"{policy} {context}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("requests decoding together")
-    ax.set_ylabel("aggregate decode tokens/s")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=100)
+        series[f"{policy} {context}"] = ([r["batch"] for r in rs], [r["tokens_per_s"] for r in rs])
+    plot_lines(series, "requests decoding together", "aggregate decode tokens/s", out / "throughput.png")

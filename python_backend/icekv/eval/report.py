@@ -144,19 +144,27 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
         lines += ["", "\\* index built layer by layer during prefill: the time shown is what was left to wait "
                   "for after it"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
+    series = {}
+    for policy in sorted({r["policy"] for r in records}):
+        rs = sorted((r for r in records if r["policy"] == policy), key=lambda r: r["context"])
+        series[policy] = ([r["context"] for r in rs], [1000 * r["tpot_s"] for r in rs])
+    plot_lines(series, "context tokens", "ms per output token", out / "tpot.png")
+
+
+def plot_lines(series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, path: Path) -> None:
+    """One line per label over a log2 x axis, saved as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in sorted({r["policy"] for r in records}):
-        rs = sorted((r for r in records if r["policy"] == policy), key=lambda r: r["context"])
-        ax.plot([r["context"] for r in rs], [1000 * r["tpot_s"] for r in rs], marker="o", label=policy)
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("ms per output token")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "tpot.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -23,6 +23,7 @@ class DenseAttention:
         self.start = 0  # own position of this step's first token
         self.positions = torch.zeros(0, dtype=torch.long)  # RoPE positions of this step's tokens
         self.timings: dict[str, float] = defaultdict(float)  # attention_s: gather + attend, all layers
+        self.layer_stats: dict[int, list[tuple[float, float]]] = {}  # probe: layer -> [(recall, cosine)]
 
     def begin_step(self, n_tokens: int) -> torch.Tensor:
         """Reserve room for ``n_tokens`` new tokens; returns their positions [n_tokens]."""

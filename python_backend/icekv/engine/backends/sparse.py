@@ -44,7 +44,7 @@ class SparseAttention(DenseAttention):
         self.sink_end = source.sink_end(cfg)
         self.win_start = window_start(cfg, self.sink_end, source.length())
         self.timings.update(select_s=0.0, transfer_s=0.0, index_build_s=0.0, insert_s=0.0)
-        self.layer_stats: dict[int, list[tuple[float, float]]] = defaultdict(list)  # probe: (recall, cosine)
+        self.layer_stats = defaultdict(list)  # probe: layer -> [(recall, cosine)] of its decode steps
         t0 = time.perf_counter()  # index_build_s: what the build adds to time to first token
         built = prebuilt() if prebuilt else set()
         for layer in self.sparse_layers:
