@@ -97,11 +97,9 @@ class Engine:
         seq = Sequence(seq_id, ids, sampling, selection, context, on_text, on_progress, prefilled, prefill_only, probe)
         held = len(ids) + (0 if prefill_only else sampling.max_tokens)
         seq.pages = math.ceil(held / self.cache.page_size)
-        if not prefill_only:
+        if not prefill_only and seq.selects:
             kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
-            policy = get_policy(selection.policy)
-            if context is not None or policy.selects(selection, held):
-                seq.index_bytes = policy.index_bytes(self.model.args, held + kept, selection)
+            seq.index_bytes = get_policy(selection.policy).index_bytes(self.model.args, held + kept, selection)
         seq.context_bytes = context.nbytes if context is not None else 0
         self.scheduler.add(seq)
         return seq

@@ -17,6 +17,7 @@ from icekv.engine.results import Generation, Prefilled
 from icekv.engine.sampling import sample_next
 from icekv.engine.text_stream import TextStream
 from icekv.errors import IcekvError
+from icekv.policies import get_policy
 
 OnText = Callable[[str], None]
 OnProgress = Callable[[int, int], None]
@@ -95,6 +96,13 @@ class Sequence:
     def tokens_held(self) -> int:
         """The most tokens of its own this request may hold: prompt + max_tokens."""
         return len(self.prompt_ids) + self.sampling.max_tokens
+
+    @property
+    def selects(self) -> bool:
+        """Does its decode select pages? Under a sparse policy, over a compressed context or when
+        its tokens may outgrow the budget (within it, it attends every token: ``Policy.selects``)."""
+        policy = get_policy(self.selection.policy)
+        return policy.sparse and (self.context is not None or policy.selects(self.selection, self.tokens_held))
 
     @property
     def remaining_prompt(self) -> int:

@@ -30,7 +30,7 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
     layer by layer meanwhile (``seq.index``), for the first decode under that same selection."""
     policy = get_policy(seq.selection.policy)
     # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
-    selects = policy.sparse and (seq.prefill_only or policy.selects(seq.selection, seq.tokens_held))
+    selects = seq.selects or (policy.sparse and seq.prefill_only)
     if seq.context is not None or not selects or index_threads == 0:
         return DenseAttention(token_source(cache, seq.seq_id, seq.context))
     seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads)
@@ -41,7 +41,6 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
     """The backend for the request's decode steps under its policy (a sparse one builds its index
     here, or takes the one prefill built for this selection)."""
     selection, prefilled = seq.selection, seq.prefilled
-    context = prefilled.context if prefilled is not None else seq.context
     index = seq.index if prefilled is None else prefilled.prebuilt_index(selection)
     if index is not None and index.selection != selection:
         index.cancel()
@@ -49,13 +48,12 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
     if prefilled is not None and index is not None:
         prefilled.index = None  # decoding changes the index: it serves this one decode
     seq.index = None
-    source = token_source(cache, seq.seq_id, context)
-    policy = get_policy(selection.policy)
-    if not policy.sparse or (context is None and not policy.selects(selection, seq.tokens_held)):
+    source = token_source(cache, seq.seq_id, seq.context)
+    if not seq.selects:
         if index is not None:
             index.cancel()
         return DenseAttention(source)
-    selector = index.selector if index is not None else policy.make_selector(selection)
+    selector = index.selector if index is not None else get_policy(selection.policy).make_selector(selection)
     return SparseAttention(source, args, selection, selector, seq.probe,
                            prebuilt=index.wait if index is not None else None)
 
