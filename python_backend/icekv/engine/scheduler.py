@@ -37,11 +37,9 @@ class Scheduler:
         self.context_limit = pool_bytes if cfg.max_context_bytes is None else cfg.max_context_bytes
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` (its worst case already set); IcekvError if it could never fit, BusyError
-        if the queue is full."""
-        if seq.pages > self.cache.allocator.num_pages:
-            raise IcekvError(f"the request needs {seq.pages} KV pages, more than the pool's "
-                             f"{self.cache.allocator.num_pages}")
+        """Queue ``seq`` (its worst case already set, its KV pages checked against the pool by
+        ``Engine.check_fits``); IcekvError if its index or context could never fit, BusyError if
+        the queue is full."""
         if seq.index_bytes > self.index_limit:
             raise IcekvError(
                 f"policy {seq.selection.policy} needs a page index of ~{seq.index_bytes / 2**20:.0f} MiB for this "

@@ -78,10 +78,6 @@ class EngineLoop:
             raise engine
         self.engine: Engine = engine
 
-    @property
-    def index_limit(self) -> int:
-        return self.engine.scheduler.index_limit
-
     # ---- called from Triton's threads
     def submit(self, request: GenerateRequest, sink: Sink, context=None) -> None:
         """Queue a validated request; raises IcekvError (client fault) or BusyError."""

@@ -41,10 +41,7 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
     """The backend for the request's decode steps under its policy (a sparse one builds its index
     here, or takes the one prefill built for this selection)."""
     selection, prefilled = seq.selection, seq.prefilled
-    index = seq.index if prefilled is None else prefilled.prebuilt_index(selection)
-    if index is not None and index.selection != selection:
-        index.cancel()
-        index = None
+    index = seq.index if prefilled is None else prefilled.prebuilt_index(selection)  # built for this selection
     if prefilled is not None and index is not None:
         prefilled.index = None  # decoding changes the index: it serves this one decode
     seq.index = None
