@@ -75,3 +75,35 @@ def test_serving_config_from_triton_parameters():
     assert fast.engine.selection.icecache.search == "centroids"
     with pytest.raises(Exception, match="search must be one of walk, exhaustive, centroids"):
         ServingConfig.from_triton_parameters({"search": "beam"})
+
+
+def _template():
+    from icekv.model.chat_template import ChatTemplate
+
+    return ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}", {})
+
+
+def test_messages_are_rendered_with_the_chat_template():
+    messages = '[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]'
+    req = parse_request({"messages": np.array([messages.encode()], dtype=object)}, {}, CFG, _template().render)
+    assert req.text == "user:hi|assistant:yo|"
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({}, "exactly one of text_input"),
+    ({"text_input": "x", "messages": "[]"}, "exactly one of text_input"),
+    ({"messages": "[{"}, "messages is not valid JSON"),
+    ({"messages": "[]"}, "messages must be a non-empty list"),
+    ({"messages": '[{"role": "wizard", "content": "x"}]'}, r"messages\[0\].role must be one of"),
+    ({"messages": '[{"role": "user", "content": 3}]'}, r"messages\[0\].content must be a string"),
+    ({"messages": '[{"role": "user", "content": [{"type": "image_url"}]}]'}, "must be a text part"),
+])
+def test_bad_messages_are_refused(inputs, message):
+    inputs = {k: np.array([v.encode()], dtype=object) for k, v in inputs.items()}
+    with pytest.raises(RequestError, match=message):
+        parse_request(inputs, {}, CFG, _template().render)
+
+
+def test_messages_without_a_template_say_so():
+    with pytest.raises(RequestError, match="does not accept messages"):
+        parse_request({"messages": np.array([b'[{"role": "user", "content": "x"}]'], dtype=object)}, {}, CFG)

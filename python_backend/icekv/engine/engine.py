@@ -27,6 +27,7 @@ from icekv.engine.step import StepRunner
 from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import Tokenizer, load_model
+from icekv.model.chat_template import ChatTemplate, require_template
 from icekv.policies import get_policy
 
 FULL = SelectionConfig(policy="full")
@@ -60,6 +61,7 @@ class Engine:
         dtype = getattr(torch, config.dtype)
         self.model = load_model(self.model_dir, dtype)
         self.tokenizer = Tokenizer(self.model_dir)
+        self.chat_template = ChatTemplate.load(self.model_dir)
         args = self.model.args
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype)
         self.model_id = model_identity(self.model_dir, config.dtype)
@@ -69,6 +71,10 @@ class Engine:
         compile_loops(dtype)  # here, not in the first request's first decode step
 
     # ---- requests
+    def chat_prompt(self, messages) -> str:
+        """OpenAI-style ``messages`` as the prompt text of this model's chat template (ChatTemplateError if none)."""
+        return require_template(self.chat_template, self.model_dir).render(messages)
+
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse up front a request the KV pool could never hold."""
         if prompt_tokens == 0:

@@ -16,7 +16,8 @@ SHIM = Path(__file__).with_name("model_shim.py")
 
 # name, Triton type, dims, optional
 INPUTS = (
-    ("text_input", "TYPE_STRING", "[ 1 ]", False),
+    ("text_input", "TYPE_STRING", "[ 1 ]", True),
+    ("messages", "TYPE_STRING", "[ 1 ]", True),  # JSON list of chat messages, rendered with the model's template
     ("max_tokens", "TYPE_INT32", "[ 1 ]", True),
     ("stream", "TYPE_BOOL", "[ 1 ]", True),
     ("temperature", "TYPE_FP32", "[ 1 ]", True),

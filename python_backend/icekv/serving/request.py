@@ -7,15 +7,17 @@ Anything wrong raises :class:`RequestError` with a message the client sees as an
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from icekv.config import SamplingConfig, SelectionConfig, ServingConfig
 from icekv.errors import ConfigError, IcekvError
+from icekv.model.chat_template import ChatTemplateError
 
-INPUT_NAMES = ("text_input", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
+INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
                "policy", "budget", "context_key")
 
 
@@ -69,16 +71,34 @@ def _bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
-def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingConfig) -> GenerateRequest:
-    """inputs: name -> numpy array (absent inputs omitted); params: the request's parameters."""
+def _prompt(fields: dict[str, Any], chat_prompt: Callable[[Any], str] | None) -> str:
+    """The prompt text: ``text_input`` as is, or ``messages`` (a JSON list) through the chat template."""
+    if ("text_input" in fields) == ("messages" in fields):
+        raise RequestError("send exactly one of text_input (plain text) and messages (a JSON list of chat messages)")
+    if "text_input" in fields:
+        text = _str("text_input", fields["text_input"])
+        if not text.strip():
+            raise RequestError("text_input is empty")
+        return text
+    try:
+        messages = json.loads(_str("messages", fields["messages"]))
+    except json.JSONDecodeError as e:
+        raise RequestError(f"messages is not valid JSON: {e.msg} at character {e.pos}") from None
+    if chat_prompt is None:
+        raise RequestError("this server does not accept messages; send text_input")
+    try:
+        return chat_prompt(messages)
+    except ChatTemplateError as e:
+        raise RequestError(str(e)) from None
+
+
+def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingConfig,
+                  chat_prompt: Callable[[Any], str] | None = None) -> GenerateRequest:
+    """inputs: name -> numpy array (absent inputs omitted); params: the request's parameters;
+    chat_prompt: renders ``messages`` with the model's chat template (Engine.chat_prompt)."""
     fields = {k: v for k, v in params.items() if k in INPUT_NAMES}
     fields.update({k: _scalar(v) for k, v in inputs.items() if v is not None})
-    text = fields.get("text_input")
-    if text is None:
-        raise RequestError("text_input is required")
-    text = _str("text_input", text)
-    if not text.strip():
-        raise RequestError("text_input is empty")
+    text = _prompt(fields, chat_prompt)
     max_tokens = _int("max_tokens", fields.get("max_tokens", cfg.default_max_tokens))
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")

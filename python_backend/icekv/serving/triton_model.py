@@ -153,7 +153,7 @@ class TritonModel:
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
                 params = json.loads(request.parameters() or "{}")
-                req = parse_request(inputs, params, self.cfg)
+                req = parse_request(inputs, params, self.cfg, self.engine.chat_prompt)
                 context = self._context(req.context_key) if req.context_key is not None else None
                 sink.stream = req.stream
                 self.loop.submit(req, sink, context)
