@@ -328,3 +328,26 @@ class ServingConfig:
             store=values.get("store"),
             store_max_bytes=number("store_max_bytes", cls.store_max_bytes),
         )
+
+
+@dataclass(frozen=True)
+class OpenAIConfig:
+    """The OpenAI-compatible frontend: where it listens, which Triton model it forwards to, its limits."""
+
+    triton_grpc_url: str = "127.0.0.1:8001"
+    model: str = "icekv"  # the Triton model, and the model id clients name
+    host: str = "127.0.0.1"
+    port: int = 9000
+    max_body_bytes: int = 4 << 20  # larger bodies get a 413 before they are read
+    max_stop_sequences: int = 4  # as the OpenAI API
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.port <= 65535):
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_stop_sequences < 0:
+            raise ConfigError(f"max_stop_sequences must be >= 0, got {self.max_stop_sequences}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")

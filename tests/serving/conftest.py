@@ -8,7 +8,9 @@ import urllib.request
 
 import pytest
 
-from icekv.serving.launcher import TritonServer
+from icekv.config import OpenAIConfig
+from icekv.serving.launcher import TritonServer, free_port
+from icekv.serving.openai.process import OpenAIFrontendProcess
 from icekv.serving.engine_loop import TICK_S
 
 HOST_POOL_TOKENS = 8192
@@ -30,6 +32,15 @@ def server(smollm2_dir, tmp_path_factory):
         # then exceeds its exit timeout after the tests (seen ~1 run in 3, any test subset); the
         # launcher then kills it. Reported, not hidden.
         warnings.warn(f"tritonserver did not stop cleanly (rc {srv.process.returncode}):\n{srv.log_tail(5)}")
+
+
+@pytest.fixture(scope="session")
+def openai_frontend(server, tmp_path_factory):
+    """The OpenAI-compatible frontend forwarding to ``server`` over gRPC (its own process)."""
+    log = tmp_path_factory.mktemp("openai") / "frontend.log"
+    config = OpenAIConfig(triton_grpc_url=server.grpc_url, port=free_port(), max_body_bytes=1 << 20)
+    with OpenAIFrontendProcess(config, log_path=log) as frontend:
+        yield frontend
 
 
 def post(server, path: str, body, timeout=300):

@@ -78,7 +78,7 @@ def test_serving_config_from_triton_parameters():
 
 
 def _template():
-    from icekv.model.chat_template import ChatTemplate
+    from icekv.chat_template import ChatTemplate
 
     return ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}", {})
 

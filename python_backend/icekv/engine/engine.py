@@ -27,7 +27,7 @@ from icekv.engine.step import StepRunner
 from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import Tokenizer, load_model
-from icekv.model.chat_template import ChatTemplate, require_template
+from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import get_policy
 
 FULL = SelectionConfig(policy="full")

@@ -35,7 +35,8 @@ class GenerateError(RuntimeError):
     """The server answered the request with an error."""
 
 
-def _inputs(grpcclient, fields: dict) -> list:
+def infer_inputs(grpcclient, fields: dict) -> list:
+    """The model's input tensors for ``fields`` (name -> value or list of values)."""
     out = []
     for name, ttype, dims, _ in INPUTS:
         if name not in fields:
@@ -50,6 +51,14 @@ def _inputs(grpcclient, fields: dict) -> list:
     return out
 
 
+def read_response(result) -> str | Final:
+    """One streamed response: a text piece, or the request's :class:`Final` (its last response)."""
+    if result.as_numpy("finish_reason") is not None:
+        values = {name: result.as_numpy(name)[0] for name, _ in OUTPUTS if name != "text_output"}
+        return Final(**{k: v.decode() if isinstance(v, bytes) else int(v) for k, v in values.items()})
+    return result.as_numpy("text_output")[0].decode()
+
+
 def stream_generate(url: str, text: str, model: str = "icekv", timeout_s: float = 600, **fields) -> Iterator[str | Final]:
     """Yield text pieces as they arrive, then one :class:`Final`. Raises GenerateError."""
     import tritonclient.grpc as grpcclient
@@ -58,18 +67,16 @@ def stream_generate(url: str, text: str, model: str = "icekv", timeout_s: float 
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(model, _inputs(grpcclient, {"text_input": text, "stream": True, **fields}))
+        client.async_stream_infer(model, infer_inputs(grpcclient, {"text_input": text, "stream": True, **fields}))
         while True:
             result, error = responses.get(timeout=timeout_s)
             if error is not None:
                 raise GenerateError(str(error))
-            if result.as_numpy("finish_reason") is not None:
-                values = {name: result.as_numpy(name)[0] for name, _ in OUTPUTS if name != "text_output"}
-                yield Final(**{k: v.decode() if isinstance(v, bytes) else int(v) for k, v in values.items()})
-                return
-            piece = result.as_numpy("text_output")[0].decode()
+            piece = read_response(result)
             if piece:
                 yield piece
+            if isinstance(piece, Final):
+                return
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()

@@ -175,4 +175,4 @@ class EngineLoop:
         else:  # a bug in one request must not take the others down
             log.error("request failed", exc_info=error)
             self.stats.failed += 1
-            sink.error(f"internal error: {type(error).__name__}: {error}", kind="internal")
+            sink.error("internal error: the request failed (details in the server log)", kind="internal")

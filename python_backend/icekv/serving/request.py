@@ -15,7 +15,7 @@ import numpy as np
 
 from icekv.config import SamplingConfig, SelectionConfig, ServingConfig
 from icekv.errors import ConfigError, IcekvError
-from icekv.model.chat_template import ChatTemplateError
+from icekv.chat_template import ChatTemplateError
 
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
                "policy", "budget", "context_key")

@@ -15,6 +15,7 @@ import numpy as np
 from icekv.config import ServingConfig
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
+from icekv.serving.error_kinds import tag
 from icekv.serving.repository import INPUTS
 from icekv.serving.request import RequestError, parse_request
 from icekv.serving.engine_loop import BusyError, EngineLoop
@@ -66,7 +67,7 @@ class TritonSink:
         errors = self.pb.TritonError
         code = {"client": errors.INVALID_ARG, "busy": errors.UNAVAILABLE,
                 "cancelled": errors.CANCELLED}.get(kind, errors.INTERNAL)
-        self._send(self.pb.InferenceResponse(error=self.pb.TritonError(message, code)), True)
+        self._send(self.pb.InferenceResponse(error=self.pb.TritonError(tag(message, kind), code)), True)
 
 
 class Metrics:

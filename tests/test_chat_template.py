@@ -5,7 +5,7 @@ import json
 import pytest
 
 from icekv.model import Tokenizer
-from icekv.model.chat_template import ChatTemplate, ChatTemplateError, require_template
+from icekv.chat_template import ChatTemplate, ChatTemplateError, require_template
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

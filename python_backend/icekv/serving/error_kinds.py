@@ -1,0 +1,24 @@
+"""What kind of failure a request's error is, carried in its message.
+
+Triton's gRPC stream delivers a decoupled model's error as text only (no status code), so the
+kind travels as a fixed prefix of the message: the Triton model adds it, the OpenAI frontend
+reads it back to choose the HTTP status. A message without a prefix is the client's fault.
+"""
+
+from __future__ import annotations
+
+PREFIXES = {"busy": "server busy", "cancelled": "request cancelled", "internal": "internal error"}
+KINDS = ("client", *PREFIXES)
+
+
+def tag(message: str, kind: str) -> str:
+    """``message`` starting with ``kind``'s prefix (once)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown error kind {kind!r}")
+    prefix = PREFIXES.get(kind, "")
+    return message if message.startswith(prefix) else f"{prefix}: {message}"
+
+
+def kind_of(message: str) -> str:
+    """The kind :func:`tag` wrote into ``message``."""
+    return next((kind for kind, prefix in PREFIXES.items() if message.startswith(prefix)), "client")

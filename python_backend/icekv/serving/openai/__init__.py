@@ -1,0 +1,1 @@
+"""The OpenAI-compatible frontend: an ASGI app that forwards to the icekv Triton model over gRPC."""

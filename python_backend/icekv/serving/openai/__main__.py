@@ -1,0 +1,37 @@
+"""``python -m icekv.serving.openai``: run the frontend with uvicorn (``icekv serve --openai-port`` starts it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from icekv.config import OpenAIConfig
+from icekv.errors import IcekvError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m icekv.serving.openai", description=__doc__)
+    parser.add_argument("--triton-grpc-url", default=OpenAIConfig.triton_grpc_url)
+    parser.add_argument("--model", default=OpenAIConfig.model, help="the Triton model, and the id clients send")
+    parser.add_argument("--host", default=OpenAIConfig.host)
+    parser.add_argument("--port", type=int, default=OpenAIConfig.port)
+    parser.add_argument("--max-body-bytes", type=int, default=OpenAIConfig.max_body_bytes)
+    parser.add_argument("--request-timeout-s", type=float, default=OpenAIConfig.request_timeout_s)
+    args = parser.parse_args(argv)
+    try:
+        config = OpenAIConfig(triton_grpc_url=args.triton_grpc_url, model=args.model, host=args.host, port=args.port,
+                              max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s)
+    except IcekvError as e:
+        print(f"icekv openai frontend: error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from icekv.serving.openai.app import create_app
+
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
+                timeout_graceful_shutdown=5, server_header=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

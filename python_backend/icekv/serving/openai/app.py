@@ -1,0 +1,230 @@
+"""The OpenAI-compatible HTTP API (Starlette), forwarding every request to the icekv Triton model.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent events when
+``stream`` is true), ``GET /v1/models``, ``GET /health``. Every error is OpenAI-shaped. A client
+that disconnects, streaming or not, cancels its Triton request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from icekv.config import OpenAIConfig
+from icekv.serving.client import Final
+from icekv.serving.openai.protocol import ChatCompletionBody, CompletionBody, OpenAIError, parse_body
+from icekv.serving.openai.triton_bridge import TritonBridge
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+    return _error_response(error)
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    path = request.url.path
+    message = {404: f"no route {path}", 405: f"{request.method} is not allowed on {path}"}
+    return _error_response(OpenAIError(error.status_code, message.get(error.status_code, str(error.detail))))
+
+
+async def _client_gone(request: Request, error: ClientDisconnect) -> Response:
+    return Response(status_code=499)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 past ``limit`` bytes (before reading it when the length is declared)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise OpenAIError(413, f"the request body exceeds this server's limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise OpenAIError(413, f"the request body exceeds this server's limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read, so only a disconnect can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """``awaitable``'s result, or OpenAIError(499) if the client hangs up first (``awaitable`` is cancelled)."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+    finally:
+        watch.cancel()
+        work.cancel()
+    await asyncio.gather(work, return_exceptions=True)  # let the cancellation run (it cancels the gRPC call)
+    raise OpenAIError(499, "the client closed the request")
+
+
+def _usage(final: Final) -> dict:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.new_tokens,
+            "total_tokens": final.prompt_tokens + final.new_tokens}
+
+
+def _icekv_stats(final: Final) -> dict:
+    """icekv's own account of the request's KV cache (extra response field; OpenAI clients ignore it)."""
+    return {"policy": final.policy, "budget": final.budget, "kv_resident_bytes": final.kv_resident_bytes,
+            "kv_total_bytes": final.kv_total_bytes, "kv_bytes_moved": final.kv_bytes_moved}
+
+
+class _Kind:
+    """What differs between the chat and the completion endpoints' responses."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+        self.prefix = "chatcmpl" if chat else "cmpl"
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def choice(self, text: str, finish_reason: str | None) -> dict:
+        if self.chat:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def delta(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+
+class OpenAIFrontend:
+    """The app's state: its settings and one Triton client."""
+
+    def __init__(self, config: OpenAIConfig):
+        self.config = config
+        self.bridge: TritonBridge | None = None
+
+    @asynccontextmanager
+    async def lifespan(self, app):
+        self.bridge = TritonBridge(self.config.triton_grpc_url, self.config.model)
+        try:
+            yield
+        finally:
+            await self.bridge.close()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        handlers = {OpenAIError: _openai_error, HTTPException: _http_error, ClientDisconnect: _client_gone}
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
+
+    # ---- routes
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model, "object": "model", "created": 0, "owned_by": "icekv"}]})
+
+    async def health(self, request: Request) -> JSONResponse:
+        if await self.bridge.ready():
+            return JSONResponse({"status": "ok"})
+        return _error_response(OpenAIError(503, f"the Triton model {self.config.model} is not ready"))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, ChatCompletionBody, _Kind(chat=True))
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionBody, _Kind(chat=False))
+
+    # ---- generation
+    async def _generate(self, request: Request, body_model, kind: _Kind) -> Response:
+        raw = await _read_body(request, self.config.max_body_bytes)
+        body = parse_body(body_model, raw, self.config.max_stop_sequences)
+        if body.model != self.config.model:
+            raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves "
+                              f"{self.config.model!r}", "model", "model_not_found")
+        pieces = self._timed(self.bridge.generate(body.triton_fields()))
+        meta = {"id": f"{kind.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model}
+        if not body.stream:
+            text, final = await _unless_disconnected(request, self._collect(pieces))
+            return JSONResponse({**meta, "object": kind.object, "choices": [kind.choice(text, final.finish_reason)],
+                                 "usage": _usage(final), "icekv": _icekv_stats(final)})
+        # wait for the first piece so that a refused request gets its status code, not a 200 stream
+        first = await _unless_disconnected(request, anext(pieces))
+        return StreamingResponse(self._events(first, pieces, meta, kind, body.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _timed(self, pieces: AsyncIterator) -> AsyncIterator:
+        """``pieces`` within the request timeout (the gRPC call is cancelled when it runs out).
+
+        Per-piece waits against one deadline, not ``asyncio.timeout``: a streamed response's first
+        piece and the rest are awaited from different tasks."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.request_timeout_s
+        try:
+            while True:
+                try:
+                    piece = await asyncio.wait_for(anext(pieces), max(deadline - loop.time(), 0.0))
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise OpenAIError(504, f"the request took longer than {self.config.request_timeout_s:g} s") from None
+                yield piece
+        finally:
+            await pieces.aclose()
+
+    @staticmethod
+    async def _collect(pieces: AsyncIterator) -> tuple[str, Final]:
+        text = []
+        async for piece in pieces:
+            if isinstance(piece, Final):
+                return "".join(text), piece
+            text.append(piece)
+        raise OpenAIError(500, "the inference server ended the request without a result")
+
+    async def _events(self, first, pieces: AsyncIterator, meta: dict, kind: _Kind, include_usage: bool):
+        """Server-sent events: chunks, then usage if asked, then ``[DONE]``; an error mid-stream as an event."""
+
+        def event(choices: list, **extra) -> str:
+            chunk = {**meta, "object": kind.chunk_object, "choices": choices, **extra}
+            if include_usage:
+                chunk.setdefault("usage", None)
+            return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+        try:
+            if kind.chat:
+                yield event([kind.delta(None, None, first=True)])
+            piece = first
+            while not isinstance(piece, Final):
+                if piece:
+                    yield event([kind.delta(piece, None)])
+                piece = await anext(pieces)
+            yield event([kind.delta(None, piece.finish_reason)], icekv=_icekv_stats(piece))
+            if include_usage:
+                yield event([], usage=_usage(piece))
+        except OpenAIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            await pieces.aclose()
+        yield "data: [DONE]\n\n"
+
+
+def create_app(config: OpenAIConfig = OpenAIConfig()) -> Starlette:
+    return OpenAIFrontend(config).app()

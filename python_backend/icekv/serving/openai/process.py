@@ -1,0 +1,71 @@
+"""The OpenAI frontend as a child process next to tritonserver (what ``icekv serve --openai-port`` runs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from icekv.config import OpenAIConfig
+from icekv.serving.launcher import ServerError
+
+
+@dataclass
+class OpenAIFrontendProcess:
+    """``python -m icekv.serving.openai`` with ``config``; a context manager, or start()/stop()."""
+
+    config: OpenAIConfig
+    log_path: Path | None = None
+    startup_timeout_s: float = 60.0
+    process: subprocess.Popen | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def command(self) -> list[str]:
+        c = self.config
+        return [sys.executable, "-m", "icekv.serving.openai", f"--triton-grpc-url={c.triton_grpc_url}",
+                f"--model={c.model}", f"--host={c.host}", f"--port={c.port}", f"--max-body-bytes={c.max_body_bytes}",
+                f"--request-timeout-s={c.request_timeout_s}"]
+
+    def start(self) -> "OpenAIFrontendProcess":
+        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"the OpenAI frontend exited with {self.process.returncode}"
+                                  + (f" (log: {self.log_path})" if self.log_path else ""))
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise ServerError(f"the OpenAI frontend did not answer on {self.url} within {self.startup_timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self.log_path and getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> "OpenAIFrontendProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

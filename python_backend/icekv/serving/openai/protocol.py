@@ -1,0 +1,169 @@
+"""The OpenAI request bodies icekv accepts, and OpenAI-shaped errors.
+
+Bodies are validated strictly (no string-to-number coercion, unknown fields refused, as the
+OpenAI API does); options icekv does not implement are accepted only at their neutral value, so a
+client that sends ``n: 1`` or ``presence_penalty: 0`` works and one that asks for more is told.
+icekv's own settings (``policy``, ``budget``, ``context_key``) ride along as extra body fields.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+class OpenAIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+             413: "invalid_request_error", 499: "invalid_request_error", 500: "server_error",
+             503: "service_unavailable_error", 504: "timeout_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        content = self.content if isinstance(self.content, str) else [p.model_dump() for p in self.content]
+        return {"role": self.role, "content": content}
+
+
+class _GenerateBody(_Strict):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused
+    # neutral values only
+    n: Literal[1] = 1
+    presence_penalty: Literal[0] = 0
+    frequency_penalty: Literal[0] = 0
+    logprobs: Literal[False] | None = None
+    # icekv's settings
+    policy: str | None = None
+    budget: int | None = Field(None, ge=1, le=INT32_MAX)
+    context_key: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_is_a_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def triton_fields(self) -> dict[str, Any]:
+        """The icekv model's inputs for this body (absent settings take the server's defaults)."""
+        fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                  "seed": self.seed, "stop": self.stop or None, "policy": self.policy, "budget": self.budget,
+                  "context_key": self.context_key, "stream": True}
+        return {k: v for k, v in fields.items() if v is not None}
+
+
+class ChatCompletionBody(_GenerateBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+
+    @model_validator(mode="after")
+    def _one_token_limit(self):
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
+        self.max_tokens = self.max_tokens or self.max_completion_tokens
+        return self
+
+    def triton_fields(self) -> dict[str, Any]:
+        return {**super().triton_fields(), "messages": json.dumps([m.for_template() for m in self.messages])}
+
+
+class CompletionBody(_GenerateBody):
+    prompt: str | list[str]
+    echo: Literal[False] = False
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("send one prompt per request (a list of exactly one string)")
+            v = v[0]
+        if not v.strip():
+            raise ValueError("prompt is empty")
+        return v
+
+    def triton_fields(self) -> dict[str, Any]:
+        return {**super().triton_fields(), "text_input": self.prompt}
+
+
+def _param(loc: tuple) -> str | None:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or None
+
+
+def parse_body(model: type[_GenerateBody], raw: bytes, max_stop: int) -> _GenerateBody:
+    """Validate a request body; OpenAIError(400) naming the first offending field otherwise."""
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        loc = tuple(p for p in first["loc"] if p not in ("function-after", "str", "list[str]", "list[TextPart]"))
+        kind, message = first["type"], first["msg"].removeprefix("Value error, ")
+        if kind == "json_invalid":
+            raise OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}") from None
+        if kind == "model_type" or kind == "model_attributes_type":
+            raise OpenAIError(400, "the body must be a JSON object") from None
+        if kind == "extra_forbidden":
+            raise OpenAIError(400, f"unrecognized request argument: {_param(loc)}", _param(loc)) from None
+        if kind == "literal_error" and loc and loc[-1] in _GenerateBody.model_fields | CompletionBody.model_fields:
+            message = f"icekv supports only {first['ctx']['expected']}"
+        if "content" in loc:  # the union's first branch's complaint would hide the second
+            message = 'a message\'s content must be a string or a list of {"type": "text", "text": ...} parts'
+        where = _param(loc)
+        raise OpenAIError(400, f"{where}: {message}" if where else message, where) from None
+    if body.stop and len(body.stop) > max_stop:
+        raise OpenAIError(400, f"stop: at most {max_stop} stop sequences, got {len(body.stop)}", "stop")
+    return body

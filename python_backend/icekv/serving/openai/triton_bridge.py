@@ -1,0 +1,62 @@
+"""One request to the icekv Triton model over gRPC streaming, as an async iterator of pieces.
+
+Closing the iterator (the HTTP client went away, a timeout) cancels the gRPC call, and Triton
+then cancels the request in the engine, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator
+
+from icekv.serving.client import Final, infer_inputs, read_response
+from icekv.serving.error_kinds import kind_of
+from icekv.serving.openai.protocol import OpenAIError
+
+STATUS_OF_KIND = {"client": 400, "busy": 503, "cancelled": 499, "internal": 500}
+
+
+class TritonBridge:
+    """A gRPC client of one Triton model, opened inside the frontend's event loop."""
+
+    def __init__(self, url: str, model: str):
+        import tritonclient.grpc.aio as grpcclient
+
+        self.model = model
+        self._client = grpcclient.InferenceServerClient(url)
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self._client.is_model_ready(self.model))
+        except Exception:  # unreachable server: not ready
+            return False
+
+    async def generate(self, fields: dict[str, Any]) -> AsyncIterator[str | Final]:
+        """Yield the text pieces, then the Final; OpenAIError for any failure."""
+        import tritonclient.grpc as grpcclient
+
+        request = {"model_name": self.model, "inputs": infer_inputs(grpcclient, fields), "request_id": uuid.uuid4().hex}
+
+        async def requests():
+            yield request
+
+        call = self._client.stream_infer(requests())
+        try:
+            async for result, error in call:
+                if error is not None:
+                    message = error.message() if hasattr(error, "message") else str(error)
+                    raise OpenAIError(STATUS_OF_KIND[kind_of(message)], message)
+                piece = read_response(result)
+                yield piece
+                if isinstance(piece, Final):
+                    return
+            raise OpenAIError(500, "the inference server closed the request without a final response")
+        except OpenAIError:
+            raise
+        except Exception:  # gRPC transport failures: the server is down or restarting
+            raise OpenAIError(503, "the inference server is unavailable; retry later") from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._client.close()
