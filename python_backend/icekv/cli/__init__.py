@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=_positive_int("--http-port"), default=8000)
     serve.add_argument("--grpc-port", type=_positive_int("--grpc-port"), default=8001)
     serve.add_argument("--metrics-port", type=_positive_int("--metrics-port"), default=8002)
+    serve.add_argument("--openai-port", type=_positive_int("--openai-port"), default=None,
+                       help="also serve the OpenAI-compatible API (/v1/chat/completions, ...) on this port")
     serve.add_argument("--model-repository", type=Path, default=None,
                        help="serve this repository as is (default: generate one from the flags below)")
     _serving_flags(serve)

@@ -84,10 +84,12 @@ def _cmd_generate(args) -> int:
 
 def _cmd_demo(args) -> int:
     from icekv.assets import Assets
+    from icekv.config import OpenAIConfig
     from icekv.eval.tasks import HaystackSampler
     from icekv.model import Tokenizer
     from icekv.serving.client import Final, stream_generate
-    from icekv.serving.launcher import TritonServer
+    from icekv.serving.launcher import TritonServer, free_port
+    from icekv.serving.openai.process import OpenAIFrontendProcess
 
     params = _serving_parameters(args)
     assets = Assets()
@@ -108,36 +110,69 @@ def _cmd_demo(args) -> int:
             else:
                 text += piece
                 print(piece, end="", flush=True)
-    verdict = "correct" if sample.score(text) == 1 else "WRONG"
-    print(f"\nexpected: {sample.answers[0]} -> {verdict}")
-    print(
-        f"policy {final.policy} (budget {final.budget} tokens per layer per KV head): "
-        f"{final.prompt_tokens} prompt + {final.new_tokens} new tokens; KV cache "
-        f"{final.kv_resident_bytes / 2**20:.1f} MiB resident on the device of "
-        f"{final.kv_total_bytes / 2**20:.1f} MiB in the host pool, {final.kv_bytes_moved / 2**20:.1f} MiB moved"
-    )
+        verdict = "correct" if sample.score(text) == 1 else "WRONG"
+        print(f"\nexpected: {sample.answers[0]} -> {verdict}")
+        print(
+            f"policy {final.policy} (budget {final.budget} tokens per layer per KV head): "
+            f"{final.prompt_tokens} prompt + {final.new_tokens} new tokens; KV cache "
+            f"{final.kv_resident_bytes / 2**20:.1f} MiB resident on the device of "
+            f"{final.kv_total_bytes / 2**20:.1f} MiB in the host pool, {final.kv_bytes_moved / 2**20:.1f} MiB moved"
+        )
+        with OpenAIFrontendProcess(OpenAIConfig(triton_grpc_url=server.grpc_url, port=free_port())) as frontend:
+            _chat_turn(frontend.url)
     return 0
+
+
+def _chat_turn(url: str) -> None:
+    """One chat turn through the OpenAI-compatible API with the official client, streamed."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    question = "What is the capital of France? Answer in one sentence."
+    print(f"\nOpenAI API at {url}/v1, chat template applied by the server")
+    print(f"user: {question}\nassistant:", end=" ", flush=True)
+    stream = client.chat.completions.create(model="icekv", messages=[{"role": "user", "content": question}],
+                                            max_tokens=32, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print()
 
 
 def _cmd_serve(args) -> int:
     import signal
     import threading
 
+    from icekv.config import OpenAIConfig
     from icekv.serving.launcher import TritonServer
+    from icekv.serving.openai.process import OpenAIFrontendProcess
 
     params = _serving_parameters(args)
     if args.model_repository is not None and params:
         raise IcekvError("--model-repository is served as is: set parameters in its config.pbtxt, not with flags")
     server = TritonServer(params, args.model_repository, args.host, args.http_port, args.grpc_port, args.metrics_port)
+    frontend = None
+    if args.openai_port is not None:
+        local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        frontend = OpenAIFrontendProcess(OpenAIConfig(triton_grpc_url=f"{local}:{server.grpc_port}", host=args.host,
+                                                      port=args.openai_port))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    print(f"icekv serving: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}", file=sys.stderr)
     try:
+        server.start()
+        where = f"HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}"
+        if frontend is not None:
+            frontend.start()
+            where += f", OpenAI API {frontend.url}/v1"
+        print(f"icekv serving: {where}", file=sys.stderr)
         while not stop.wait(1.0):
             if server.process.poll() is not None:
                 raise IcekvError(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
+            if frontend is not None and frontend.process.poll() is not None:
+                raise IcekvError(f"the OpenAI frontend exited with {frontend.process.returncode}")
     finally:
+        if frontend is not None:
+            frontend.stop()
         server.stop()
     return 0
