@@ -24,6 +24,21 @@ def test_generate_json_answers_paris(smollm2_dir):
     assert out["kv"]["resident_bytes"] > 0 and out["kv"]["total_bytes"] > 0
 
 
+@pytest.mark.model
+def test_generate_chat_applies_the_template(smollm2_dir, tmp_path):
+    proc = icekv("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "Paris" in out["text"] and out["finish_reason"] == "stop"  # the end-of-turn token ends it
+    no_template = tmp_path / "model"
+    no_template.mkdir()
+    for f in smollm2_dir.iterdir():
+        if f.name != "chat_template.jinja":
+            (no_template / f.name).symlink_to(f)
+    proc = icekv("generate", "--chat", "--prompt", "hi", "--model", str(no_template))
+    assert proc.returncode == 2 and "has no chat template" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

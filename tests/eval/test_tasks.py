@@ -42,3 +42,24 @@ def test_bad_task_and_lengths(sampler):
         sampler.make("niah_single", 50, seed=0)
     with pytest.raises(ConfigError, match="exceeds the haystack"):
         sampler.make("niah_single", 10**7, seed=0)
+
+
+def test_chat_prompt_format_puts_the_question_in_a_user_turn(engine, sampler):
+    from icekv.eval.tasks import PromptFormat
+
+    s = sampler.make("niah_single", 500, seed=5)
+    assert PromptFormat().prompt(s.prompt) == s.prompt  # raw: unchanged
+    chat = PromptFormat.from_chat_template(engine.chat_prompt)
+    ask, answer_prefix = s.prompt.rsplit("? ", 1)
+    expected = engine.chat_prompt([{"role": "user", "content": ask + "?"}]) + answer_prefix
+    assert chat.prompt(s.prompt) == expected
+    assert expected.endswith("<|im_start|>assistant\nThe special magic number for " + answer_prefix.split(" for ")[1])
+    context, question = s.prompt[: s.prompt.rindex("\nWhat")], s.prompt[s.prompt.rindex("\nWhat"):]
+    assert chat.context(context) + chat.question(question) == expected  # the reusable split composes
+
+
+def test_a_template_without_the_user_content_is_refused():
+    from icekv.eval.tasks import PromptFormat
+
+    with pytest.raises(ConfigError, match="exactly once"):
+        PromptFormat.from_chat_template(lambda messages: "no content here")

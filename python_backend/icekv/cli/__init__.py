@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens attended per layer per KV head (sink and window included)")
     gen.add_argument("--context-key", default=None, help="answer over a stored compressed context (icekv compress)")
     gen.add_argument("--store", default=None, help="context store: a directory or redis://host:port (default: cache dir)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     comp = sub.add_parser("compress", help="compress a reusable context once and store it")
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--questions", type=_positive_int("--questions"), default=4, help="with --compress: per context")
     ev.add_argument("--rho", type=float, default=None, help="with --compress: kv2 re-feed share (default: the budget)")
     ev.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="with --compress: kv2 refinement rounds")
+    ev.add_argument("--chat-template", action="store_true",
+                    help="ask each question as a user turn of the model's chat template (answer prefix after it)")
     _icecache_flags(ev)
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
     ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")

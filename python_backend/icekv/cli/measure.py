@@ -23,7 +23,7 @@ def _cmd_eval(args) -> int:
         tasks=_csv("--task", args.task, str), haystack=args.haystack,
         lengths=_csv("--lengths", args.lengths, int), policies=_csv("--policies", args.policies, str),
         budgets=_csv("--budgets", args.budgets, int), samples=args.samples, seed=args.seed,
-        depths=depths, num_needles=args.num_needles, icecache=_icecache_config(args),
+        depths=depths, num_needles=args.num_needles, icecache=_icecache_config(args), chat_template=args.chat_template,
     )
     return _run_and_report(args, lambda engine, text, progress: run_eval(engine, cfg, text, progress), write_report, "decode")
 
@@ -37,6 +37,7 @@ def _cmd_eval_compression(args) -> int:
         methods=_csv("--compress", args.compress, str), kv_budgets=_csv("--kv-budgets", args.kv_budgets, float),
         haystack=args.haystack, lengths=_csv("--lengths", args.lengths, int), samples=args.samples,
         questions=args.questions, seed=args.seed, settings=(("kv2", kv2),) if kv2 else (),
+        chat_template=args.chat_template,
     )
     return _run_and_report(args, lambda engine, text, progress: run_compression_eval(engine, cfg, text, progress),
                            write_compression_report, "compression")

@@ -50,6 +50,8 @@ def _cmd_generate(args) -> int:
     )
     selection = SelectionConfig(policy=args.policy, budget=args.budget, page_size=paging.page_size)
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging, selection=selection))
+    if args.chat:
+        prompt = engine.chat_prompt([{"role": "user", "content": prompt}])
     context = None
     if args.context_key is not None:
         context = _open_store(args.store, engine).load(args.context_key)

@@ -19,7 +19,7 @@ from icekv.config import SamplingConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.compress import COMPRESSORS
-from icekv.eval.tasks import HaystackSampler, make_reusable
+from icekv.eval.tasks import HaystackSampler, PromptFormat, make_reusable
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class CompressionEvalConfig:
     seed: int = 0
     max_tokens: int = 12
     settings: tuple[tuple[str, dict], ...] = ()  # per-method settings, e.g. (("kv2", {"rho": 0.25}),)
+    chat_template: bool = False  # the context and each question inside one user turn of the chat template
 
     def __post_init__(self) -> None:
         for m in self.methods:
@@ -71,6 +72,7 @@ class PeakRSS:
 def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_text: str,
                          progress: Callable[[int, int], None] | None = None) -> list[dict]:
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
+    form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
     settings = dict(cfg.settings)
     runs = [("full", 1.0)] + [(m, b) for m in cfg.methods for b in cfg.kv_budgets]
     sampling = SamplingConfig(max_tokens=cfg.max_tokens, stop=("\n",))
@@ -80,7 +82,7 @@ def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_te
         for i in range(cfg.samples):
             seed = zlib.crc32(f"{cfg.seed}/{cfg.haystack}/reuse/{length}/{i}".encode())
             sample = make_reusable(sampler, length, seed, cfg.questions)
-            ids = engine.tokenizer.encode(sample.context)
+            ids = engine.tokenizer.encode(form.context(sample.context))
             for method, budget in runs:
                 with PeakRSS() as mem:
                     t0 = time.perf_counter()
@@ -89,7 +91,7 @@ def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_te
                     compress_s = time.perf_counter() - t0
                 scores = []
                 for question, answer in sample.questions:
-                    out = engine.generate(engine.tokenizer.encode(question), sampling, context=ctx)
+                    out = engine.generate(engine.tokenizer.encode(form.question(question)), sampling, context=ctx)
                     scores.append(float(answer in out.text))
                 acc[(length, method, budget)].append((scores, compress_s, mem.growth, ctx.kv_bytes, ctx.full_bytes))
                 done += 1
@@ -104,6 +106,6 @@ def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_te
             "kv_budget": budget, "accuracy": sum(scores) / len(scores), "n": len(scores),
             "contexts": len(rs), "questions_per_context": cfg.questions, "compress_s": mean(1),
             "peak_memory_growth_bytes": max(r[2] for r in rs), "kv_bytes": mean(3), "full_kv_bytes": mean(4),
-            "settings": settings.get(method, {}),
+            "settings": settings.get(method, {}), "chat_template": cfg.chat_template,
         })
     return records

@@ -10,7 +10,7 @@ from typing import Callable
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
-from icekv.eval.tasks import TASKS, HaystackSampler
+from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class EvalConfig:
     num_values: int = 2  # niah_multivalue: values of the one key, all asked
     probe: bool = True  # per-layer attention recall and output cosine vs full attention
     icecache: IceCacheConfig = IceCacheConfig()  # e.g. search="exhaustive"
+    chat_template: bool = False  # ask each question as a user turn of the model's chat template
 
     def __post_init__(self) -> None:
         for t in self.tasks:
@@ -55,6 +56,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
              progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """Returns one record per (task, length, policy, budget) with accuracy over ``samples``."""
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
+    form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
     selections = cfg.selections()
     sampling = SamplingConfig(max_tokens=cfg.max_tokens, stop=("\n",))
     acc: dict[tuple, list] = defaultdict(list)
@@ -65,7 +67,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
                 depth = cfg.depths[i % len(cfg.depths)] if cfg.depths else (i + 0.5) / cfg.samples
                 sample = sampler.make(task, length, _sample_seed(cfg, task, length, i), depth=depth,
                                       num_needles=cfg.num_needles, num_values=cfg.num_values)
-                req = engine.prefill(engine.tokenizer.encode(sample.prompt))
+                req = engine.prefill(engine.tokenizer.encode(form.prompt(sample.prompt)))
                 try:
                     for sel in selections:
                         gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full")
@@ -95,6 +97,7 @@ def _records(cfg: EvalConfig, acc: dict) -> list[dict]:
         base = full.get((task, length))
         records.append({
             "task": task, "haystack": cfg.haystack, "length": length, "policy": policy, "budget": budget,
+            "chat_template": cfg.chat_template,
             "accuracy": accuracy, "n": len(scores),
             "ratio_to_full": accuracy / base if base else None,
             "recall": sum(v["recall"] for v in per_layer.values()) / len(per_layer) if per_layer else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from icekv.errors import ConfigError
 from icekv.model import Tokenizer
@@ -158,6 +159,48 @@ def make_reusable(sampler: HaystackSampler, length: int, seed: int, num_question
     pairs = re.findall(r"One of the special magic numbers for ([\w-]+) is: (\d+)\.", context)
     questions = tuple((QUESTION.format(key=k), v) for k, v in pairs)
     return ReusableSample(context, questions, len(sampler.tokenizer.encode(context)))
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a task's text reaches the model: as is, or as one user turn of the model's chat template.
+
+    A question ends with its answer prefix ("...? The special magic number for k ... is"); in chat
+    form the question goes in the user turn and the answer prefix after the assistant's header, as
+    RULER prompts chat models. ``head`` and ``tail`` are the template's text around the user's content.
+    """
+
+    head: str = ""
+    tail: str = ""
+
+    @property
+    def chat(self) -> bool:
+        return bool(self.head or self.tail)
+
+    @classmethod
+    def from_chat_template(cls, chat_prompt: Callable[[list], str]) -> "PromptFormat":
+        """``chat_prompt``: messages -> prompt text (Engine.chat_prompt)."""
+        marker = "\u2063icekv-user-content\u2063"
+        text = chat_prompt([{"role": "user", "content": marker}])
+        if text.count(marker) != 1:
+            raise ConfigError("the chat template does not place the user's content exactly once")
+        head, tail = text.split(marker)
+        return cls(head, tail)
+
+    def context(self, text: str) -> str:
+        """The reusable part: the template's head, then ``text``."""
+        return self.head + text
+
+    def question(self, text: str) -> str:
+        """What follows the context: the question, the template's tail, the answer prefix."""
+        if not self.chat:
+            return text
+        cut = text.rindex("? ") + 1
+        return text[:cut] + self.tail + text[cut + 1:]
+
+    def prompt(self, text: str) -> str:
+        """A whole task prompt (context and question)."""
+        return self.head + self.question(text) if self.chat else text
 
 
 def _insert_at_sentence(text: str, needle: str, depth: float) -> str:
