@@ -27,8 +27,8 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
  && chown icekv:icekv "${ICEKV_CACHE}"
 
 USER 1000:1000
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 # The model is not baked in: mount it (ICEKV_MODEL_DIR / --model) or run `icekv fetch --what model`
 # into the ICEKV_CACHE volume first (an init container in deploy/base/deployment.yaml).
 ENTRYPOINT ["icekv"]
-CMD ["serve", "--host=0.0.0.0", "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"]
+CMD ["serve", "--host=0.0.0.0", "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--openai-port=9000"]

@@ -14,6 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from icekv.config import OpenAIConfig
 from icekv.cli import _serving_parameters, build_parser
 from icekv.serving.triton_model import Metrics
 
@@ -95,7 +96,10 @@ def test_ports_and_probes_agree_with_icekv_serve(docs):
     defaults = build_parser().parse_args(["serve"])
     c = _container(docs)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": defaults.http_port, "grpc": defaults.grpc_port, "metrics": defaults.metrics_port}
+    served = build_parser().parse_args([a for a in c["args"] if "$(" not in a])
+    assert served.openai_port == OpenAIConfig.port  # the OpenAI API on its usual port
+    assert ports == {"http": defaults.http_port, "grpc": defaults.grpc_port, "metrics": defaults.metrics_port,
+                     "openai": served.openai_port}
     assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     exposed = re.search(r"^EXPOSE (.+)$", (ROOT / "Dockerfile").read_text(), re.M).group(1).split()
