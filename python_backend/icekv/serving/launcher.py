@@ -30,6 +30,17 @@ class ServerError(IcekvError):
     """tritonserver could not be found, started or reached."""
 
 
+def stop_process_group(process: subprocess.Popen | None, timeout_s: float) -> None:
+    """SIGTERM to the process group ``process`` leads, then SIGKILL if it outlives ``timeout_s``."""
+    if process is not None and process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,13 +161,7 @@ class TritonServer:
 
     def stop(self, timeout_s: float = 90.0) -> None:
         """SIGTERM (Triton drains and unloads the model), then SIGKILL if it hangs."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process_group(self.process, timeout_s)
         if getattr(self, "_log", None):
             self._log.close()
         shutil.rmtree(self._work, ignore_errors=True)

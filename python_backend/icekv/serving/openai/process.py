@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from icekv.config import OpenAIConfig
-from icekv.serving.launcher import ServerError
+from icekv.serving.launcher import ServerError, stop_process_group
 
 
 @dataclass
@@ -54,13 +52,7 @@ class OpenAIFrontendProcess:
         raise ServerError(f"the OpenAI frontend did not answer on {self.url} within {self.startup_timeout_s:.0f} s")
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process_group(self.process, timeout_s)
         if self.log_path and getattr(self, "_log", None):
             self._log.close()
 
