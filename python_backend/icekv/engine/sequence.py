@@ -151,6 +151,9 @@ class Sequence:
 
     def finish(self, result: Generation | Prefilled | None = None, error: BaseException | None = None) -> None:
         self.result, self.error, self.phase = result, error, Phase.DONE
+        # what it referred to goes now, not at the next cyclic collection: a serving request's
+        # callbacks hold its response sender, and Triton cannot unload the model while one lives
+        self.on_text = self.on_progress = self.backend = self.index = None
         self._done.set()
 
     def generation(self, kv) -> Generation:

@@ -30,17 +30,21 @@ class TritonSink:
         self.pb, self.sender, self.stream = pb, sender, stream
 
     def _send(self, response, final: bool) -> None:
+        if self.sender is None:
+            return  # the final response has gone
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         try:
             self.sender.send(response, flags=flags)
         except Exception as e:  # the client went away: nothing to deliver to
             log.info("could not send a response: %s", e)
+        if final:  # Triton frees a request's response factory with its sender; until then the
+            self.sender = None  # model counts as in use and cannot unload
 
     def _tensor(self, name: str, value, dtype) -> object:
         return self.pb.Tensor(name, np.array([value], dtype=dtype))
 
     def cancelled(self) -> bool:
-        return bool(self.sender.is_cancelled())
+        return self.sender is None or bool(self.sender.is_cancelled())
 
     def text(self, delta: str) -> None:
         """Streamed pieces go out at once; a non-streamed request gets the whole text in done()."""
