@@ -256,6 +256,21 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class CompressionConfig:
+    """Compressing reusable contexts (``icekv compress``, and the server's ``context`` requests)."""
+
+    method: str = "kv2"
+    kv_budget: float = 0.05  # share of the context's KV kept
+    max_tokens: int = 32768  # the longest context the server compresses
+
+    def __post_init__(self) -> None:
+        if not (0 < self.kv_budget <= 1):
+            raise ConfigError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_compress_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
 class ServingConfig:
     """The Triton model's settings: the engine plus request admission limits.
 
@@ -267,6 +282,7 @@ class ServingConfig:
     max_tokens_limit: int = 4096
     store: str | None = None  # context store: a directory or redis://host:port; None: no store
     store_max_bytes: int = 8 << 30
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self) -> None:
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
@@ -280,7 +296,7 @@ class ServingConfig:
         known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
                  "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
-                 "max_index_bytes", "max_context_bytes"}
+                 "max_index_bytes", "max_context_bytes", "max_compress_tokens"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
@@ -327,6 +343,7 @@ class ServingConfig:
             max_tokens_limit=number("max_tokens_limit", cls.max_tokens_limit),
             store=values.get("store"),
             store_max_bytes=number("store_max_bytes", cls.store_max_bytes),
+            compression=CompressionConfig(max_tokens=number("max_compress_tokens", CompressionConfig.max_tokens)),
         )
 
 

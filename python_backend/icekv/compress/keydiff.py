@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from icekv.compress.scoring import keydiff_scores
 
 
@@ -14,5 +13,7 @@ class KeyDiffCompressor:
 
     chunk: int = 4096
 
-    def score(self, engine, seq_id, ids, kv_budget):
+    def score_steps(self, engine, seq_id, ids, kv_budget):
+        """One slice: no model pass."""
+        yield
         return keydiff_scores(engine.cache, seq_id, engine.model.args.num_layers, self.chunk)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from icekv.compress.evict import CONTEXT_SINKS
-from icekv.compress.scoring import keydiff_scores, refeed_scores
+from icekv.compress.scoring import keydiff_scores, refeed_steps
 from icekv.errors import ConfigError
 
 
@@ -31,7 +31,7 @@ class KV2Compressor:
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
 
-    def score(self, engine, seq_id, ids, kv_budget):
+    def score_steps(self, engine, seq_id, ids, kv_budget):
         a = engine.model.args
         t = len(ids)
         rho = self.rho if self.rho is not None else kv_budget
@@ -45,8 +45,8 @@ class KV2Compressor:
                 allowed = torch.zeros(t, dtype=torch.bool)
                 allowed[: self.n_sinks] = True
                 allowed[start:end] = True
-                s = refeed_scores(engine.model, engine.cache, seq_id, [ids[i] for i in picked],
-                                  list(range(t, t + n_feed)), allowed)
+                s = yield from refeed_steps(engine.model, engine.cache, seq_id, [ids[i] for i in picked],
+                                            list(range(t, t + n_feed)), allowed)
                 scores[..., start:end] = s[..., start:end]
             proxy = scores.mean(dim=(0, 1))
         scores[..., : self.n_sinks] = 1.0

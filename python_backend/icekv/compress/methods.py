@@ -1,8 +1,10 @@
 """The registry of prefix compressors (one dataclass per file).
 
-Every method maps a prefilled context to scores S [layer, KV head, token]
-(``score(engine, seq_id, ids, kv_budget)``); :func:`icekv.compress.evict` turns them into a
-physically smaller cache. None of them sees the future questions.
+Every method maps a prefilled context to scores S [layer, KV head, token] with
+``score_steps(engine, seq_id, ids, kv_budget)``: a generator that yields after each model pass
+(so a server can interleave other requests' steps) and returns the scores;
+:func:`icekv.compress.evict` turns them into a physically smaller cache. None of them sees the
+future questions.
 """
 
 from __future__ import annotations

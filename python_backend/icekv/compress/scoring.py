@@ -8,6 +8,8 @@ token: the max over fed queries and over the query heads of each KV head.
 
 from __future__ import annotations
 
+from typing import Generator
+
 import torch
 
 from icekv.kv import PagedKVCache
@@ -47,14 +49,30 @@ class ScoringAttention:
         return out.reshape(-1, n, d).transpose(0, 1)
 
 
-def refeed_scores(model, cache: PagedKVCache, seq_id: int, ids: list[int], positions: list[int],
-                  allowed: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """Feed ``ids`` at ``positions`` (chunk by chunk) and return scores S [L, Hkv, T] of the context."""
+def refeed_steps(model, cache: PagedKVCache, seq_id: int, ids: list[int], positions: list[int],
+                 allowed: torch.Tensor, chunk: int = 256) -> Generator[None, None, torch.Tensor]:
+    """Feed ``ids`` at ``positions``, yielding after each chunk's model pass; returns the scores
+    S [L, Hkv, T] of the context."""
     backend = ScoringAttention(cache, seq_id, allowed, model.args.num_layers)
     for start in range(0, len(ids), chunk):
         model(torch.tensor(ids[start : start + chunk]), torch.tensor(positions[start : start + chunk]), backend,
               logit_rows=torch.tensor([-1]))
+        yield
     return torch.stack(backend.scores)  # [L, Hkv, T]
+
+
+def run_steps(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    """Run a stepwise scoring to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            return finished.value
+
+
+def refeed_scores(*args, **kwargs) -> torch.Tensor:
+    """:func:`refeed_steps` run to its end."""
+    return run_steps(refeed_steps(*args, **kwargs))
 
 
 def keydiff_scores(cache: PagedKVCache, seq_id: int, num_layers: int, chunk: int = 4096) -> torch.Tensor:

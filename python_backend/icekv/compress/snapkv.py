@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from icekv.compress.scoring import refeed_scores
+from icekv.compress.scoring import refeed_steps
 
 
 @dataclass(frozen=True)
@@ -16,11 +16,11 @@ class SnapKVCompressor:
     window: int = 32
     pool_kernel: int = 7
 
-    def score(self, engine, seq_id, ids, kv_budget):
+    def score_steps(self, engine, seq_id, ids, kv_budget):
         t = len(ids)
         w = min(self.window, t - 1)
         allowed = torch.arange(t) < t - w  # the window re-attends the context before it
-        s = refeed_scores(engine.model, engine.cache, seq_id, ids[t - w :], list(range(t - w, t)), allowed)
+        s = yield from refeed_steps(engine.model, engine.cache, seq_id, ids[t - w :], list(range(t - w, t)), allowed)
         s = torch.nn.functional.max_pool1d(s, self.pool_kernel, stride=1, padding=self.pool_kernel // 2)
         s[..., t - w :] = float("inf")  # the observers themselves stay
         return s

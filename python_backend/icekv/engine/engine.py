@@ -16,9 +16,10 @@ from typing import Generator
 
 import torch
 
-from icekv.compress import CompressedContext, evict, make_compressor
+from icekv.compress import CompressedContext
 from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
 from icekv.engine.compile_loops import compile_loops
+from icekv.engine.compression import CompressionJob
 from icekv.engine.backends import DenseAttention, token_source
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
@@ -184,8 +185,13 @@ class Engine:
         """Run the prompt through the model and keep its KV, to decode later (maybe several times).
         With a sparse ``selection`` and free index threads, its index is built meanwhile, for the
         first decode under that same selection (:mod:`icekv.engine.backends.prefill_index`)."""
-        return self.run(self.submit(ids, SamplingConfig(max_tokens=1), selection or FULL, on_progress=on_progress,
-                                    prefill_only=True))
+        return self.run(self.submit_prefill(ids, selection, on_progress))
+
+    def submit_prefill(self, ids: list[int], selection: SelectionConfig | None = None,
+                       on_progress: OnProgress | None = None) -> Sequence:
+        """Queue a prefill-only request (:meth:`prefill`'s); its result is a :class:`Prefilled`."""
+        return self.submit(ids, SamplingConfig(max_tokens=1), selection or FULL, on_progress=on_progress,
+                           prefill_only=True)
 
     def decode(self, req: Prefilled, sampling: SamplingConfig = SamplingConfig(),
                selection: SelectionConfig | None = None, on_text: OnText | None = None,
@@ -200,14 +206,15 @@ class Engine:
 
     def compress(self, context_ids: list[int], method: str, kv_budget: float, **settings) -> CompressedContext:
         """Prefill a context once, score it with ``method`` and keep ``kv_budget`` of its KV."""
-        compressor = make_compressor(method, **settings)
-        req = self.prefill(context_ids)
-        try:
-            scores = compressor.score(self, req.seq_id, list(context_ids), kv_budget)  # [L, Hkv, T]
-            keep = evict(scores, kv_budget)
-            return CompressedContext.from_cache(self.cache, req.seq_id, keep, method, kv_budget)
-        finally:
-            self.release(req)
+        job = CompressionJob(self, context_ids, method, kv_budget, **settings)
+        while not job.done:
+            if job.scoring:
+                job.advance()
+            else:
+                self.step()
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     # ---- statistics
     def kv_bytes(self) -> tuple[int, int]:

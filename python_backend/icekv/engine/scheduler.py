@@ -88,7 +88,8 @@ class Scheduler:
     def _fits(self, seq: Sequence) -> bool:
         promised = sum(self._pages_to_come(s) for s in self.running)
         index = sum(s.index_bytes for s in self.running) + seq.index_bytes
-        context = sum(s.context_bytes for s in self.running) + seq.context_bytes
+        contexts = {id(s.context): s.context_bytes for s in [*self.running, seq] if s.context is not None}
+        context = sum(contexts.values())  # a context shared by several requests is held once
         return (promised + self._pages_to_come(seq) <= self.cache.allocator.num_free
                 and index <= self.index_limit and context <= self.context_limit)
 

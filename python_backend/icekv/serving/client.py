@@ -29,6 +29,8 @@ class Final:
     kv_resident_bytes: int
     kv_total_bytes: int
     kv_bytes_moved: int
+    context_key: str = ""  # the request's context ("" without one) ...
+    context_cache: str = ""  # ... found (hit), compressed for it, or joined another's compression
 
 
 class GenerateError(RuntimeError):

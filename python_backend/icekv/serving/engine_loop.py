@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 
 from icekv.engine import BusyError, Cancelled, Engine, Generation, Sequence
 from icekv.errors import IcekvError
+from icekv.serving.context_service import ContextService, ContextSpec
 from icekv.serving.request import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,12 @@ class Sink(Protocol):
     def error(self, message: str, kind: str) -> None:
         """kind: "client" (bad request), "busy" (retry later), "cancelled" or "internal" (our bug)."""
 
+    def context_used(self, key: str, status: str) -> None:
+        """The request runs over the context under ``key``: status hit | compressed | joined."""
+
+    def context_ready(self, key: str, context) -> None:
+        """The final answer of a request that only compressed its context."""
+
 
 TICK_S = 0.25  # how often the engine thread runs on_tick (metrics updates)
 
@@ -55,23 +62,31 @@ class SchedulerStats:
     pages_moved: int = 0
     select_s: float = 0.0
     generated_tokens: int = 0
-    store_hits: int = 0
     index_bytes_promised: int = 0
+
+
+def _memory_contexts(engine: Engine) -> ContextService:
+    """No store: contexts live in memory only, bounded as the scheduler bounds contexts in use."""
+    return ContextService(engine, None, engine.scheduler.context_limit, engine.cache.capacity_tokens)
 
 
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], Engine], on_tick: Callable[["EngineLoop"], None] | None = None,
-                 tick_s: float = TICK_S):
+                 tick_s: float = TICK_S, make_contexts: Callable[[Engine], ContextService] | None = None):
         """Builds the engine with ``make_engine`` on the engine thread and waits until it is loaded
-        (its errors are raised here). ``on_tick`` runs on the engine thread at most every ``tick_s``
-        (metrics updates)."""
+        (its errors are raised here), then its context service with ``make_contexts`` (default: no
+        store, contexts bounded by the scheduler's context bytes). ``on_tick`` runs on the engine
+        thread at most every ``tick_s`` (metrics updates)."""
         self._on_tick, self._tick_s, self._last_tick = on_tick, tick_s, 0.0
         self.stats = SchedulerStats()
         self._sinks: dict[Sequence, Sink] = {}
+        self._context_of: dict[Sequence, str] = {}  # requests holding a shared context: its key
+        self._to_compress: list[tuple[GenerateRequest, Sink, ContextSpec]] = []
         self._wake = threading.Condition()
         self._stopping = False
         self._loaded: queue.Queue = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._run, args=(make_engine,), name="icekv-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(make_engine, make_contexts), name="icekv-engine",
+                                        daemon=True)
         self._thread.start()
         engine = self._loaded.get()
         if isinstance(engine, BaseException):
@@ -79,12 +94,28 @@ class EngineLoop:
         self.engine: Engine = engine
 
     # ---- called from Triton's threads
-    def submit(self, request: GenerateRequest, sink: Sink, context=None) -> None:
-        """Queue a validated request; raises IcekvError (client fault) or BusyError."""
-        ids = self.engine.tokenizer.encode(request.text)  # outside the lock: the engine thread goes on
-        with self._wake:  # the sink is known before the engine thread can step the request
-            seq = self.engine.submit(ids, request.sampling, request.selection, context, sink.text)
-            self._sinks[seq] = sink
+    def submit(self, request: GenerateRequest, sink: Sink, context=None, context_key: str | None = None) -> None:
+        """Queue a validated request; raises IcekvError (client fault) or BusyError. With
+        ``context_key``, ``context`` is held for this request in the context service, which gets
+        it back when the request ends (or now, if it is refused)."""
+        try:
+            ids = self.engine.tokenizer.encode(request.text)  # outside the lock: the engine thread goes on
+            with self._wake:  # the sink is known before the engine thread can step the request
+                seq = self.engine.submit(ids, request.sampling, request.selection, context, sink.text)
+                self._sinks[seq] = sink
+                if context_key is not None:
+                    self._context_of[seq] = context_key
+                self._wake.notify()
+        except BaseException:
+            if context_key is not None:
+                self.contexts.release(context_key)
+            raise
+
+    def submit_compression(self, request: GenerateRequest, sink: Sink, spec: ContextSpec) -> None:
+        """Queue a request whose context is not compressed yet: the engine thread compresses it (or
+        joins the compression already running for its key), then runs the request over it."""
+        with self._wake:
+            self._to_compress.append((request, sink, spec))
             self._wake.notify()
 
     def stop(self) -> None:
@@ -94,9 +125,10 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     # ---- the engine thread
-    def _run(self, make_engine: Callable[[], Engine]) -> None:
+    def _run(self, make_engine: Callable[[], Engine], make_contexts) -> None:
         try:
             self.engine = make_engine()
+            self.contexts = (make_contexts or _memory_contexts)(self.engine)
         except BaseException as e:
             self._loaded.put(e)
             return
@@ -106,30 +138,76 @@ class EngineLoop:
     def _loop(self) -> None:
         while not self._stopping:
             with self._wake:
-                if self.engine.scheduler.idle and not self._stopping:  # wake each tick, so the last
+                idle = self.engine.scheduler.idle and not self.contexts.busy and not self._to_compress
+                if idle and not self._stopping:  # wake each tick, so the last
                     self._wake.wait(timeout=self._tick_s)  # request's counters reach the metrics
                 sinks = list(self._sinks.items())
+                to_compress, self._to_compress = self._to_compress, []
             for seq, sink in sinks:
                 if sink.cancelled():
                     seq.cancel()
+            for request, sink in self.contexts.drop_waiters(lambda waiter: waiter[1].cancelled()):
+                self._fail(sink, Cancelled("request cancelled"))
+            for request, sink, spec in to_compress:
+                self._compress(request, sink, spec)
             try:
                 finished = self.engine.step()
+                compressed = self.contexts.advance()
             except Exception:  # a bug outside any one request: fail what is running, keep serving
                 log.exception("engine step failed")
-                finished = self._fail_all()
+                finished, compressed = self._fail_all(), []
             for seq in finished:
                 self._deliver(seq)
+            for key, waiters, context, error in compressed:
+                self._start_waiters(key, waiters, context, error)
             self._count()
             self._tick()
+        for request, sink in self.contexts.cancel_all():
+            sink.error("server shutting down", kind="busy")
         for seq in list(self._sinks):
             seq.cancel()
         while not self.engine.scheduler.idle:
             for seq in self.engine.step():
-                self._sinks.pop(seq).error("server shutting down", kind="busy")
+                if seq in self._sinks:
+                    self._sinks.pop(seq).error("server shutting down", kind="busy")
+
+    def _compress(self, request: GenerateRequest, sink: Sink, spec: ContextSpec) -> None:
+        """Find ``spec``'s context (another request may have just made it), or compress or join."""
+        context = self.contexts.shared.acquire(spec.key)
+        if context is not None:
+            self.contexts.stats.hits += 1
+            self._start_waiters(spec.key, [(request, sink)], context, None, status="hit")
+            return
+        try:
+            status = self.contexts.compress_or_join(spec, (request, sink))
+        except IcekvError as e:
+            self._fail(sink, e)
+            return
+        sink.context_used(spec.key, status)
+
+    def _start_waiters(self, key: str, waiters: list, context, error, status: str | None = None) -> None:
+        """Run each waiting request over its finished context (held once per waiter), or fail it."""
+        for request, sink in waiters:
+            if error is not None:
+                self._fail(sink, error)
+                continue
+            if status is not None:
+                sink.context_used(key, status)
+            if request.text is None:
+                self.contexts.release(key)
+                self.stats.completed += 1
+                sink.context_ready(key, context)
+                continue
+            try:
+                self.submit(request, sink, context, key)
+            except IcekvError as e:  # the hold was given back by submit
+                self._fail(sink, e)
 
     def _fail_all(self) -> list[Sequence]:
         """Cancel every request (a step with only cancellations runs no model); if even that
         fails, tell every client and forget the requests."""
+        for request, sink in self.contexts.cancel_all():
+            sink.error("internal error: the engine failed", kind="internal")
         for seq in list(self._sinks):
             seq.cancel()
         try:
@@ -138,6 +216,9 @@ class EngineLoop:
             log.exception("engine step failed while cancelling")
             with self._wake:
                 sinks, self._sinks = list(self._sinks.values()), {}
+                held, self._context_of = list(self._context_of.values()), {}
+            for key in held:
+                self.contexts.release(key)
             for sink in sinks:
                 sink.error("internal error: the engine failed", kind="internal")
             return []
@@ -157,7 +238,12 @@ class EngineLoop:
 
     def _deliver(self, seq: Sequence) -> None:
         with self._wake:
-            sink = self._sinks.pop(seq)
+            sink = self._sinks.pop(seq, None)
+            key = self._context_of.pop(seq, None)
+        if key is not None:
+            self.contexts.release(key)
+        if sink is None:
+            return  # a compression's prefill: its job takes the result
         error = seq.error
         if error is None:
             result: Generation = seq.result
@@ -166,9 +252,17 @@ class EngineLoop:
             self.stats.select_s += result.timings.get("select_s", 0.0)
             self.stats.pages_moved += result.kv.pages_moved
             sink.done(result)
-        elif isinstance(error, Cancelled):
+        else:
+            self._fail(sink, error)
+
+    def _fail(self, sink: Sink, error: BaseException) -> None:
+        """Tell the client why its request ended without a result, by kind."""
+        if isinstance(error, Cancelled):
             self.stats.cancelled += 1
             sink.error("request cancelled", kind="cancelled")  # Triton needs a final response
+        elif isinstance(error, BusyError):
+            self.stats.failed += 1
+            sink.error(str(error), kind="busy")
         elif isinstance(error, IcekvError):
             self.stats.failed += 1
             sink.error(str(error), kind="client")

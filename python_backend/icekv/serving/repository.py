@@ -27,6 +27,10 @@ INPUTS = (
     ("policy", "TYPE_STRING", "[ 1 ]", True),
     ("budget", "TYPE_INT32", "[ 1 ]", True),
     ("context_key", "TYPE_STRING", "[ 1 ]", True),
+    ("context", "TYPE_STRING", "[ 1 ]", True),  # a reusable context, compressed once and shared
+    ("context_ids", "TYPE_INT32", "[ -1 ]", True),  # ... or its token ids
+    ("kv_method", "TYPE_STRING", "[ 1 ]", True),
+    ("kv_budget", "TYPE_FP32", "[ 1 ]", True),
 )
 OUTPUTS = (
     ("text_output", "TYPE_STRING"),
@@ -38,6 +42,8 @@ OUTPUTS = (
     ("kv_resident_bytes", "TYPE_INT64"),
     ("kv_total_bytes", "TYPE_INT64"),
     ("kv_bytes_moved", "TYPE_INT64"),
+    ("context_key", "TYPE_STRING"),  # the request's context's key ("" without one)
+    ("context_cache", "TYPE_STRING"),  # hit | compressed | joined ("" without a context)
 )
 # search: centroids, not the paper's walk - higher recall and ~4x faster (bench/selection_recall.py)
 DEFAULT_PARAMETERS = {"policy": "icecache", "budget": "256", "search": "centroids", "page_size": "16",

@@ -13,12 +13,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from icekv.config import SamplingConfig, SelectionConfig, ServingConfig
+from icekv.compress.methods import COMPRESSORS
+from icekv.config import CompressionConfig, SamplingConfig, SelectionConfig, ServingConfig
 from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError
 
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
-               "policy", "budget", "context_key")
+               "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget")
 
 
 class RequestError(IcekvError, ValueError):
@@ -26,12 +27,23 @@ class RequestError(IcekvError, ValueError):
 
 
 @dataclass(frozen=True)
+class ContextRequest:
+    """A reusable context sent with the request: compressed once, then found by its key."""
+
+    text: str | None  # the context as text, or
+    ids: tuple[int, ...] | None  # as token ids
+    method: str
+    kv_budget: float
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
-    text: str
+    text: str | None  # None: the request only compresses its context
     sampling: SamplingConfig
     selection: SelectionConfig
     stream: bool
     context_key: str | None
+    context: ContextRequest | None = None
 
 
 def _scalar(value: Any) -> Any:
@@ -71,9 +83,14 @@ def _bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
-def _prompt(fields: dict[str, Any], chat_prompt: Callable[[Any], str] | None) -> str:
-    """The prompt text: ``text_input`` as is, or ``messages`` (a JSON list) through the chat template."""
-    if ("text_input" in fields) == ("messages" in fields):
+def _prompt(fields: dict[str, Any], chat_prompt: Callable[[Any], str] | None) -> str | None:
+    """The prompt text: ``text_input`` as is, or ``messages`` (a JSON list) through the chat
+    template; None for a request that only sends a context to compress."""
+    if "text_input" in fields and "messages" in fields:
+        raise RequestError("send exactly one of text_input (plain text) and messages (a JSON list of chat messages)")
+    if "text_input" not in fields and "messages" not in fields:
+        if "context" in fields or "context_ids" in fields:
+            return None
         raise RequestError("send exactly one of text_input (plain text) and messages (a JSON list of chat messages)")
     if "text_input" in fields:
         text = _str("text_input", fields["text_input"])
@@ -90,6 +107,31 @@ def _prompt(fields: dict[str, Any], chat_prompt: Callable[[Any], str] | None) ->
         return chat_prompt(messages)
     except ChatTemplateError as e:
         raise RequestError(str(e)) from None
+
+
+def _context(fields: dict[str, Any], cfg: CompressionConfig) -> ContextRequest | None:
+    given = [name for name in ("context", "context_ids") if name in fields]
+    if not given:
+        for name in ("kv_method", "kv_budget"):
+            if name in fields:
+                raise RequestError(f"{name} applies only to a request with a context (context or context_ids)")
+        return None
+    if len(given) == 2:
+        raise RequestError("send one of context (text) and context_ids (token ids)")
+    method = _str("kv_method", fields.get("kv_method", cfg.method))
+    if method not in COMPRESSORS:
+        raise RequestError(f"unknown kv_method {method!r}; choose from {', '.join(COMPRESSORS)}")
+    budget = round(_float("kv_budget", fields.get("kv_budget", cfg.kv_budget)), 6)  # fp32 input -> the CLI's key
+    if not (0 < budget <= 1):
+        raise RequestError(f"kv_budget must be in (0, 1], got {budget}")
+    if "context" in fields:
+        text = _str("context", fields["context"])
+        if not text.strip():
+            raise RequestError("context is empty")
+        return ContextRequest(text, None, method, budget)
+    ids = fields["context_ids"]
+    ids = ids if isinstance(ids, list) else [ids]
+    return ContextRequest(None, tuple(_int("context_ids", i) for i in ids), method, budget)
 
 
 def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingConfig,
@@ -130,4 +172,5 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
     context_key = fields.get("context_key")
     if context_key is not None:
         context_key = _str("context_key", context_key)
-    return GenerateRequest(text, sampling, selection, _bool("stream", fields.get("stream", False)), context_key)
+    return GenerateRequest(text, sampling, selection, _bool("stream", fields.get("stream", False)), context_key,
+                           _context(fields, cfg.compression))

@@ -18,6 +18,7 @@ from icekv.errors import IcekvError
 from icekv.serving.error_kinds import tag
 from icekv.serving.repository import INPUTS
 from icekv.serving.request import RequestError, parse_request
+from icekv.serving.context_service import ContextService
 from icekv.serving.engine_loop import BusyError, EngineLoop
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,10 @@ class TritonSink:
 
     def __init__(self, pb, sender, stream: bool = False):
         self.pb, self.sender, self.stream = pb, sender, stream
+        self.context_key = self.context_cache = ""
+
+    def context_used(self, key: str, status: str) -> None:
+        self.context_key, self.context_cache = key, status
 
     def _send(self, response, final: bool) -> None:
         if self.sender is None:
@@ -64,6 +69,21 @@ class TritonSink:
             t("kv_resident_bytes", result.kv.resident_bytes, np.int64),
             t("kv_total_bytes", result.kv.total_bytes, np.int64),
             t("kv_bytes_moved", result.kv.bytes_moved, np.int64),
+            t("context_key", self.context_key.encode(), np.object_),
+            t("context_cache", self.context_cache.encode(), np.object_),
+        ]
+        self._send(self.pb.InferenceResponse(output_tensors=outputs), True)
+
+    def context_ready(self, key: str, context) -> None:
+        """A compress-only request's answer: the key, and the context's size before and after."""
+        t = self._tensor
+        outputs = [
+            t("text_output", b"", np.object_), t("finish_reason", b"context_ready", np.object_),
+            t("prompt_tokens", context.length, np.int32), t("new_tokens", 0, np.int32),
+            t("policy", b"", np.object_), t("budget", 0, np.int32),
+            t("kv_resident_bytes", 0, np.int64), t("kv_total_bytes", context.full_bytes, np.int64),
+            t("kv_bytes_moved", context.nbytes, np.int64),
+            t("context_key", key.encode(), np.object_), t("context_cache", self.context_cache.encode(), np.object_),
         ]
         self._send(self.pb.InferenceResponse(output_tensors=outputs), True)
 
@@ -83,11 +103,17 @@ class Metrics:
         "icekv_active_requests": "requests being prefilled or decoded",
         "icekv_queued_requests": "requests waiting for memory or a turn",
         "icekv_index_bytes_promised": "host bytes of page index the active requests may build (worst case)",
+        "icekv_contexts_in_memory": "compressed contexts held in memory (shared by the requests using them)",
+        "icekv_context_bytes_in_memory": "bytes of the compressed contexts held in memory",
     }
     COUNTERS = {
         "icekv_pages_moved_total": "(layer, KV head) pages copied from the host pool to device slots",
         "icekv_selection_seconds_total": "time spent selecting pages (index search, page scoring)",
-        "icekv_context_store_hits_total": "requests served from a stored compressed context",
+        "icekv_context_store_hits_total": "requests whose context was found compressed (in memory or the store)",
+        "icekv_context_store_misses_total": "contexts compressed by this server",
+        "icekv_context_store_joined_total": "requests that waited on a compression another request started",
+        "icekv_context_compression_seconds_total": "time from a compression's start to its result",
+        "icekv_context_bytes_saved_total": "KV bytes compression removed (full minus compressed), per compression",
         "icekv_requests_completed_total": "requests that finished",
         "icekv_requests_failed_total": "requests that ended in an error",
         "icekv_requests_cancelled_total": "requests cancelled by the client",
@@ -106,21 +132,25 @@ class Metrics:
         """Push changed values only: an idle server sends nothing to Triton, so a shutdown never
         races a metrics message (seen: unload hanging while a background update was in flight)."""
         resident, host = loop.engine.kv_bytes()
-        s = loop.stats
-        snapshot = (resident, host, s.active, s.queued, s.index_bytes_promised, s.pages_moved, s.select_s,
-                    s.completed, s.failed, s.cancelled, s.store_hits, s.generated_tokens)
+        s, c, shared = loop.stats, loop.contexts.stats, loop.contexts.shared
+        gauges = (("icekv_kv_resident_bytes", resident), ("icekv_kv_host_bytes", host),
+                  ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued),
+                  ("icekv_index_bytes_promised", s.index_bytes_promised),
+                  ("icekv_contexts_in_memory", shared.count), ("icekv_context_bytes_in_memory", shared.nbytes))
+        counters = (("icekv_pages_moved_total", s.pages_moved), ("icekv_selection_seconds_total", s.select_s),
+                    ("icekv_requests_completed_total", s.completed), ("icekv_requests_failed_total", s.failed),
+                    ("icekv_requests_cancelled_total", s.cancelled), ("icekv_generated_tokens_total", s.generated_tokens),
+                    ("icekv_context_store_hits_total", c.hits), ("icekv_context_store_misses_total", c.misses),
+                    ("icekv_context_store_joined_total", c.joined),
+                    ("icekv_context_compression_seconds_total", c.compress_s),
+                    ("icekv_context_bytes_saved_total", c.bytes_saved))
+        snapshot = (gauges, counters)
         if snapshot == self._last.get("snapshot"):
             return
         self._last["snapshot"] = snapshot
-        for name, value in (("icekv_kv_resident_bytes", resident), ("icekv_kv_host_bytes", host),
-                            ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued),
-                            ("icekv_index_bytes_promised", s.index_bytes_promised)):
+        for name, value in gauges:
             self.metrics[name].set(float(value))
-        for name, value in (("icekv_pages_moved_total", s.pages_moved), ("icekv_selection_seconds_total", s.select_s),
-                            ("icekv_requests_completed_total", s.completed), ("icekv_requests_failed_total", s.failed),
-                            ("icekv_requests_cancelled_total", s.cancelled),
-                            ("icekv_context_store_hits_total", s.store_hits),
-                            ("icekv_generated_tokens_total", s.generated_tokens)):
+        for name, value in counters:
             delta = value - self._last.get(name, 0)
             if delta:
                 self.metrics[name].increment(float(delta))
@@ -138,13 +168,9 @@ class TritonModel:
         self.cfg = ServingConfig.from_triton_parameters(model_config.get("parameters", {}))
         t0 = time.perf_counter()
         self.metrics = Metrics(self.pb)
-        self.loop = EngineLoop(lambda: Engine(self.cfg.engine), on_tick=self.metrics.update)
+        self.loop = EngineLoop(lambda: Engine(self.cfg.engine), on_tick=self.metrics.update,
+                               make_contexts=self._contexts)
         self.engine = self.loop.engine
-        self.store = None
-        if self.cfg.store:
-            from icekv.store import ContextStore
-
-            self.store = ContextStore.open(self.cfg.store, self.engine.model_id, self.cfg.store_max_bytes)
         log.warning("icekv: loaded %s in %.1f s (policy %s)", self.engine.model_dir, time.perf_counter() - t0,
                     self.cfg.engine.selection.policy)
 
@@ -159,24 +185,47 @@ class TritonModel:
                         inputs[name] = tensor.as_numpy()
                 params = json.loads(request.parameters() or "{}")
                 req = parse_request(inputs, params, self.cfg, self.engine.chat_prompt)
-                context = self._context(req.context_key) if req.context_key is not None else None
                 sink.stream = req.stream
-                self.loop.submit(req, sink, context)
+                self._submit(req, sink)
             except BusyError as e:
                 sink.error(str(e), kind="busy")
             except (IcekvError, json.JSONDecodeError) as e:
                 sink.error(str(e), kind="client")
         return None
 
-    def _context(self, key: str):
-        """The stored compressed context for ``key``; a clear client error when there is none."""
-        if self.store is None:
-            raise RequestError(f"unknown context_key {key!r}: no context store is configured")
-        context = self.store.load(key)  # StoreError (corrupt/foreign) is a client-visible error too
-        if context is None:
-            raise RequestError(f"unknown context_key {key!r}: not in the context store (run icekv compress)")
-        self.loop.stats.store_hits += 1
-        return context
+    def _contexts(self, engine: Engine) -> ContextService:
+        """The context service over this server's store (if any), bounded as admission bounds contexts."""
+        store = None
+        if self.cfg.store:
+            from icekv.store import ContextStore
+
+            store = ContextStore.open(self.cfg.store, engine.model_id, self.cfg.store_max_bytes)
+        return ContextService(engine, store, engine.scheduler.context_limit, self.cfg.compression.max_tokens)
+
+    def _submit(self, req, sink: TritonSink) -> None:
+        """Run ``req`` over its context: found (memory, store), or compressed first; or over none."""
+        contexts = self.loop.contexts
+        if req.context is not None:
+            spec = contexts.spec(req.context, req.context_key)
+            context = contexts.find(spec.key)
+            if context is None:
+                self.loop.submit_compression(req, sink, spec)
+                return
+            key = spec.key
+        elif req.context_key is not None:
+            key, context = req.context_key, contexts.find(req.context_key)
+            if context is None:
+                raise RequestError(f"unknown context_key {key!r}: not in memory or the context store "
+                                   "(send the context itself, or store it with icekv compress)")
+        else:
+            self.loop.submit(req, sink)
+            return
+        sink.context_used(key, "hit")
+        if req.text is None:  # only compress: it is already
+            contexts.release(key)
+            sink.context_ready(key, context)
+            return
+        self.loop.submit(req, sink, context, key)
 
     def finalize(self) -> None:
         self.loop.stop()

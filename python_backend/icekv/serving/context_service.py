@@ -1,0 +1,169 @@
+"""Reusable contexts in serving: each compressed once, stored, and shared by every request naming it.
+
+A request brings a context (text or token ids, with a method and a budget) or only its key. The
+key is derived as ``icekv compress`` derives it, so CLI- and server-made entries are the same
+entries. Lookups (memory, then the store) run on Triton's threads; a miss becomes a
+:class:`CompressionJob` that the engine thread drives between its steps, and every request that
+asks for the same key meanwhile waits on that one job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from icekv.compress import CompressedContext
+from icekv.engine import BusyError, Cancelled
+from icekv.engine.compression import CompressionJob
+from icekv.errors import IcekvError
+from icekv.serving.request import ContextRequest, RequestError
+from icekv.serving.shared_contexts import SharedContexts
+from icekv.store import StoreError, context_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """A context to find or compress: its key and what makes it."""
+
+    key: str
+    ids: tuple[int, ...]
+    method: str
+    kv_budget: float
+
+
+@dataclass
+class ContextStats:
+    hits: int = 0  # found in memory or in the store
+    misses: int = 0  # compressions run
+    joined: int = 0  # waited on a compression another request started
+    compress_s: float = 0.0
+    bytes_saved: int = 0  # full KV bytes minus compressed bytes, per compression
+
+
+@dataclass
+class _Job:
+    job: CompressionJob
+    spec: ContextSpec
+    waiters: list[Any] = field(default_factory=list)  # opaque to this class: the loop's (request, sink)
+    started: float = field(default_factory=time.perf_counter)
+
+
+class ContextService:
+    def __init__(self, engine, store, max_bytes: int, max_tokens: int):
+        self.engine, self.store, self.max_tokens = engine, store, max_tokens
+        self.shared = SharedContexts(max_bytes)
+        self.stats = ContextStats()
+        self._jobs: dict[str, _Job] = {}  # the engine thread's
+
+    # ---- Triton's threads
+    def spec(self, request: ContextRequest, claimed_key: str | None) -> ContextSpec:
+        """Tokenize and check a request's context; RequestError for anything wrong with it."""
+        ids = list(request.ids) if request.ids is not None else self.engine.tokenizer.encode(request.text)
+        if not ids:
+            raise RequestError("context is empty")
+        vocab = self.engine.model.args.vocab_size
+        if request.ids is not None and not all(0 <= i < vocab for i in ids):
+            raise RequestError(f"context_ids must be token ids in 0..{vocab - 1}")
+        if len(ids) > self.max_tokens:
+            raise RequestError(f"context of {len(ids)} tokens exceeds this server's limit of {self.max_tokens} "
+                               "tokens (max_compress_tokens)")
+        self.engine.check_fits(len(ids), 1)
+        key = context_key(self.engine.model_id, ids, request.method, request.kv_budget)
+        if claimed_key is not None and claimed_key != key:
+            raise RequestError(f"context_key {claimed_key!r} does not match the context sent (its key is {key}); "
+                               "send one of them, or both agreeing")
+        return ContextSpec(key, tuple(ids), request.method, request.kv_budget)
+
+    def find(self, key: str) -> CompressedContext | None:
+        """The context under ``key``, held for one request (release it with :meth:`release`), from
+        memory or the store; None when neither has it."""
+        context = self.shared.acquire(key)
+        if context is None and self.store is not None:
+            try:
+                stored = self.store.load(key)
+            except StoreError as e:
+                raise RequestError(f"context_key {key!r}: {e}") from None
+            except Exception:  # the store itself failed (unreachable Redis, disk error)
+                log.exception("context store lookup failed")
+                raise BusyError("server busy: the context store is unavailable, retry later") from None
+            if stored is not None:
+                context = self.shared.add(key, stored)
+        if context is not None:
+            self.stats.hits += 1
+        return context
+
+    def release(self, key: str) -> None:
+        self.shared.release(key)
+
+    # ---- the engine thread
+    def compress_or_join(self, spec: ContextSpec, waiter) -> str:
+        """Attach ``waiter`` to the compression of ``spec`` (started now if none runs): "compressed"
+        or "joined". Raises IcekvError (bad settings, busy) when a new job cannot start."""
+        running = self._jobs.get(spec.key)
+        if running is not None:
+            running.waiters.append(waiter)
+            self.stats.joined += 1
+            return "joined"
+        job = CompressionJob(self.engine, list(spec.ids), spec.method, spec.kv_budget)
+        self._jobs[spec.key] = _Job(job, spec, [waiter])
+        self.stats.misses += 1
+        return "compressed"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    def advance(self) -> list[tuple[str, list, CompressedContext | None, BaseException | None]]:
+        """One scoring slice of the oldest job that has one; then every finished job as
+        (key, waiters, context held once per waiter, error)."""
+        scoring = next((j for j in self._jobs.values() if j.job.scoring), None)
+        if scoring is not None:
+            scoring.job.advance()
+        finished = []
+        for key, entry in [(k, j) for k, j in self._jobs.items() if j.job.done]:
+            del self._jobs[key]
+            finished.append((key, entry.waiters, *self._finish(entry)))
+        return finished
+
+    def _finish(self, entry: _Job) -> tuple[CompressedContext | None, BaseException | None]:
+        job = entry.job
+        if job.error is not None:
+            if not isinstance(job.error, (IcekvError, Cancelled)):
+                log.error("compression failed", exc_info=job.error)
+            return None, job.error
+        context = job.result
+        self.stats.compress_s += time.perf_counter() - entry.started
+        self.stats.bytes_saved += max(context.full_bytes - context.nbytes, 0)
+        if self.store is not None:
+            try:
+                self.store.save(entry.spec.key, context)
+            except Exception:  # served from memory; other replicas compress it again
+                log.exception("could not store compressed context %s", entry.spec.key)
+        return self.shared.add(entry.spec.key, context, users=len(entry.waiters)), None
+
+    def drop_waiters(self, cancelled) -> list:
+        """Remove waiters for which ``cancelled(waiter)`` holds; a job left without waiters is
+        cancelled. Returns the removed waiters."""
+        dropped = []
+        for key, entry in list(self._jobs.items()):
+            gone = [w for w in entry.waiters if cancelled(w)]
+            if gone:
+                entry.waiters = [w for w in entry.waiters if w not in gone]
+                dropped += gone
+            if not entry.waiters:
+                entry.job.cancel()
+                del self._jobs[key]
+        return dropped
+
+    def cancel_all(self) -> list:
+        """Stop every job; their waiters."""
+        waiters = []
+        for entry in self._jobs.values():
+            entry.job.cancel()
+            waiters += entry.waiters
+        self._jobs.clear()
+        return waiters

@@ -1,0 +1,159 @@
+"""Reusable contexts through the serving engine thread (real engine, real model, no Triton):
+compressed once per key however many requests ask, shared, released, cancelled, failed cleanly."""
+
+import threading
+
+import pytest
+
+from icekv.compress.methods import COMPRESSORS
+from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.engine import Engine
+from icekv.serving.context_service import ContextService
+from icekv.serving.engine_loop import EngineLoop
+from icekv.serving.request import ContextRequest, GenerateRequest
+from icekv.serving.shared_contexts import SharedContexts
+from icekv.store import ContextStore
+
+pytestmark = pytest.mark.model
+QUESTION = "\nWhat is the special magic number for amber-falcon mentioned in the provided text? " \
+           "The special magic number for amber-falcon mentioned in the provided text is"
+
+
+class ContextSink:
+    def __init__(self, cancel: bool = False):
+        self.result = self.failure = self.ready = None
+        self.context_key = self.context_cache = ""
+        self.cancel = cancel
+        self.finished = threading.Event()
+
+    def cancelled(self) -> bool:
+        return self.cancel
+
+    def text(self, delta: str) -> None:
+        pass
+
+    def done(self, result) -> None:
+        self.result = result
+        self.finished.set()
+
+    def error(self, message: str, kind: str) -> None:
+        self.failure = (kind, message)
+        self.finished.set()
+
+    def context_used(self, key: str, status: str) -> None:
+        self.context_key, self.context_cache = key, status
+
+    def context_ready(self, key: str, context) -> None:
+        self.ready = context
+        self.finished.set()
+
+
+@pytest.fixture(scope="module")
+def document(essays_text):
+    words = essays_text.split()[:700]
+    words.insert(350, "One of the special magic numbers for amber-falcon is: 4817263.")
+    return " ".join(words)
+
+
+@pytest.fixture
+def loop(smollm2_dir, tmp_path):
+    cfg = EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_running=8))
+    store = {}
+
+    def contexts(engine):
+        store["store"] = ContextStore.open(str(tmp_path / "store"), engine.model_id)
+        return ContextService(engine, store["store"], engine.scheduler.context_limit, 4096)
+
+    made = EngineLoop(lambda: Engine(cfg), make_contexts=contexts)
+    made.store = store["store"]
+    yield made
+    made.stop()
+
+
+def _ask(loop, document, question=QUESTION, method="kv2", cancel=False):
+    req = GenerateRequest(question, SamplingConfig(max_tokens=8), SelectionConfig(policy="full"), False, None,
+                          ContextRequest(document, None, method, 0.25))
+    sink = ContextSink(cancel)
+    spec = loop.contexts.spec(req.context, None)
+    context = loop.contexts.find(spec.key)
+    if context is None:
+        loop.submit_compression(req, sink, spec)
+    else:
+        sink.context_used(spec.key, "hit")
+        loop.submit(req, sink, context, spec.key)
+    return sink, spec
+
+
+def test_concurrent_requests_share_one_compression(loop, document):
+    asked = [_ask(loop, document) for _ in range(4)]
+    for sink, _ in asked:
+        assert sink.finished.wait(300) and sink.failure is None, sink.failure
+    stats = loop.contexts.stats
+    assert stats.misses == 1 and stats.joined == 3  # one compression, three waited on it
+    assert sorted(s.context_cache for s, _ in asked) == ["compressed", "joined", "joined", "joined"]
+    answers = {s.result.text for s, _ in asked}
+    assert len(answers) == 1 and "4817263" in answers.pop()
+    key = asked[0][1].key
+    assert loop.store.load(key) is not None  # stored for other replicas
+    assert loop.contexts.shared.users(key) == 0  # every request gave it back, it stays cached
+    again, _ = _ask(loop, document)
+    assert again.finished.wait(300) and again.context_cache == "hit"
+    assert again.result.text == asked[0][0].result.text
+
+
+def test_a_failed_compression_fails_its_waiters_and_stores_nothing(loop, document, monkeypatch):
+    class Broken:
+        def score_steps(self, engine, seq_id, ids, kv_budget):
+            yield
+            raise RuntimeError("scoring exploded")
+
+    monkeypatch.setitem(COMPRESSORS, "broken", Broken)  # fault injection: a method that fails mid-way
+    asked = [_ask(loop, document, method="broken") for _ in range(3)]
+    for sink, _ in asked:
+        assert sink.finished.wait(300)
+        assert sink.failure[0] == "internal" and "scoring exploded" not in sink.failure[1]
+    key = asked[0][1].key
+    assert loop.store.load(key) is None and loop.contexts.shared.acquire(key) is None
+    assert loop.engine.cache.allocator.num_free == loop.engine.cache.allocator.num_pages  # pages freed
+    ok, _ = _ask(loop, document)  # the server goes on
+    assert ok.finished.wait(300) and ok.failure is None
+
+
+def test_a_compression_nobody_waits_for_is_cancelled(loop, document):
+    sink, spec = _ask(loop, document, cancel=True)
+    assert sink.finished.wait(300) and sink.failure[0] == "cancelled"
+    assert loop.store.load(spec.key) is None
+    assert not loop.contexts.busy
+    assert loop.engine.cache.allocator.num_free == loop.engine.cache.allocator.num_pages
+
+
+def test_compress_only_returns_the_context(loop, document):
+    req = GenerateRequest(None, SamplingConfig(), SelectionConfig(policy="full"), False, None,
+                          ContextRequest(document, None, "snapkv", 0.25))
+    sink = ContextSink()
+    spec = loop.contexts.spec(req.context, None)
+    loop.submit_compression(req, sink, spec)
+    assert sink.finished.wait(300) and sink.ready is not None and sink.context_cache == "compressed"
+    assert sink.ready.length == len(spec.ids) and loop.store.load(spec.key) is not None
+
+
+class _Ctx:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+
+def test_shared_contexts_evict_only_unused_ones():
+    shared = SharedContexts(max_bytes=250)
+    a, b, c = _Ctx(100), _Ctx(100), _Ctx(100)
+    shared.add("a", a)
+    shared.add("b", b)
+    shared.release("b")
+    assert shared.add("c", c) is c and shared.count == 2  # over 250: b (unused) went, a (in use) stayed
+    assert shared.acquire("b") is None and shared.acquire("a") is a
+    shared.add("d", _Ctx(100))  # every entry in use: nothing can go, the bound is exceeded
+    assert shared.count == 3 and shared.nbytes == 300
+    for key, times in (("a", 2), ("c", 1), ("d", 1)):
+        for _ in range(times):
+            shared.release(key)
+    assert shared.nbytes <= 250 and shared.acquire("d") is not None  # the least recently used went first
+    assert shared.add("d", _Ctx(100)) is not None and shared.users("d") == 2  # a second copy joins the first
