@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.serving.conftest import HOST_POOL_TOKENS, post, wait_idle
+from tests.serving.conftest import HOST_POOL_TOKENS, MAX_COMPRESS_TOKENS, post, wait_idle
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 GEN = "/v2/models/icekv/generate"
@@ -22,8 +22,18 @@ GEN = "/v2/models/icekv/generate"
         ({"text_input": "hi", "policy": "icecache", "budget": 32}, "must exceed sink + window"),
         ({"text_input": "hi", "policy": "icecache", "budget": 100}, "not a multiple of the page size"),
         ({"text_input": "hi", "top_p": 0}, "top_p must be in (0, 1]"),
-        ({"text_input": "hi", "context_key": "deadbeef"}, "unknown context_key 'deadbeef'"),
-        ({"text_input": "hi", "context_key": "../etc"}, "invalid context key"),
+        ({"text_input": "hi", "context_key": "ab" * 32}, f"unknown context_key '{'ab' * 32}'"),
+        ({"text_input": "hi", "context_key": "../etc"}, "invalid context_key '../etc'"),
+        ({"text_input": "hi", "context_key": "ab" * 150}, "expected 64 lowercase hex digits"),
+        ({"text_input": "hi", "context": "word " * (MAX_COMPRESS_TOKENS + 10)}, "(max_compress_tokens)"),
+        ({"text_input": "hi", "context": "a short document", "kv_method": "magic"}, "unknown kv_method 'magic'"),
+        ({"text_input": "hi", "context": "a short document", "kv_budget": 0}, "kv_budget must be in (0, 1]"),
+        ({"text_input": "hi", "context": "a short document", "kv_budget": 1.5}, "kv_budget must be in (0, 1]"),
+        ({"text_input": "hi", "context": "a short document", "context_key": "ab" * 32}, "does not match the context"),
+        ({"text_input": "hi", "context": "a", "context_ids": [1, 2]}, "send one of context"),
+        ({"text_input": "hi", "context_ids": [1, 10**9]}, "context_ids must be token ids"),
+        ({"text_input": "hi", "kv_method": "kv2"}, "kv_method applies only to a request with a context"),
+        ({"context": "  "}, "context is empty"),
         ({"text_input": "word " * (HOST_POOL_TOKENS + 10)}, "exceeds the KV cache capacity"),
     ],
 )
@@ -31,6 +41,7 @@ def test_bad_request_is_a_400_with_a_message(server, body, message):
     status, out = post(server, GEN, body)
     assert status == 400, out
     assert message in out["error"]
+    assert "Traceback" not in out["error"] and str(server.store_dir) not in out["error"]
 
 
 @pytest.mark.parametrize("body", [

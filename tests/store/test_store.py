@@ -114,5 +114,14 @@ def test_lru_eviction_respects_the_size_limit(store):
 
 def test_local_store_refuses_path_like_keys(tmp_path):
     s = ContextStore.open(str(tmp_path), "m")
-    with pytest.raises(StoreError, match="invalid context key"):
-        s.load("../../etc/passwd")
+    for key in ("../../etc/passwd", "ab" * 150, "AB" * 32, ""):
+        with pytest.raises(StoreError, match="invalid context_key"):
+            s.load(key)
+    assert not list(tmp_path.iterdir())
+
+
+def test_redis_store_refuses_keys_that_name_its_own_bookkeeping(redis_url):
+    s = ContextStore.open(redis_url, "m")
+    for key in ("__lru__", "__sizes__", "ab" * 150):
+        with pytest.raises(StoreError, match="invalid context_key"):
+            s.load(key)

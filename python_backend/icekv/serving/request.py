@@ -17,6 +17,7 @@ from icekv.compress.methods import COMPRESSORS
 from icekv.config import CompressionConfig, SamplingConfig, SelectionConfig, ServingConfig
 from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError
+from icekv.store.format import StoreError, check_key
 
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
                "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget")
@@ -171,6 +172,9 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
         raise RequestError(str(e)) from None
     context_key = fields.get("context_key")
     if context_key is not None:
-        context_key = _str("context_key", context_key)
+        try:
+            context_key = check_key(_str("context_key", context_key))
+        except StoreError as e:
+            raise RequestError(str(e)) from None
     return GenerateRequest(text, sampling, selection, _bool("stream", fields.get("stream", False)), context_key,
                            _context(fields, cfg.compression))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from icekv.compress.compressed import CompressedContext
 from icekv.store.backends import LocalStore, RedisStore
-from icekv.store.format import StoreError, context_key, decode, encode
+from icekv.store.format import StoreError, check_key, context_key, decode, encode
 
 
 class ContextStore:
@@ -42,4 +42,4 @@ class ContextStore:
             raise
 
 
-__all__ = ["ContextStore", "LocalStore", "RedisStore", "StoreError", "context_key"]
+__all__ = ["ContextStore", "LocalStore", "RedisStore", "StoreError", "check_key", "context_key"]

@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from icekv.store.format import StoreError
+from icekv.store.format import StoreError, check_key
 
 
 class LocalStore:
@@ -20,9 +20,7 @@ class LocalStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
-        if not key or any(c not in "0123456789abcdef" for c in key):
-            raise StoreError(f"invalid context key {key!r}: expected a hex digest")
-        return self.root / f"{key}.ctx"
+        return self.root / f"{check_key(key)}.ctx"
 
     def get(self, key: str) -> bytes | None:
         path = self._path(key)
@@ -72,7 +70,7 @@ class RedisStore:
             raise StoreError(f"cannot reach Redis at {url}: {e}") from None
 
     def get(self, key: str) -> bytes | None:
-        blob = self.client.get(self.prefix + key)
+        blob = self.client.get(self.prefix + check_key(key))
         if blob is not None:
             self.client.zadd(self._lru, {key: time.time()})
         return blob
@@ -81,14 +79,14 @@ class RedisStore:
         if len(blob) > self.max_bytes:
             raise StoreError(f"entry of {len(blob)} bytes exceeds the store limit of {self.max_bytes}")
         pipe = self.client.pipeline()
-        pipe.set(self.prefix + key, blob)
+        pipe.set(self.prefix + check_key(key), blob)
         pipe.zadd(self._lru, {key: time.time()})
         pipe.hset(self._sizes, key, len(blob))
         pipe.execute()
         self._evict()
 
     def delete(self, key: str) -> None:
-        self.client.delete(self.prefix + key)
+        self.client.delete(self.prefix + check_key(key))
         self.client.zrem(self._lru, key)
         self.client.hdel(self._sizes, key)
 

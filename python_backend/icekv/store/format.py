@@ -32,6 +32,15 @@ def context_key(model_id: str, token_ids: list[int], method: str, kv_budget: flo
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def check_key(key: str) -> str:
+    """``key`` if it is a context key (a sha256 hex digest, as :func:`context_key` makes); a
+    StoreError naming the problem otherwise, before it reaches a file name or a Redis key."""
+    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        shown = key if len(key) <= 80 else key[:77] + "..."
+        raise StoreError(f"invalid context_key {shown!r}: expected 64 lowercase hex digits (a sha256 digest)")
+    return key
+
+
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
