@@ -1,5 +1,9 @@
 # The README's commands. Every target installs what it needs first (idempotent, fast when done).
 VENV    ?= .venv
+# The venv's interpreter: the system's python3.11 where it can make venvs, because the Triton Python
+# backend stub from the nvidia-pytriton wheel embeds the system's libpython3.11 and imports the venv
+# base's standard library: the two must be one Python (else C modules such as _ssl fail in the model).
+PYTHON  ?= $(shell /usr/bin/python3.11 -c "import ensurepip, venv" 2>/dev/null && echo /usr/bin/python3.11 || echo python3)
 PY      := $(VENV)/bin/python
 ICEKV   := $(VENV)/bin/icekv
 STAMP   := $(VENV)/.installed
@@ -10,7 +14,7 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $@

@@ -34,6 +34,7 @@ GEN = "/v2/models/icekv/generate"
         ({"text_input": "hi", "context_ids": [1, 10**9]}, "context_ids must be token ids"),
         ({"text_input": "hi", "kv_method": "kv2"}, "kv_method applies only to a request with a context"),
         ({"context": "  "}, "context is empty"),
+        ({"text_input": "hi", "context": "a new document", "policy": "quest"}, "cannot select over a compressed"),
         ({"text_input": "word " * (HOST_POOL_TOKENS + 10)}, "exceeds the KV cache capacity"),
     ],
 )

@@ -110,6 +110,27 @@ def test_icekv_settings_as_extra_body_fields(client):
     assert reply.model_extra["icekv"]["policy"] == "quest" and reply.model_extra["icekv"]["budget"] == 64
 
 
+def test_a_shared_document_as_an_extra_body_context(client, essays_text):
+    words = essays_text.split()[8000:8500]
+    words.insert(250, "One of the special magic numbers for tidy-walrus is: 6620184.")
+    extra = {"context": " ".join(words), "kv_method": "snapkv", "kv_budget": 1.0, "policy": "full"}
+    prompt = ("\nWhat is the special magic number for tidy-walrus mentioned in the provided text? "
+              "The special magic number for tidy-walrus mentioned in the provided text is")
+    first = client.completions.create(model="icekv", prompt=prompt, max_tokens=8, extra_body=extra)
+    stats = first.model_extra["icekv"]
+    assert stats["context_cache"] == "compressed" and len(stats["context_key"]) == 64
+    assert "6620184" in first.choices[0].text
+    assert first.usage.prompt_tokens < 60  # the document is not re-sent through the model
+    chunks = list(client.completions.create(model="icekv", prompt=prompt, max_tokens=8, stream=True,
+                                            extra_body=extra))
+    last = chunks[-1].model_extra["icekv"]
+    assert last["context_cache"] == "hit" and last["context_key"] == stats["context_key"]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    by_key = client.completions.create(model="icekv", prompt=prompt, max_tokens=8,
+                                       extra_body={"context_key": stats["context_key"], "policy": "full"})
+    assert by_key.choices[0].text == first.choices[0].text
+
+
 @pytest.mark.parametrize("kwargs, param, message", [
     ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "Input should be"),
@@ -122,6 +143,11 @@ def test_icekv_settings_as_extra_body_fields(client):
     ({"messages": QUESTION, "extra_body": {"policy": "nope"}}, None, "unknown policy 'nope'"),
     ({"messages": QUESTION, "extra_body": {"context_key": "ab" * 32}}, None, "unknown context_key"),
     ({"messages": QUESTION, "max_tokens": 100_000}, None, "exceeds this server's limit"),
+    ({"messages": QUESTION, "extra_body": {"context": "a document", "kv_budget": 0}}, "kv_budget", "greater than 0"),
+    ({"messages": QUESTION, "extra_body": {"context": "a document", "kv_method": "zip"}}, None,
+     "unknown kv_method 'zip'"),
+    ({"messages": QUESTION, "extra_body": {"kv_method": "kv2"}}, None, "kv_method applies only to a request with"),
+    ({"messages": QUESTION, "extra_body": {"context_key": "zz" * 32}}, None, "invalid context_key"),
 ])
 def test_bad_requests_get_openai_shaped_400s(client, kwargs, param, message):
     with pytest.raises(openai.BadRequestError) as info:

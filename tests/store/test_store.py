@@ -1,8 +1,5 @@
 """Context store round trips (local directory and a real redis-server), refusal of bad entries, LRU."""
 
-import shutil
-import socket
-import subprocess
 import time
 
 import pytest
@@ -27,28 +24,6 @@ def _same(a: CompressedContext, b: CompressedContext):
     for x, y in zip(a.layers, b.layers):
         for f in ("k", "v", "page_len", "positions", "head_indptr"):
             assert torch.equal(getattr(x, f), getattr(y, f)), f
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not installed (.ci/run installs Debian's redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
 
 
 @pytest.fixture(params=["local", "redis"])

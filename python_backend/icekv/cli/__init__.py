@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from icekv.cli.common import _icecache_flags, _positive_int, _score_dtype_flag, _serving_flags, _serving_parameters
-from icekv.config import IceCacheConfig, SelectionConfig
+from icekv.config import CompressionConfig, IceCacheConfig, SelectionConfig
 from icekv.errors import IcekvError
 
 
@@ -45,12 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser("compress", help="compress a reusable context once and store it")
     comp.add_argument("--context-file", type=Path, required=True)
-    comp.add_argument("--method", default="kv2", help="kv2 | kvzip | snapkv | keydiff | streaming")
-    comp.add_argument("--kv-budget", type=float, default=0.05, help="share of the context's KV to keep, in (0, 1]")
+    comp.add_argument("--method", default=CompressionConfig.method, help="kv2 | kvzip | snapkv | keydiff | streaming")
+    comp.add_argument("--kv-budget", type=float, default=CompressionConfig.kv_budget,
+                      help="share of the context's KV to keep, in (0, 1]")
     comp.add_argument("--rho", type=float, default=None, help="kv2: share of each chunk re-fed (default: the budget)")
     comp.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="kv2: refinement rounds")
     comp.add_argument("--store", default=None, help="a directory or redis://host:port (default: cache dir)")
     comp.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    comp.add_argument("--server", default=None, metavar="HOST:PORT",
+                      help="compress through a running icekv server (its gRPC address) into the server's store")
     comp.add_argument("--json", action="store_true")
 
     ev = sub.add_parser("eval", help="RULER-style accuracy across lengths, policies and budgets")

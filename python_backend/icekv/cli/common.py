@@ -49,7 +49,10 @@ def _serving_flags(parser) -> None:
     parser.add_argument("--index-threads", type=_positive_int("--index-threads", least=0), default=None,
                         help="threads that build a request's page index during its prefill; 0: after it "
                              "(default: the cores the forward pass leaves free)")
-    parser.add_argument("--store", default=None, help="context store for context_key requests: a directory or redis://")
+    parser.add_argument("--store", default=None,
+                        help="store of compressed contexts (shared by replicas): a directory or redis://")
+    parser.add_argument("--max-compress-tokens", type=_positive_int("--max-compress-tokens"), default=None,
+                        help="the longest context a request may ask the server to compress (default 32768)")
 
 
 def _search_flag(parser, default: str | None, hint: str = "") -> None:
@@ -85,7 +88,8 @@ def _serving_parameters(args) -> dict[str, str]:
               "host_pool_tokens": args.host_pool_tokens,
               "max_active_requests": args.max_active_requests,
               "max_step_tokens": args.max_step_tokens, "max_index_bytes": args.max_index_bytes,
-              "index_threads": args.index_threads, "store": args.store}
+              "index_threads": args.index_threads, "store": args.store,
+              "max_compress_tokens": args.max_compress_tokens}
     params = {k: str(v) for k, v in params.items() if v is not None}
     ServingConfig.from_triton_parameters(params)
     return params

@@ -17,14 +17,7 @@ def _compressor_settings(args) -> dict:
     return {k: v for k, v in (("rho", args.rho), ("rounds", args.rounds)) if v is not None and (k != "rounds" or v != 1)}
 
 
-def _cmd_compress(args) -> int:
-    import resource
-    import time
-
-    from icekv.config import EngineConfig
-    from icekv.engine import Engine
-    from icekv.store import StoreError
-
+def _read_context(args) -> str:
     if not args.context_file.is_file():
         raise IcekvError(f"--context-file {args.context_file} is not a readable file")
     if not (0 < args.kv_budget <= 1):
@@ -32,6 +25,59 @@ def _cmd_compress(args) -> int:
     text = args.context_file.read_text()
     if not text.strip():
         raise IcekvError(f"--context-file {args.context_file} is empty")
+    return text
+
+
+def _cmd_compress(args) -> int:
+    text = _read_context(args)
+    if args.server is not None:
+        return _compress_on_server(args, text)
+    return _compress_here(args, text)
+
+
+def _compress_on_server(args, text: str) -> int:
+    """A compress-only request: the server finds the context (memory, its store) or compresses it."""
+    import time
+
+    from icekv.serving.client import GenerateError, stream_generate
+
+    for flag, value in (("--store", args.store), ("--model", args.model), ("--rho", args.rho)):
+        if value is not None:
+            raise IcekvError(f"{flag} does not apply with --server: the server's own model, store and kv2 "
+                             "settings are used")
+    if args.rounds != 1:
+        raise IcekvError("--rounds does not apply with --server: the server's own kv2 settings are used")
+    t0 = time.perf_counter()
+    try:
+        *_, final = stream_generate(args.server, None, context=text, kv_method=args.method,
+                                    kv_budget=args.kv_budget)
+    except GenerateError as e:
+        raise IcekvError(f"the server refused the context: {e}") from None
+    except Exception as e:  # unreachable server, protocol errors
+        raise IcekvError(f"cannot reach an icekv server at {args.server} (gRPC HOST:PORT): {e}") from None
+    wall = time.perf_counter() - t0
+    report = {"key": final.context_key, "method": args.method, "kv_budget": args.kv_budget,
+              "context_tokens": final.prompt_tokens, "context_cache": final.context_cache,
+              "bytes_before": final.kv_total_bytes, "bytes_after": final.kv_resident_bytes, "wall_s": round(wall, 3)}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        how = {"hit": "already compressed", "joined": "joined a running compression"}.get(final.context_cache,
+                                                                                           "compressed now")
+        print(f"key: {final.context_key}  ({how}, on {args.server})")
+        print(f"{final.prompt_tokens} context tokens; KV bytes {final.kv_total_bytes / 2**20:.1f} MiB -> "
+              f"{final.kv_resident_bytes / 2**20:.2f} MiB; wall {wall:.1f} s")
+    return 0
+
+
+def _compress_here(args, text: str) -> int:
+    import resource
+    import time
+
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+    from icekv.store import StoreError
+
     engine = Engine(EngineConfig(model_dir=args.model))
     ids = engine.tokenizer.encode(text)
     engine.check_fits(len(ids), 1)

@@ -87,6 +87,15 @@ class Engine:
                 f"cache capacity of {capacity} tokens (paging.max_context_tokens)"
             )
 
+    def check_request(self, prompt_tokens: int, max_tokens: int, selection: SelectionConfig,
+                      with_context: bool) -> None:
+        """Refuse up front a request that could never run: empty, too long for the pool, or a
+        policy that cannot select over a compressed context."""
+        self.check_fits(prompt_tokens, max_tokens)
+        if with_context and not get_policy(selection.policy).compressed_context:
+            raise ConfigError(f"policy {selection.policy!r} cannot select over a compressed context; "
+                              "use 'full' or 'icecache'")
+
     def submit(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(),
                selection: SelectionConfig | None = None, context: CompressedContext | None = None,
                on_text: OnText | None = None, on_progress: OnProgress | None = None, *,
@@ -95,11 +104,8 @@ class Engine:
         could never run (empty, too long, a policy that cannot take its context) or BusyError."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         selection = selection or self.config.selection
-        self.check_fits(len(ids), sampling.max_tokens)
         context = prefilled.context if prefilled is not None else context
-        if context is not None and not get_policy(selection.policy).compressed_context:
-            raise ConfigError(f"policy {selection.policy!r} cannot select over a compressed context; "
-                              "use 'full' or 'icecache'")
+        self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
         seq = Sequence(seq_id, ids, sampling, selection, context, on_text, on_progress, prefilled, prefill_only, probe)
         held = len(ids) + (0 if prefill_only else sampling.max_tokens)

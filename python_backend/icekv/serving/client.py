@@ -61,15 +61,18 @@ def read_response(result) -> str | Final:
     return result.as_numpy("text_output")[0].decode()
 
 
-def stream_generate(url: str, text: str, model: str = "icekv", timeout_s: float = 600, **fields) -> Iterator[str | Final]:
-    """Yield text pieces as they arrive, then one :class:`Final`. Raises GenerateError."""
+def stream_generate(url: str, text: str | None, model: str = "icekv", timeout_s: float = 600,
+                    **fields) -> Iterator[str | Final]:
+    """Yield text pieces as they arrive, then one :class:`Final`. Raises GenerateError. ``text``
+    None sends no prompt (a request that only compresses its ``context``)."""
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(model, infer_inputs(grpcclient, {"text_input": text, "stream": True, **fields}))
+        prompt = {} if text is None else {"text_input": text}
+        client.async_stream_infer(model, infer_inputs(grpcclient, {**prompt, "stream": True, **fields}))
         while True:
             result, error = responses.get(timeout=timeout_s)
             if error is not None:

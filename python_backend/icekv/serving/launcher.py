@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,8 +71,27 @@ class TritonInstall:
         backend.mkdir(parents=True, exist_ok=True)
         for src in (root / "backends/python/libtriton_python.so", root / "backends/python/triton_python_backend_utils.py", stub):
             shutil.copy2(src, backend / src.name)
+        _warn_if_stub_python_differs(stub)
         libs = root.parent.parent / "nvidia_pytriton.libs"
         return cls(root / "bin" / "tritonserver", work_dir / "backends", (libs,) if libs.is_dir() else ())
+
+
+def _warn_if_stub_python_differs(stub: Path) -> None:
+    """The wheel's stub embeds the system's libpython but imports the standard library of the
+    Python on PATH (this venv's base); when those differ, C modules such as ``_ssl`` fail to load
+    in the model (Redis needs them). Say so before the model fails."""
+    try:
+        linked = subprocess.run(["ldd", str(stub)], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return
+    system = [line.split("=>")[1].split()[0] for line in linked.splitlines()
+              if "libpython" in line and "=>" in line and line.split("=>")[1].strip().startswith(("/lib", "/usr/lib"))]
+    if system and os.path.realpath(sys.base_prefix) != "/usr":
+        warnings.warn(f"Triton's Python stub runs on the system's {system[0]}, but this environment is built on "
+                      f"{sys.base_prefix} (Python {sys.version.split()[0]}): the model may fail to import C modules "
+                      "of the standard library (ssl, needed for Redis). Create the venv with the system's python3 "
+                      f"(/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}), as `make setup` does.",
+                      stacklevel=3)
 
 
 @dataclass

@@ -75,14 +75,15 @@ class TritonSink:
         self._send(self.pb.InferenceResponse(output_tensors=outputs), True)
 
     def context_ready(self, key: str, context) -> None:
-        """A compress-only request's answer: the key, and the context's size before and after."""
+        """A compress-only request's answer: the key, and the context's KV bytes compressed
+        (kv_resident_bytes) and in full (kv_total_bytes)."""
         t = self._tensor
         outputs = [
             t("text_output", b"", np.object_), t("finish_reason", b"context_ready", np.object_),
             t("prompt_tokens", context.length, np.int32), t("new_tokens", 0, np.int32),
             t("policy", b"", np.object_), t("budget", 0, np.int32),
-            t("kv_resident_bytes", 0, np.int64), t("kv_total_bytes", context.full_bytes, np.int64),
-            t("kv_bytes_moved", context.nbytes, np.int64),
+            t("kv_resident_bytes", context.nbytes, np.int64), t("kv_total_bytes", context.full_bytes, np.int64),
+            t("kv_bytes_moved", 0, np.int64),
             t("context_key", key.encode(), np.object_), t("context_cache", self.context_cache.encode(), np.object_),
         ]
         self._send(self.pb.InferenceResponse(output_tensors=outputs), True)
@@ -209,6 +210,9 @@ class TritonModel:
             spec = contexts.spec(req.context, req.context_key)
             context = contexts.find(spec.key)
             if context is None:
+                if req.text is not None:  # refuse now what would fail after the compression
+                    self.engine.check_request(len(self.engine.tokenizer.encode(req.text)), req.sampling.max_tokens,
+                                              req.selection, with_context=True)
                 self.loop.submit_compression(req, sink, spec)
                 return
             key = spec.key

@@ -86,8 +86,11 @@ def _usage(final: Final) -> dict:
 
 def _icekv_stats(final: Final) -> dict:
     """icekv's own account of the request's KV cache (extra response field; OpenAI clients ignore it)."""
-    return {"policy": final.policy, "budget": final.budget, "kv_resident_bytes": final.kv_resident_bytes,
-            "kv_total_bytes": final.kv_total_bytes, "kv_bytes_moved": final.kv_bytes_moved}
+    stats = {"policy": final.policy, "budget": final.budget, "kv_resident_bytes": final.kv_resident_bytes,
+             "kv_total_bytes": final.kv_total_bytes, "kv_bytes_moved": final.kv_bytes_moved}
+    if final.context_key:
+        stats.update(context_key=final.context_key, context_cache=final.context_cache)
+    return stats
 
 
 class _Kind:

@@ -3,7 +3,8 @@
 Bodies are validated strictly (no string-to-number coercion, unknown fields refused, as the
 OpenAI API does); options icekv does not implement are accepted only at their neutral value, so a
 client that sends ``n: 1`` or ``presence_penalty: 0`` works and one that asks for more is told.
-icekv's own settings (``policy``, ``budget``, ``context_key``) ride along as extra body fields.
+icekv's own settings (``policy``, ``budget``, ``context``, ``context_key``, ``kv_method``,
+``kv_budget``) ride along as extra body fields.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class _GenerateBody(_Strict):
     policy: str | None = None
     budget: int | None = Field(None, ge=1, le=INT32_MAX)
     context_key: str | None = None
+    context: str | None = None  # a reusable document: compressed once by the server, shared
+    kv_method: str | None = None
+    kv_budget: float | None = Field(None, gt=0, le=1)
 
     @field_validator("stop")
     @classmethod
@@ -97,7 +101,8 @@ class _GenerateBody(_Strict):
         """The icekv model's inputs for this body (absent settings take the server's defaults)."""
         fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "seed": self.seed, "stop": self.stop or None, "policy": self.policy, "budget": self.budget,
-                  "context_key": self.context_key, "stream": True}
+                  "context_key": self.context_key, "context": self.context, "kv_method": self.kv_method,
+                  "kv_budget": self.kv_budget, "stream": True}
         return {k: v for k, v in fields.items() if v is not None}
 
 
