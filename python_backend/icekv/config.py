@@ -283,6 +283,8 @@ class ServingConfig:
     store: str | None = None  # context store: a directory or redis://host:port; None: no store
     store_max_bytes: int = 8 << 30
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    max_stop_sequences: int = 4  # stop strings per request, as the OpenAI API allows ...
+    max_stop_chars: int = 128  # ... and each one's length: every token is checked against them
 
     def __post_init__(self) -> None:
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
@@ -356,7 +358,7 @@ class OpenAIConfig:
     host: str = "127.0.0.1"
     port: int = 9000
     max_body_bytes: int = 4 << 20  # larger bodies get a 413 before they are read
-    max_stop_sequences: int = 4  # as the OpenAI API
+    max_stop_sequences: int = ServingConfig.max_stop_sequences
     request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:

@@ -22,6 +22,8 @@ GEN = "/v2/models/icekv/generate"
         ({"text_input": "hi", "policy": "icecache", "budget": 32}, "must exceed sink + window"),
         ({"text_input": "hi", "policy": "icecache", "budget": 100}, "not a multiple of the page size"),
         ({"text_input": "hi", "top_p": 0}, "top_p must be in (0, 1]"),
+        ({"text_input": "hi", "stop": ["s"] * 2000}, "at most 4 stop strings"),
+        ({"text_input": "hi", "stop": ["s" * 5000]}, "at most 128 characters"),
         ({"text_input": "hi", "context_key": "ab" * 32}, f"unknown context_key '{'ab' * 32}'"),
         ({"text_input": "hi", "context_key": "../etc"}, "invalid context_key '../etc'"),
         ({"text_input": "hi", "context_key": "ab" * 150}, "expected 64 lowercase hex digits"),

@@ -33,6 +33,8 @@ def test_defaults_come_from_the_serving_config():
     ({"seed": 1.5}, "seed must be an integer"),
     ({"policy": 3}, "policy must be a string"),
     ({"stop": [1]}, "stop must be a string"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4 stop strings per request, got 5"),
+    ({"stop": ["x" * 2000]}, "at most 128 characters, got 2000"),
 ])
 def test_wrong_types_in_parameters(params, message):
     with pytest.raises(RequestError, match=message):

@@ -47,14 +47,13 @@ def _compress_on_server(args, text: str) -> int:
                              "settings are used")
     if args.rounds != 1:
         raise IcekvError("--rounds does not apply with --server: the server's own kv2 settings are used")
+    _check_reachable(args.server)
     t0 = time.perf_counter()
     try:
         *_, final = stream_generate(args.server, None, context=text, kv_method=args.method,
                                     kv_budget=args.kv_budget)
     except GenerateError as e:
         raise IcekvError(f"the server refused the context: {e}") from None
-    except Exception as e:  # unreachable server, protocol errors
-        raise IcekvError(f"cannot reach an icekv server at {args.server} (gRPC HOST:PORT): {e}") from None
     wall = time.perf_counter() - t0
     report = {"key": final.context_key, "method": args.method, "kv_budget": args.kv_budget,
               "context_tokens": final.prompt_tokens, "context_cache": final.context_cache,
@@ -68,6 +67,18 @@ def _compress_on_server(args, text: str) -> int:
         print(f"{final.prompt_tokens} context tokens; KV bytes {final.kv_total_bytes / 2**20:.1f} MiB -> "
               f"{final.kv_resident_bytes / 2**20:.2f} MiB; wall {wall:.1f} s")
     return 0
+
+
+def _check_reachable(url: str) -> None:
+    import tritonclient.grpc as grpcclient
+
+    try:
+        client = grpcclient.InferenceServerClient(url)
+        ready = client.is_model_ready("icekv")
+    except Exception as e:  # a malformed address, nothing listening, not a Triton server
+        raise IcekvError(f"cannot reach an icekv server at {url} (its gRPC HOST:PORT): {e}") from None
+    if not ready:
+        raise IcekvError(f"the server at {url} has no ready icekv model")
 
 
 def _compress_here(args, text: str) -> int:

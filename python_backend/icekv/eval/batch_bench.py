@@ -83,7 +83,10 @@ def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig
 def _split(seqs) -> dict:
     out = dict.fromkeys(SPLIT, 0.0)
     for s in seqs:
-        timings = s.backend.timings if s.decoder_ready else {}
+        if s.done:  # a finished request keeps its timings in its result, not its (released) backend
+            timings = s.result.timings if s.result is not None else {}
+        else:
+            timings = s.backend.timings if s.decoder_ready else {}
         for k in SPLIT:
             out[k] += timings.get(k, 0.0)
     return out

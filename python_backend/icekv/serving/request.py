@@ -149,6 +149,11 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
         raise RequestError(f"max_tokens {max_tokens} exceeds this server's limit of {cfg.max_tokens_limit}")
     stop = fields.get("stop", ())
     stop = tuple(_str("stop", s) for s in (stop if isinstance(stop, list) else [stop])) if stop else ()
+    if len(stop) > cfg.max_stop_sequences:
+        raise RequestError(f"at most {cfg.max_stop_sequences} stop strings per request, got {len(stop)}")
+    if any(len(s) > cfg.max_stop_chars for s in stop):
+        raise RequestError(f"a stop string may have at most {cfg.max_stop_chars} characters, got "
+                           f"{max(map(len, stop))}")
     seed = fields.get("seed")
     engine_sel = cfg.engine.selection
     try:
