@@ -204,8 +204,11 @@ class SchedulerConfig:
     max_step_tokens: int = 512  # tokens per engine step: every running decode + prefill chunks
     max_index_bytes: int | None = None
     max_context_bytes: int | None = None
+    max_queue_wait_s: float = 120.0  # a request queued longer is refused as busy
 
     def __post_init__(self) -> None:
+        if self.max_queue_wait_s <= 0:
+            raise ConfigError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
         if self.max_running < 1 or self.max_waiting < 0:
             raise ConfigError("max_running (max_active_requests) must be >= 1 and max_waiting "
                               "(max_queued_requests) >= 0")
@@ -285,6 +288,7 @@ class ServingConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     max_stop_sequences: int = 4  # stop strings per request, as the OpenAI API allows ...
     max_stop_chars: int = 128  # ... and each one's length: every token is checked against them
+    max_input_bytes: int = 4 << 20  # text_input, messages or context: larger ones are refused before tokenizing
 
     def __post_init__(self) -> None:
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
@@ -298,18 +302,19 @@ class ServingConfig:
         known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
                  "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
-                 "max_index_bytes", "max_context_bytes", "max_compress_tokens"}
+                 "max_index_bytes", "max_context_bytes", "max_compress_tokens", "max_queue_wait_s"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
 
-        def number(key: str, default):
+        def number(key: str, default, kind=int):
             if key not in values:
                 return default
             try:
-                return int(values[key])
+                return kind(values[key])
             except ValueError:
-                raise ConfigError(f"parameter {key} must be an integer, got {values[key]!r}") from None
+                raise ConfigError(f"parameter {key} must be {'an integer' if kind is int else 'a number'}, "
+                                  f"got {values[key]!r}") from None
 
         paging = PagingConfig(
             page_size=number("page_size", PagingConfig.page_size),
@@ -328,6 +333,7 @@ class ServingConfig:
             max_step_tokens=number("max_step_tokens", SchedulerConfig.max_step_tokens),
             max_index_bytes=number("max_index_bytes", SchedulerConfig.max_index_bytes),
             max_context_bytes=number("max_context_bytes", SchedulerConfig.max_context_bytes),
+            max_queue_wait_s=number("max_queue_wait_s", SchedulerConfig.max_queue_wait_s, float),
         )
         engine = EngineConfig(
             model_dir=values.get("model_dir"),

@@ -27,7 +27,7 @@ def _load(path: Path) -> list[dict]:
 
 
 def render(directory: Path) -> list[dict]:
-    """A small kustomize: resources (files or bases) plus strategic-merge patches of maps."""
+    """A small kustomize: resources (files or bases) plus strategic-merge patches."""
     kust = yaml.safe_load((directory / "kustomization.yaml").read_text())
     docs = []
     for res in kust.get("resources", []):
@@ -49,11 +49,23 @@ def render(directory: Path) -> list[dict]:
 
 
 def _merge(dst: dict, src: dict) -> None:
+    """Maps merge key by key; lists of named items (containers, ports, volumes) merge by name."""
     for k, v in src.items():
         if isinstance(v, dict) and isinstance(dst.get(k), dict):
             _merge(dst[k], v)
+        elif _named(v) and _named(dst.get(k)):
+            existing = {item["name"]: item for item in dst[k]}
+            for item in v:
+                if item["name"] in existing:
+                    _merge(existing[item["name"]], item)
+                else:
+                    dst[k].append(copy.deepcopy(item))
         else:
             dst[k] = copy.deepcopy(v)
+
+
+def _named(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(x, dict) and "name" in x for x in value)
 
 
 def by_kind(docs, kind, name=None):
@@ -106,6 +118,18 @@ def test_ports_and_probes_agree_with_icekv_serve(docs):
     assert sorted(map(int, exposed)) == sorted(ports.values())
     svc = by_kind(docs, "Service", "icekv")
     assert {p["targetPort"] for p in svc["spec"]["ports"]} == set(ports)
+
+
+def test_the_pod_outlives_an_orderly_shutdown_and_requests_a_gpu_only_in_the_gpu_overlay(docs, request):
+    from icekv.serving.launcher import STOP_TIMEOUT_S
+    from icekv.serving.openai.process import FRONTEND_STOP_TIMEOUT_S
+
+    spec = by_kind(docs, "Deployment", "icekv")["spec"]["template"]["spec"]
+    c = _container(docs)
+    pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert spec["terminationGracePeriodSeconds"] > pre_stop + FRONTEND_STOP_TIMEOUT_S + STOP_TIMEOUT_S
+    gpus = {part.get("nvidia.com/gpu") for part in (c["resources"].get("requests", {}), c["resources"].get("limits", {}))}
+    assert gpus == ({1} if "gpu" in request.node.callspec.id else {None})
 
 
 def test_selectors_and_scaling_targets_line_up(docs):

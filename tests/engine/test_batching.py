@@ -2,6 +2,7 @@
 runs in its steps (lengths, policies, compressed contexts, requests joining and leaving), and
 cancellation, failures and long prompts stay confined to their own request."""
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -133,3 +134,21 @@ def test_admission_waits_for_pages_and_refuses_what_never_fits(smollm2_dir):
     assert second.error is None and second.result.new_tokens == 8
     with pytest.raises(IcekvError, match="exceeds the KV cache capacity"):
         engine.submit([1] * 510, GREEDY)
+
+
+def test_a_request_queued_past_max_queue_wait_is_refused_as_busy(smollm2_dir):
+    from icekv.config import PagingConfig
+
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(16, 512),
+                                 scheduler=SchedulerConfig(max_queue_wait_s=0.2)))
+    big = engine.submit([1] * 300, replace(GREEDY, max_tokens=40))
+    engine.step()
+    blocked = engine.submit([2] * 300, replace(GREEDY, max_tokens=8))  # cannot fit beside big
+    engine.step()
+    assert blocked in engine.scheduler.waiting
+    time.sleep(0.3)
+    finished = engine.step()
+    assert blocked in finished and isinstance(blocked.error, BusyError)
+    assert "max_queue_wait_s" in str(blocked.error) and engine.cache.pages_held(blocked.seq_id) == 0
+    _drain(engine, [big])
+    assert big.error is None and big.result.new_tokens == 40  # the running request was not disturbed

@@ -31,6 +31,7 @@ GEN = "/v2/models/icekv/generate"
         ({"text_input": "hi", "context": "a short document", "kv_method": "magic"}, "unknown kv_method 'magic'"),
         ({"text_input": "hi", "context": "a short document", "kv_budget": 0}, "kv_budget must be in (0, 1]"),
         ({"text_input": "hi", "context": "a short document", "kv_budget": 1.5}, "kv_budget must be in (0, 1]"),
+        ({"text_input": "hi", "context": "a short document", "kv_budget": 1e-9}, "at least 1e-06, got 1e-09"),
         ({"text_input": "hi", "context": "a short document", "context_key": "ab" * 32}, "does not match the context"),
         ({"text_input": "hi", "context": "a", "context_ids": [1, 2]}, "send one of context"),
         ({"text_input": "hi", "context_ids": [1, 10**9]}, "context_ids must be token ids"),
@@ -81,3 +82,33 @@ def test_server_still_serves_after_bad_input(server):
     status, out = post(server, GEN, {"text_input": "The capital of France is", "max_tokens": 8})
     assert status == 200 and "Paris" in out["text_output"]
     wait_idle(server)
+
+
+def test_admin_apis_need_the_admin_header(server):
+    """Model configs (paths, settings), shared memory, repository control, statistics, trace and
+    logging are closed to clients; inference, health and metadata stay open."""
+    import urllib.error
+    import urllib.request
+
+    from icekv.serving.launcher import ADMIN_HEADER
+
+    def get(path, method="GET", body=None, headers=None):
+        req = urllib.request.Request(f"http://{server.http_url}{path}", data=body, method=method,
+                                     headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    for path, method, body in [("/v2/models/icekv/config", "GET", None), ("/v2/logging", "GET", None),
+                               ("/v2/models/stats", "GET", None), ("/v2/trace/setting", "GET", None),
+                               ("/v2/systemsharedmemory/status", "GET", None),
+                               ("/v2/repository/index", "POST", b"{}")]:
+        status, text = get(path, method, body)
+        assert status in (401, 403), (path, status, text)
+        assert str(server.store_dir) not in text
+    status, text = get("/v2/models/icekv/config", headers={ADMIN_HEADER: server.admin_key})
+    assert status == 200 and '"backend":"python"' in text.replace(" ", "")
+    assert get("/v2/models/icekv")[0] == 200 and get("/v2/health/ready")[0] == 200
+    assert post(server, GEN, {"text_input": "Hi", "max_tokens": 2})[0] == 200

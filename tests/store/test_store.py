@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from icekv.compress import CompressedContext, CompressedLayer
-from icekv.store import ContextStore, StoreError
+from icekv.errors import ConfigError
+from icekv.store import ContextStore, CorruptEntry, LocalStore, StoreError, StoreUnavailable
 
 
 def _ctx(seed=0, pages=3):
@@ -61,15 +62,160 @@ def test_corrupt_entry_is_refused_and_removed(store):
     assert store.load(key) is None  # removed: the next request recomputes
 
 
-def test_foreign_entries_are_refused(store):
+def test_foreign_entries_are_refused_but_left_to_their_owner(store):
     key = store.key([9], "kv2", 0.05)
     store.backend.put(key, b"not a safetensors blob at all")
-    with pytest.raises(StoreError, match="not a readable"):
+    with pytest.raises(CorruptEntry, match="not a readable"):
         store.load(key)
-    other = ContextStore(store.backend, "model-b")
+    other = ContextStore(store.backend, "model-b")  # e.g. the previous model during a rolling update
     other.save(key, _ctx())
     with pytest.raises(StoreError, match="another context or model"):
         store.load(key)
+    _same(other.load(key), _ctx())  # still there for the replicas that use it
+
+
+def test_metadata_is_covered_by_the_digest(store):
+    key = store.key([7], "kv2", 0.05)
+    store.save(key, _ctx())
+    blob = store.backend.get(key)
+    forged = blob.replace(b'"length":"300"', b'"length":"900"')
+    assert forged != blob and len(forged) == len(blob)
+    store.backend.put(key, forged)
+    with pytest.raises(CorruptEntry, match="digest mismatch"):
+        store.load(key)
+
+
+def test_signed_store_refuses_unsigned_forged_and_differently_signed_entries(store, tmp_path, monkeypatch):
+    (tmp_path / "key").write_text("replica-secret\n")
+    monkeypatch.setenv("ICEKV_STORE_KEY_FILE", str(tmp_path / "key"))
+    signed = ContextStore(store.backend, "model-a", b"replica-secret")
+    unsigned = ContextStore(store.backend, "model-a")
+    key = signed.key([5], "kv2", 0.05)
+    signed.save(key, _ctx(1))
+    _same(signed.load(key), _ctx(1))
+    with pytest.raises(StoreError, match="signed with hmac-sha256, this store expects sha256"):
+        unsigned.load(key)
+    unsigned.save(key, _ctx(2))  # a writer without the key plants an entry
+    with pytest.raises(StoreError, match="signed with sha256, this store expects hmac-sha256"):
+        signed.load(key)
+    ContextStore(store.backend, "model-a", b"another-secret").save(key, _ctx(2))
+    with pytest.raises(StoreError, match="not signed with this store's key"):
+        signed.load(key)
+    assert store.backend.get(key) is not None  # refused, not deleted
+    reopened = ContextStore.open(str(tmp_path / "local"), "model-a")
+    assert reopened.secret == b"replica-secret"  # read from the file the environment names
+
+
+def test_secret_files_that_cannot_be_read_are_clear_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("ICEKV_STORE_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="ICEKV_STORE_KEY_FILE: cannot read the secret file"):
+        ContextStore.open(str(tmp_path / "s"), "m")
+    (tmp_path / "empty").write_text("\n")
+    monkeypatch.setenv("ICEKV_STORE_KEY_FILE", str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="the secret file is empty"):
+        ContextStore.open(str(tmp_path / "s"), "m")
+
+
+def test_a_failed_local_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A full disk, through the store's own write path: half the blob written, then ENOSPC."""
+    import errno
+
+    s = ContextStore.open(str(tmp_path), "m")
+
+    def full_disk(path, blob):
+        with open(path, "wb") as f:
+            f.write(blob[: len(blob) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(LocalStore, "_write", staticmethod(full_disk))
+    key = s.key([1], "kv2", 0.05)
+    with pytest.raises(StoreUnavailable, match="cannot write an entry: No space left on device") as info:
+        s.save(key, _ctx())
+    assert str(tmp_path) not in str(info.value)
+    assert list(tmp_path.iterdir()) == [] and s.load(key) is None
+
+
+def test_concurrent_writers_of_one_key_never_mix(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = ContextStore.open(str(tmp_path), "m")
+    key = s.key([3], "kv2", 0.05)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: s.save(key, _ctx(i % 2)), range(32)))
+    loaded = s.load(key)  # one writer's whole entry, verified
+    assert loaded is not None and [p.name for p in tmp_path.iterdir()] == [f"{key}.ctx"]
+
+
+def test_stale_temporary_files_are_removed(tmp_path):
+    import os
+
+    s = ContextStore.open(str(tmp_path), "m")
+    stale = tmp_path / f".{'0' * 64}.dead.tmp"
+    stale.write_bytes(b"x" * 100)
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    s.save(s.key([1], "kv2", 0.05), _ctx())
+    assert not stale.exists()
+
+
+def test_unreachable_redis_is_a_prompt_clear_error():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=f"cannot reach Redis at 127.0.0.1:{port}"):
+        ContextStore.open(f"redis://:hunter2@127.0.0.1:{port}/0", "m")
+    assert time.monotonic() - t0 < 10
+
+
+def test_redis_killed_mid_use_fails_fast_and_names_no_secret(tmp_path):
+    import shutil
+    import socket
+    import subprocess
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server not installed (.ci/run installs Debian's redis-server)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--requirepass",
+                             "hunter2", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        (tmp_path / "password").write_text("hunter2")
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("ICEKV_REDIS_PASSWORD_FILE", str(tmp_path / "password"))
+            s = ContextStore.open(f"redis://127.0.0.1:{port}/0", "m")  # the password from the file
+        key = s.key([1], "kv2", 0.05)
+        s.save(key, _ctx())
+        _same(s.load(key), _ctx())
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable) as info:
+            s.load(key)
+        assert time.monotonic() - t0 < 15 and "hunter2" not in str(info.value)
+    finally:
+        proc.kill()
+
+
+def test_redis_maxmemory_below_the_store_limit_caps_the_store(redis_url):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.config_set("maxmemory", 10 << 20)
+    try:
+        s = ContextStore.open(redis_url, "m", max_bytes=8 << 30)
+        assert s.backend.max_bytes == int((10 << 20) * 0.8)
+    finally:
+        client.config_set("maxmemory", 0)
 
 
 def test_lru_eviction_respects_the_size_limit(store):

@@ -23,7 +23,7 @@ from icekv.engine.compression import CompressionJob
 from icekv.engine.backends import DenseAttention, token_source
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
-from icekv.engine.sequence import Cancelled, OnProgress, OnText, Phase, Sequence
+from icekv.engine.sequence import OnProgress, OnText, Phase, Sequence
 from icekv.engine.step import StepRunner
 from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache
@@ -120,10 +120,10 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one step over the running requests; returns the requests that finished in it."""
         work, dropped = self.scheduler.schedule()
-        for seq in dropped:
-            seq.fail(seq.error or Cancelled("request cancelled"))
+        for seq, why in dropped:
+            seq.fail(why)
         self.runner.run(work)
-        finished = dropped + [seq for seq, _ in work if seq.phase is Phase.DONE]
+        finished = [seq for seq, _ in dropped] + [seq for seq, _ in work if seq.phase is Phase.DONE]
         for seq in finished:
             self.scheduler.remove(seq)
             self._retire(seq)

@@ -5,16 +5,19 @@ promised: KV pages for prompt + max_tokens, page-index host memory and compresse
 (:class:`icekv.config.SchedulerConfig`). Each step takes one decode token of every running
 request first, then fills the rest of ``max_step_tokens`` with prompt chunks of the others, so a
 long prompt never holds another request's next token for more than one step. Cancelled requests,
-queued or running, are dropped at the start of the next step.
+queued or running, are dropped at the start of the next step, and so is a request that has waited
+longer than ``max_queue_wait_s`` (busy: a request that needs most of the pool may hold the head of
+the queue, and whoever waits behind it is told to retry rather than left hanging).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from icekv.config import SchedulerConfig
-from icekv.engine.sequence import Sequence
+from icekv.engine.sequence import Cancelled, Sequence
 from icekv.errors import IcekvError
 from icekv.kv import PagedKVCache
 
@@ -51,19 +54,23 @@ class Scheduler:
         with self._lock:
             if len(self.waiting) >= self.cfg.max_waiting:
                 raise BusyError(f"server busy: {len(self.waiting)} requests already waiting, retry later")
+            seq.queued_at = time.monotonic()
             self.waiting.append(seq)
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-        """This step's work [(sequence, tokens)], and the cancelled requests dropped before it."""
+    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, BaseException]]]:
+        """This step's work [(sequence, tokens)], and the requests dropped before it with why."""
+        expired = time.monotonic() - self.cfg.max_queue_wait_s
         with self._lock:
-            dropped = [s for s in self.waiting if s.cancel_requested]
-            self.waiting = deque(s for s in self.waiting if not s.cancel_requested)
+            dropped = [(s, self._drop_reason(s, expired)) for s in self.waiting]
+            dropped = [(s, why) for s, why in dropped if why is not None]
+            gone = {id(s) for s, _ in dropped}
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
             self._admit()
-        dropped += [s for s in self.running if s.cancel_requested]
+        dropped += [(s, s.cancel_error or Cancelled("request cancelled")) for s in self.running if s.cancel_requested]
         self.running = [s for s in self.running if not s.cancel_requested]
         work = [(s, 1) for s in self.running if s.decoding]
         budget = self.cfg.max_step_tokens - len(work)
@@ -73,6 +80,14 @@ class Scheduler:
                 work.append((seq, n))
                 budget -= n
         return work, dropped
+
+    def _drop_reason(self, seq: Sequence, expired: float) -> BaseException | None:
+        if seq.cancel_requested:
+            return seq.cancel_error or Cancelled("request cancelled")
+        if seq.queued_at < expired:
+            return BusyError(f"server busy: waited {self.cfg.max_queue_wait_s:g} s in the queue without "
+                             "enough free memory or a free slot (max_queue_wait_s), retry later")
+        return None
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -66,18 +66,22 @@ class Sequence:
     logits: torch.Tensor | None = None  # [V] after the prompt (kept for a prefill-only request)
     generator: torch.Generator | None = None
     step_s: list[float] = field(default_factory=list)  # each decode step's wall time
+    queued_at: float = 0.0  # time.monotonic() when it entered the scheduler's queue
     t_prefill: float = 0.0
     prefill_s: float = 0.0
     t_decode: float = 0.0
     finish_reason: str = "length"
     result: Generation | Prefilled | None = None
     error: BaseException | None = None
+    cancel_error: BaseException | None = None  # why it was cancelled, when not by its client
     _cancel: threading.Event = field(default_factory=threading.Event)
     _done: threading.Event = field(default_factory=threading.Event)
 
     # ---- called from any thread
-    def cancel(self) -> None:
-        """Ask the engine to drop this request at its next step (queued or running)."""
+    def cancel(self, error: BaseException | None = None) -> None:
+        """Ask the engine to drop this request at its next step (queued or running); it ends with
+        ``error`` (default: Cancelled)."""
+        self.cancel_error = error or self.cancel_error
         self._cancel.set()
 
     @property

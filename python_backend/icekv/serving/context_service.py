@@ -78,18 +78,25 @@ class ContextService:
                                "send one of them, or both agreeing")
         return ContextSpec(key, tuple(ids), request.method, request.kv_budget)
 
-    def find(self, key: str) -> CompressedContext | None:
+    def find(self, key: str, can_compress: bool = False) -> CompressedContext | None:
         """The context under ``key``, held for one request (release it with :meth:`release`), from
-        memory or the store; None when neither has it."""
+        memory or the store; None when neither has it. With ``can_compress`` (the request brought
+        the context itself) an unusable entry or a failing store is a miss too: it is compressed
+        again rather than refused."""
         context = self.shared.acquire(key)
         if context is None and self.store is not None:
             try:
                 stored = self.store.load(key)
             except StoreError as e:
-                raise RequestError(f"context_key {key!r}: {e}") from None
-            except Exception:  # the store itself failed (unreachable Redis, disk error)
-                log.exception("context store lookup failed")
-                raise BusyError("server busy: the context store is unavailable, retry later") from None
+                if not can_compress:
+                    raise RequestError(f"context_key {key!r}: {e}") from None
+                log.warning("stored context refused, compressing it again: %s", e)
+                stored = None
+            except Exception as e:  # the store itself failed (unreachable Redis, disk error)
+                log.error("context store lookup failed: %s", e)
+                if not can_compress:
+                    raise BusyError("server busy: the context store is unavailable, retry later") from None
+                stored = None
             if stored is not None:
                 context = self.shared.add(key, stored)
         if context is not None:

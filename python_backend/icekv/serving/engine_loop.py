@@ -49,6 +49,10 @@ class Sink(Protocol):
         """The final answer of a request that only compressed its context."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread has ended (stopped, or failed beyond recovery): no request can run."""
+
+
 TICK_S = 0.25  # how often the engine thread runs on_tick (metrics updates)
 
 
@@ -84,6 +88,7 @@ class EngineLoop:
         self._to_compress: list[tuple[GenerateRequest, Sink, ContextSpec]] = []
         self._wake = threading.Condition()
         self._stopping = False
+        self.alive = True  # False once the engine thread has ended: every request is refused
         self._loaded: queue.Queue = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._run, args=(make_engine, make_contexts), name="icekv-engine",
                                         daemon=True)
@@ -101,6 +106,7 @@ class EngineLoop:
         try:
             ids = self.engine.tokenizer.encode(request.text)  # outside the lock: the engine thread goes on
             with self._wake:  # the sink is known before the engine thread can step the request
+                self._check_alive()
                 seq = self.engine.submit(ids, request.sampling, request.selection, context, sink.text)
                 self._sinks[seq] = sink
                 if context_key is not None:
@@ -115,8 +121,21 @@ class EngineLoop:
         """Queue a request whose context is not compressed yet: the engine thread compresses it (or
         joins the compression already running for its key), then runs the request over it."""
         with self._wake:
+            self._check_alive()
             self._to_compress.append((request, sink, spec))
             self._wake.notify()
+
+    def check_accepting(self) -> None:
+        """Refuse early, before a request is parsed: EngineStopped, or BusyError when the queue is
+        already full (the scheduler checks again when the request is queued)."""
+        self._check_alive()
+        scheduler = self.engine.scheduler
+        if len(scheduler.waiting) + len(self._to_compress) >= scheduler.cfg.max_waiting:
+            raise BusyError(f"server busy: {len(scheduler.waiting)} requests already waiting, retry later")
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise EngineStopped("internal error: the engine stopped; the server must be restarted")
 
     def stop(self) -> None:
         with self._wake:
@@ -136,32 +155,47 @@ class EngineLoop:
         self._loop()
 
     def _loop(self) -> None:
-        while not self._stopping:
-            with self._wake:
-                idle = self.engine.scheduler.idle and not self.contexts.busy and not self._to_compress
-                if idle and not self._stopping:  # wake each tick, so the last
-                    self._wake.wait(timeout=self._tick_s)  # request's counters reach the metrics
-                sinks = list(self._sinks.items())
-                to_compress, self._to_compress = self._to_compress, []
-            for seq, sink in sinks:
-                if sink.cancelled():
-                    seq.cancel()
-            for request, sink in self.contexts.drop_waiters(lambda waiter: waiter[1].cancelled()):
-                self._fail(sink, Cancelled("request cancelled"))
-            for request, sink, spec in to_compress:
-                self._compress(request, sink, spec)
-            try:
-                finished = self.engine.step()
-                compressed = self.contexts.advance()
-            except Exception:  # a bug outside any one request: fail what is running, keep serving
-                log.exception("engine step failed")
-                finished, compressed = self._fail_all(), []
-            for seq in finished:
-                self._deliver(seq)
-            for key, waiters, context, error in compressed:
-                self._start_waiters(key, waiters, context, error)
-            self._count()
-            self._tick()
+        try:
+            while not self._stopping:
+                try:
+                    self._iterate()
+                except Exception:  # a bug in the loop's own handling: fail what is in flight, serve on
+                    log.exception("serving loop failed: failing the requests in flight")
+                    for seq in self._fail_all():
+                        self._deliver(seq)
+            self._drain()
+        finally:  # normal stop, or even failing the requests failed: nothing may wait forever
+            self._die()
+
+    def _iterate(self) -> None:
+        with self._wake:
+            idle = self.engine.scheduler.idle and not self.contexts.busy and not self._to_compress
+            if idle and not self._stopping:  # wake each tick, so the last
+                self._wake.wait(timeout=self._tick_s)  # request's counters reach the metrics
+            sinks = list(self._sinks.items())
+            to_compress, self._to_compress = self._to_compress, []
+        for seq, sink in sinks:
+            if sink.cancelled():
+                seq.cancel()
+        for request, sink in self.contexts.drop_waiters(lambda waiter: waiter[1].cancelled()):
+            self._fail(sink, Cancelled("request cancelled"))
+        for request, sink, spec in to_compress:
+            self._compress(request, sink, spec)
+        try:
+            finished = self.engine.step()
+            compressed = self.contexts.advance()
+        except Exception:  # a bug outside any one request: fail what is running, keep serving
+            log.exception("engine step failed")
+            finished, compressed = self._fail_all(), []
+        for seq in finished:
+            self._deliver(seq)
+        for key, waiters, context, error in compressed:
+            self._start_waiters(key, waiters, context, error)
+        self._count()
+        self._tick()
+
+    def _drain(self) -> None:
+        """Shutting down: cancel everything and step until the engine holds nothing."""
         for request, sink in self.contexts.cancel_all():
             sink.error("server shutting down", kind="busy")
         for seq in list(self._sinks):
@@ -170,6 +204,23 @@ class EngineLoop:
             for seq in self.engine.step():
                 if seq in self._sinks:
                     self._sinks.pop(seq).error("server shutting down", kind="busy")
+
+    def _die(self) -> None:
+        """The loop has ended: refuse new requests and fail whatever is still waiting on it."""
+        with self._wake:
+            self.alive = False
+            sinks, self._sinks = list(self._sinks.values()), {}
+            queued, self._to_compress = self._to_compress, []
+        sinks += [sink for _, sink, _ in queued]
+        try:
+            sinks += [sink for _, sink in self.contexts.cancel_all()]
+        except Exception:
+            log.exception("could not cancel the running compressions")
+        for sink in sinks:
+            try:
+                sink.error("internal error: the engine stopped", kind="internal")
+            except Exception:
+                log.exception("could not tell a client that the engine stopped")
 
     def _compress(self, request: GenerateRequest, sink: Sink, spec: ContextSpec) -> None:
         """Find ``spec``'s context (another request may have just made it), or compress or join."""
@@ -209,7 +260,7 @@ class EngineLoop:
         for request, sink in self.contexts.cancel_all():
             sink.error("internal error: the engine failed", kind="internal")
         for seq in list(self._sinks):
-            seq.cancel()
+            seq.cancel(RuntimeError("the engine failed while serving this request"))
         try:
             return self.engine.step()
         except Exception:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,6 +30,15 @@ NGC_ROOT = Path("/opt/tritonserver")
 
 class ServerError(IcekvError):
     """tritonserver could not be found, started or reached."""
+
+
+# Triton APIs closed to clients without the admin header: model configs (local paths, settings),
+# shared-memory registration, repository control, statistics, trace and log settings.
+RESTRICTED_APIS = "model-config,shared-memory,model-repository,statistics,trace,logging"
+ADMIN_HEADER = "icekv-admin-key"
+ADMIN_KEY_FILE_ENV = "ICEKV_ADMIN_KEY_FILE"  # a mounted secret; without it a random key (admin APIs unusable)
+EXIT_TIMEOUT_S = 30  # Triton's own wait for in-flight requests and the model's unload at shutdown
+STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 10  # then the launcher kills it (the pod's grace period must exceed this)
 
 
 def stop_process_group(process: subprocess.Popen | None, timeout_s: float) -> None:
@@ -106,9 +116,13 @@ class TritonServer:
     metrics_port: int = 0
     startup_timeout_s: float = 300.0
     log_path: Path | None = None
+    admin_key: str | None = None  # header value that opens the admin APIs; None: $ICEKV_ADMIN_KEY_FILE or random
     process: subprocess.Popen | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        if self.admin_key is None:
+            path = os.environ.get(ADMIN_KEY_FILE_ENV)
+            self.admin_key = Path(path).read_text().strip() if path else secrets.token_hex(16)
         self.http_port = self.http_port or free_port()
         self.grpc_port = self.grpc_port or free_port()
         self.metrics_port = self.metrics_port or free_port()
@@ -133,8 +147,11 @@ class TritonServer:
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-on-error=true",
-            "--exit-timeout-secs=60",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             "--log-verbose=0",
+            # clients reach inference, health and metadata; the rest only with the admin header
+            f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
         ]
 
     def environment(self, install: TritonInstall) -> dict[str, str]:
@@ -179,7 +196,7 @@ class TritonServer:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 90.0) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM (Triton drains and unloads the model), then SIGKILL if it hangs."""
         stop_process_group(self.process, timeout_s)
         if getattr(self, "_log", None):

@@ -122,9 +122,10 @@ def _context(fields: dict[str, Any], cfg: CompressionConfig) -> ContextRequest |
     method = _str("kv_method", fields.get("kv_method", cfg.method))
     if method not in COMPRESSORS:
         raise RequestError(f"unknown kv_method {method!r}; choose from {', '.join(COMPRESSORS)}")
-    budget = round(_float("kv_budget", fields.get("kv_budget", cfg.kv_budget)), 6)  # fp32 input -> the CLI's key
-    if not (0 < budget <= 1):
-        raise RequestError(f"kv_budget must be in (0, 1], got {budget}")
+    sent = _float("kv_budget", fields.get("kv_budget", cfg.kv_budget))
+    budget = round(sent, 6)  # an fp32 input, rounded as the CLI's decimal flag: one key for both
+    if not (0 < sent <= 1) or budget == 0:
+        raise RequestError(f"kv_budget must be in (0, 1] and at least 1e-06, got {sent:g}")
     if "context" in fields:
         text = _str("context", fields["context"])
         if not text.strip():
@@ -141,6 +142,11 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
     chat_prompt: renders ``messages`` with the model's chat template (Engine.chat_prompt)."""
     fields = {k: v for k, v in params.items() if k in INPUT_NAMES}
     fields.update({k: _scalar(v) for k, v in inputs.items() if v is not None})
+    for name in ("text_input", "messages", "context"):
+        size = len(fields[name]) if isinstance(fields.get(name), (str, bytes)) else 0
+        if size > cfg.max_input_bytes:
+            raise RequestError(f"{name} is {size} bytes, above this server's limit of {cfg.max_input_bytes} "
+                               "(max_input_bytes)")
     text = _prompt(fields, chat_prompt)
     max_tokens = _int("max_tokens", fields.get("max_tokens", cfg.default_max_tokens))
     if max_tokens < 1:

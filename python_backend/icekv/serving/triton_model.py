@@ -19,7 +19,7 @@ from icekv.serving.error_kinds import tag
 from icekv.serving.repository import INPUTS
 from icekv.serving.request import RequestError, parse_request
 from icekv.serving.context_service import ContextService
-from icekv.serving.engine_loop import BusyError, EngineLoop
+from icekv.serving.engine_loop import BusyError, EngineLoop, EngineStopped
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,7 @@ class TritonModel:
         for request in requests:
             sink = TritonSink(self.pb, request.get_response_sender())
             try:
+                self.loop.check_accepting()  # cheap refusals before any parsing or tokenizing
                 inputs = {}
                 for name, *_ in INPUTS:
                     tensor = self.pb.get_input_tensor_by_name(request, name)
@@ -192,6 +193,11 @@ class TritonModel:
                 sink.error(str(e), kind="busy")
             except (IcekvError, json.JSONDecodeError) as e:
                 sink.error(str(e), kind="client")
+            except EngineStopped as e:
+                sink.error(str(e), kind="internal")
+            except Exception:  # our bug: the client learns only that, the log has the rest
+                log.exception("request handling failed")
+                sink.error("internal error", kind="internal")
         return None
 
     def _contexts(self, engine: Engine) -> ContextService:
@@ -208,7 +214,7 @@ class TritonModel:
         contexts = self.loop.contexts
         if req.context is not None:
             spec = contexts.spec(req.context, req.context_key)
-            context = contexts.find(spec.key)
+            context = contexts.find(spec.key, can_compress=True)
             if context is None:
                 if req.text is not None:  # refuse now what would fail after the compression
                     self.engine.check_request(len(self.engine.tokenizer.encode(req.text)), req.sampling.max_tokens,

@@ -1,13 +1,16 @@
-"""The on-store format of a compressed context: one safetensors blob, versioned and checksummed.
+"""The on-store format of a compressed context: one safetensors blob, versioned and signed.
 
 Metadata carries the format version, the entry's key, the model id, how it was compressed and a
-sha256 over every tensor's bytes; :func:`decode` refuses anything that does not match, so a
-corrupt or foreign entry is never used.
+digest over the metadata and every tensor's bytes: a sha256, or with a store key (a secret shared
+by the replicas) an HMAC-SHA256, so that whoever can write the store but lacks the key cannot
+plant a context. :func:`decode` refuses anything that does not match, so a corrupt, foreign or
+forged entry is never used.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 
 import torch
@@ -17,12 +20,21 @@ from icekv.compress.compressed import CompressedContext, CompressedLayer
 from icekv.errors import IcekvError
 
 FORMAT = "icekv-compressed-context"
-VERSION = "1"
+VERSION = "2"
 FIELDS = ("k", "v", "page_len", "positions", "head_indptr")
 
 
 class StoreError(IcekvError):
-    """A stored entry is missing, corrupt, foreign or of another version."""
+    """A stored entry is invalid for this reader: foreign, of another version, unsigned, or its key
+    malformed. Left in the store (another reader may own it); never used."""
+
+
+class CorruptEntry(StoreError):
+    """A stored entry is unreadable or fails its digest: deleted when found."""
+
+
+class StoreUnavailable(IcekvError):
+    """The store itself failed (Redis unreachable or timing out, a disk error): retry later."""
 
 
 def context_key(model_id: str, token_ids: list[int], method: str, kv_budget: float, settings: dict | None = None) -> str:
@@ -41,38 +53,52 @@ def check_key(key: str) -> str:
     return key
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
+def _digest(meta: dict[str, str], tensors: dict[str, torch.Tensor], secret: bytes | None) -> str:
+    """sha256 (no secret) or HMAC-SHA256 over the metadata (all but the digest) and every tensor."""
+    digest = hmac.new(secret, digestmod=hashlib.sha256) if secret else hashlib.sha256()
+    digest.update(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
     for name in sorted(tensors):
         digest.update(name.encode())
         digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
-def encode(ctx: CompressedContext, key: str, model_id: str) -> bytes:
+def _scheme(secret: bytes | None) -> str:
+    return "hmac-sha256" if secret else "sha256"
+
+
+def encode(ctx: CompressedContext, key: str, model_id: str, secret: bytes | None = None) -> bytes:
+    """The entry's bytes, signed with ``secret`` when given."""
     tensors = {f"{i}.{f}": getattr(layer, f).contiguous() for i, layer in enumerate(ctx.layers) for f in FIELDS}
     meta = {"format": FORMAT, "version": VERSION, "key": key, "model_id": model_id, "method": ctx.method,
             "kv_budget": repr(ctx.kv_budget), "length": str(ctx.length), "page_size": str(ctx.page_size),
-            "layers": str(len(ctx.layers)), "full_bytes": str(ctx.full_bytes), "sha256": _checksum(tensors)}
+            "layers": str(len(ctx.layers)), "full_bytes": str(ctx.full_bytes), "digest_scheme": _scheme(secret)}
+    meta["digest"] = _digest(meta, tensors, secret)
     return save(tensors, metadata=meta)
 
 
-def decode(blob: bytes, key: str, model_id: str) -> CompressedContext:
-    """Parse and verify an entry; raises StoreError naming what is wrong."""
+def decode(blob: bytes, key: str, model_id: str, secret: bytes | None = None) -> CompressedContext:
+    """Parse and verify an entry (its HMAC under ``secret`` when given); raises StoreError (or
+    CorruptEntry) naming what is wrong."""
     try:
         n_header = int.from_bytes(blob[:8], "little")
         meta = json.loads(blob[8 : 8 + n_header]).get("__metadata__", {})
         tensors = load(blob)
     except Exception as e:
-        raise StoreError(f"entry {key[:12]}... is not a readable safetensors blob ({type(e).__name__})") from None
+        raise CorruptEntry(f"entry {key[:12]}... is not a readable safetensors blob ({type(e).__name__})") from None
     if meta.get("format") != FORMAT:
         raise StoreError(f"entry {key[:12]}... is not an icekv compressed context")
     if meta.get("version") != VERSION:
         raise StoreError(f"entry {key[:12]}... has format version {meta.get('version')}, this icekv reads {VERSION}")
     if meta.get("key") != key or meta.get("model_id") != model_id:
         raise StoreError(f"entry {key[:12]}... belongs to another context or model")
-    if _checksum(tensors) != meta.get("sha256"):
-        raise StoreError(f"entry {key[:12]}... is corrupt (checksum mismatch)")
+    if meta.get("digest_scheme") != _scheme(secret):
+        raise StoreError(f"entry {key[:12]}... is signed with {meta.get('digest_scheme')}, this store expects "
+                         f"{_scheme(secret)} (is the store key set alike on every replica?)")
+    if not hmac.compare_digest(_digest(meta, tensors, secret), str(meta.get("digest"))):
+        if secret:  # forged, or another key: not ours to delete
+            raise StoreError(f"entry {key[:12]}... is not signed with this store's key")
+        raise CorruptEntry(f"entry {key[:12]}... is corrupt (digest mismatch)")
     layers = [CompressedLayer(**{f: tensors[f"{i}.{f}"] for f in FIELDS}) for i in range(int(meta["layers"]))]
     return CompressedContext(int(meta["length"]), int(meta["page_size"]), layers, meta["method"],
                              float(meta["kv_budget"]), int(meta["full_bytes"]))

@@ -13,6 +13,9 @@ from icekv.config import OpenAIConfig
 from icekv.serving.launcher import ServerError, stop_process_group
 
 
+FRONTEND_STOP_TIMEOUT_S = 10.0  # then it is killed; icekv serve stops it before tritonserver
+
+
 @dataclass
 class OpenAIFrontendProcess:
     """``python -m icekv.serving.openai`` with ``config``; a context manager, or start()/stop()."""
@@ -51,7 +54,7 @@ class OpenAIFrontendProcess:
         self.stop()
         raise ServerError(f"the OpenAI frontend did not answer on {self.url} within {self.startup_timeout_s:.0f} s")
 
-    def stop(self, timeout_s: float = 15.0) -> None:
+    def stop(self, timeout_s: float = FRONTEND_STOP_TIMEOUT_S) -> None:
         stop_process_group(self.process, timeout_s)
         if self.log_path and getattr(self, "_log", None):
             self._log.close()

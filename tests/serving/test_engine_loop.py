@@ -1,0 +1,66 @@
+"""The serving engine thread survives its own bugs: a failure in its handling fails the requests in
+flight and the next ones are served; if even that fails, every waiting client is told and new
+requests are refused (real engine, real model)."""
+
+import pytest
+
+from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.engine import Engine
+from icekv.serving.engine_loop import EngineLoop, EngineStopped
+from icekv.serving.request import GenerateRequest
+from tests.serving.test_admission import ListSink
+
+pytestmark = pytest.mark.model
+
+
+def _request(max_tokens: int = 4) -> GenerateRequest:
+    return GenerateRequest("The capital of France is", SamplingConfig(max_tokens=max_tokens),
+                           SelectionConfig(policy="full"), stream=True, context_key=None)
+
+
+@pytest.fixture
+def loop(smollm2_dir):
+    made = EngineLoop(lambda: Engine(EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_running=2))))
+    yield made
+    made.stop()
+
+
+def _broken_once_while_running(loop, method):
+    failed = []
+
+    def broken(*args, **kwargs):
+        if loop.engine.scheduler.running and not failed:
+            failed.append(True)
+            raise RuntimeError("a bug in the loop's bookkeeping")
+        return method(*args, **kwargs)
+    return broken
+
+
+def test_a_failure_in_the_loop_fails_the_requests_in_flight_and_serving_goes_on(loop, monkeypatch):
+    monkeypatch.setattr(loop, "_count", _broken_once_while_running(loop, loop._count))
+    first = ListSink(loop)
+    loop.submit(_request(max_tokens=40), first)
+    assert first.finished.wait(120)
+    assert first.failure is not None and first.failure[0] == "internal"
+    second = ListSink(loop)
+    loop.submit(_request(), second)
+    assert second.finished.wait(120)
+    assert second.failure is None and second.result.text.strip().startswith("Paris")
+    assert loop.alive and loop.engine.cache.allocator.num_free == loop.engine.cache.allocator.num_pages
+
+
+def test_a_loop_that_cannot_recover_tells_every_client_and_refuses_new_requests(loop, monkeypatch):
+    def always_broken(*args, **kwargs):
+        raise RuntimeError("broken beyond repair")
+
+    monkeypatch.setattr(loop, "_count", always_broken)
+    monkeypatch.setattr(loop, "_fail_all", always_broken)
+    waiting = ListSink(loop)
+    loop.submit(_request(max_tokens=40), waiting)
+    assert waiting.finished.wait(120)
+    assert waiting.failure == ("internal", "internal error: the engine stopped")
+    assert not loop.alive
+    with pytest.raises(EngineStopped, match="the engine stopped"):
+        loop.check_accepting()
+    with pytest.raises(EngineStopped):
+        loop.submit(_request(), ListSink(loop))
