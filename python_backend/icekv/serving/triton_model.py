@@ -41,7 +41,12 @@ class TritonSink:
         try:
             self.sender.send(response, flags=flags)
         except Exception as e:  # the client went away: nothing to deliver to
-            log.info("could not send a response: %s", e)
+            log.warning("could not send a response: %s", e)
+            if final:  # the final flag alone still closes the request, which Triton waits for to unload
+                try:
+                    self.sender.send(flags=flags)
+                except Exception as again:
+                    log.warning("could not close the request: %s", again)
         if final:  # Triton frees a request's response factory with its sender; until then the
             self.sender = None  # model counts as in use and cannot unload
 
