@@ -357,19 +357,22 @@ class ServingConfig:
 
 @dataclass(frozen=True)
 class OpenAIConfig:
-    """The OpenAI-compatible frontend: where it listens, which Triton model it forwards to, its limits."""
+    """icekv's HTTP frontend (the OpenAI API and Triton's generate extension): where it listens,
+    which Triton model it forwards to, its limits."""
 
     triton_grpc_url: str = "127.0.0.1:8001"
     model: str = "icekv"  # the Triton model, and the model id clients name
     host: str = "127.0.0.1"
     port: int = 9000
+    extra_ports: tuple[int, ...] = ()  # more ports serving the same routes (icekv serve: the HTTP port)
     max_body_bytes: int = 4 << 20  # larger bodies get a 413 before they are read
     max_stop_sequences: int = ServingConfig.max_stop_sequences
     request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not (1 <= self.port <= 65535):
-            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        for port in (self.port, *self.extra_ports):
+            if not (1 <= port <= 65535):
+                raise ConfigError(f"port must be in 1..65535, got {port}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_stop_sequences < 0:

@@ -150,31 +150,34 @@ def _cmd_serve(args) -> int:
     from icekv.serving.openai.process import OpenAIFrontendProcess
 
     params = _serving_parameters(args)
+    if args.openai_port is not None and args.openai_port == args.http_port:
+        raise IcekvError("--openai-port and --http-port must differ (the HTTP port serves both APIs already)")
     if args.model_repository is not None and params:
         raise IcekvError("--model-repository is served as is: set parameters in its config.pbtxt, not with flags")
-    server = TritonServer(params, args.model_repository, args.host, args.http_port, args.grpc_port, args.metrics_port)
-    frontend = None
-    if args.openai_port is not None:
-        local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        frontend = OpenAIFrontendProcess(OpenAIConfig(triton_grpc_url=f"{local}:{server.grpc_port}", host=args.host,
-                                                      port=args.openai_port))
+    # Triton's own HTTP stays on loopback: clients reach its generate API through icekv's frontend
+    # on --http-port, which bounds every body (tritonserver dies on a generate body past ~4 MiB)
+    server = TritonServer(params, args.model_repository, args.host, http_host="127.0.0.1", grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port)
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    frontend = OpenAIFrontendProcess(OpenAIConfig(
+        triton_grpc_url=f"{local}:{server.grpc_port}", host=args.host, port=args.http_port,
+        extra_ports=(args.openai_port,) if args.openai_port is not None else ()))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         server.start()
-        where = f"HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}"
-        if frontend is not None:
-            frontend.start()
-            where += f", OpenAI API {frontend.url}/v1"
+        frontend.start()
+        where = f"HTTP {args.host}:{args.http_port}, gRPC {server.grpc_url}, metrics {server.metrics_url}"
+        if args.openai_port is not None:
+            where += f", OpenAI API http://{args.host}:{args.openai_port}/v1"
         print(f"icekv serving: {where}", file=sys.stderr)
         while not stop.wait(1.0):
             if server.process.poll() is not None:
                 raise IcekvError(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
-            if frontend is not None and frontend.process.poll() is not None:
-                raise IcekvError(f"the OpenAI frontend exited with {frontend.process.returncode}")
+            if frontend.process.poll() is not None:
+                raise IcekvError(f"the HTTP frontend exited with {frontend.process.returncode}")
     finally:
-        if frontend is not None:
-            frontend.stop()
+        frontend.stop()
         server.stop()
     return 0

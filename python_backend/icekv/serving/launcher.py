@@ -111,6 +111,7 @@ class TritonServer:
     parameters: dict[str, str] = field(default_factory=dict)  # config.pbtxt parameter overrides
     model_repository: Path | None = None  # None: write one into the work dir
     host: str = "127.0.0.1"
+    http_host: str | None = None  # where Triton's own HTTP listens (None: host); icekv serve: loopback
     http_port: int = 0  # 0: pick a free port
     grpc_port: int = 0
     metrics_port: int = 0
@@ -130,7 +131,7 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
+        return f"{self.http_host or self.host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
@@ -143,7 +144,7 @@ class TritonServer:
     def command(self, install: TritonInstall, repo: Path) -> list[str]:
         return [
             str(install.binary), f"--model-repository={repo}", f"--backend-directory={install.backend_dir}",
-            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--http-address={self.http_host or self.host}", f"--http-port={self.http_port}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-on-error=true",

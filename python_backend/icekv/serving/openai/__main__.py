@@ -15,21 +15,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=OpenAIConfig.model, help="the Triton model, and the id clients send")
     parser.add_argument("--host", default=OpenAIConfig.host)
     parser.add_argument("--port", type=int, default=OpenAIConfig.port)
+    parser.add_argument("--extra-port", type=int, action="append", default=[], help="another port, same routes")
     parser.add_argument("--max-body-bytes", type=int, default=OpenAIConfig.max_body_bytes)
     parser.add_argument("--request-timeout-s", type=float, default=OpenAIConfig.request_timeout_s)
     args = parser.parse_args(argv)
     try:
         config = OpenAIConfig(triton_grpc_url=args.triton_grpc_url, model=args.model, host=args.host, port=args.port,
-                              max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s)
+                              extra_ports=tuple(args.extra_port), max_body_bytes=args.max_body_bytes,
+                              request_timeout_s=args.request_timeout_s)
     except IcekvError as e:
         print(f"icekv openai frontend: error: {e}", file=sys.stderr)
         return 2
+    import asyncio
+    import socket
+
     import uvicorn
 
     from icekv.serving.openai.app import create_app
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
-                timeout_graceful_shutdown=5, server_header=False)
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    try:
+        sockets = [socket.create_server((config.host, port), family=family)
+                   for port in (config.port, *config.extra_ports)]
+    except OSError as e:
+        print(f"icekv openai frontend: error: cannot listen on {config.host}: {e.strerror}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning", timeout_graceful_shutdown=5,
+                                           server_header=False))
+    asyncio.run(server.serve(sockets=sockets))
     return 0
 
 

@@ -1,8 +1,9 @@
-"""The OpenAI-compatible HTTP API (Starlette), forwarding every request to the icekv Triton model.
+"""icekv's HTTP frontend (Starlette), forwarding every request to the icekv Triton model over gRPC.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent events when
-``stream`` is true), ``GET /v1/models``, ``GET /health``. Every error is OpenAI-shaped. A client
-that disconnects, streaming or not, cancels its Triton request.
+The OpenAI-compatible API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent
+events when ``stream`` is true), ``GET /v1/models``, ``GET /health``, every error OpenAI-shaped;
+and Triton's generate extension (:mod:`icekv.serving.openai.generate_api`). A client that
+disconnects, streaming or not, cancels its Triton request.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.routing import Route
 
 from icekv.config import OpenAIConfig
 from icekv.serving.client import Final
+from icekv.serving.openai.generate_api import GenerateAPI
 from icekv.serving.openai.protocol import ChatCompletionBody, CompletionBody, OpenAIError, parse_body
 from icekv.serving.openai.triton_bridge import TritonBridge
 
@@ -136,6 +138,7 @@ class OpenAIFrontend:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            *GenerateAPI(self).routes(),
         ]
         handlers = {OpenAIError: _openai_error, HTTPException: _http_error, ClientDisconnect: _client_gone}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
@@ -156,21 +159,35 @@ class OpenAIFrontend:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, CompletionBody, _Kind(chat=False))
 
+    # ---- shared by both APIs
+    async def read_body(self, request: Request) -> bytes:
+        return await _read_body(request, self.config.max_body_bytes)
+
+    def pieces(self, fields: dict) -> AsyncIterator:
+        """One Triton request's text pieces, then its Final, within the request timeout."""
+        return self._timed(self.bridge.generate(fields))
+
+    async def collect_unless_disconnected(self, request: Request, pieces: AsyncIterator) -> tuple[str, Final]:
+        return await _unless_disconnected(request, self._collect(pieces))
+
+    async def first_unless_disconnected(self, request: Request, pieces: AsyncIterator):
+        """The first piece: a refused request then gets its status code, not a 200 stream."""
+        return await _unless_disconnected(request, anext(pieces))
+
     # ---- generation
     async def _generate(self, request: Request, body_model, kind: _Kind) -> Response:
-        raw = await _read_body(request, self.config.max_body_bytes)
+        raw = await self.read_body(request)
         body = parse_body(body_model, raw, self.config.max_stop_sequences)
         if body.model != self.config.model:
             raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves "
                               f"{self.config.model!r}", "model", "model_not_found")
-        pieces = self._timed(self.bridge.generate(body.triton_fields()))
+        pieces = self.pieces(body.triton_fields())
         meta = {"id": f"{kind.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model}
         if not body.stream:
-            text, final = await _unless_disconnected(request, self._collect(pieces))
+            text, final = await self.collect_unless_disconnected(request, pieces)
             return JSONResponse({**meta, "object": kind.object, "choices": [kind.choice(text, final.finish_reason)],
                                  "usage": _usage(final), "icekv": _icekv_stats(final)})
-        # wait for the first piece so that a refused request gets its status code, not a 200 stream
-        first = await _unless_disconnected(request, anext(pieces))
+        first = await self.first_unless_disconnected(request, pieces)
         return StreamingResponse(self._events(first, pieces, meta, kind, body.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

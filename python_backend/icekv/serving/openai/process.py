@@ -33,7 +33,7 @@ class OpenAIFrontendProcess:
         c = self.config
         return [sys.executable, "-m", "icekv.serving.openai", f"--triton-grpc-url={c.triton_grpc_url}",
                 f"--model={c.model}", f"--host={c.host}", f"--port={c.port}", f"--max-body-bytes={c.max_body_bytes}",
-                f"--request-timeout-s={c.request_timeout_s}"]
+                f"--request-timeout-s={c.request_timeout_s}", *(f"--extra-port={p}" for p in c.extra_ports)]
 
     def start(self) -> "OpenAIFrontendProcess":
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL

@@ -25,6 +25,12 @@ class TritonBridge:
         self.model = model
         self._client = grpcclient.InferenceServerClient(url)
 
+    async def live(self) -> bool:
+        try:
+            return bool(await self._client.is_server_live())
+        except Exception:  # unreachable server: not live
+            return False
+
     async def ready(self) -> bool:
         try:
             return bool(await self._client.is_model_ready(self.model))
