@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 
 import pytest
 import torch
@@ -47,22 +43,10 @@ def essays_text(assets) -> str:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A real redis-server on loopback (no persistence), for the store and serving tests."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not installed (.ci/run installs Debian's redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield f"redis://127.0.0.1:{port}/0"
+    from tests.redis_server import start_redis
+
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
     proc.terminate()
     proc.wait(10)
 

@@ -24,19 +24,13 @@ def test_stop_string_is_cut_and_never_emitted():
 
 
 def _reference(tokenizer, ids, stop):
-    """The plain definition: decode everything so far at each token, cut at the first stop string,
-    hold back an incomplete character or a possible stop start. (text emitted, stopped)."""
-    emitted = ""
+    """The plain definition: decode everything so far at each token and cut at the first stop string;
+    once generation ends, everything. (text emitted, stopped)."""
     for n in range(1, len(ids) + 1):
         full = tokenizer.decode(ids[:n])
         cuts = [full.find(s) for s in stop if s and s in full]
         if cuts:
             return full[:min(cuts)], True
-        if full.endswith("\ufffd"):
-            continue
-        hold = max((k for s in stop for k in range(min(len(s) - 1, len(full)), 0, -1) if full.endswith(s[:k])),
-                   default=0)
-        emitted = full[:len(full) - hold]
     return tokenizer.decode(ids), False
 
 

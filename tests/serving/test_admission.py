@@ -1,8 +1,6 @@
 """Admission counts the page index's host memory as well as the KV pages (real engine, real model),
 through the serving engine thread."""
 
-import threading
-
 import pytest
 
 from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
@@ -11,30 +9,7 @@ from icekv.errors import IcekvError
 from icekv.serving.engine_loop import EngineLoop
 from icekv.serving.request import GenerateRequest
 from icekv.sizing import index_bytes
-
-
-class ListSink:
-    """Collects one request's results; ``seen_active``: the most requests active while it streamed."""
-
-    def __init__(self, loop: EngineLoop):
-        self.loop, self.texts, self.result, self.failure = loop, [], None, None
-        self.finished = threading.Event()
-        self.seen_active = 0
-
-    def cancelled(self) -> bool:
-        return False
-
-    def text(self, delta: str) -> None:
-        self.texts.append(delta)
-        self.seen_active = max(self.seen_active, len(self.loop.engine.scheduler.running))
-
-    def done(self, result) -> None:
-        self.result = result
-        self.finished.set()
-
-    def error(self, message: str, kind: str) -> None:
-        self.failure = (kind, message)
-        self.finished.set()
+from tests.serving.sinks import RecordingSink
 
 
 def _request(essays_text, policy: str, words: int = 250, max_tokens: int = 6) -> GenerateRequest:
@@ -67,8 +42,8 @@ def test_a_request_whose_index_could_never_fit_is_refused_up_front(engine, essay
     ice = _request(essays_text, "icecache")
     assert _estimate(engine, ice) > 1 << 20
     with pytest.raises(IcekvError, match="max_index_bytes"):
-        loop.submit(ice, ListSink(loop))
-    streaming = ListSink(loop)  # no index: the same prompt is served
+        loop.submit(ice, RecordingSink(loop))
+    streaming = RecordingSink(loop)  # no index: the same prompt is served
     loop.submit(_request(essays_text, "streaming"), streaming)
     assert streaming.finished.wait(120) and streaming.failure is None
     assert streaming.result.new_tokens == 6
@@ -78,7 +53,7 @@ def test_requests_wait_for_index_memory_then_all_complete(engine, essays_text, l
     first, second = _request(essays_text, "icecache"), _request(essays_text, "icecache", words=240)
     one = max(_estimate(engine, first), _estimate(engine, second))
     loop = loop_for(int(1.5 * one))  # room for one index at a time (KV pages: plenty)
-    sinks = [ListSink(loop), ListSink(loop)]
+    sinks = [RecordingSink(loop), RecordingSink(loop)]
     loop.submit(first, sinks[0])
     loop.submit(second, sinks[1])
     for sink in sinks:

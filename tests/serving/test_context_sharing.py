@@ -1,7 +1,6 @@
 """Reusable contexts through the serving engine thread (real engine, real model, no Triton):
 compressed once per key however many requests ask, shared, released, cancelled, failed cleanly."""
 
-import threading
 import time
 
 import pytest
@@ -14,39 +13,11 @@ from icekv.serving.engine_loop import EngineLoop
 from icekv.serving.request import ContextRequest, GenerateRequest
 from icekv.serving.shared_contexts import SharedContexts
 from icekv.store import ContextStore
+from tests.serving.sinks import RecordingSink
 
 pytestmark = pytest.mark.model
 QUESTION = "\nWhat is the special magic number for amber-falcon mentioned in the provided text? " \
            "The special magic number for amber-falcon mentioned in the provided text is"
-
-
-class ContextSink:
-    def __init__(self, cancel: bool = False):
-        self.result = self.failure = self.ready = None
-        self.context_key = self.context_cache = ""
-        self.cancel = cancel
-        self.finished = threading.Event()
-
-    def cancelled(self) -> bool:
-        return self.cancel
-
-    def text(self, delta: str) -> None:
-        pass
-
-    def done(self, result) -> None:
-        self.result = result
-        self.finished.set()
-
-    def error(self, message: str, kind: str) -> None:
-        self.failure = (kind, message)
-        self.finished.set()
-
-    def context_used(self, key: str, status: str) -> None:
-        self.context_key, self.context_cache = key, status
-
-    def context_ready(self, key: str, context) -> None:
-        self.ready = context
-        self.finished.set()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +45,7 @@ def loop(smollm2_dir, tmp_path):
 def _ask(loop, document, question=QUESTION, method="kv2", cancel=False):
     req = GenerateRequest(question, SamplingConfig(max_tokens=8), SelectionConfig(policy="full"), False, None,
                           ContextRequest(document, None, method, 0.25))
-    sink = ContextSink(cancel)
+    sink = RecordingSink(cancel=cancel)
     spec = loop.contexts.spec(req.context, None)
     context = loop.contexts.find(spec.key)
     if context is None:
@@ -135,7 +106,7 @@ def test_a_compression_nobody_waits_for_is_cancelled(loop, document):
 def test_compress_only_returns_the_context(loop, document):
     req = GenerateRequest(None, SamplingConfig(), SelectionConfig(policy="full"), False, None,
                           ContextRequest(document, None, "snapkv", 0.25))
-    sink = ContextSink()
+    sink = RecordingSink()
     spec = loop.contexts.spec(req.context, None)
     loop.submit_compression(req, sink, spec)
     assert sink.finished.wait(300) and sink.ready is not None and sink.context_cache == "compressed"

@@ -8,7 +8,7 @@ from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, Selectio
 from icekv.engine import Engine
 from icekv.serving.engine_loop import EngineLoop, EngineStopped
 from icekv.serving.request import GenerateRequest
-from tests.serving.test_admission import ListSink
+from tests.serving.sinks import RecordingSink
 
 pytestmark = pytest.mark.model
 
@@ -38,11 +38,11 @@ def _broken_once_while_running(loop, method):
 
 def test_a_failure_in_the_loop_fails_the_requests_in_flight_and_serving_goes_on(loop, monkeypatch):
     monkeypatch.setattr(loop, "_count", _broken_once_while_running(loop, loop._count))
-    first = ListSink(loop)
+    first = RecordingSink(loop)
     loop.submit(_request(max_tokens=40), first)
     assert first.finished.wait(120)
     assert first.failure is not None and first.failure[0] == "internal"
-    second = ListSink(loop)
+    second = RecordingSink(loop)
     loop.submit(_request(), second)
     assert second.finished.wait(120)
     assert second.failure is None and second.result.text.strip().startswith("Paris")
@@ -55,7 +55,7 @@ def test_a_loop_that_cannot_recover_tells_every_client_and_refuses_new_requests(
 
     monkeypatch.setattr(loop, "_count", always_broken)
     monkeypatch.setattr(loop, "_fail_all", always_broken)
-    waiting = ListSink(loop)
+    waiting = RecordingSink(loop)
     loop.submit(_request(max_tokens=40), waiting)
     assert waiting.finished.wait(120)
     assert waiting.failure == ("internal", "internal error: the engine stopped")
@@ -63,4 +63,4 @@ def test_a_loop_that_cannot_recover_tells_every_client_and_refuses_new_requests(
     with pytest.raises(EngineStopped, match="the engine stopped"):
         loop.check_accepting()
     with pytest.raises(EngineStopped):
-        loop.submit(_request(), ListSink(loop))
+        loop.submit(_request(), RecordingSink(loop))

@@ -1,7 +1,6 @@
 """The OpenAI-compatible frontend with the official ``openai`` client, against a real tritonserver."""
 
 import json
-import time
 import urllib.error
 import urllib.request
 

@@ -170,29 +170,14 @@ def test_unreachable_redis_is_a_prompt_clear_error():
 
 
 def test_redis_killed_mid_use_fails_fast_and_names_no_secret(tmp_path):
-    import shutil
-    import socket
-    import subprocess
+    from tests.redis_server import start_redis
 
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not installed (.ci/run installs Debian's redis-server)")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--requirepass",
-                             "hunter2", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    proc, url = start_redis(tmp_path, "--requirepass", "hunter2")
     try:
         (tmp_path / "password").write_text("hunter2")
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
         with pytest.MonkeyPatch.context() as env:
             env.setenv("ICEKV_REDIS_PASSWORD_FILE", str(tmp_path / "password"))
-            s = ContextStore.open(f"redis://127.0.0.1:{port}/0", "m")  # the password from the file
+            s = ContextStore.open(url, "m")  # the password from the file
         key = s.key([1], "kv2", 0.05)
         s.save(key, _ctx())
         _same(s.load(key), _ctx())
