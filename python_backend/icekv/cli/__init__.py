@@ -119,11 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run tritonserver with the icekv model until SIGINT/SIGTERM")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
-    serve.add_argument("--http-port", type=_positive_int("--http-port"), default=8000)
+    serve.add_argument("--http-port", type=_positive_int("--http-port"), default=8000,
+                       help="Triton's generate API and health routes (and the OpenAI API), served by icekv's "
+                            "frontend with bounded bodies; tritonserver's own HTTP stays on loopback")
     serve.add_argument("--grpc-port", type=_positive_int("--grpc-port"), default=8001)
     serve.add_argument("--metrics-port", type=_positive_int("--metrics-port"), default=8002)
     serve.add_argument("--openai-port", type=_positive_int("--openai-port"), default=None,
-                       help="also serve the OpenAI-compatible API (/v1/chat/completions, ...) on this port")
+                       help="also listen on this port (the OpenAI API's usual place; it serves /v1 and /v2)")
     serve.add_argument("--model-repository", type=Path, default=None,
                        help="serve this repository as is (default: generate one from the flags below)")
     _serving_flags(serve)
