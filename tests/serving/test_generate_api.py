@@ -77,6 +77,11 @@ def test_oversize_and_malformed_bodies_are_refused_and_the_server_lives_on(front
     assert post(front, GEN, {"text_input": "Hi", "max_tokens": 2})[0] == 200
 
 
+def test_a_health_request_is_answered_at_once_by_the_engine_thread_check(server):
+    status, out = post(server, GEN, {"health": True})
+    assert status == 200 and out["finish_reason"] == "healthy" and out["new_tokens"] == 0
+
+
 def test_health_routes(front):
     assert _get(front, "/v2/health/live") == 200
     assert _get(front, "/v2/health/ready") == 200

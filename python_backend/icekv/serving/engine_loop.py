@@ -106,7 +106,7 @@ class EngineLoop:
         try:
             ids = self.engine.tokenizer.encode(request.text)  # outside the lock: the engine thread goes on
             with self._wake:  # the sink is known before the engine thread can step the request
-                self._check_alive()
+                self.check_alive()
                 seq = self.engine.submit(ids, request.sampling, request.selection, context, sink.text)
                 self._sinks[seq] = sink
                 if context_key is not None:
@@ -121,19 +121,20 @@ class EngineLoop:
         """Queue a request whose context is not compressed yet: the engine thread compresses it (or
         joins the compression already running for its key), then runs the request over it."""
         with self._wake:
-            self._check_alive()
+            self.check_alive()
             self._to_compress.append((request, sink, spec))
             self._wake.notify()
 
     def check_accepting(self) -> None:
         """Refuse early, before a request is parsed: EngineStopped, or BusyError when the queue is
         already full (the scheduler checks again when the request is queued)."""
-        self._check_alive()
+        self.check_alive()
         scheduler = self.engine.scheduler
         if len(scheduler.waiting) + len(self._to_compress) >= scheduler.cfg.max_waiting:
             raise BusyError(f"server busy: {len(scheduler.waiting)} requests already waiting, retry later")
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """EngineStopped once the engine thread has ended."""
         if not self.alive:
             raise EngineStopped("internal error: the engine stopped; the server must be restarted")
 

@@ -31,6 +31,7 @@ INPUTS = (
     ("context_ids", "TYPE_INT32", "[ -1 ]", True),  # ... or its token ids
     ("kv_method", "TYPE_STRING", "[ 1 ]", True),
     ("kv_budget", "TYPE_FP32", "[ 1 ]", True),
+    ("health", "TYPE_BOOL", "[ 1 ]", True),  # answered at once: is the engine thread alive (probes)
 )
 OUTPUTS = (
     ("text_output", "TYPE_STRING"),

@@ -62,34 +62,35 @@ class TritonSink:
             self._send(self.pb.InferenceResponse(output_tensors=[self._tensor("text_output", delta.encode(), np.object_)]), False)
 
     def done(self, result: Generation) -> None:
-        text = "" if self.stream else result.text
-        t = self._tensor
-        outputs = [
-            t("text_output", text.encode(), np.object_),
-            t("finish_reason", result.finish_reason.encode(), np.object_),
-            t("prompt_tokens", result.prompt_tokens, np.int32),
-            t("new_tokens", result.new_tokens, np.int32),
-            t("policy", result.policy.encode(), np.object_),
-            t("budget", result.budget or 0, np.int32),
-            t("kv_resident_bytes", result.kv.resident_bytes, np.int64),
-            t("kv_total_bytes", result.kv.total_bytes, np.int64),
-            t("kv_bytes_moved", result.kv.bytes_moved, np.int64),
-            t("context_key", self.context_key.encode(), np.object_),
-            t("context_cache", self.context_cache.encode(), np.object_),
-        ]
-        self._send(self.pb.InferenceResponse(output_tensors=outputs), True)
+        self._final(text="" if self.stream else result.text, finish_reason=result.finish_reason,
+                    prompt_tokens=result.prompt_tokens, new_tokens=result.new_tokens, policy=result.policy,
+                    budget=result.budget or 0, kv_resident_bytes=result.kv.resident_bytes,
+                    kv_total_bytes=result.kv.total_bytes, kv_bytes_moved=result.kv.bytes_moved)
 
     def context_ready(self, key: str, context) -> None:
         """A compress-only request's answer: the key, and the context's KV bytes compressed
         (kv_resident_bytes) and in full (kv_total_bytes)."""
+        self.context_key = key
+        self._final(finish_reason="context_ready", prompt_tokens=context.length, kv_resident_bytes=context.nbytes,
+                    kv_total_bytes=context.full_bytes)
+
+    def healthy(self) -> None:
+        """A health request's answer: the engine thread is alive."""
+        self._final(finish_reason="healthy")
+
+    def _final(self, text: str = "", finish_reason: str = "", prompt_tokens: int = 0, new_tokens: int = 0,
+               policy: str = "", budget: int = 0, kv_resident_bytes: int = 0, kv_total_bytes: int = 0,
+               kv_bytes_moved: int = 0) -> None:
+        """The request's last response: every output of the model's I/O table."""
         t = self._tensor
         outputs = [
-            t("text_output", b"", np.object_), t("finish_reason", b"context_ready", np.object_),
-            t("prompt_tokens", context.length, np.int32), t("new_tokens", 0, np.int32),
-            t("policy", b"", np.object_), t("budget", 0, np.int32),
-            t("kv_resident_bytes", context.nbytes, np.int64), t("kv_total_bytes", context.full_bytes, np.int64),
-            t("kv_bytes_moved", 0, np.int64),
-            t("context_key", key.encode(), np.object_), t("context_cache", self.context_cache.encode(), np.object_),
+            t("text_output", text.encode(), np.object_), t("finish_reason", finish_reason.encode(), np.object_),
+            t("prompt_tokens", prompt_tokens, np.int32), t("new_tokens", new_tokens, np.int32),
+            t("policy", policy.encode(), np.object_), t("budget", budget, np.int32),
+            t("kv_resident_bytes", kv_resident_bytes, np.int64), t("kv_total_bytes", kv_total_bytes, np.int64),
+            t("kv_bytes_moved", kv_bytes_moved, np.int64),
+            t("context_key", self.context_key.encode(), np.object_),
+            t("context_cache", self.context_cache.encode(), np.object_),
         ]
         self._send(self.pb.InferenceResponse(output_tensors=outputs), True)
 
@@ -184,6 +185,10 @@ class TritonModel:
         for request in requests:
             sink = TritonSink(self.pb, request.get_response_sender())
             try:
+                if self._is_health_check(request):  # answered here, without the engine's queue
+                    self.loop.check_alive()
+                    sink.healthy()
+                    continue
                 self.loop.check_accepting()  # cheap refusals before any parsing or tokenizing
                 inputs = {}
                 for name, *_ in INPUTS:
@@ -204,6 +209,10 @@ class TritonModel:
                 log.exception("request handling failed")
                 sink.error("internal error", kind="internal")
         return None
+
+    def _is_health_check(self, request) -> bool:
+        tensor = self.pb.get_input_tensor_by_name(request, "health")
+        return tensor is not None and bool(tensor.as_numpy().reshape(-1)[0])
 
     def _contexts(self, engine: Engine) -> ContextService:
         """The context service over this server's store (if any), bounded as admission bounds contexts."""

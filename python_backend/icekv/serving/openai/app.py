@@ -149,7 +149,7 @@ class OpenAIFrontend:
             {"id": self.config.model, "object": "model", "created": 0, "owned_by": "icekv"}]})
 
     async def health(self, request: Request) -> JSONResponse:
-        if await self.bridge.ready():
+        if await self.bridge.ready() and await self.bridge.engine_alive():
             return JSONResponse({"status": "ok"})
         return _error_response(OpenAIError(503, f"the Triton model {self.config.model} is not ready"))
 

@@ -89,16 +89,23 @@ class GenerateAPI:
         ]
 
     async def live(self, request: Request) -> Response:
-        """Live while tritonserver answers (whether or not the model is ready)."""
-        if await self.frontend.bridge.live():
-            return Response(status_code=200)
-        return _error(503, "the inference server is not live")
+        """Live while tritonserver answers and, once the model is loaded, its engine thread runs
+        (a dead engine thread cannot recover: the pod should restart)."""
+        bridge = self.frontend.bridge
+        if not await bridge.live():
+            return _error(503, "the inference server is not live")
+        if await bridge.ready() and not await bridge.engine_alive():
+            return _error(503, "the engine has stopped")
+        return Response(status_code=200)
 
     async def model_ready(self, request: Request) -> Response:
         model = request.path_params.get("model", self.frontend.config.model)
-        if model == self.frontend.config.model and await self.frontend.bridge.ready():
+        if model != self.frontend.config.model:
+            return _error(404, f"unknown model {model!r}")
+        bridge = self.frontend.bridge
+        if await bridge.ready() and await bridge.engine_alive():
             return Response(status_code=200)
-        return _error(503 if model == self.frontend.config.model else 404, f"model {model} is not ready")
+        return _error(503, f"model {model} is not ready")
 
     async def generate(self, request: Request) -> Response:
         try:

@@ -37,6 +37,16 @@ class TritonBridge:
         except Exception:  # unreachable server: not ready
             return False
 
+    async def engine_alive(self) -> bool:
+        """The model's engine thread is alive (a health request, answered without queueing)."""
+        try:
+            async for piece in self.generate({"health": True}):
+                if isinstance(piece, Final):
+                    return piece.finish_reason == "healthy"
+        except OpenAIError:
+            return False
+        return False
+
     async def generate(self, fields: dict[str, Any]) -> AsyncIterator[str | Final]:
         """Yield the text pieces, then the Final; OpenAIError for any failure."""
         import tritonclient.grpc as grpcclient
