@@ -42,14 +42,21 @@ STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 10  # then the launcher kills it (the pod's gr
 
 
 def stop_process_group(process: subprocess.Popen | None, timeout_s: float) -> None:
-    """SIGTERM to the process group ``process`` leads, then SIGKILL if it outlives ``timeout_s``."""
-    if process is not None and process.poll() is None:
+    """SIGTERM to the process group ``process`` leads, SIGKILL if it outlives ``timeout_s``; then
+    SIGKILL to whatever is left of the group (a crashed tritonserver leaves its Python stubs)."""
+    if process is None:
+        return
+    if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already
+        pass
+    process.wait()
 
 
 def free_port() -> int:

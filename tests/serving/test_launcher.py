@@ -1,0 +1,41 @@
+"""The launcher cleans up after a tritonserver that died: tritonserver 2.51 dies with SIGSEGV on a
+generate body past ~4 MiB (why icekv serve keeps its HTTP on loopback), and its Python stub, left
+behind, would keep the model's memory until the container ends."""
+
+import json
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from icekv.serving.launcher import TritonServer
+
+pytestmark = [pytest.mark.server, pytest.mark.model]
+
+
+def _state(pid: str) -> str:
+    try:
+        return next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("State"))
+    except FileNotFoundError:
+        return "gone"
+
+
+def test_a_crashed_server_leaves_no_stub_running(smollm2_dir):
+    server = TritonServer({"host_pool_tokens": "4096"}).start()
+    stubs = subprocess.run(["pgrep", "-g", str(server.process.pid), "-f", "triton_python_backend_stub"],
+                           capture_output=True, text=True).stdout.split()
+    assert stubs, "the model's Python stub runs in the server's process group"
+    body = json.dumps({"text_input": "a" * 4_500_000}).encode()  # reaches tritonserver's own HTTP
+    with pytest.raises(OSError):
+        urllib.request.urlopen(urllib.request.Request(f"http://{server.http_url}/v2/models/icekv/generate",
+                                                      data=body), timeout=120)
+    deadline = time.monotonic() + 30
+    while server.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.process.returncode is not None and server.process.returncode != 0  # it did die
+    server.stop()
+    deadline = time.monotonic() + 10
+    while any(_state(pid) not in ("Z", "gone") for pid in stubs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_state(pid) in ("Z", "gone") for pid in stubs)  # killed (a zombie until init reaps it)
