@@ -39,3 +39,25 @@ def test_a_crashed_server_leaves_no_stub_running(smollm2_dir):
     while any(_state(pid) not in ("Z", "gone") for pid in stubs) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_state(pid) in ("Z", "gone") for pid in stubs)  # killed (a zombie until init reaps it)
+
+
+def test_the_model_unloads_after_many_requests_through_the_frontend(smollm2_dir):
+    """Cancelling a gRPC stream after its decoupled request has completed kept tritonserver 2.51
+    from ever unloading the model (shutdown then hit its exit timeout); the frontend's bridge
+    cancels only unfinished calls."""
+    from icekv.config import OpenAIConfig
+    from icekv.serving.launcher import free_port
+    from icekv.serving.openai.process import OpenAIFrontendProcess
+
+    server = TritonServer({"host_pool_tokens": "4096"}).start()
+    try:
+        with OpenAIFrontendProcess(OpenAIConfig(triton_grpc_url=server.grpc_url, port=free_port())) as frontend:
+            for _ in range(20):
+                body = json.dumps({"text_input": "Hi", "max_tokens": 2}).encode()
+                with urllib.request.urlopen(urllib.request.Request(f"{frontend.url}/v2/models/icekv/generate",
+                                                                   data=body), timeout=120) as r:
+                    assert r.status == 200
+            time.sleep(1)  # the frontend's calls are over before it stops
+    finally:
+        server.stop()
+    assert server.process.returncode == 0, server.log_tail(5)

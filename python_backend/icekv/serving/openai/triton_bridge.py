@@ -57,14 +57,16 @@ class TritonBridge:
             yield request
 
         call = self._client.stream_infer(requests())
+        finished = False
         try:
             async for result, error in call:
                 if error is not None:
                     message = error.message() if hasattr(error, "message") else str(error)
                     raise OpenAIError(STATUS_OF_KIND[kind_of(message)], message)
                 piece = read_response(result)
+                finished = isinstance(piece, Final)
                 yield piece
-                if isinstance(piece, Final):
+                if finished:
                     return
             raise OpenAIError(500, "the inference server closed the request without a final response")
         except OpenAIError:
@@ -72,7 +74,8 @@ class TritonBridge:
         except Exception:  # gRPC transport failures: the server is down or restarting
             raise OpenAIError(503, "the inference server is unavailable; retry later") from None
         finally:
-            call.cancel()
+            if not finished:  # never after the final response: tritonserver 2.51 then cannot unload the model
+                call.cancel()
 
     async def close(self) -> None:
         await self._client.close()
