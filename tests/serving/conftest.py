@@ -56,6 +56,30 @@ def post(server, path: str, body, timeout=300):
     return status, json.loads(text)
 
 
+def oversize_requests(frontend, path: str, limit: int) -> list[tuple[int, dict]]:
+    """A body declared larger than ``limit`` (refused before it is sent), and one sent chunked
+    without a length that runs past it: (status, JSON) of each."""
+    import http.client
+    from urllib.parse import urlparse
+
+    url = urlparse(frontend.url)
+    out = []
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.putrequest("POST", path)
+    conn.putheader("Content-Length", str(2 * limit))
+    conn.endheaders()  # no body: the answer must not wait for it
+    r = conn.getresponse()
+    out.append((r.status, json.loads(r.read())))
+    conn.close()
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", path, body=iter([b"x" * (limit + 1)]), encode_chunked=True,
+                 headers={"Transfer-Encoding": "chunked"})
+    r = conn.getresponse()
+    out.append((r.status, json.loads(r.read())))
+    conn.close()
+    return out
+
+
 def metrics(server) -> dict[str, float]:
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     out = {}

@@ -2,13 +2,12 @@
 HTTP port): the same answers as tritonserver's own endpoint, bodies bounded before they are read,
 inputs type-checked with 400s that name the field, against a real tritonserver."""
 
-import json
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.serving.conftest import post
+from tests.serving.conftest import oversize_requests, post
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 GEN = "/v2/models/icekv/generate"
@@ -67,9 +66,8 @@ def test_bad_bodies_get_400s_that_name_the_field(front, body, status, message):
 
 def test_oversize_and_malformed_bodies_are_refused_and_the_server_lives_on(front, openai_frontend):
     limit = openai_frontend.config.max_body_bytes
-    body = json.dumps({"text_input": "word " * (limit // 5 + 10), "max_tokens": 4}).encode()
-    status, out = post(front, GEN, body)
-    assert status == 413 and f"limit of {limit} bytes" in out["error"]
+    for status, out in oversize_requests(openai_frontend, GEN, limit):
+        assert status == 413 and f"limit of {limit} bytes" in out["error"], out
     status, out = post(front, GEN, b'{"text_input": "hi", ')
     assert status == 400 and "not valid JSON" in out["error"]
     status, out = post(front, "/v2/models/other/generate", {"text_input": "hi"})

@@ -9,7 +9,7 @@ import pytest
 
 from icekv.chat_template import ChatTemplate
 from icekv.model import Tokenizer
-from tests.serving.conftest import wait_idle
+from tests.serving.conftest import oversize_requests, wait_idle
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -29,30 +29,6 @@ def _raw(frontend, path, body: bytes | None = None, method=None):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def _oversize(frontend, limit: int):
-    """A body declared larger than ``limit`` (refused before it is sent), and one sent chunked
-    without a length that runs past it: (status, JSON) of each."""
-    import http.client
-    from urllib.parse import urlparse
-
-    url = urlparse(frontend.url)
-    out = []
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    conn.putrequest("POST", "/v1/completions")
-    conn.putheader("Content-Length", str(2 * limit))
-    conn.endheaders()  # no body: the answer must not wait for it
-    r = conn.getresponse()
-    out.append((r.status, json.loads(r.read())))
-    conn.close()
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    conn.request("POST", "/v1/completions", body=iter([b"x" * (limit + 1)]), encode_chunked=True,
-                 headers={"Transfer-Encoding": "chunked"})
-    r = conn.getresponse()
-    out.append((r.status, json.loads(r.read())))
-    conn.close()
-    return out
 
 
 def test_models_lists_the_served_model(client):
@@ -165,7 +141,7 @@ def test_unknown_model_malformed_and_oversize_bodies(client, openai_frontend):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = _raw(openai_frontend, "/v1/chat/completions", b"[1, 2]")
     assert status == 400 and "JSON object" in body["error"]["message"]
-    for status, body in _oversize(openai_frontend, limit=1 << 20):
+    for status, body in oversize_requests(openai_frontend, "/v1/completions", limit=1 << 20):
         assert status == 413 and "exceeds this server's limit of 1048576 bytes" in body["error"]["message"]
     status, body = _raw(openai_frontend, "/v1/nothing", b"{}")
     assert status == 404 and body["error"]["message"] == "no route /v1/nothing"

@@ -165,7 +165,9 @@ class EngineLoop:
                     for seq in self._fail_all():
                         self._deliver(seq)
             self._drain()
-        finally:  # normal stop, or even failing the requests failed: nothing may wait forever
+        except Exception:  # even failing the requests failed
+            log.exception("the serving loop cannot recover: the engine is stopped")
+        finally:  # nothing may wait forever
             self._die()
 
     def _iterate(self) -> None:
