@@ -83,8 +83,10 @@ class ContextService:
         memory or the store; None when neither has it. With ``can_compress`` (the request brought
         the context itself) an unusable entry or a failing store is a miss too: it is compressed
         again rather than refused."""
-        context = self.shared.acquire(key)
-        if context is None and self.store is not None:
+        context = self.find_in_memory(key)
+        if context is not None:
+            return context
+        if self.store is not None:
             try:
                 stored = self.store.load(key)
             except StoreError as e:
@@ -98,7 +100,13 @@ class ContextService:
                     raise BusyError("server busy: the context store is unavailable, retry later") from None
                 stored = None
             if stored is not None:
-                context = self.shared.add(key, stored)
+                self.stats.hits += 1
+                return self.shared.add(key, stored)
+        return None
+
+    def find_in_memory(self, key: str) -> CompressedContext | None:
+        """:meth:`find` without the store (no I/O: the engine thread may call it)."""
+        context = self.shared.acquire(key)
         if context is not None:
             self.stats.hits += 1
         return context

@@ -104,7 +104,9 @@ class EngineLoop:
         ``context_key``, ``context`` is held for this request in the context service, which gets
         it back when the request ends (or now, if it is refused)."""
         try:
-            ids = self.engine.tokenizer.encode(request.text)  # outside the lock: the engine thread goes on
+            ids = request.prompt_ids  # tokenized by the caller's thread, not the engine's
+            if ids is None:
+                ids = self.engine.tokenizer.encode(request.text)  # outside the lock: the engine thread goes on
             with self._wake:  # the sink is known before the engine thread can step the request
                 self.check_alive()
                 seq = self.engine.submit(ids, request.sampling, request.selection, context, sink.text)
@@ -227,9 +229,8 @@ class EngineLoop:
 
     def _compress(self, request: GenerateRequest, sink: Sink, spec: ContextSpec) -> None:
         """Find ``spec``'s context (another request may have just made it), or compress or join."""
-        context = self.contexts.shared.acquire(spec.key)
+        context = self.contexts.find_in_memory(spec.key)
         if context is not None:
-            self.contexts.stats.hits += 1
             self._start_waiters(spec.key, [(request, sink)], context, None, status="hit")
             return
         try:

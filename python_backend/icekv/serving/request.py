@@ -45,6 +45,7 @@ class GenerateRequest:
     stream: bool
     context_key: str | None
     context: ContextRequest | None = None
+    prompt_ids: list[int] | None = None  # ``text`` tokenized, when a server thread has done it already
 
 
 def _scalar(value: Any) -> Any:

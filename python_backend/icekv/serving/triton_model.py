@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -231,8 +232,9 @@ class TritonModel:
             context = contexts.find(spec.key, can_compress=True)
             if context is None:
                 if req.text is not None:  # refuse now what would fail after the compression
-                    self.engine.check_request(len(self.engine.tokenizer.encode(req.text)), req.sampling.max_tokens,
-                                              req.selection, with_context=True)
+                    req = replace(req, prompt_ids=self.engine.tokenizer.encode(req.text))
+                    self.engine.check_request(len(req.prompt_ids), req.sampling.max_tokens, req.selection,
+                                              with_context=True)
                 self.loop.submit_compression(req, sink, spec)
                 return
             key = spec.key
