@@ -5,6 +5,7 @@ behind, would keep the model's memory until the container ends."""
 import json
 import subprocess
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -42,22 +43,35 @@ def test_a_crashed_server_leaves_no_stub_running(smollm2_dir):
 
 
 def test_the_model_unloads_after_many_requests_through_the_frontend(smollm2_dir):
-    """Cancelling a gRPC stream after its decoupled request has completed kept tritonserver 2.51
-    from ever unloading the model (shutdown then hit its exit timeout); the frontend's bridge
-    cancels only unfinished calls."""
+    """Cancelling a gRPC stream after its decoupled request has completed (with an answer or with
+    an error) leaks the call's state in tritonserver 2.51, and the model then never unloads
+    (shutdown hits its exit timeout); the frontend's bridge and the client cancel only unfinished
+    calls."""
     from icekv.config import OpenAIConfig
+    from icekv.serving.client import GenerateError, stream_generate
     from icekv.serving.launcher import free_port
     from icekv.serving.openai.process import OpenAIFrontendProcess
 
     server = TritonServer({"host_pool_tokens": "4096"}).start()
     try:
         with OpenAIFrontendProcess(OpenAIConfig(triton_grpc_url=server.grpc_url, port=free_port())) as frontend:
-            for _ in range(20):
-                body = json.dumps({"text_input": "Hi", "max_tokens": 2}).encode()
-                with urllib.request.urlopen(urllib.request.Request(f"{frontend.url}/v2/models/icekv/generate",
-                                                                   data=body), timeout=120) as r:
-                    assert r.status == 200
+            for i in range(20):
+                refused = i % 2 == 1  # the model answers with an error at once
+                body = json.dumps({"text_input": "Hi", "max_tokens": 2, **({"policy": "nope"} if refused else {})}).encode()
+                request = urllib.request.Request(f"{frontend.url}/v2/models/icekv/generate", data=body)
+                try:
+                    with urllib.request.urlopen(request, timeout=120) as r:
+                        assert not refused and r.status == 200
+                except urllib.error.HTTPError as e:
+                    assert refused and e.code == 400
             time.sleep(1)  # the frontend's calls are over before it stops
+        for i in range(10):
+            refused = i % 2 == 1
+            try:
+                pieces = list(stream_generate(server.grpc_url, "Hi", max_tokens=2, **({"policy": "nope"} if refused else {})))
+                assert not refused and pieces
+            except GenerateError:
+                assert refused
     finally:
         server.stop()
     assert server.process.returncode == 0, server.log_tail(5)

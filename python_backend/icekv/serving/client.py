@@ -70,18 +70,23 @@ def stream_generate(url: str, text: str | None, model: str = "icekv", timeout_s:
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    finished = False  # the final response (or an error) has come: the request is over
     try:
         prompt = {} if text is None else {"text_input": text}
         client.async_stream_infer(model, infer_inputs(grpcclient, {**prompt, "stream": True, **fields}))
         while True:
             result, error = responses.get(timeout=timeout_s)
             if error is not None:
+                finished = True
                 raise GenerateError(str(error))
             piece = read_response(result)
+            finished = isinstance(piece, Final)
             if piece:
                 yield piece
-            if isinstance(piece, Final):
+            if finished:
                 return
     finally:
-        client.stop_stream(cancel_requests=True)
+        # cancel only an unfinished request: a call cancelled after its final response leaks its
+        # state in tritonserver 2.51, and with it the model, which then never unloads
+        client.stop_stream(cancel_requests=not finished)
         client.close()

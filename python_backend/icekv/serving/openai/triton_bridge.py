@@ -60,7 +60,8 @@ class TritonBridge:
         finished = False
         try:
             async for result, error in call:
-                if error is not None:
+                if error is not None:  # an error is the request's final response
+                    finished = True
                     message = error.message() if hasattr(error, "message") else str(error)
                     raise OpenAIError(STATUS_OF_KIND[kind_of(message)], message)
                 piece = read_response(result)
@@ -74,8 +75,8 @@ class TritonBridge:
         except Exception:  # gRPC transport failures: the server is down or restarting
             raise OpenAIError(503, "the inference server is unavailable; retry later") from None
         finally:
-            if not finished:  # never after the final response: tritonserver 2.51 then cannot unload the model
-                call.cancel()
+            if not finished:  # never after the final response (or error): tritonserver 2.51 then
+                call.cancel()  # leaks the call's state, and with it the model, which can never unload
 
     async def close(self) -> None:
         await self._client.close()
