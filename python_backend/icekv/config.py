@@ -265,12 +265,20 @@ class CompressionConfig:
     method: str = "kv2"
     kv_budget: float = 0.05  # share of the context's KV kept
     max_tokens: int = 32768  # the longest context the server compresses
+    kv2: str = ""  # the kv2 method's settings, "NAME=VALUE,..." (its dataclass fields; empty: its defaults)
 
     def __post_init__(self) -> None:
         if not (0 < self.kv_budget <= 1):
             raise ConfigError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_compress_tokens must be >= 1, got {self.max_tokens}")
+        self.method_settings()  # a bad settings string fails here
+
+    def method_settings(self) -> dict[str, dict]:
+        """method -> its settings (only kv2 has server-wide ones)."""
+        from icekv.compress import parse_settings
+
+        return {"kv2": parse_settings("kv2", self.kv2)}
 
 
 @dataclass(frozen=True)
@@ -302,7 +310,7 @@ class ServingConfig:
         known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
                  "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
-                 "max_index_bytes", "max_context_bytes", "max_compress_tokens", "max_queue_wait_s"}
+                 "max_index_bytes", "max_context_bytes", "max_compress_tokens", "max_queue_wait_s", "kv2"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
@@ -351,7 +359,8 @@ class ServingConfig:
             max_tokens_limit=number("max_tokens_limit", cls.max_tokens_limit),
             store=values.get("store"),
             store_max_bytes=number("store_max_bytes", cls.store_max_bytes),
-            compression=CompressionConfig(max_tokens=number("max_compress_tokens", CompressionConfig.max_tokens)),
+            compression=CompressionConfig(max_tokens=number("max_compress_tokens", CompressionConfig.max_tokens),
+                                          kv2=values.get("kv2", CompressionConfig.kv2)),
         )
 
 

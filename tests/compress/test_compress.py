@@ -1,11 +1,13 @@
 """KV² scoring against a slow direct computation, exact-budget eviction, physically smaller caches."""
 
 import math
+import re
 
 import pytest
 import torch
 
-from icekv.compress import COMPRESSORS, CompressedContext, evict
+from icekv.compress import COMPRESSORS, CompressedContext, evict, make_compressor, parse_settings
+from icekv.errors import ConfigError
 from icekv.compress.scoring import keydiff_scores, refeed_scores
 from icekv.config import EngineConfig, PagingConfig, SamplingConfig
 from icekv.engine import Engine
@@ -23,51 +25,116 @@ def tiny_engine(tmp_path_factory, smollm2_dir):
 
 
 class NaiveRefeed:
-    """Reference: loops over layers' heads and queries, explicit softmax, no batching."""
+    """Reference: loops over layers' heads and queries, explicit softmax, no batching. Outputs attend
+    the ``visible`` context, scores come from a softmax over the ``scored`` context; with
+    ``out_proj``/``inputs`` a weight is scaled by ||W_o,h v_j|| / ||h_i||."""
 
-    def __init__(self, cache, seq_id, allowed):
-        self.cache, self.seq_id, self.allowed, self.fed, self.scores = cache, seq_id, allowed, {}, {}
+    def __init__(self, cache, seq_id, scored, visible=None, out_proj=None, inputs=None):
+        self.cache, self.seq_id, self.scored, self.fed, self.scores = cache, seq_id, scored, {}, {}
+        self.visible = scored if visible is None else visible
+        self.out_proj, self.inputs = out_proj, inputs
+
+    def _softmax(self, q, h, kv, me, allowed, ctx_k, ctx_v, fk, fv, d):
+        idx = [t for t in range(len(allowed)) if allowed[t]]
+        keys = [ctx_k[kv, t] for t in idx] + [fk[j][kv] for j in range(me + 1)]
+        vals = [ctx_v[kv, t] for t in idx] + [fv[j][kv] for j in range(me + 1)]
+        p = torch.softmax(torch.stack([q @ key / math.sqrt(d) for key in keys]), 0)
+        return p, vals, idx
 
     def attend(self, layer, q, k, v):
-        ctx_k, ctx_v = self.cache.gather_range(layer, self.seq_id, 0, len(self.allowed))
+        ctx_k, ctx_v = self.cache.gather_range(layer, self.seq_id, 0, len(self.scored))
         fk, fv = self.fed.setdefault(layer, ([], []))
         fk.extend(k), fv.extend(v)
         n, hq, d = q.shape
         hkv = k.shape[1]
         out = torch.zeros_like(q)
-        score = self.scores.setdefault(layer, torch.zeros(hkv, len(self.allowed)))
+        score = self.scores.setdefault(layer, torch.zeros(hkv, len(self.scored)))
         for i in range(n):
             me = len(fk) - n + i
             for h in range(hq):
                 kv = h // (hq // hkv)
-                keys = [ctx_k[kv, t] for t in range(len(self.allowed)) if self.allowed[t]] + [fk[j][kv] for j in range(me + 1)]
-                vals = [ctx_v[kv, t] for t in range(len(self.allowed)) if self.allowed[t]] + [fv[j][kv] for j in range(me + 1)]
-                logits = torch.stack([q[i, h] @ key / math.sqrt(d) for key in keys])
-                p = torch.softmax(logits, 0)
+                p, vals, _ = self._softmax(q[i, h], h, kv, me, self.visible, ctx_k, ctx_v, fk, fv, d)
                 out[i, h] = sum(pj * vj for pj, vj in zip(p, vals))
-                ctx_idx = [t for t in range(len(self.allowed)) if self.allowed[t]]
-                for pj, t in zip(p[: len(ctx_idx)], ctx_idx):
+                p, _, idx = self._softmax(q[i, h], h, kv, me, self.scored, ctx_k, ctx_v, fk, fv, d)
+                for pj, t in zip(p[: len(idx)], idx):
+                    if self.out_proj is not None:
+                        w_h = self.out_proj[layer][:, h * d:(h + 1) * d]
+                        pj = pj * (w_h @ ctx_v[kv, t]).norm() / self.inputs[layer][i].norm()
                     score[kv, t] = max(score[kv, t], pj)
         return out
 
 
-def test_refeed_scores_match_a_direct_computation(tiny_engine):
+@pytest.mark.parametrize("outputs_see_everything", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_refeed_scores_match_a_direct_computation(tiny_engine, outputs_see_everything, normalize):
     e = tiny_engine
     ids = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(3)).tolist()
     req = e.prefill(ids)
     try:
-        allowed = torch.zeros(70, dtype=torch.bool)
-        allowed[:4] = True
-        allowed[30:60] = True  # sinks + one chunk, as KV² restricts each chunk's scoring
+        scored = torch.zeros(70, dtype=torch.bool)
+        scored[:4] = True
+        scored[30:60] = True  # sinks + one chunk, as KV² restricts each chunk's scoring
+        visible = torch.ones(70, dtype=torch.bool) if outputs_see_everything else None
         fed = [ids[i] for i in (33, 41, 42, 57)]
-        fast = refeed_scores(e.model, e.cache, req.seq_id, fed, list(range(70, 74)), allowed, chunk=3)
-        ref = NaiveRefeed(e.cache, req.seq_id, allowed)
-        e.model(torch.tensor(fed), torch.arange(70, 74), ref)
+        fast = refeed_scores(e.model, e.cache, req.seq_id, fed, list(range(70, 74)), scored, chunk=3,
+                             visible=visible, normalize=normalize)
+        inputs: dict[int, torch.Tensor] = {}  # the attention's input per layer (the fed tokens')
+        hooks = [layer.self_attn.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0].clone()))
+                 for i, layer in enumerate(e.model.layers)]
+        out_proj = [layer.self_attn.o_proj.weight for layer in e.model.layers] if normalize else None
+        ref = NaiveRefeed(e.cache, req.seq_id, scored, visible, out_proj, inputs)
+        try:
+            e.model(torch.tensor(fed), torch.arange(70, 74), ref)
+        finally:
+            for hook in hooks:
+                hook.remove()
         slow = torch.stack([ref.scores[l] for l in range(e.model.args.num_layers)])
-        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
-        assert bool((fast[..., ~allowed] == 0).all())
+        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-6)
+        assert bool((fast[..., ~scored] == 0).all())
     finally:
         e.release(req)
+
+
+def _kv2_scores(engine, ids, budget, **settings):
+    req = engine.prefill(ids)
+    try:
+        steps = make_compressor("kv2", **settings).score_steps(engine, req.seq_id, ids, budget)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as finished:
+                return finished.value
+    finally:
+        engine.release(req)
+
+
+def test_kv2_levers_change_what_they_claim_to(tiny_engine):
+    e = tiny_engine
+    ids = torch.randint(0, 512, (96,), generator=torch.Generator().manual_seed(4)).tolist()
+    # one chunk over the whole context: the outputs see what is scored either way
+    one_chunk = {"chunk": 4096, "rho": 0.25}
+    torch.testing.assert_close(_kv2_scores(e, ids, 0.1, attend="chunk", **one_chunk),
+                               _kv2_scores(e, ids, 0.1, attend="context", **one_chunk))
+    # several chunks: seeing the whole context changes the re-fed tokens' states, so the scores
+    chunks = {"chunk": 32, "rho": 0.25}
+    assert not torch.allclose(_kv2_scores(e, ids, 0.1, attend="chunk", **chunks),
+                              _kv2_scores(e, ids, 0.1, attend="context", **chunks))
+    # every token re-fed: the proxy has nothing left to choose
+    torch.testing.assert_close(_kv2_scores(e, ids, 0.1, rho=1.0, proxy="keydiff", chunk=32),
+                               _kv2_scores(e, ids, 0.1, rho=1.0, proxy="snapkv", chunk=32))
+    assert not torch.allclose(_kv2_scores(e, ids, 0.1, rho=0.1, proxy="keydiff", chunk=32),
+                              _kv2_scores(e, ids, 0.1, rho=0.1, proxy="snapkv", chunk=32))
+    # rho_scale: 4x a 5% budget re-feeds what rho=0.2 does
+    torch.testing.assert_close(_kv2_scores(e, ids, 0.05, rho_scale=4.0), _kv2_scores(e, ids, 0.05, rho=0.2))
+    plain, normalized = _kv2_scores(e, ids, 0.1, normalize=False), _kv2_scores(e, ids, 0.1, normalize=True)
+    assert bool((plain <= 1).all()) and not torch.allclose(plain, normalized)
+
+
+def test_kv2_refeed_share():
+    assert make_compressor("kv2").refeed_share(0.05) == 0.05
+    assert make_compressor("kv2", rho_scale=4).refeed_share(0.05) == pytest.approx(0.2)
+    assert make_compressor("kv2", rho_scale=40).refeed_share(0.05) == 1.0
+    assert make_compressor("kv2", rho=0.3, rho_scale=4).refeed_share(0.05) == 0.3
 
 
 def test_keydiff_is_negative_cosine_to_the_mean_direction(tiny_engine):
@@ -84,6 +151,24 @@ def test_keydiff_is_negative_cosine_to_the_mean_direction(tiny_engine):
         e.release(req)
 
 
+def test_settings_strings_are_typed_by_the_method_fields():
+    assert parse_settings("kv2", " rho_scale=4, normalize=yes,attend=context,rho=none,rounds=2 ") == {
+        "rho_scale": 4.0, "normalize": True, "attend": "context", "rho": None, "rounds": 2}
+    assert parse_settings("kv2", "") == {} and parse_settings("snapkv", "window=16") == {"window": 16}
+
+
+@pytest.mark.parametrize("method, text, message", [
+    ("kv2", "rho=2", "rho must be in (0, 1]"), ("kv2", "speed=1", "kv2 has no setting 'speed'"),
+    ("kv2", "normalize=maybe", "expected bool"), ("kv2", "rounds=1.5", "expected int"),
+    ("kv2", "attend=all", "attend must be one of chunk, context"), ("kv2", "proxy=oracle", "proxy must be one of"),
+    ("kv2", "rho_scale", "is not NAME=VALUE"), ("kv2", "rho_scale=0", "rho_scale must be > 0"),
+    ("zip", "a=1", "unknown compression method"),
+])
+def test_bad_settings_are_named(method, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_settings(method, text)
+
+
 @pytest.mark.parametrize("budget", [0.02, 0.1, 0.37, 1.0])
 def test_global_threshold_keeps_exactly_the_budget(budget):
     scores = torch.rand(5, 3, 200, generator=torch.Generator().manual_seed(0))
@@ -98,14 +183,19 @@ def test_global_threshold_keeps_exactly_the_budget(budget):
         assert len(set(per_head.flatten().tolist())) > 1  # budgets differ per layer/head
 
 
-@pytest.mark.parametrize("method", sorted(COMPRESSORS))
-def test_full_budget_compressed_decode_equals_full_decode(tiny_engine, method):
+KV2_VARIANTS = [{"rounds": 2}, {"normalize": True}, {"attend": "context", "chunk": 32}, {"proxy": "snapkv"},
+                {"rho_scale": 4.0}]
+
+
+@pytest.mark.parametrize("method, settings", [(m, {}) for m in sorted(COMPRESSORS)] +
+                         [("kv2", s) for s in KV2_VARIANTS])
+def test_full_budget_compressed_decode_equals_full_decode(tiny_engine, method, settings):
     e = tiny_engine
     ctx_ids = torch.randint(0, 512, (90,), generator=torch.Generator().manual_seed(1)).tolist()
     question = [5, 6, 7, 8, 9]
     sampling = SamplingConfig(max_tokens=12, ignore_eos=True)
     full = e.generate(ctx_ids + question, sampling)
-    ctx = e.compress(ctx_ids, method, 1.0)
+    ctx = e.compress(ctx_ids, method, 1.0, **settings)
     out = e.generate(question, sampling, context=ctx)
     assert out.token_ids == full.token_ids
 

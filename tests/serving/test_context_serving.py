@@ -149,8 +149,8 @@ def test_icekv_compress_through_the_server(cli_replica, essays_text, tmp_path):
     assert report["context_cache"] == "compressed" and report["bytes_after"] < report["bytes_before"]
     second = run()
     assert second.returncode == 0 and f"key: {report['key']}  (already compressed" in second.stdout
-    bad = run("--rho", "0.5")
-    assert bad.returncode != 0 and "--rho does not apply with --server" in bad.stderr
+    bad = run("--kv2", "rho=0.5")
+    assert bad.returncode != 0 and "--kv2 does not apply with --server" in bad.stderr
     unreachable = subprocess.run([icekv, "compress", "--context-file", str(document), "--server",
                                   f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=120)
     assert unreachable.returncode != 0 and "cannot reach an icekv server" in unreachable.stderr

@@ -3,6 +3,8 @@ compressed once per key however many requests ask, shared, released, cancelled, 
 
 import time
 
+from dataclasses import dataclass
+
 import pytest
 
 from icekv.compress.methods import COMPRESSORS
@@ -74,7 +76,8 @@ def test_concurrent_requests_share_one_compression(loop, document):
 
 
 def test_a_failed_compression_fails_its_waiters_and_stores_nothing(loop, document, monkeypatch):
-    class Broken:
+    @dataclass(frozen=True)
+    class Broken:  # a compressor's shape: a dataclass of settings with score_steps
         def score_steps(self, engine, seq_id, ids, kv_budget):
             yield
             raise RuntimeError("scoring exploded")

@@ -48,7 +48,11 @@ def test_keys_depend_on_everything_that_shapes_the_cache(store):
     k = store.key([1, 2, 3], "kv2", 0.05)
     assert len({k, store.key([1, 2, 3], "kv2", 0.1), store.key([1, 2, 3], "kvzip", 0.05),
                 store.key([1, 2], "kv2", 0.05), store.key([1, 2, 3], "kv2", 0.05, {"rho": 0.5}),
-                ContextStore(store.backend, "model-b").key([1, 2, 3], "kv2", 0.05)}) == 6
+                ContextStore(store.backend, "model-b").key([1, 2, 3], "kv2", 0.05),
+                store.key([1, 2, 3], "kv2", 0.05, {"normalize": True}),
+                store.key([1, 2, 3], "kv2", 0.05, {"attend": "context"})}) == 8
+    # a setting spelled out at its default is the same compression, so the same entry
+    assert store.key([1, 2, 3], "kv2", 0.05, {"rounds": 1, "proxy": "keydiff"}) == k
 
 
 def test_corrupt_entry_is_refused_and_removed(store):

@@ -10,7 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from icekv.cli.common import _icecache_flags, _positive_int, _score_dtype_flag, _serving_flags, _serving_parameters
+from icekv.cli.common import (_icecache_flags, _kv2_flag, _positive_int, _score_dtype_flag, _serving_flags,
+                              _serving_parameters)
 from icekv.config import CompressionConfig, IceCacheConfig, SelectionConfig
 from icekv.errors import IcekvError
 
@@ -48,8 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--method", default=CompressionConfig.method, help="kv2 | kvzip | snapkv | keydiff | streaming")
     comp.add_argument("--kv-budget", type=float, default=CompressionConfig.kv_budget,
                       help="share of the context's KV to keep, in (0, 1]")
-    comp.add_argument("--rho", type=float, default=None, help="kv2: share of each chunk re-fed (default: the budget)")
-    comp.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="kv2: refinement rounds")
+    _kv2_flag(comp, "with --method kv2, its settings")
     comp.add_argument("--store", default=None, help="a directory or redis://host:port (default: cache dir)")
     comp.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
     comp.add_argument("--server", default=None, metavar="HOST:PORT",
@@ -70,8 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reusable-context mode: comma list of kv2, kvzip, snapkv, keydiff, streaming")
     ev.add_argument("--kv-budgets", default="0.02,0.05,0.1,0.25", help="with --compress: shares of the KV kept")
     ev.add_argument("--questions", type=_positive_int("--questions"), default=4, help="with --compress: per context")
-    ev.add_argument("--rho", type=float, default=None, help="with --compress: kv2 re-feed share (default: the budget)")
-    ev.add_argument("--rounds", type=_positive_int("--rounds"), default=1, help="with --compress: kv2 refinement rounds")
+    _kv2_flag(ev, "with --compress kv2, its settings")
     ev.add_argument("--chat-template", action="store_true",
                     help="ask each question as a user turn of the model's chat template (answer prefix after it)")
     _icecache_flags(ev)

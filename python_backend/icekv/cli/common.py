@@ -53,6 +53,13 @@ def _serving_flags(parser) -> None:
                         help="store of compressed contexts (shared by replicas): a directory or redis://")
     parser.add_argument("--max-compress-tokens", type=_positive_int("--max-compress-tokens"), default=None,
                         help="the longest context a request may ask the server to compress (default 32768)")
+    _kv2_flag(parser, "the server's kv2 settings for the contexts requests bring")
+
+
+def _kv2_flag(parser, what: str) -> None:
+    parser.add_argument("--kv2", default=None, metavar="NAME=VALUE,...",
+                        help=f"{what}: rho (share re-fed), rho_scale (re-fed share as a multiple of the budget), "
+                             "rounds, normalize, attend (chunk|context), proxy (keydiff|snapkv), chunk")
 
 
 def _search_flag(parser, default: str | None, hint: str = "") -> None:
@@ -89,7 +96,7 @@ def _serving_parameters(args) -> dict[str, str]:
               "max_active_requests": args.max_active_requests,
               "max_step_tokens": args.max_step_tokens, "max_index_bytes": args.max_index_bytes,
               "index_threads": args.index_threads, "store": args.store,
-              "max_compress_tokens": args.max_compress_tokens}
+              "max_compress_tokens": args.max_compress_tokens, "kv2": args.kv2}
     params = {k: str(v) for k, v in params.items() if v is not None}
     ServingConfig.from_triton_parameters(params)
     return params

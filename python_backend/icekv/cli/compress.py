@@ -10,11 +10,11 @@ from icekv.cli.common import _open_store
 
 
 def _compressor_settings(args) -> dict:
-    if args.method != "kv2":
-        if args.rho is not None or args.rounds != 1:
-            raise IcekvError("--rho and --rounds apply to --method kv2 only")
-        return {}
-    return {k: v for k, v in (("rho", args.rho), ("rounds", args.rounds)) if v is not None and (k != "rounds" or v != 1)}
+    from icekv.compress import parse_settings
+
+    if args.kv2 is not None and args.method != "kv2":
+        raise IcekvError("--kv2 applies to --method kv2 only")
+    return parse_settings("kv2", args.kv2 or "") if args.method == "kv2" else {}
 
 
 def _read_context(args) -> str:
@@ -41,12 +41,10 @@ def _compress_on_server(args, text: str) -> int:
 
     from icekv.serving.client import GenerateError, stream_generate
 
-    for flag, value in (("--store", args.store), ("--model", args.model), ("--rho", args.rho)):
+    for flag, value in (("--store", args.store), ("--model", args.model), ("--kv2", args.kv2)):
         if value is not None:
             raise IcekvError(f"{flag} does not apply with --server: the server's own model, store and kv2 "
-                             "settings are used")
-    if args.rounds != 1:
-        raise IcekvError("--rounds does not apply with --server: the server's own kv2 settings are used")
+                             "settings are used (icekv serve --kv2)")
     _check_reachable(args.server)
     t0 = time.perf_counter()
     try:
@@ -89,10 +87,10 @@ def _compress_here(args, text: str) -> int:
     from icekv.engine import Engine
     from icekv.store import StoreError
 
+    settings = _compressor_settings(args)
     engine = Engine(EngineConfig(model_dir=args.model))
     ids = engine.tokenizer.encode(text)
     engine.check_fits(len(ids), 1)
-    settings = _compressor_settings(args)
     store = _open_store(args.store, engine)
     key = store.key(ids, args.method, args.kv_budget, settings)
     cached = None

@@ -29,15 +29,22 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_eval_compression(args) -> int:
-    from icekv.eval.compression import CompressionEvalConfig, run_compression_eval
+    from icekv.compress import COMPRESSORS, parse_settings
+    from icekv.eval.compression import CompressionEvalConfig, Variant, run_compression_eval
     from icekv.eval.report import write_compression_report
 
-    kv2 = {k: v for k, v in (("rho", args.rho), ("rounds", args.rounds)) if v is not None and (k != "rounds" or v != 1)}
+    methods = _csv("--compress", args.compress, str)
+    for m in methods:
+        if m not in COMPRESSORS:
+            raise IcekvError(f"--compress: unknown method {m!r}; choose from {', '.join(COMPRESSORS)}")
+    if args.kv2 is not None and "kv2" not in methods:
+        raise IcekvError("--kv2 applies with --compress kv2 only")
+    settings = {"kv2": parse_settings("kv2", args.kv2 or "")}
     cfg = CompressionEvalConfig(
-        methods=_csv("--compress", args.compress, str), kv_budgets=_csv("--kv-budgets", args.kv_budgets, float),
+        variants=tuple(Variant(m, m, settings.get(m, {})) for m in methods),
+        kv_budgets=_csv("--kv-budgets", args.kv_budgets, float), tasks=_csv("--task", args.task, str),
         haystack=args.haystack, lengths=_csv("--lengths", args.lengths, int), samples=args.samples,
-        questions=args.questions, seed=args.seed, settings=(("kv2", kv2),) if kv2 else (),
-        chat_template=args.chat_template,
+        questions=args.questions, seed=args.seed, chat_template=args.chat_template,
     )
     return _run_and_report(args, lambda engine, text, progress: run_compression_eval(engine, cfg, text, progress),
                            write_compression_report, "compression")

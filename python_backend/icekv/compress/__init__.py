@@ -3,6 +3,7 @@ and the physically smaller compressed cache."""
 
 from icekv.compress.compressed import CompressedContext, CompressedLayer
 from icekv.compress.evict import evict
-from icekv.compress.methods import COMPRESSORS, make_compressor
+from icekv.compress.methods import COMPRESSORS, make_compressor, parse_settings, resolved_settings
 
-__all__ = ["COMPRESSORS", "CompressedContext", "CompressedLayer", "evict", "make_compressor"]
+__all__ = ["COMPRESSORS", "CompressedContext", "CompressedLayer", "evict", "make_compressor", "parse_settings",
+           "resolved_settings"]

@@ -8,46 +8,82 @@ import torch
 
 from icekv.compress.evict import CONTEXT_SINKS
 from icekv.compress.scoring import keydiff_scores, refeed_steps
+from icekv.compress.snapkv import SnapKVCompressor
 from icekv.errors import ConfigError
+
+ATTEND = ("chunk", "context")
+PROXIES = ("keydiff", "snapkv")
 
 
 @dataclass(frozen=True)
 class KV2Compressor:
-    """KV²: per chunk, a KeyDiff proxy picks ``rho`` of the tokens; only those are re-fed (after the
-    context) and their attention over [sinks | chunk | re-fed] scores the chunk.
+    """KV²: per chunk of the context, a proxy picks a share of its tokens; only those are re-fed
+    (after the context) and the attention they pay over [sinks | chunk | re-fed] scores the chunk.
 
-    ``rho`` None means the KV budget (the paper's default); ``rounds`` > 1 uses a round's scores
-    as the next round's proxy.
+    rho: the share of each chunk re-fed; None: ``rho_scale`` times the KV budget (at most all).
+    rounds: > 1 uses a round's scores as the next round's proxy.
+    normalize: KV²+ scores, each attention weight scaled by ||W_o v_j|| / ||h_i||.
+    attend: what the re-fed tokens' outputs attend: "chunk" (sinks + their chunk, as scored) or
+        "context" (the whole context, as the authors' code does; only the scores stay per chunk).
+    proxy: "keydiff" (keys that stand out from their chunk's mean key) or "snapkv" (the attention
+        of the context's last tokens).
     """
 
     rho: float | None = None
+    rho_scale: float = 1.0
     rounds: int = 1
+    normalize: bool = False
+    attend: str = "chunk"
+    proxy: str = "keydiff"
     chunk: int = 4096
     n_sinks: int = CONTEXT_SINKS
 
     def __post_init__(self) -> None:
         if self.rho is not None and not (0 < self.rho <= 1):
             raise ConfigError(f"rho must be in (0, 1], got {self.rho}")
+        if not self.rho_scale > 0:
+            raise ConfigError(f"rho_scale must be > 0, got {self.rho_scale}")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if self.attend not in ATTEND:
+            raise ConfigError(f"attend must be one of {', '.join(ATTEND)}, got {self.attend!r}")
+        if self.proxy not in PROXIES:
+            raise ConfigError(f"proxy must be one of {', '.join(PROXIES)}, got {self.proxy!r}")
+        if self.chunk < 1:
+            raise ConfigError(f"chunk must be >= 1, got {self.chunk}")
+
+    def refeed_share(self, kv_budget: float) -> float:
+        """The share of each chunk re-fed at ``kv_budget``."""
+        return self.rho if self.rho is not None else min(1.0, self.rho_scale * kv_budget)
+
+    def _proxy_steps(self, engine, seq_id, ids, kv_budget):
+        """The proxy's per-token scores [T] (a generator: SnapKV's costs a model pass)."""
+        if self.proxy == "keydiff":
+            return keydiff_scores(engine.cache, seq_id, engine.model.args.num_layers, self.chunk).mean(dim=(0, 1))
+        s = yield from SnapKVCompressor().score_steps(engine, seq_id, ids, kv_budget)  # [L, Hkv, T]
+        s = s.mean(dim=(0, 1))  # [T]; its own window scores +inf
+        finite = s[torch.isfinite(s)]
+        return s.nan_to_num(posinf=float(finite.max()) if finite.numel() else 0.0)
 
     def score_steps(self, engine, seq_id, ids, kv_budget):
         a = engine.model.args
         t = len(ids)
-        rho = self.rho if self.rho is not None else kv_budget
-        proxy = keydiff_scores(engine.cache, seq_id, a.num_layers, self.chunk).mean(dim=(0, 1))  # [T]
+        rho = self.refeed_share(kv_budget)
+        proxy = yield from self._proxy_steps(engine, seq_id, ids, kv_budget)  # [T]
         scores = torch.zeros(a.num_layers, a.num_kv_heads, t)
+        everything = torch.ones(t, dtype=torch.bool)
         for _ in range(self.rounds):
             for start in range(0, t, self.chunk):
                 end = min(start + self.chunk, t)
                 n_feed = max(1, round(rho * (end - start)))
                 picked = (proxy[start:end].topk(n_feed).indices + start).sort().values.tolist()
-                allowed = torch.zeros(t, dtype=torch.bool)
-                allowed[: self.n_sinks] = True
-                allowed[start:end] = True
+                scored = torch.zeros(t, dtype=torch.bool)
+                scored[: self.n_sinks] = True
+                scored[start:end] = True
                 s = yield from refeed_steps(engine.model, engine.cache, seq_id, [ids[i] for i in picked],
-                                            list(range(t, t + n_feed)), allowed)
+                                            list(range(t, t + n_feed)), scored,
+                                            visible=everything if self.attend == "context" else None,
+                                            normalize=self.normalize)
                 scores[..., start:end] = s[..., start:end]
             proxy = scores.mean(dim=(0, 1))
-        scores[..., : self.n_sinks] = 1.0
-        return scores
+        return scores  # the sinks are kept by eviction whatever they score

@@ -2,12 +2,13 @@
 
 The shared machinery of KV², KVzip and SnapKV: feed some token ids through the model *after*
 (or inside) a prefilled context without writing them into the request's cache; every layer's
-softmax over [allowed context tokens | fed tokens, causal] is reduced to one score per context
+softmax over [scored context tokens | fed tokens, causal] is reduced to one score per context
 token: the max over fed queries and over the query heads of each KV head.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Generator
 
 import torch
@@ -18,14 +19,38 @@ from icekv.kv import PagedKVCache
 class ScoringAttention:
     """An attention backend that keeps fed tokens' K/V aside and records context scores."""
 
-    def __init__(self, cache: PagedKVCache, seq_id: int, allowed: torch.Tensor, num_layers: int):
-        """allowed [T] bool: which context tokens the fed tokens may attend (others are masked)."""
-        self.cache, self.seq_id, self.allowed = cache, seq_id, allowed
-        self.length = int(allowed.numel())
+    def __init__(self, cache: PagedKVCache, seq_id: int, scored: torch.Tensor, num_layers: int,
+                 visible: torch.Tensor | None = None, out_proj: list[torch.Tensor] | None = None):
+        """scored [T] bool: the context tokens the score softmax runs over (the rest score 0).
+        visible [T] bool: the context tokens the fed tokens' outputs attend (None: ``scored``).
+        out_proj: each layer's output projection weight [hidden, Hq*D]; given, a weight a[i, j] is
+        scaled by ||W_o v_j|| / ||h_i|| (what token j would add to the output, per unit of the
+        query's input; KVzip+/KV²+), with ||h_i|| recorded by :meth:`record_input` before each layer."""
+        self.cache, self.seq_id, self.scored = cache, seq_id, scored
+        self.visible = scored if visible is None else visible
+        self.out_proj = out_proj
+        self.length = int(scored.numel())
         self.fed_k: list[torch.Tensor | None] = [None] * num_layers  # [Hkv, F, D] so far
         self.fed_v: list[torch.Tensor | None] = [None] * num_layers
         self.scores: list[torch.Tensor | None] = [None] * num_layers  # [Hkv, T]
         self._context: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._value_norms: dict[int, torch.Tensor] = {}  # layer -> [Hq, T]
+        self._input_norms: dict[int, torch.Tensor] = {}  # layer -> [N] for the pass in flight
+
+    def record_input(self, layer: int, x: torch.Tensor) -> None:
+        """x [N, hidden]: the attention's input for the fed tokens (normalised scores only)."""
+        self._input_norms[layer] = x.float().norm(dim=-1)  # [N]
+
+    def _value_norm(self, layer: int, ctx_v: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """||W_o,h v_j|| for every query head h and context token j -> [Hq, T]."""
+        if layer not in self._value_norms:
+            hkv, _, d = ctx_v.shape
+            w = self.out_proj[layer].float().view(-1, n_heads, d)  # [hidden, Hq, D]
+            gram = torch.einsum("xhd,xhe->hde", w, w)  # [Hq, D, D]: W_h^T W_h
+            v = ctx_v.float().repeat_interleave(n_heads // hkv, dim=0)  # [Hq, T, D]
+            sq = torch.einsum("htd,hde,hte->ht", v, gram, v)  # [Hq, T]
+            self._value_norms[layer] = sq.clamp_min(0).sqrt()
+        return self._value_norms[layer]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if layer not in self._context:
@@ -37,26 +62,54 @@ class ScoringAttention:
         fed_v = v if prev_v is None else torch.cat([prev_v, v], 1)
         self.fed_k[layer], self.fed_v[layer] = fed_k, fed_v
         n, f, hkv, d = q.shape[0], fed_k.shape[1], k.shape[0], q.shape[-1]
+        t = self.length
         keys, values = torch.cat([ctx_k, fed_k], 1), torch.cat([ctx_v, fed_v], 1)  # [Hkv, T+F, D]
         causal = torch.arange(f)[None, :] <= torch.arange(f - n, f)[:, None]  # [N, F]
-        mask = torch.cat([self.allowed[None, :].expand(n, -1), causal], 1)  # [N, T+F]
         qh = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*N, D]
-        logits = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, keys.shape[1]) * d**-0.5  # [Hkv, G, N, T+F]
-        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)
-        score = probs[..., : self.length].amax(dim=(1, 2))  # [Hkv, T]
+        logits = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, t + f) * d**-0.5  # [Hkv, G, N, T+F]
+        score_mask = torch.cat([self.scored[None, :].expand(n, -1), causal], 1)  # [N, T+F]
+        score_probs = logits.masked_fill(~score_mask, float("-inf")).softmax(-1)  # [Hkv, G, N, T+F]
+        weights = score_probs[..., :t]  # [Hkv, G, N, T]
+        if self.out_proj is not None:
+            value_norm = self._value_norm(layer, ctx_v, q.shape[1]).view(hkv, -1, 1, t)  # [Hkv, G, 1, T]
+            weights = weights * value_norm / self._input_norms[layer].clamp_min(1e-6).view(1, 1, n, 1)
+        score = weights.amax(dim=(1, 2))  # [Hkv, T]
         self.scores[layer] = score if self.scores[layer] is None else torch.maximum(self.scores[layer], score)
-        out = torch.bmm(probs.view(hkv, -1, keys.shape[1]), values)  # [Hkv, G*N, D]
+        probs = score_probs
+        if self.visible is not self.scored:  # the outputs attend more of the context than is scored
+            seen = torch.cat([self.visible[None, :].expand(n, -1), causal], 1)  # [N, T+F]
+            probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
+        out = torch.bmm(probs.view(hkv, -1, t + f), values)  # [Hkv, G*N, D]
         return out.reshape(-1, n, d).transpose(0, 1)
 
 
+@contextmanager
+def _recording_inputs(model, backend: ScoringAttention):
+    """While the block runs, each layer's attention input is handed to ``backend.record_input``."""
+    handles = [layer.self_attn.register_forward_pre_hook(
+        lambda module, args, i=i: backend.record_input(i, args[0])) for i, layer in enumerate(model.layers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def refeed_steps(model, cache: PagedKVCache, seq_id: int, ids: list[int], positions: list[int],
-                 allowed: torch.Tensor, chunk: int = 256) -> Generator[None, None, torch.Tensor]:
+                 scored: torch.Tensor, chunk: int = 256, visible: torch.Tensor | None = None,
+                 normalize: bool = False) -> Generator[None, None, torch.Tensor]:
     """Feed ``ids`` at ``positions``, yielding after each chunk's model pass; returns the scores
-    S [L, Hkv, T] of the context."""
-    backend = ScoringAttention(cache, seq_id, allowed, model.args.num_layers)
+    S [L, Hkv, T] of the context (see :class:`ScoringAttention` for ``scored``, ``visible`` and
+    ``normalize``)."""
+    out_proj = [layer.self_attn.o_proj.weight for layer in model.layers] if normalize else None
+    backend = ScoringAttention(cache, seq_id, scored, model.args.num_layers, visible, out_proj)
     for start in range(0, len(ids), chunk):
-        model(torch.tensor(ids[start : start + chunk]), torch.tensor(positions[start : start + chunk]), backend,
-              logit_rows=torch.tensor([-1]))
+        tokens, at = torch.tensor(ids[start : start + chunk]), torch.tensor(positions[start : start + chunk])
+        if normalize:
+            with _recording_inputs(model, backend):
+                model(tokens, at, backend, logit_rows=torch.tensor([-1]))
+        else:
+            model(tokens, at, backend, logit_rows=torch.tensor([-1]))
         yield
     return torch.stack(backend.scores)  # [L, Hkv, T]
 

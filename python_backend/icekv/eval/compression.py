@@ -1,47 +1,68 @@
 """The reusable-context evaluation: compress each context once, then ask all its questions.
 
-The full-cache row is the same pipeline at a 100% budget (bit-identical to full attention, see
-the tests), so every method is measured through the same code path.
+Each context is prefilled once; every variant (a method with its settings) then scores that same
+prefilled cache and keeps each budget's share of it, so a variant's cost is measured beyond the
+prefill it shares with the others. Scores that do not depend on the budget are computed once per
+variant. The full-cache row keeps everything (bit-identical to full attention, see the tests), so
+every row goes through the same code path.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import psutil
 
+from icekv.compress import CompressedContext, evict, make_compressor
 from icekv.config import SamplingConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
-from icekv.compress import COMPRESSORS
-from icekv.eval.tasks import HaystackSampler, PromptFormat, make_reusable
+from icekv.eval.tasks import REUSABLE_TASKS, HaystackSampler, PromptFormat, make_reusable
+
+FULL = "full"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row family of the table: ``method`` run with ``settings``, reported as ``label``."""
+
+    label: str
+    method: str
+    settings: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        make_compressor(self.method, **self.settings)  # ConfigError now, not after the first prefill
 
 
 @dataclass(frozen=True)
 class CompressionEvalConfig:
-    methods: tuple[str, ...] = ("kv2", "kvzip")
+    variants: tuple[Variant, ...] = (Variant("kv2", "kv2"), Variant("kvzip", "kvzip"))
     kv_budgets: tuple[float, ...] = (0.05,)
+    tasks: tuple[str, ...] = ("niah_multikey",)
     haystack: str = "essays"
     lengths: tuple[int, ...] = (2000,)
-    samples: int = 5
-    questions: int = 4
+    samples: int = 5  # contexts per task and length
+    questions: int = 4  # per niah_multikey context (niah_single asks one)
     seed: int = 0
     max_tokens: int = 12
-    settings: tuple[tuple[str, dict], ...] = ()  # per-method settings, e.g. (("kv2", {"rho": 0.25}),)
     chat_template: bool = False  # the context and each question inside one user turn of the chat template
 
     def __post_init__(self) -> None:
-        for m in self.methods:
-            if m not in COMPRESSORS:
-                raise ConfigError(f"--compress: unknown method {m!r}; choose from {', '.join(COMPRESSORS)}")
         for b in self.kv_budgets:
             if not (0 < b <= 1):
                 raise ConfigError(f"--kv-budgets: {b} is not in (0, 1]")
+        for t in self.tasks:
+            if t not in REUSABLE_TASKS:
+                raise ConfigError(f"--task: {t!r} cannot be asked as a reusable context; choose from "
+                                  f"{', '.join(REUSABLE_TASKS)}")
+        if len({v.label for v in self.variants}) != len(self.variants) or FULL in {v.label for v in self.variants}:
+            raise ConfigError(f"variant labels must be unique and not {FULL!r}")
 
 
 class PeakRSS:
@@ -69,43 +90,94 @@ class PeakRSS:
         return self.peak - self.base
 
 
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion (sound at 0% and 100%, unlike p +- 1.96 se)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _drain(steps):
+    """Run a scoring generator to its end -> its scores."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            return finished.value
+
+
+def compress_prefilled(engine: Engine, prefilled, ids: list[int], variant: Variant, budgets) -> dict:
+    """budget -> (CompressedContext, seconds beyond the prefill, peak memory growth) for one variant;
+    one scoring per distinct re-feed share (one in all for budget-free methods)."""
+    compressor = make_compressor(variant.method, **variant.settings)
+    refeed_share = getattr(compressor, "refeed_share", lambda budget: None)  # only kv2's scores follow the budget
+    scored: dict = {}  # re-feed share -> (scores, seconds, peak memory growth)
+    out = {}
+    for budget in budgets:
+        share = refeed_share(budget)
+        if share not in scored:
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                scores = _drain(compressor.score_steps(engine, prefilled.seq_id, ids, budget))
+            scored[share] = (scores, time.perf_counter() - t0, mem.growth)
+        scores, score_s, score_growth = scored[share]
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            keep = evict(scores, budget)
+            ctx = CompressedContext.from_cache(engine.cache, prefilled.seq_id, keep, variant.method, budget)
+        out[budget] = (ctx, score_s + time.perf_counter() - t0, max(score_growth, mem.growth))
+    return out
+
+
 def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_text: str,
                          progress: Callable[[int, int], None] | None = None) -> list[dict]:
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
     form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
-    settings = dict(cfg.settings)
-    runs = [("full", 1.0)] + [(m, b) for m in cfg.methods for b in cfg.kv_budgets]
     sampling = SamplingConfig(max_tokens=cfg.max_tokens, stop=("\n",))
-    acc: dict[tuple, list] = defaultdict(list)
-    total, done = len(cfg.lengths) * cfg.samples * len(runs), 0
-    for length in cfg.lengths:
-        for i in range(cfg.samples):
-            seed = zlib.crc32(f"{cfg.seed}/{cfg.haystack}/reuse/{length}/{i}".encode())
-            sample = make_reusable(sampler, length, seed, cfg.questions)
-            ids = engine.tokenizer.encode(form.context(sample.context))
-            for method, budget in runs:
-                with PeakRSS() as mem:
-                    t0 = time.perf_counter()
-                    ctx = engine.compress(ids, "streaming" if method == "full" else method, budget,
-                                          **settings.get(method, {}))
-                    compress_s = time.perf_counter() - t0
-                scores = []
-                for question, answer in sample.questions:
-                    out = engine.generate(engine.tokenizer.encode(form.question(question)), sampling, context=ctx)
-                    scores.append(float(answer in out.text))
-                acc[(length, method, budget)].append((scores, compress_s, mem.growth, ctx.kv_bytes, ctx.full_bytes))
+    rows: dict[tuple, list] = defaultdict(list)
+    total = len(cfg.tasks) * len(cfg.lengths) * cfg.samples
+    done = 0
+    for task in cfg.tasks:
+        for length in cfg.lengths:
+            for i in range(cfg.samples):
+                seed = zlib.crc32(f"{cfg.seed}/{cfg.haystack}/reuse/{task}/{length}/{i}".encode())
+                sample = make_reusable(sampler, length, seed, cfg.questions, task)
+                ids = engine.tokenizer.encode(form.context(sample.context))
+                t0 = time.perf_counter()
+                prefilled = engine.prefill(ids)
+                prefill_s = time.perf_counter() - t0
+                try:
+                    runs = {FULL: compress_prefilled(engine, prefilled, ids, Variant(FULL, "streaming"), (1.0,))}
+                    for v in cfg.variants:
+                        runs[v.label] = compress_prefilled(engine, prefilled, ids, v, cfg.kv_budgets)
+                finally:
+                    engine.release(prefilled)
+                for label, by_budget in runs.items():
+                    for budget, (ctx, compress_s, growth) in by_budget.items():
+                        right = []
+                        for question, answer in sample.questions:
+                            out = engine.generate(engine.tokenizer.encode(form.question(question)), sampling,
+                                                  context=ctx)
+                            right.append(float(answer in out.text))
+                        rows[(task, length, label, budget)].append(
+                            (right, prefill_s, compress_s, growth, ctx.kv_bytes, ctx.full_bytes))
                 done += 1
                 if progress:
                     progress(done, total)
+    variants = {v.label: v for v in cfg.variants} | {FULL: Variant(FULL, "streaming")}
     records = []
-    for (length, method, budget), rs in acc.items():
-        scores = [s for r in rs for s in r[0]]
+    for (task, length, label, budget), rs in rows.items():
+        right = [s for r in rs for s in r[0]]
         mean = lambda i: sum(r[i] for r in rs) / len(rs)
+        low, high = wilson_interval(sum(right), len(right))
         records.append({
-            "task": "niah_multikey_reuse", "haystack": cfg.haystack, "length": length, "method": method,
-            "kv_budget": budget, "accuracy": sum(scores) / len(scores), "n": len(scores),
-            "contexts": len(rs), "questions_per_context": cfg.questions, "compress_s": mean(1),
-            "peak_memory_growth_bytes": max(r[2] for r in rs), "kv_bytes": mean(3), "full_kv_bytes": mean(4),
-            "settings": settings.get(method, {}), "chat_template": cfg.chat_template,
+            "task": task, "haystack": cfg.haystack, "length": length, "method": label,
+            "base_method": variants[label].method, "settings": variants[label].settings, "kv_budget": budget,
+            "accuracy": sum(right) / len(right), "ci95": [low, high], "n": len(right), "contexts": len(rs),
+            "prefill_s": mean(1), "compress_s": mean(2), "peak_memory_growth_bytes": max(r[3] for r in rs),
+            "kv_bytes": mean(4), "full_kv_bytes": mean(5), "chat_template": cfg.chat_template,
         })
     return records

@@ -152,9 +152,17 @@ class ReusableSample:
     context_tokens: int
 
 
-def make_reusable(sampler: HaystackSampler, length: int, seed: int, num_questions: int = 4) -> ReusableSample:
-    """A ``niah_multikey`` context whose every needle is asked once: compress once, ask many."""
-    sample = sampler.make("niah_multikey", length, seed, num_needles=num_questions)
+REUSABLE_TASKS = ("niah_single", "niah_multikey")
+
+
+def make_reusable(sampler: HaystackSampler, length: int, seed: int, num_questions: int = 4,
+                  task: str = "niah_multikey") -> ReusableSample:
+    """A context compressed once, then asked several questions. ``niah_multikey``: ``num_questions``
+    needles with distinct keys, each asked once; ``niah_single``: one needle, asked once (every
+    question is then a context of its own)."""
+    if task not in REUSABLE_TASKS:
+        raise ConfigError(f"unknown reusable-context task {task!r}; choose from {', '.join(REUSABLE_TASKS)}")
+    sample = sampler.make(task, length, seed, num_needles=num_questions if task == "niah_multikey" else 1)
     context = sample.prompt[: sample.prompt.rindex(QUESTION.split("{")[0])]
     pairs = re.findall(r"One of the special magic numbers for ([\w-]+) is: (\d+)\.", context)
     questions = tuple((QUESTION.format(key=k), v) for k, v in pairs)

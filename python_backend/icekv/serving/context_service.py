@@ -33,6 +33,7 @@ class ContextSpec:
     ids: tuple[int, ...]
     method: str
     kv_budget: float
+    settings: tuple[tuple[str, Any], ...] = ()  # the method's settings (the server's)
 
 
 @dataclass
@@ -53,8 +54,10 @@ class _Job:
 
 
 class ContextService:
-    def __init__(self, engine, store, max_bytes: int, max_tokens: int):
+    def __init__(self, engine, store, max_bytes: int, max_tokens: int, method_settings: dict | None = None):
+        """method_settings: method -> the settings this server compresses with (default: none)."""
         self.engine, self.store, self.max_tokens = engine, store, max_tokens
+        self.method_settings = method_settings or {}
         self.shared = SharedContexts(max_bytes)
         self.stats = ContextStats()
         self._jobs: dict[str, _Job] = {}  # the engine thread's
@@ -72,11 +75,12 @@ class ContextService:
             raise RequestError(f"context of {len(ids)} tokens exceeds this server's limit of {self.max_tokens} "
                                "tokens (max_compress_tokens)")
         self.engine.check_fits(len(ids), 1)
-        key = context_key(self.engine.model_id, ids, request.method, request.kv_budget)
+        settings = self.method_settings.get(request.method, {})
+        key = context_key(self.engine.model_id, ids, request.method, request.kv_budget, settings)
         if claimed_key is not None and claimed_key != key:
             raise RequestError(f"context_key {claimed_key!r} does not match the context sent (its key is {key}); "
                                "send one of them, or both agreeing")
-        return ContextSpec(key, tuple(ids), request.method, request.kv_budget)
+        return ContextSpec(key, tuple(ids), request.method, request.kv_budget, tuple(sorted(settings.items())))
 
     def find(self, key: str, can_compress: bool = False) -> CompressedContext | None:
         """The context under ``key``, held for one request (release it with :meth:`release`), from
@@ -123,7 +127,7 @@ class ContextService:
             running.waiters.append(waiter)
             self.stats.joined += 1
             return "joined"
-        job = CompressionJob(self.engine, list(spec.ids), spec.method, spec.kv_budget)
+        job = CompressionJob(self.engine, list(spec.ids), spec.method, spec.kv_budget, **dict(spec.settings))
         self._jobs[spec.key] = _Job(job, spec, [waiter])
         self.stats.misses += 1
         return "compressed"

@@ -222,7 +222,8 @@ class TritonModel:
             from icekv.store import ContextStore
 
             store = ContextStore.open(self.cfg.store, engine.model_id, self.cfg.store_max_bytes)
-        return ContextService(engine, store, engine.scheduler.context_limit, self.cfg.compression.max_tokens)
+        return ContextService(engine, store, engine.scheduler.context_limit, self.cfg.compression.max_tokens,
+                              self.cfg.compression.method_settings())
 
     def _submit(self, req, sink: TritonSink) -> None:
         """Run ``req`` over its context: found (memory, store), or compressed first; or over none."""

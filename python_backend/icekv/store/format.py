@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load, save
 
 from icekv.compress.compressed import CompressedContext, CompressedLayer
+from icekv.compress.methods import resolved_settings
 from icekv.errors import IcekvError
 
 FORMAT = "icekv-compressed-context"
@@ -38,9 +39,10 @@ class StoreUnavailable(IcekvError):
 
 
 def context_key(model_id: str, token_ids: list[int], method: str, kv_budget: float, settings: dict | None = None) -> str:
-    """The store key: a hash of everything that determines the compressed cache."""
+    """The store key: a hash of everything that determines the compressed cache (the method's
+    settings with their defaults filled in: a default that changes changes the key)."""
     payload = json.dumps({"model": model_id, "tokens": token_ids, "method": method, "kv_budget": kv_budget,
-                          "settings": settings or {}, "format": VERSION}, sort_keys=True)
+                          "settings": resolved_settings(method, settings), "format": VERSION}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

@@ -1,0 +1,43 @@
+"""`icekv eval --compress` end to end: every task, variant and budget reported with an interval,
+timed beyond one shared prefill."""
+
+import json
+
+import pytest
+
+from icekv.eval.compression import wilson_interval
+from tests.test_cli import icekv
+
+
+@pytest.mark.parametrize("right, n, low, high", [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634),
+                                                  (40, 40, 0.9124, 1.0), (1, 1, 0.2065, 1.0)])
+def test_wilson_interval_matches_known_values(right, n, low, high):
+    got = wilson_interval(right, n)
+    assert got == pytest.approx((low, high), abs=1e-4)
+
+
+@pytest.mark.model
+def test_compression_eval_reports_every_cell(tmp_path, smollm2_dir):
+    out = tmp_path / "run"
+    proc = icekv("eval", "--compress", "kv2,snapkv", "--kv2", "rho_scale=4,normalize=true",
+                 "--task", "niah_single,niah_multikey", "--kv-budgets", "0.05,0.25", "--lengths", "600",
+                 "--samples", "1", "--questions", "3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads((out / "results.json").read_text())["records"]
+    cells = {(r["task"], r["method"], r["kv_budget"]) for r in records}
+    assert cells == {(t, m, b) for t in ("niah_single", "niah_multikey") for m, b in
+                     [("full", 1.0), ("kv2", 0.05), ("kv2", 0.25), ("snapkv", 0.05), ("snapkv", 0.25)]}
+    for r in records:
+        assert r["n"] == (1 if r["task"] == "niah_single" else 3)
+        low, high = r["ci95"]
+        assert low <= r["accuracy"] <= high
+        assert r["compress_s"] > 0 and r["prefill_s"] > 0
+        if r["method"] == "kv2":
+            assert r["settings"] == {"rho_scale": 4.0, "normalize": True}
+        if r["method"] != "full":
+            assert r["kv_bytes"] < 0.4 * r["full_kv_bytes"]
+    by_task = {}
+    for r in records:  # one prefill per context, shared by every row
+        by_task.setdefault(r["task"], set()).add(r["prefill_s"])
+    assert all(len(p) == 1 for p in by_task.values())
+    assert "95% interval" in (out / "report.md").read_text()
