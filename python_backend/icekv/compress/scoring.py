@@ -16,70 +16,99 @@ import torch
 from icekv.kv import PagedKVCache
 
 
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The [start, end) spans of consecutive True entries of a bool vector."""
+    edges = torch.diff(mask.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8)).nonzero().squeeze(1).tolist()
+    return list(zip(edges[0::2], edges[1::2]))
+
+
 class ScoringAttention:
-    """An attention backend that keeps fed tokens' K/V aside and records context scores."""
+    """An attention backend that keeps fed tokens' K/V aside and records context scores.
+
+    Only the context tokens the fed tokens attend are read: with KV²'s per-chunk scoring, a chunk
+    and the sinks, so its cost grows with the chunk, not with the whole context.
+    """
 
     def __init__(self, cache: PagedKVCache, seq_id: int, scored: torch.Tensor, num_layers: int,
                  visible: torch.Tensor | None = None, out_proj: list[torch.Tensor] | None = None):
         """scored [T] bool: the context tokens the score softmax runs over (the rest score 0).
-        visible [T] bool: the context tokens the fed tokens' outputs attend (None: ``scored``).
+        visible [T] bool: the context tokens the fed tokens' outputs attend (None: ``scored``;
+        it must include them).
         out_proj: each layer's output projection weight [hidden, Hq*D]; given, a weight a[i, j] is
         scaled by ||W_o v_j|| / ||h_i|| (what token j would add to the output, per unit of the
         query's input; KVzip+/KV²+), with ||h_i|| recorded by :meth:`record_input` before each layer."""
-        self.cache, self.seq_id, self.scored = cache, seq_id, scored
-        self.visible = scored if visible is None else visible
-        self.out_proj = out_proj
+        visible = scored if visible is None else visible
+        if bool((scored & ~visible).any()):
+            raise ValueError("every scored context token must be visible")
+        self.cache, self.seq_id, self.out_proj = cache, seq_id, out_proj
         self.length = int(scored.numel())
+        self.read_at = visible.nonzero().squeeze(1)  # [K]: the context positions read
+        self._spans = _runs(visible)
+        self._whole = self._spans == [(0, self.length)]  # then read once per layer and kept
+        self._scored = scored[self.read_at]  # [K]
+        self._one_softmax = bool(self._scored.all())  # outputs and scores over the same tokens
         self.fed_k: list[torch.Tensor | None] = [None] * num_layers  # [Hkv, F, D] so far
         self.fed_v: list[torch.Tensor | None] = [None] * num_layers
         self.scores: list[torch.Tensor | None] = [None] * num_layers  # [Hkv, T]
         self._context: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._value_norms: dict[int, torch.Tensor] = {}  # layer -> [Hq, T]
+        self._value_norms: dict[int, torch.Tensor] = {}  # layer -> [Hq, K]
         self._input_norms: dict[int, torch.Tensor] = {}  # layer -> [N] for the pass in flight
 
     def record_input(self, layer: int, x: torch.Tensor) -> None:
         """x [N, hidden]: the attention's input for the fed tokens (normalised scores only)."""
         self._input_norms[layer] = x.float().norm(dim=-1)  # [N]
 
+    def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The visible context's keys and values, two [Hkv, K, D]."""
+        if layer in self._context:
+            return self._context[layer]
+        parts = [self.cache.gather_range(layer, self.seq_id, a, b) for a, b in self._spans]
+        kv = parts[0] if len(parts) == 1 else (torch.cat([k for k, _ in parts], 1), torch.cat([v for _, v in parts], 1))
+        if self._whole:
+            self._context[layer] = kv
+        return kv
+
     def _value_norm(self, layer: int, ctx_v: torch.Tensor, n_heads: int) -> torch.Tensor:
-        """||W_o,h v_j|| for every query head h and context token j -> [Hq, T]."""
-        if layer not in self._value_norms:
-            hkv, _, d = ctx_v.shape
-            w = self.out_proj[layer].float().view(-1, n_heads, d)  # [hidden, Hq, D]
-            gram = torch.einsum("xhd,xhe->hde", w, w)  # [Hq, D, D]: W_h^T W_h
-            v = ctx_v.float().repeat_interleave(n_heads // hkv, dim=0)  # [Hq, T, D]
-            sq = torch.einsum("htd,hde,hte->ht", v, gram, v)  # [Hq, T]
-            self._value_norms[layer] = sq.clamp_min(0).sqrt()
-        return self._value_norms[layer]
+        """||W_o,h v_j|| for every query head h and read context token j -> [Hq, K]."""
+        if layer in self._value_norms:
+            return self._value_norms[layer]
+        hkv, _, d = ctx_v.shape
+        w = self.out_proj[layer].float().view(-1, n_heads, d)  # [hidden, Hq, D]
+        gram = torch.einsum("xhd,xhe->hde", w, w)  # [Hq, D, D]: W_h^T W_h
+        v = ctx_v.float().repeat_interleave(n_heads // hkv, dim=0)  # [Hq, K, D]
+        norms = torch.einsum("hkd,hde,hke->hk", v, gram, v).clamp_min(0).sqrt()  # [Hq, K]
+        if self._whole:
+            self._value_norms[layer] = norms
+        return norms
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if layer not in self._context:
-            self._context[layer] = self.cache.gather_range(layer, self.seq_id, 0, self.length)  # [Hkv, T, D]
-        ctx_k, ctx_v = self._context[layer]
+        ctx_k, ctx_v = self._read(layer)  # [Hkv, K, D]
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, N, D]
         prev_k, prev_v = self.fed_k[layer], self.fed_v[layer]
         fed_k = k if prev_k is None else torch.cat([prev_k, k], 1)  # [Hkv, F, D]
         fed_v = v if prev_v is None else torch.cat([prev_v, v], 1)
         self.fed_k[layer], self.fed_v[layer] = fed_k, fed_v
         n, f, hkv, d = q.shape[0], fed_k.shape[1], k.shape[0], q.shape[-1]
-        t = self.length
-        keys, values = torch.cat([ctx_k, fed_k], 1), torch.cat([ctx_v, fed_v], 1)  # [Hkv, T+F, D]
+        kk = ctx_k.shape[1]
+        keys, values = torch.cat([ctx_k, fed_k], 1), torch.cat([ctx_v, fed_v], 1)  # [Hkv, K+F, D]
         causal = torch.arange(f)[None, :] <= torch.arange(f - n, f)[:, None]  # [N, F]
         qh = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*N, D]
-        logits = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, t + f) * d**-0.5  # [Hkv, G, N, T+F]
-        score_mask = torch.cat([self.scored[None, :].expand(n, -1), causal], 1)  # [N, T+F]
-        score_probs = logits.masked_fill(~score_mask, float("-inf")).softmax(-1)  # [Hkv, G, N, T+F]
-        weights = score_probs[..., :t]  # [Hkv, G, N, T]
+        logits = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, kk + f) * d**-0.5  # [Hkv, G, N, K+F]
+        score_mask = torch.cat([self._scored[None, :].expand(n, -1), causal], 1)  # [N, K+F]
+        score_probs = logits.masked_fill(~score_mask, float("-inf")).softmax(-1)  # [Hkv, G, N, K+F]
+        weights = score_probs[..., :kk]  # [Hkv, G, N, K]
         if self.out_proj is not None:
-            value_norm = self._value_norm(layer, ctx_v, q.shape[1]).view(hkv, -1, 1, t)  # [Hkv, G, 1, T]
+            value_norm = self._value_norm(layer, ctx_v, q.shape[1]).view(hkv, -1, 1, kk)  # [Hkv, G, 1, K]
             weights = weights * value_norm / self._input_norms[layer].clamp_min(1e-6).view(1, 1, n, 1)
-        score = weights.amax(dim=(1, 2))  # [Hkv, T]
+        score = torch.zeros(hkv, self.length)
+        score[:, self.read_at] = weights.amax(dim=(1, 2)).float()  # [Hkv, T]
         self.scores[layer] = score if self.scores[layer] is None else torch.maximum(self.scores[layer], score)
         probs = score_probs
-        if self.visible is not self.scored:  # the outputs attend more of the context than is scored
-            seen = torch.cat([self.visible[None, :].expand(n, -1), causal], 1)  # [N, T+F]
+        if not self._one_softmax:  # the outputs attend more of the context than is scored
+            seen = torch.cat([torch.ones(n, kk, dtype=torch.bool), causal], 1)  # [N, K+F]
             probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
-        out = torch.bmm(probs.view(hkv, -1, t + f), values)  # [Hkv, G*N, D]
+        out = torch.bmm(probs.view(hkv, -1, kk + f), values)  # [Hkv, G*N, D]
         return out.reshape(-1, n, d).transpose(0, 1)
 
 

@@ -132,6 +132,16 @@ def compress_prefilled(engine: Engine, prefilled, ids: list[int], variant: Varia
     return out
 
 
+def _generate_all(engine: Engine, asked: list[tuple[list[int], CompressedContext]], sampling) -> list[str]:
+    """Each (prompt ids, context)'s answer, submitted together so the engine batches them."""
+    texts: list[str] = []
+    wave = engine.scheduler.cfg.max_waiting
+    for start in range(0, len(asked), wave):
+        seqs = [engine.submit(ids, sampling, context=ctx) for ids, ctx in asked[start : start + wave]]
+        texts += [engine.run(seq).text for seq in seqs]
+    return texts
+
+
 def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_text: str,
                          progress: Callable[[int, int], None] | None = None) -> list[dict]:
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
@@ -155,15 +165,15 @@ def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_te
                         runs[v.label] = compress_prefilled(engine, prefilled, ids, v, cfg.kv_budgets)
                 finally:
                     engine.release(prefilled)
-                for label, by_budget in runs.items():
-                    for budget, (ctx, compress_s, growth) in by_budget.items():
-                        right = []
-                        for question, answer in sample.questions:
-                            out = engine.generate(engine.tokenizer.encode(form.question(question)), sampling,
-                                                  context=ctx)
-                            right.append(float(answer in out.text))
-                        rows[(task, length, label, budget)].append(
-                            (right, prefill_s, compress_s, growth, ctx.kv_bytes, ctx.full_bytes))
+                cells = [(label, budget, ctx, compress_s, growth) for label, by_budget in runs.items()
+                         for budget, (ctx, compress_s, growth) in by_budget.items()]
+                asked = [(engine.tokenizer.encode(form.question(q)), ctx) for _, _, ctx, _, _ in cells
+                         for q, _ in sample.questions]
+                texts = iter(_generate_all(engine, asked, sampling))
+                for label, budget, ctx, compress_s, growth in cells:
+                    right = [float(answer in next(texts)) for _, answer in sample.questions]
+                    rows[(task, length, label, budget)].append(
+                        (right, prefill_s, compress_s, growth, ctx.kv_bytes, ctx.full_bytes))
                 done += 1
                 if progress:
                     progress(done, total)
