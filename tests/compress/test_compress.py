@@ -126,13 +126,15 @@ def test_kv2_levers_change_what_they_claim_to(tiny_engine):
                               _kv2_scores(e, ids, 0.1, rho=0.1, proxy="snapkv", chunk=32))
     # rho_scale: 4x a 5% budget re-feeds what rho=0.2 does
     torch.testing.assert_close(_kv2_scores(e, ids, 0.05, rho_scale=4.0), _kv2_scores(e, ids, 0.05, rho=0.2))
-    plain, normalized = _kv2_scores(e, ids, 0.1, normalize=False), _kv2_scores(e, ids, 0.1, normalize=True)
+    plain = _kv2_scores(e, ids, 0.1, normalize=False, rho_scale=1)
+    normalized = _kv2_scores(e, ids, 0.1, normalize=True, rho_scale=1)
     assert bool((plain <= 1).all()) and not torch.allclose(plain, normalized)
 
 
 def test_kv2_refeed_share():
-    assert make_compressor("kv2").refeed_share(0.05) == 0.05
+    assert make_compressor("kv2").refeed_share(0.05) == pytest.approx(0.5)  # 10x the budget by default
     assert make_compressor("kv2", rho_scale=4).refeed_share(0.05) == pytest.approx(0.2)
+    assert make_compressor("kv2", rho_scale=1).refeed_share(0.05) == 0.05
     assert make_compressor("kv2", rho_scale=40).refeed_share(0.05) == 1.0
     assert make_compressor("kv2", rho=0.3, rho_scale=4).refeed_share(0.05) == 0.3
 
