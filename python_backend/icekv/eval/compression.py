@@ -9,6 +9,7 @@ every row goes through the same code path.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 import time
@@ -65,10 +66,20 @@ class CompressionEvalConfig:
             raise ConfigError(f"variant labels must be unique and not {FULL!r}")
 
 
+def _release_free_memory() -> None:
+    """Hand the allocator's free memory back to the system (glibc), so that what one measured
+    block freed is not reused unseen by the next: each block's growth is its own."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: growth is then measured over reused memory too
+        pass
+
+
 class PeakRSS:
     """Peak resident memory growth of this process while the block runs (sampled every 20 ms)."""
 
     def __enter__(self) -> "PeakRSS":
+        _release_free_memory()
         self._proc = psutil.Process()
         self.base = self.peak = self._proc.memory_info().rss
         self._stop = threading.Event()
