@@ -18,6 +18,7 @@ import pytest
 
 from icekv.config import SamplingConfig, SelectionConfig
 from icekv.serving.launcher import TritonServer, free_port, stop_process_group
+from icekv.store import context_key
 from tests.serving.conftest import metrics, post, wait_idle
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
@@ -25,6 +26,7 @@ GEN = "/v2/models/icekv/generate"
 QUESTION = ("\nWhat is the special magic number for {key} mentioned in the provided text? "
             "The special magic number for {key} mentioned in the provided text is")
 SETTINGS = {"host_pool_tokens": "8192", "max_active_requests": "8", "policy": "full"}
+KV2 = "rho_scale=4"  # both replicas compress kv2 contexts with these settings, not the defaults
 
 
 def _document(essays_text: str, key: str, number: int, start: int) -> str:
@@ -48,7 +50,7 @@ def cli_replica(smollm2_dir, redis_url, tmp_path_factory):
     log = tmp_path_factory.mktemp("icekv-serve") / "serve.log"
     command = [str(Path(sys.executable).with_name("icekv")), "serve", "--store", redis_url,
                "--host-pool-tokens", SETTINGS["host_pool_tokens"], "--policy", SETTINGS["policy"],
-               "--max-active-requests", SETTINGS["max_active_requests"]]
+               "--max-active-requests", SETTINGS["max_active_requests"], "--kv2", KV2]
     command += [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -71,7 +73,7 @@ def cli_replica(smollm2_dir, redis_url, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launched_replica(smollm2_dir, redis_url):
-    with TritonServer({**SETTINGS, "store": redis_url}) as server:
+    with TritonServer({**SETTINGS, "store": redis_url, "kv2": KV2}) as server:
         yield server
 
 
@@ -83,8 +85,12 @@ def test_a_context_compressed_on_one_replica_is_a_hit_on_the_other(cli_replica, 
     second = _ask(launched_replica, document, "amber-falcon")
     assert first["context_cache"] == "compressed" and second["context_cache"] == "hit"
     assert first["context_key"] == second["context_key"] and len(first["context_key"]) == 64
-    # the same answer as the engine gives over the same context compressed in-process (the CLI's path)
-    local = engine.compress(engine.tokenizer.encode(document), "kv2", 0.25)
+    # compressed with the servers' kv2 settings: the key says so, and the answer is the engine's
+    # over the same context compressed in-process with them (the CLI's path)
+    ids = engine.tokenizer.encode(document)
+    assert first["context_key"] == context_key(engine.model_id, ids, "kv2", 0.25, {"rho_scale": 4.0})
+    assert first["context_key"] != context_key(engine.model_id, ids, "kv2", 0.25)
+    local = engine.compress(ids, "kv2", 0.25, rho_scale=4.0)
     expected = engine.generate(QUESTION.format(key="amber-falcon"), SamplingConfig(max_tokens=8),
                                selection=SelectionConfig(policy="full"), context=local)
     assert first["text_output"] == expected.text
