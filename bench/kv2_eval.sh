@@ -2,7 +2,7 @@
 # The saved KV² accuracy runs: kv2 (its defaults) against kvzip, snapkv, keydiff and streaming on
 # reusable contexts, both tasks, both texts, with and without the chat template.
 # SmolLM2-135M, fp32, CPU. Writes bench/results/kv2_eval_<haystack>[_chat]/.
-# niah_multikey asks 4 questions per context, niah_single 1: SAMPLES contexts per task
+# niah_multikey asks 4 questions per context, niah_single 1: SINGLE and MULTI contexts per task
 # (40 niah_single contexts and 10 niah_multikey contexts give 40 questions per cell).
 set -euo pipefail
 cd "$(dirname "$0")/.."
