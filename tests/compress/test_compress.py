@@ -8,7 +8,7 @@ import torch
 
 from icekv.compress import COMPRESSORS, CompressedContext, evict, make_compressor, parse_settings
 from icekv.errors import ConfigError
-from icekv.compress.scoring import keydiff_scores, refeed_scores
+from icekv.compress.scoring import keydiff_scores, refeed_scores, run_steps
 from icekv.config import EngineConfig, PagingConfig, SamplingConfig
 from icekv.engine import Engine
 from tests.conftest import make_tiny_hf_model
@@ -98,12 +98,7 @@ def test_refeed_scores_match_a_direct_computation(tiny_engine, outputs_see_every
 def _kv2_scores(engine, ids, budget, **settings):
     req = engine.prefill(ids)
     try:
-        steps = make_compressor("kv2", **settings).score_steps(engine, req.seq_id, ids, budget)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as finished:
-                return finished.value
+        return run_steps(make_compressor("kv2", **settings).score_steps(engine, req.seq_id, ids, budget))
     finally:
         engine.release(req)
 

@@ -143,14 +143,18 @@ def refeed_steps(model, cache: PagedKVCache, seq_id: int, ids: list[int], positi
     return torch.stack(backend.scores)  # [L, Hkv, T]
 
 
-def refeed_scores(*args, **kwargs) -> torch.Tensor:
-    """:func:`refeed_steps` run to its end."""
-    steps = refeed_steps(*args, **kwargs)
+def run_steps(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    """A scoring generator (``score_steps``, :func:`refeed_steps`) run to its end: its scores."""
     while True:
         try:
             next(steps)
         except StopIteration as finished:
             return finished.value
+
+
+def refeed_scores(*args, **kwargs) -> torch.Tensor:
+    """:func:`refeed_steps` run to its end."""
+    return run_steps(refeed_steps(*args, **kwargs))
 
 
 def keydiff_scores(cache: PagedKVCache, seq_id: int, num_layers: int, chunk: int = 4096) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Callable
 import psutil
 
 from icekv.compress import CompressedContext, evict, make_compressor
+from icekv.compress.scoring import run_steps
 from icekv.config import SamplingConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
@@ -111,15 +112,6 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _drain(steps):
-    """Run a scoring generator to its end -> its scores."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as finished:
-            return finished.value
-
-
 def compress_prefilled(engine: Engine, prefilled, ids: list[int], variant: Variant, budgets) -> dict:
     """budget -> (CompressedContext, seconds beyond the prefill, peak memory growth) for one variant;
     one scoring per distinct re-feed share (one in all for budget-free methods)."""
@@ -132,7 +124,7 @@ def compress_prefilled(engine: Engine, prefilled, ids: list[int], variant: Varia
         if share not in scored:
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
-                scores = _drain(compressor.score_steps(engine, prefilled.seq_id, ids, budget))
+                scores = run_steps(compressor.score_steps(engine, prefilled.seq_id, ids, budget))
             scored[share] = (scores, time.perf_counter() - t0, mem.growth)
         scores, score_s, score_growth = scored[share]
         with PeakRSS() as mem:
