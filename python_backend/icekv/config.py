@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from icekv.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_POOLS = ("auto", "host", "device")  # where the KV page pool lives, see EngineConfig
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 SCORE_DTYPES = ("float32", "bfloat16", "int8")  # the IceCache index's page keys, see icekv.index.score_rows
 
 
@@ -225,11 +228,21 @@ class EngineConfig:
     """Everything the engine needs to load a model and run requests on it.
 
     ``model_dir`` None means the embedded default model (SmolLM2-135M-Instruct) from the asset
-    cache, fetched on first use.
+    cache, fetched on first use; ``random_weights`` names a model shape (:mod:`icekv.model.random`)
+    whose weights are drawn at random instead, for benchmarks where no weights can be fetched.
+
+    ``device``: where weights, activations, attention and the device page slots live (``auto``:
+    the first CUDA device when there is one). ``kv_pool``: where the page pool that owns every
+    token lives: ``host`` (CPU memory, pinned when computing on a GPU; IceCache moves only the
+    selected pages to the device), ``device`` (full attention reads it in place), or ``auto``:
+    host under a sparse default policy, device under full attention. On a CPU both are the same.
     """
 
     model_dir: str | None = None
-    dtype: str = "float32"
+    random_weights: str | None = None
+    device: str = "auto"
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU (dtype_on)
+    kv_pool: str = "auto"
     paging: PagingConfig = field(default_factory=PagingConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -241,7 +254,13 @@ class EngineConfig:
     index_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.kv_pool not in KV_POOLS:
+            raise ConfigError(f"kv_pool must be one of {', '.join(KV_POOLS)}, got {self.kv_pool!r}")
+        if self.model_dir is not None and self.random_weights is not None:
+            raise ConfigError("model_dir and random_weights exclude each other: give one")
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.prefill_chunk_tokens < 1:
             raise ConfigError(
@@ -256,6 +275,16 @@ class EngineConfig:
                 f"selection.page_size {self.selection.page_size} differs from paging.page_size "
                 f"{self.paging.page_size}"
             )
+
+    def dtype_on(self, device_type: str) -> str:
+        """The dtype setting, or its default on this kind of device."""
+        return self.dtype or ("bfloat16" if device_type == "cuda" else "float32")
+
+    def pool_placement(self) -> str:
+        """``host`` or ``device``: the ``kv_pool`` setting with ``auto`` decided by the default policy."""
+        if self.kv_pool != "auto":
+            return self.kv_pool
+        return "host" if self.selection.attended_budget is not None else "device"
 
 
 @dataclass(frozen=True)
@@ -310,7 +339,8 @@ class ServingConfig:
         known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
                  "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
-                 "max_index_bytes", "max_context_bytes", "max_compress_tokens", "max_queue_wait_s", "kv2"}
+                 "max_index_bytes", "max_context_bytes", "max_compress_tokens", "max_queue_wait_s", "kv2",
+                 "device", "kv_pool"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
@@ -345,7 +375,9 @@ class ServingConfig:
         )
         engine = EngineConfig(
             model_dir=values.get("model_dir"),
+            device=values.get("device", EngineConfig.device),
             dtype=values.get("dtype", EngineConfig.dtype),
+            kv_pool=values.get("kv_pool", EngineConfig.kv_pool),
             paging=paging,
             selection=selection,
             scheduler=scheduler,

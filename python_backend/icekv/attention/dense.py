@@ -48,7 +48,7 @@ def causal_attention(
     length = k.shape[1]
     if is_decode_step(q_positions, length):
         return decode_attention(q[0], k, v)[None]
-    mask = torch.arange(length)[None, :] <= q_positions[:, None]  # [N, L]
+    mask = torch.arange(length, device=q.device)[None, :] <= q_positions.to(q.device)[:, None]  # [N, L]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True
     )  # [Hq, N, D]

@@ -29,8 +29,9 @@ def paged_prefix_attention(
     n, w = q.shape[0], tail_k.shape[1]
     keys = torch.cat([page_k.reshape(hkv, n_pages * page_size, d), tail_k], dim=1).to(q.dtype)  # [Hkv, L, D]
     values = torch.cat([page_v.reshape(hkv, n_pages * page_size, d), tail_v], dim=1).to(q.dtype)
-    page_mask = (torch.arange(page_size)[None, None, :] < page_len[:, :, None]).reshape(hkv, 1, -1)  # [Hkv, 1, K*P]
-    tail_mask = torch.arange(w)[None, :] <= torch.arange(w - n, w)[:, None]  # [N, W]
+    at = torch.arange(max(page_size, w), device=q.device)
+    page_mask = (at[None, None, :page_size] < page_len.to(q.device)[:, :, None]).reshape(hkv, 1, -1)  # [Hkv, 1, K*P]
+    tail_mask = at[None, :w] <= at[w - n : w, None]  # [N, W]
     mask = torch.cat([page_mask.expand(hkv, n, -1), tail_mask.expand(hkv, n, w)], dim=2)  # [Hkv, N, L]
     qh = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*N, D] (no K/V copy per query head)
     scores = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, keys.shape[1]) * d**-0.5  # [Hkv, G, N, L]

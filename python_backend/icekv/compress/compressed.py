@@ -71,7 +71,7 @@ class CompressedContext:
         p = cache.page_size
         layers = []
         for layer in range(n_layers):
-            k_all, v_all = cache.gather_range(layer, seq_id, 0, length)  # [Hkv, T, D]
+            k_all, v_all = (t.cpu() for t in cache.gather_range(layer, seq_id, 0, length))  # [Hkv, T, D] on the host
             ks, vs, lens, poss, counts = [], [], [], [], []
             for h in range(hkv):
                 pos = torch.nonzero(keep[layer, h]).flatten()  # [n_h] ascending

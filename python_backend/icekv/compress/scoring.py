@@ -65,6 +65,7 @@ class ScoringAttention:
             return self._context[layer]
         parts = [self.cache.gather_range(layer, self.seq_id, a, b) for a, b in self._spans]
         kv = parts[0] if len(parts) == 1 else (torch.cat([k for k, _ in parts], 1), torch.cat([v for _, v in parts], 1))
+        kv = tuple(self.cache.to_compute(t) for t in kv)
         if self._whole:
             self._context[layer] = kv
         return kv
@@ -92,21 +93,22 @@ class ScoringAttention:
         n, f, hkv, d = q.shape[0], fed_k.shape[1], k.shape[0], q.shape[-1]
         kk = ctx_k.shape[1]
         keys, values = torch.cat([ctx_k, fed_k], 1), torch.cat([ctx_v, fed_v], 1)  # [Hkv, K+F, D]
-        causal = torch.arange(f)[None, :] <= torch.arange(f - n, f)[:, None]  # [N, F]
+        at = torch.arange(f, device=q.device)
+        causal = at[None, :] <= at[f - n :, None]  # [N, F]
         qh = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*N, D]
         logits = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, kk + f) * d**-0.5  # [Hkv, G, N, K+F]
-        score_mask = torch.cat([self._scored[None, :].expand(n, -1), causal], 1)  # [N, K+F]
+        score_mask = torch.cat([self._scored.to(q.device)[None, :].expand(n, -1), causal], 1)  # [N, K+F]
         score_probs = logits.masked_fill(~score_mask, float("-inf")).softmax(-1)  # [Hkv, G, N, K+F]
         weights = score_probs[..., :kk]  # [Hkv, G, N, K]
         if self.out_proj is not None:
             value_norm = self._value_norm(layer, ctx_v, q.shape[1]).view(hkv, -1, 1, kk)  # [Hkv, G, 1, K]
             weights = weights * value_norm / self._input_norms[layer].clamp_min(1e-6).view(1, 1, n, 1)
         score = torch.zeros(hkv, self.length)
-        score[:, self.read_at] = weights.amax(dim=(1, 2)).float()  # [Hkv, T]
+        score[:, self.read_at] = weights.amax(dim=(1, 2)).float().cpu()  # [Hkv, T]
         self.scores[layer] = score if self.scores[layer] is None else torch.maximum(self.scores[layer], score)
         probs = score_probs
         if not self._one_softmax:  # the outputs attend more of the context than is scored
-            seen = torch.cat([torch.ones(n, kk, dtype=torch.bool), causal], 1)  # [N, K+F]
+            seen = torch.cat([torch.ones(n, kk, dtype=torch.bool, device=q.device), causal], 1)  # [N, K+F]
             probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
         out = torch.bmm(probs.view(hkv, -1, kk + f), values)  # [Hkv, G*N, D]
         return out.reshape(-1, n, d).transpose(0, 1)
@@ -132,13 +134,15 @@ def refeed_steps(model, cache: PagedKVCache, seq_id: int, ids: list[int], positi
     ``normalize``)."""
     out_proj = [layer.self_attn.o_proj.weight for layer in model.layers] if normalize else None
     backend = ScoringAttention(cache, seq_id, scored, model.args.num_layers, visible, out_proj)
+    device, last = cache.compute, torch.tensor([-1], device=cache.compute)
     for start in range(0, len(ids), chunk):
-        tokens, at = torch.tensor(ids[start : start + chunk]), torch.tensor(positions[start : start + chunk])
+        tokens = torch.tensor(ids[start : start + chunk], device=device)
+        at = torch.tensor(positions[start : start + chunk], device=device)
         if normalize:
             with _recording_inputs(model, backend):
-                model(tokens, at, backend, logit_rows=torch.tensor([-1]))
+                model(tokens, at, backend, logit_rows=last)
         else:
-            model(tokens, at, backend, logit_rows=torch.tensor([-1]))
+            model(tokens, at, backend, logit_rows=last)
         yield
     return torch.stack(backend.scores)  # [L, Hkv, T]
 
@@ -168,5 +172,5 @@ def keydiff_scores(cache: PagedKVCache, seq_id: int, num_layers: int, chunk: int
         for c in keys.split(chunk, dim=1):
             anchor = torch.nn.functional.normalize(c.mean(1, keepdim=True), dim=-1)  # [Hkv, 1, D]
             parts.append(-(c * anchor).sum(-1))  # [Hkv, C]
-        out.append(torch.cat(parts, 1))
+        out.append(torch.cat(parts, 1).cpu())
     return torch.stack(out)  # [L, Hkv, T]

@@ -3,7 +3,8 @@
 Rows ``bounds[i]:bounds[i+1]`` of the flat token batch belong to request ``i``. Decode tokens of
 requests that attend a layer in full over their own pages (full attention, and a sparse policy's
 unlimited layers) go through one batched paged decode per layer (the batch's page table, one
-kernel call); every other request's rows go to its own backend. A request whose backend fails is
+kernel call) when the pool is on the compute device; every other request's rows go to its own
+backend. A request whose backend fails is
 failed alone: its rows get zeros for the rest of the step and the others go on.
 """
 
@@ -76,7 +77,7 @@ class BatchAttention:
         """One paged decode for the requests attending ``layer`` in full; the requests it served."""
         group = tuple(j for j, i in enumerate(self.decoding)
                       if i not in self.failed and self.seqs[i].backend.attends_all(layer))
-        if not group:
+        if not group or not self.cache.pool_on_compute:  # a host pool: each request moves its pages
             return set()
         rows, pages, slots, starts, lengths = self.table.rows(group)  # [G] each
         t0 = time.perf_counter()

@@ -27,7 +27,8 @@ from icekv.engine.sequence import OnProgress, OnText, Phase, Sequence
 from icekv.engine.step import StepRunner
 from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache
-from icekv.model import Tokenizer, load_model
+from icekv.devices import pool_device, resolve_device
+from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import get_policy
 
@@ -58,14 +59,25 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         free_cores = max((os.cpu_count() or 1) - torch.get_num_threads(), 0)
         self.index_threads = free_cores if config.index_threads is None else config.index_threads
-        self.model_dir = resolve_model_dir(config.model_dir)
-        dtype = getattr(torch, config.dtype)
-        self.model = load_model(self.model_dir, dtype)
-        self.tokenizer = Tokenizer(self.model_dir)
-        self.chat_template = ChatTemplate.load(self.model_dir)
+        self.device = resolve_device(config.device)
+        dtype_name = config.dtype_on(self.device.type)
+        dtype = getattr(torch, dtype_name)
+        if config.random_weights is not None:
+            self.model_dir, self.model_name = None, f"random {config.random_weights}"
+            self.model = random_model(config.random_weights, dtype, self.device)
+            self.tokenizer, self.chat_template = ByteTokenizer(), None
+            self.model_id = f"random:{config.random_weights}:{dtype_name}"
+        else:
+            self.model_dir = resolve_model_dir(config.model_dir)
+            self.model_name = str(self.model_dir)
+            self.model = load_model(self.model_dir, dtype).to(self.device)
+            self.tokenizer = Tokenizer(self.model_dir)
+            self.chat_template = ChatTemplate.load(self.model_dir)
+            self.model_id = model_identity(self.model_dir, dtype_name)
         args = self.model.args
-        self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype)
-        self.model_id = model_identity(self.model_dir, config.dtype)
+        pool = pool_device(config.pool_placement(), self.device)
+        self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
+                                  device=pool, compute=self.device)
         self.scheduler = Scheduler(config.scheduler, self.cache, config.prefill_chunk_tokens)
         self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads)
         self._seq_ids = itertools.count()
@@ -74,7 +86,7 @@ class Engine:
     # ---- requests
     def chat_prompt(self, messages) -> str:
         """OpenAI-style ``messages`` as the prompt text of this model's chat template (ChatTemplateError if none)."""
-        return require_template(self.chat_template, self.model_dir).render(messages)
+        return require_template(self.chat_template, self.model_name).render(messages)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse up front a request the KV pool could never hold."""

@@ -47,9 +47,11 @@ class StepRunner:
         batch = BatchAttention(ready, sizes, self.cache)
         ends = batch.bounds[1:]
         t0 = time.perf_counter()
+        device = self.cache.compute
         try:
-            logits = self.model(torch.tensor([t for ts in tokens for t in ts]), torch.cat(positions), batch,
-                                logit_rows=torch.tensor([ends[i] - 1 for i in samples], dtype=torch.long))  # [R, V]
+            logits = self.model(torch.tensor([t for ts in tokens for t in ts], device=device),
+                                torch.cat(positions).to(device), batch,
+                                logit_rows=torch.tensor([ends[i] - 1 for i in samples], dtype=torch.long, device=device)).cpu()  # [R, V]
         except Exception as e:  # outside any one sequence's attention: the whole step failed
             for seq in ready:
                 seq.fail(e)

@@ -130,7 +130,8 @@ def scatter_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor,
     cfg = launch.scatter_launch(len(heads), page_size, d)
     page_scatter_kernel[cfg.grid](
         src_k.to(dst_k.dtype).contiguous(), src_v.to(dst_v.dtype).contiguous(),
-        heads.to(torch.int32).contiguous(), slots.to(torch.int32).contiguous(), n_slots, dst_k, dst_v,
+        heads.to(dst_k.device, torch.int32).contiguous(), slots.to(dst_k.device, torch.int32).contiguous(),
+        n_slots, dst_k, dst_v,
         PAGE_ELEMS=page_size * d, BLOCK=cfg.block, num_warps=cfg.num_warps,
     )
 
@@ -139,9 +140,30 @@ def paged_decode_attention(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: 
                            lengths: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """Full decode attention of a batch of requests over their pages in the pool (contract in
     :func:`icekv.kernels.reference.paged_decode_reference`): compiled on a CPU for fp32, the
-    reference elsewhere."""
-    if kernel_backend(q.device, backend) == "numba" and q.dtype == pool_layer.dtype == torch.float32:
+    sparse decode kernel over every page of each request under triton, the reference elsewhere."""
+    choice = kernel_backend(q.device, backend)
+    if choice == "numba" and q.dtype == pool_layer.dtype == torch.float32:
         from icekv.kernels.cpu_paged_decode import paged_decode_cpu
 
         return paged_decode_cpu(q, pool_layer, page_ids, starts, lengths)
-    return reference.paged_decode_reference(q, pool_layer, page_ids, starts, lengths)
+    if choice != "triton":
+        return reference.paged_decode_reference(q, pool_layer, page_ids, starts, lengths)
+    ids, lens = request_pages(page_ids, starts, lengths, pool_layer.shape[1], pool_layer.shape[3])
+    out, _ = sparse_decode_attention(q, pool_layer[0], pool_layer[1], ids.to(q.device), lens.to(q.device),
+                                     backend=choice)
+    return out
+
+
+def request_pages(page_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, num_kv_heads: int,
+                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's pages (``page_ids[starts[b]:]``, enough for ``lengths[b]`` tokens) as the
+    sparse kernels name pages: ids, lens [B, Hkv, K] int32, the same for every KV head, padded
+    with id -1 / 0 tokens to the longest request."""
+    counts = -(-lengths // page_size)  # [B] pages per request
+    k = int(counts.max()) if len(counts) else 0
+    at = torch.arange(k)  # [K]
+    valid = at[None, :] < counts[:, None]  # [B, K]
+    ids = torch.where(valid, page_ids[(starts[:, None] + at).clamp(max=max(len(page_ids) - 1, 0))], -1)  # [B, K]
+    lens = (lengths[:, None] - at * page_size).clamp(0, page_size)  # [B, K]
+    expand = lambda t: t[:, None].expand(-1, num_kv_heads, -1).to(torch.int32).contiguous()  # [B, Hkv, K]
+    return expand(ids), expand(lens)

@@ -2,9 +2,10 @@
 
 Each step the selector names the pages each KV head needs; :meth:`DevicePageCache.plan` diffs
 them against what the slots already hold (same page, same version) and lists only the missing
-ones; :meth:`load` writes them into free slots in one staged bulk copy. On CUDA the staging buffer
-is pinned and the copy is asynchronous; on a CPU-only machine the "device" is CPU memory, but the
-slots, the diff and the byte accounting are the same.
+ones; :meth:`load` writes them into free slots in one staged bulk copy
+(:class:`icekv.kv.transfer.StagedTransfer`: on CUDA a pinned buffer copied on a side stream); on
+a CPU-only machine the "device" is CPU memory, but the slots, the diff and the byte accounting are
+the same.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from icekv.kv.paged_cache import as_bits, copy_token
+from icekv.kv.transfer import StagedTransfer
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class DevicePageCache:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  scatter: Callable | None = None):
         self.max_slots, self.scatter = max_slots, scatter
+        self.transfer = StagedTransfer(device, dtype)  # host rows -> these slots
         self.k = torch.zeros((num_kv_heads, 0, page_size, head_dim), dtype=dtype, device=device)  # [Hkv, S, P, D]
         self.v = torch.zeros_like(self.k)
         self.page = torch.full((num_kv_heads, 0), -1, dtype=torch.long)  # resident page id per slot
@@ -95,15 +98,11 @@ class DevicePageCache:
         return self._views
 
     def load(self, plan: TransferPlan, staging: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Write the planned pages: staging [2, n, P, D] their K and V, gathered from the host into
-        one contiguous buffer; lengths [n] their valid tokens."""
+        """Write the planned pages: staging [2, n, P, D] their K and V, gathered on the host into
+        one contiguous buffer (best: ``self.transfer.staging``); lengths [n] their valid tokens."""
         if len(plan) == 0:
             return
-        if self.k.is_cuda:  # pinned staging, async copy on a side stream (not exercised on CPU CI)
-            self._copy_stream = getattr(self, "_copy_stream", None) or torch.cuda.Stream(self.k.device)
-            with torch.cuda.stream(self._copy_stream):
-                staging = staging.pin_memory().to(self.k.device, non_blocking=True)
-            torch.cuda.current_stream(self.k.device).wait_stream(self._copy_stream)
+        staging = self.transfer.to_device(staging)  # one bulk copy (the buffer itself on a CPU)
         h, s = plan.heads.numpy(), plan.slots.numpy()
         if self.k.is_cuda and self.scatter is not None:
             self.scatter(self.k, self.v, staging[0], staging[1], plan.heads, plan.slots)
@@ -146,7 +145,8 @@ class DevicePageCache:
 
     def attended_lengths(self) -> torch.Tensor:
         """Valid tokens per slot for this step's attention, 0 for slots not selected [Hkv, S]."""
-        return torch.from_numpy(np.where(self.selected.numpy(), self.length.numpy(), 0))  # numpy: no dispatch
+        lengths = torch.from_numpy(np.where(self.selected.numpy(), self.length.numpy(), 0))  # numpy: no dispatch
+        return lengths.to(self.k.device)
 
 
 @numba.njit(cache=True, nogil=True)

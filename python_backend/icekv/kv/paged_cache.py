@@ -47,7 +47,12 @@ class _Sequence:
 
 
 class PagedKVCache:
-    """Owns the pool tensor and the page lists of live requests."""
+    """Owns the pool tensor and the page lists of live requests.
+
+    The pool lives on ``device``; attention runs on ``compute`` (default: the same device). A
+    host pool serving a GPU is pinned (one preallocated block), so pages copy to the GPU
+    asynchronously; readers move what they attend with :meth:`to_compute` (a no-op when the two
+    are one device, as on a CPU)."""
 
     def __init__(
         self,
@@ -57,18 +62,36 @@ class PagedKVCache:
         paging: PagingConfig,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        compute: str | torch.device | None = None,
     ):
         self.paging = paging
         self.page_size = paging.page_size
         self.num_layers = num_layers
+        self.compute = torch.device(compute or device)
+        device = torch.device(device)
         # torch.empty: the OS maps pages lazily, so an unused pool costs address space, not RAM
+        # (a pinned pool is mapped at once: it is sized for what the host can lock)
         self.pool = torch.empty(
             (num_layers, 2, num_kv_heads, paging.num_pages, paging.page_size, head_dim),
             dtype=dtype,
             device=device,
+            pin_memory=device.type == "cpu" and self.compute.type == "cuda",
         )  # [L, 2, Hkv, num_pages, P, D]
         self.allocator = PageAllocator(paging.num_pages)
         self._seqs: dict[int, _Sequence] = {}
+
+    @property
+    def pool_on_compute(self) -> bool:
+        """Does attention read the pool in place (no copy to another device)?"""
+        return self.pool.device == self.compute
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (read from the pool) on the compute device."""
+        return t.to(self.compute, non_blocking=True)
+
+    def to_pool(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (new K/V from the model, or indices) on the pool's device."""
+        return t.to(self.pool.device)
 
     @property
     def bytes_per_page(self) -> int:
@@ -124,6 +147,7 @@ class PagedKVCache:
 
     def write(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] of positions ``start .. start+T-1``."""
+        k, v = self.to_pool(k), self.to_pool(v)
         if k.shape[0] == 1:  # a decode step: plain indexing (every layer, every step)
             page, slot = self._seqs[seq_id].pages[start // self.page_size], start % self.page_size
             self.pool[layer, 0, :, page, slot] = k[0]
@@ -135,8 +159,9 @@ class PagedKVCache:
     def write_rows(self, layer: int, pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at pool page ``pages[t]``, slot ``slots[t]`` ([T] each): one copy
         for tokens of any requests (a batch's decode tokens)."""
-        self.pool[layer, 0, :, pages, slots] = k.transpose(0, 1)  # indexed view: [Hkv, T, D]
-        self.pool[layer, 1, :, pages, slots] = v.transpose(0, 1)
+        pages, slots = self.to_pool(pages), self.to_pool(slots)
+        self.pool[layer, 0, :, pages, slots] = self.to_pool(k).transpose(0, 1)  # indexed view: [Hkv, T, D]
+        self.pool[layer, 1, :, pages, slots] = self.to_pool(v).transpose(0, 1)
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's keys and values in sequence order: two [Hkv, length, D] tensors."""
@@ -145,7 +170,7 @@ class PagedKVCache:
 
     def gather_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``start .. end-1``: two [Hkv, end-start, D] tensors."""
-        index = self._seqs[seq_id].ids()[start // self.page_size : -(-end // self.page_size)]
+        index = self.to_pool(self._seqs[seq_id].ids()[start // self.page_size : -(-end // self.page_size)])
         kv = self.pool[layer].index_select(2, index).flatten(2, 3)  # [2, Hkv, n*P, D]
         offset = start % self.page_size
         kv = kv[:, :, offset : offset + end - start]
@@ -185,16 +210,20 @@ class PagedKVCache:
         """The request's pages in sequence order [pages] (position ``t`` is in ``page_ids[t // P]``)."""
         return self._seqs[seq_id].ids()
 
-    def gather_tokens(self, layer: int, seq_id: int, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def gather_tokens(self, layer: int, seq_id: int, heads: torch.Tensor, positions: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         """K/V of arbitrary tokens, one KV head per row: heads [n], positions [n, P] (-1 = none)
-        -> one [2, n, P, D] tensor (K, V), zero where the position is -1: a staging buffer.
+        -> one [2, n, P, D] tensor (K, V), zero where the position is -1: a staging buffer
+        (``out``, when given: a pinned one, say).
 
         A compiled row copy for a pool in CPU memory (one call instead of six torch ones: these
         are a few dozen rows per layer and step); :func:`gather_tokens_reference` elsewhere."""
         ids = self._seqs[seq_id].ids()
         if self.pool.device.type != "cpu":
-            return gather_tokens_reference(self.pool[layer], ids, heads, positions)
-        out = self.pool.new_empty((2, *positions.shape, self.pool.shape[-1]))  # [2, n, P, D]
+            rows = gather_tokens_reference(self.pool[layer], ids, heads, positions)
+            return rows if out is None else out.copy_(rows)
+        if out is None:
+            out = self.pool.new_empty((2, *positions.shape, self.pool.shape[-1]))  # [2, n, P, D]
         _copy_rows(as_bits(self.pool[layer]), ids.numpy(), heads.numpy(), positions.numpy(), as_bits(out))
         return out
 
@@ -230,8 +259,9 @@ def gather_tokens_reference(pool_layer: torch.Tensor, page_ids: torch.Tensor, he
     pos = positions.clamp_min(0)
     pages = page_ids.to(pos.device)[pos // page_size]  # [n, P]
     rows = (heads[:, None] * num_pages + pages) * page_size + pos % page_size  # [n, P] into [Hkv*pages*P]
+    rows = rows.to(pool_layer.device)
     kv = pool_layer.reshape(2, -1, d).index_select(1, rows.flatten()).view(2, *rows.shape, d)  # [2, n, P, D]
-    return kv.masked_fill_(~valid[None, :, :, None], 0)
+    return kv.masked_fill_(~valid.to(kv.device)[None, :, :, None], 0)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)  # rows in parallel: each is a cache miss

@@ -29,3 +29,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, for a random-weight model (:mod:`icekv.model.random`), which has
+    no vocabulary: prompts still encode, and ids past 255 decode to nothing."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")

@@ -179,7 +179,7 @@ class TritonModel:
         self.loop = EngineLoop(lambda: Engine(self.cfg.engine), on_tick=self.metrics.update,
                                make_contexts=self._contexts)
         self.engine = self.loop.engine
-        log.warning("icekv: loaded %s in %.1f s (policy %s)", self.engine.model_dir, time.perf_counter() - t0,
+        log.warning("icekv: loaded %s in %.1f s (policy %s)", self.engine.model_name, time.perf_counter() - t0,
                     self.cfg.engine.selection.policy)
 
     def execute(self, requests) -> None:

@@ -39,11 +39,12 @@ class RequestPages:
 
     def attend_all(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D] of the newest N tokens (own positions ``positions``) over every token."""
-        length = self.length()
+        length, move = self.length(), self.cache.to_compute
         if is_decode_step(positions, length):  # read the pages in place, run by run
-            return decode_attention_chunks(q[0], self.cache.view_runs(layer, self.seq_id, 0, length))[None]
+            runs = [(move(k), move(v)) for k, v in self.cache.view_runs(layer, self.seq_id, 0, length)]
+            return decode_attention_chunks(q[0], runs)[None]
         keys, values = self.cache.view_range(layer, self.seq_id, 0, length)  # [Hkv, L, D]
-        return causal_attention(q, keys, values, positions)
+        return causal_attention(q, move(keys), move(values), positions)
 
     def context_bytes(self, layers) -> int:
         """Bytes of a compressed context's pages in ``layers`` (none here)."""
@@ -58,17 +59,19 @@ class RequestPages:
         return min(sink_end, self.length())
 
     def region_keys(self, layer: int, sink_end: int, win_start: int):
-        """Keys of the indexed region, per KV head: [Hkv, n, D]."""
-        return self.cache.gather_range(layer, self.seq_id, sink_end, win_start)[0]
+        """Keys of the indexed region, per KV head, in host memory (where the index lives): [Hkv, n, D]."""
+        return self.cache.gather_range(layer, self.seq_id, sink_end, win_start)[0].cpu()
 
-    def gather_pages(self, layer: int, heads: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
-        """K/V [2, n, P, D] of selected pages: heads [n], token refs [n, P] (-1 = empty)."""
-        return self.cache.gather_tokens(layer, self.seq_id, heads, refs)
+    def gather_pages(self, layer: int, heads: torch.Tensor, refs: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """K/V [2, n, P, D] of selected pages (into ``out`` when given): heads [n], token refs [n,
+        P] (-1 = empty)."""
+        return self.cache.gather_tokens(layer, self.seq_id, heads, refs, out)
 
     def pool_rows(self, layer: int):
         """(pool layer [2, Hkv, pages, P, D], page ids [pages]) that selected tokens and the tail are
         read from in place, when the pool is in CPU memory; None: stage them via gather_pages."""
-        if self.cache.pool.is_cuda:
+        if self.cache.pool.is_cuda or not self.cache.pool_on_compute:
             return None
         if layer not in self._pool_layers:
             self._pool_layers[layer] = self.cache.pool[layer]  # a view, made once per layer
@@ -79,11 +82,11 @@ class RequestPages:
         return np.array([[0, min(sink_end, length)], [min(win_start, length), length]])
 
     def sink_window(self, layer: int, sink_end: int, win_start: int, length: int):
-        """(sink K, sink V, window K, window V), each [Hkv, n, D]."""
+        """(sink K, sink V, window K, window V), each [Hkv, n, D] on the compute device."""
         (s0, s1), (w0, w1) = self.tail_ranges(sink_end, win_start, length).tolist()
         sink_k, sink_v = self.cache.view_range(layer, self.seq_id, s0, s1)
         win_k, win_v = self.cache.view_range(layer, self.seq_id, w0, w1)
-        return sink_k, sink_v, win_k, win_v
+        return tuple(self.cache.to_compute(t) for t in (sink_k, sink_v, win_k, win_v))
 
     def kv_stats(self, resident_bytes: int, **transfer) -> KVStats:
         """Own pages, plus the full size of a compressed context (what the uncompressed cache holds)."""
@@ -101,12 +104,13 @@ class ContextPages(RequestPages):
     def __init__(self, cache: PagedKVCache, seq_id: int, context: CompressedContext):
         super().__init__(cache, seq_id)
         self.context, self.offset = context, context.length
-        self.prefix = [layer.padded() for layer in context.layers]  # per layer (k, v, page_len)
+        self.prefix = [tuple(cache.to_compute(t) for t in layer.padded()) for layer in context.layers]  # (k, v, page_len)
         self.n_pref = [torch.tensor(layer.kept_per_head) - CONTEXT_SINKS for layer in context.layers]  # [Hkv]
 
     def attend_all(self, layer, q, positions):
         tail_k, tail_v = self.cache.gather(layer, self.seq_id)  # [Hkv, S, D]
-        return paged_prefix_attention(q, *self.prefix[layer], tail_k, tail_v)
+        return paged_prefix_attention(q, *self.prefix[layer], self.cache.to_compute(tail_k),
+                                      self.cache.to_compute(tail_v))
 
     def context_bytes(self, layers) -> int:
         return sum(2 * self.prefix[i][0].numel() * self.prefix[i][0].element_size() for i in layers)
@@ -120,14 +124,14 @@ class ContextPages(RequestPages):
     def region_keys(self, layer, sink_end, win_start):
         """Per KV head [n_h, D]: kept context tokens after the sinks, then own tokens before the window."""
         ctx = self.context.layers[layer]
-        own, _ = self.cache.gather_range(layer, self.seq_id, 0, win_start)  # [Hkv, w, D]
+        own = self.cache.gather_range(layer, self.seq_id, 0, win_start)[0].cpu()  # [Hkv, w, D]
         keys = []
         for h, (a, b) in enumerate(zip(ctx.head_indptr[:-1].tolist(), ctx.head_indptr[1:].tolist())):
             kept = ctx.k[a:b].flatten(0, 1)[: int(ctx.page_len[a:b].sum())]  # [n_h, D] in position order
             keys.append(torch.cat([kept[CONTEXT_SINKS:], own[h]]))
         return keys
 
-    def gather_pages(self, layer, heads, refs):
+    def gather_pages(self, layer, heads, refs, out=None):
         ctx, p = self.context.layers[layer], self.context.page_size
         n_pref = self.n_pref[layer][heads][:, None]  # [n, 1]
         in_ctx = (refs >= 0) & (refs < n_pref)  # [n, P]
@@ -135,7 +139,8 @@ class ContextPages(RequestPages):
         page = (ctx.head_indptr[heads][:, None] + idx // p).clamp_max(max(len(ctx.page_len) - 1, 0))
         own = self.cache.gather_tokens(layer, self.seq_id, heads, torch.where(in_ctx | (refs < 0), -1, refs - n_pref))
         in_ctx_kv = torch.stack([ctx.k[page, idx % p], ctx.v[page, idx % p]])  # [2, n, P, D]
-        return torch.where(in_ctx[None, ..., None], in_ctx_kv, own)
+        merged = torch.where(in_ctx[None, ..., None], in_ctx_kv, own.cpu())
+        return merged if out is None else out.copy_(merged)
 
     def pool_rows(self, layer):
         return None  # tokens come from the context and the pool: gather_pages merges them
@@ -144,7 +149,8 @@ class ContextPages(RequestPages):
         ctx = self.context.layers[layer]
         first = ctx.head_indptr[:-1]  # each head's first page holds its sinks
         win_k, win_v = self.cache.gather_range(layer, self.seq_id, min(win_start, length), length)
-        return ctx.k[first, :CONTEXT_SINKS], ctx.v[first, :CONTEXT_SINKS], win_k, win_v
+        return tuple(self.cache.to_compute(t) for t in (ctx.k[first, :CONTEXT_SINKS], ctx.v[first, :CONTEXT_SINKS],
+                                                        win_k, win_v))
 
 
 def token_source(cache: PagedKVCache, seq_id: int, context: CompressedContext | None) -> RequestPages:

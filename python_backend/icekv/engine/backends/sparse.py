@@ -53,7 +53,7 @@ class SparseAttention(DenseAttention):
         self.timings["index_build_s"] = time.perf_counter() - t0
         self.device = {
             layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, cfg.page_size, args.head_dim,
-                                   self.cache.pool.dtype, scatter=scatter_pages)
+                                   self.cache.pool.dtype, self.cache.compute, scatter=scatter_pages)
             for layer in self.sparse_layers
         }
         # fp32 pool under the compiled kernels: attention reads sink and window from the pool too
@@ -71,7 +71,7 @@ class SparseAttention(DenseAttention):
         self.source.write(layer, self.start, k, v)
         length = self.start + 1
         t0 = time.perf_counter()
-        selection = self.selector.select(layer, q[0], self.cfg.selected_pages)
+        selection = self.selector.select(layer, q[0].cpu(), self.cfg.selected_pages)  # the index is on the host
         t1 = time.perf_counter()
         dev = self.device[layer]
         rows = self.source.pool_rows(layer) if not dev.k.is_cuda else None
@@ -83,7 +83,8 @@ class SparseAttention(DenseAttention):
             if len(plan):
                 positions = self.selector.page_positions(layer, plan.heads, plan.pages)  # [m, P]
                 lengths = torch.from_numpy(np.count_nonzero(positions.numpy() >= 0, axis=1))  # [m]
-                dev.load(plan, self.source.gather_pages(layer, plan.heads, positions), lengths)
+                staging = dev.transfer.staging((2, *positions.shape, dev.k.shape[-1]))  # [2, m, P, D]
+                dev.load(plan, self.source.gather_pages(layer, plan.heads, positions, staging), lengths)
         t2 = time.perf_counter()
         if rows is not None and self.tail_from_pool and q.dtype == torch.float32:
             tail = self.source.tail_ranges(self.sink_end, self.win_start, length)
@@ -107,7 +108,7 @@ class SparseAttention(DenseAttention):
             t0 = time.perf_counter()
             for layer in self.sparse_layers:
                 keys, _ = self.cache.gather_range(layer, self.seq_id, self.win_start, self.win_start + self.cfg.page_size)
-                self.selector.insert(layer, keys)
+                self.selector.insert(layer, keys.cpu())
             self.timings["insert_s"] += time.perf_counter() - t0
             self.win_start += self.cfg.page_size
 
@@ -134,13 +135,13 @@ class SparseAttention(DenseAttention):
     def _measure(self, layer, q, out, selection, length):
         """Share of the full softmax mass on the attended tokens, and output cosine vs full (own
         tokens only: the probe runs without a compressed context)."""
-        keys, values = self.cache.gather_range(layer, self.seq_id, 0, length)  # [Hkv, T, D]
+        keys, values = (self.cache.to_compute(t) for t in self.cache.gather_range(layer, self.seq_id, 0, length))  # [Hkv, T, D]
         hkv = keys.shape[0]
         group = q.shape[0] // hkv
         scores = torch.einsum("hgd,htd->hgt", q.view(hkv, group, -1), keys) / keys.shape[-1] ** 0.5
         probs = scores.softmax(-1)  # [Hkv, G, T]
         full_out = torch.einsum("hgt,htd->hgd", probs, values).reshape(q.shape)  # [Hq, D]
-        attended = torch.zeros(hkv, length, dtype=torch.bool)
+        attended = torch.zeros(hkv, length, dtype=torch.bool, device=q.device)
         attended[:, : min(self.sink_end, length)] = True
         attended[:, min(self.win_start, length):] = True
         pos = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P]

@@ -1,0 +1,33 @@
+"""Where the engine computes: the ``device`` setting resolved against the machine.
+
+``auto`` is the first CUDA device when torch sees one, else the CPU. The KV page pool lives on the
+host (pinned when the compute device is a GPU) or on the compute device (:func:`pool_device`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from icekv.errors import ConfigError
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` -> the torch device; a ConfigError naming the
+    setting when it asks for a GPU this machine does not have."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device {spec!r} needs a CUDA GPU, but torch sees none "
+                              f"(torch {torch.__version__}); use device 'cpu' or 'auto'")
+        if (device.index or 0) >= count:
+            raise ConfigError(f"device {spec!r}: this machine has {count} CUDA device(s)")
+        device = torch.device("cuda", device.index or 0)
+    return device
+
+
+def pool_device(kv_pool: str, compute: torch.device) -> torch.device:
+    """The page pool's device: the compute device, or the host for ``kv_pool='host'``."""
+    return compute if kv_pool == "device" else torch.device("cpu")
