@@ -1,0 +1,50 @@
+"""Random-weight models: the named shapes are the real configs', weights are reproducible and
+keep unit scale (clear greedy margins), and the engine runs one with a byte tokenizer."""
+
+import pytest
+import torch
+
+from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
+from icekv.engine import Engine
+from icekv.errors import ConfigError
+from icekv.model import Decoder, random_model, shape_args
+
+
+def test_llama_31_8b_has_the_real_configs_shapes():
+    args = shape_args("llama-3.1-8b")
+    assert (args.num_layers, args.num_heads, args.num_kv_heads, args.head_dim) == (32, 32, 8, 128)
+    assert (args.hidden_size, args.intermediate_size, args.vocab_size) == (4096, 14336, 128256)
+    with torch.device("meta"):
+        model = Decoder(args)
+    params = sum(p.numel() for p in model.parameters())
+    assert 8.0e9 < params < 8.1e9  # Llama-3.1-8B: 8.03 B
+    assert model.layers[0].self_attn.k_proj.weight.shape == (8 * 128, 4096)
+
+
+def test_unknown_shape_names_the_known_ones():
+    with pytest.raises(ConfigError, match="llama-3.1-8b"):
+        shape_args("gpt-5")
+
+
+def test_same_seed_same_weights_and_unit_scale_logits():
+    a, b = random_model("llama-tiny", seed=3), random_model("llama-tiny", seed=3)
+    c = random_model("llama-tiny", seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    assert torch.equal(a.layers[0].input_layernorm.weight, torch.ones(256))
+    std = a.lm_head.weight.detach().std()
+    assert 0.05 < float(std) < 0.075  # 1/sqrt(256) = 0.0625
+
+
+def test_engine_decodes_a_random_model_under_full_and_icecache():
+    engine = Engine(EngineConfig(random_weights="llama-tiny", device="cpu", dtype="float32"))
+    assert engine.model_id == "random:llama-tiny:float32" and engine.chat_template is None
+    ids = list(range(1, 400))
+    sampling = SamplingConfig(max_tokens=12, ignore_eos=True)
+    full = engine.generate(ids, sampling)
+    everything = engine.generate(ids, sampling, selection=SelectionConfig(policy="icecache", budget=512))
+    sparse = engine.generate(ids, sampling, selection=SelectionConfig(policy="icecache", budget=64))
+    assert full.new_tokens == sparse.new_tokens == 12
+    assert everything.token_ids == full.token_ids  # a budget above the context attends everything
+    assert sparse.kv.bytes_moved > 0
+    assert engine.tokenizer.decode(engine.tokenizer.encode("héllo")) == "héllo"
