@@ -130,6 +130,8 @@ def test_the_pod_outlives_an_orderly_shutdown_and_requests_a_gpu_only_in_the_gpu
     assert spec["terminationGracePeriodSeconds"] > pre_stop + FRONTEND_STOP_TIMEOUT_S + STOP_TIMEOUT_S
     gpus = {part.get("nvidia.com/gpu") for part in (c["resources"].get("requests", {}), c["resources"].get("limits", {}))}
     assert gpus == ({1} if "gpu" in request.node.callspec.id else {None})
+    device = by_kind(docs, "ConfigMap", "icekv-config")["data"]["ICEKV_DEVICE"]
+    assert device == ("cuda" if "gpu" in request.node.callspec.id else "auto")  # a GPU pod runs on its GPU
 
 
 def test_selectors_and_scaling_targets_line_up(docs):

@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from icekv.cli.common import (_icecache_flags, _kv2_flag, _positive_int, _score_dtype_flag, _serving_flags,
-                              _serving_parameters)
+from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _positive_int, _score_dtype_flag,
+                              _serving_flags, _serving_parameters)
 from icekv.config import CompressionConfig, IceCacheConfig, SelectionConfig
 from icekv.errors import IcekvError
 
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     gen.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=64)
     gen.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _device_flags(gen, random_weights=True)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--ttft-contexts", default=None,
                     help="comma list of --contexts to really prefill (slow) and report time to first token")
     bd.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _device_flags(bd, random_weights=True)
     bd.add_argument("--out", type=Path, default=None, help="write results.json + report.md + tpot.png here")
     bd.add_argument("--json", action="store_true")
 
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--steps", type=_positive_int("--steps"), default=32)
     _icecache_flags(bb)
     bb.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _device_flags(bb, random_weights=True)
     bb.add_argument("--out", type=Path, default=None, help="write results.json + report.md + throughput.png here")
     bb.add_argument("--json", action="store_true")
 

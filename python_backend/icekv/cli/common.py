@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from icekv.config import SCORE_DTYPES, SEARCHES, IceCacheConfig
+from icekv.config import DTYPES, KV_POOLS, SCORE_DTYPES, SEARCHES, IceCacheConfig
 from icekv.errors import IcekvError
 
 
@@ -32,8 +32,29 @@ def _csv(flag: str, text: str, cast):
     return values
 
 
+def _device_flags(parser, random_weights: bool = False) -> None:
+    """Where the engine computes and keeps its KV pool; with ``random_weights``, also a model shape."""
+    parser.add_argument("--device", default=None, help="auto (a GPU when there is one) | cpu | cuda | cuda:N")
+    parser.add_argument("--kv-pool", choices=KV_POOLS, default=None,
+                        help="the KV page pool: host memory (pinned for a GPU) or the compute device "
+                             "(auto: host under a sparse policy, device under full attention)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights and KV (default: bfloat16 on a GPU, "
+                        "float32 on a CPU)")
+    if random_weights:
+        parser.add_argument("--random-weights", default=None, metavar="SHAPE",
+                            help="a model of this shape (llama-3.1-8b, llama-tiny: icekv.model.random) with "
+                                 "random weights drawn on the device, instead of --model (benchmarks)")
+
+
+def _device_settings(args) -> dict:
+    """The EngineConfig fields the device flags set (absent ones keep their defaults)."""
+    names = ("device", "kv_pool", "dtype", "random_weights")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 def _serving_flags(parser) -> None:
     parser.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _device_flags(parser)
     parser.add_argument("--policy", default=None, help="default page selection policy (config: icecache)")
     parser.add_argument("--budget", type=_positive_int("--budget"), default=None)
     _search_flag(parser, default=None, hint=" (config: centroids)")
@@ -90,7 +111,8 @@ def _serving_parameters(args) -> dict[str, str]:
     """CLI flags -> config.pbtxt parameters, validated here so a typo fails before the server starts."""
     from icekv.config import ServingConfig
 
-    params = {"model_dir": args.model and str(Path(args.model).resolve()), "policy": args.policy,
+    params = {"model_dir": args.model and str(Path(args.model).resolve()), "device": args.device,
+              "kv_pool": args.kv_pool, "dtype": args.dtype, "policy": args.policy,
               "budget": args.budget, "search": args.search, "score_dtype": args.score_dtype,
               "host_pool_tokens": args.host_pool_tokens,
               "max_active_requests": args.max_active_requests,

@@ -6,7 +6,9 @@ import json
 import os
 import sys
 
-from icekv.cli.common import _csv, _icecache_config
+from dataclasses import replace
+
+from icekv.cli.common import _csv, _device_settings, _icecache_config
 from icekv.errors import IcekvError
 
 
@@ -110,13 +112,33 @@ def _cmd_bench(args) -> int:
         scheduler = SchedulerConfig()
         run = run_decode_bench
         line = lambda r: f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token"
-    engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler))
-    records, meta = _timed(engine, lambda: run(engine, cfg, Assets().haystack_text("essays"),
-                                               lambda m: print(m, file=sys.stderr)))
+    records, meta = [], {}
+    for pool_settings, group in _pool_groups(policies, _device_settings(args)):
+        engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler, **pool_settings))
+        part = replace(cfg, policies=group, **({"peer_hf": False} if records and hasattr(cfg, "peer_hf") else {}))
+        more, meta = _timed(engine, lambda: run(engine, part, Assets().haystack_text("essays"),
+                                                lambda m: print(m, file=sys.stderr)))
+        records += more
+        del engine  # before the next group's engine loads
     if args.out:
         write_report(records, args.out, meta)
     print(json.dumps({"meta": meta, "records": records}) if args.json else "\n".join(map(line, records)))
     return 0
+
+
+def _pool_groups(policies: tuple[str, ...], settings: dict) -> list[tuple[dict, tuple[str, ...]]]:
+    """Engine settings and the policies to time under them. On a GPU with ``kv_pool`` left to
+    auto, each policy runs where it would in serving (full attention with its pool on the device,
+    a sparse policy with a host pool): one engine per placement. On a CPU the two are one."""
+    from icekv.config import EngineConfig, SelectionConfig
+    from icekv.devices import resolve_device
+
+    if "kv_pool" in settings or resolve_device(settings.get("device", EngineConfig.device)).type == "cpu":
+        return [(settings, policies)]
+    groups: dict[str, list[str]] = {}
+    for policy in policies:
+        groups.setdefault(EngineConfig(selection=SelectionConfig(policy=policy)).pool_placement(), []).append(policy)
+    return [({**settings, "kv_pool": pool}, tuple(group)) for pool, group in groups.items()]
 
 
 def _timed(engine, run) -> tuple[list[dict], dict]:
@@ -128,7 +150,9 @@ def _timed(engine, run) -> tuple[list[dict], dict]:
 
     t0 = time.perf_counter()
     records = run()
-    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": str(engine.model_dir),
+    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": engine.model_name,
+            "device": str(engine.device), "kv_pool": str(engine.cache.pool.device), "dtype": str(engine.cache.pool.dtype),
+            "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
             "wall_s": round(time.perf_counter() - t0, 1)}
     return records, meta

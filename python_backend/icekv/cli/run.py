@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from icekv.errors import IcekvError
-from icekv.cli.common import _open_store, _serving_parameters
+from icekv.cli.common import _device_settings, _open_store, _serving_parameters
 
 
 def _cmd_fetch(args) -> int:
@@ -49,7 +49,7 @@ def _cmd_generate(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     selection = SelectionConfig(policy=args.policy, budget=args.budget, page_size=paging.page_size)
-    engine = Engine(EngineConfig(model_dir=args.model, paging=paging, selection=selection))
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging, selection=selection, **_device_settings(args)))
     if args.chat:
         prompt = engine.chat_prompt([{"role": "user", "content": prompt}])
     context = None

@@ -21,6 +21,7 @@ import torch
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine, Prefilled
+from icekv.eval.hf_peer import hf_model
 
 
 @dataclass(frozen=True)
@@ -55,22 +56,31 @@ def synthesize(engine: Engine, seed_ids: list[int], length: int) -> Prefilled:
 
 def hf_decode_tpot(engine: Engine, req: Prefilled, steps: int) -> float:
     """Seconds per token of transformers' own model + DynamicCache over the same KV."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    model, device = hf_model(engine), engine.device
     cache = DynamicCache()
     for layer in range(engine.model.args.num_layers):
         k, v = engine.cache.gather(layer, req.seq_id)  # [Hkv, L, D]
-        cache.update(k[None].clone(), v[None].clone(), layer)
+        cache.update(k[None].to(device, copy=True), v[None].to(device, copy=True), layer)
     length = len(req.prompt_ids)
-    token = torch.tensor([[int(req.logits.argmax())]])
+    token = torch.tensor([[int(req.logits.argmax())]], device=device)
     with torch.no_grad():
-        model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[length]]))  # warm-up
+        model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[length]], device=device))  # warm-up
+        synchronize(device)
         t0 = time.perf_counter()
         for i in range(steps):
-            out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[length + 1 + i]]))
+            out = model(input_ids=token, past_key_values=cache,
+                        position_ids=torch.tensor([[length + 1 + i]], device=device))
             token = out.logits[:, -1:].argmax(-1)
+        synchronize(device)
     return (time.perf_counter() - t0) / steps
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously; a CPU has none queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
