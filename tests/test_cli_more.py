@@ -103,3 +103,14 @@ def test_bench_batch_reports_throughput_and_the_step_split(smollm2_dir, tmp_path
     assert all(r["select_s"] > 0 and r["index_bytes"] > 0 for r in ice)
     assert ice[1]["index_bytes"] == 3 * ice[0]["index_bytes"]  # three requests, three indexes of one context
     assert (tmp_path / "report.md").read_text().count("| 400 |") == 4 and (tmp_path / "throughput.png").stat().st_size
+
+
+def test_gpu_benches_time_each_policy_with_its_serving_pool_placement():
+    from icekv.cli.measure import _pool_groups
+
+    policies = ("full", "icecache", "icecache_r")
+    assert _pool_groups(policies, {"device": "cuda"}, "cuda") == [
+        ({"device": "cuda", "kv_pool": "device"}, ("full",)),
+        ({"device": "cuda", "kv_pool": "host"}, ("icecache", "icecache_r"))]
+    assert _pool_groups(policies, {"kv_pool": "host"}, "cuda") == [({"kv_pool": "host"}, policies)]  # as asked
+    assert _pool_groups(policies, {}, "cpu") == [({}, policies)]  # one place on a CPU: one engine
