@@ -107,8 +107,9 @@ def _icecache_config(args):
     return IceCacheConfig(search=args.search, rerank=args.rerank, score_dtype=args.score_dtype)
 
 
-def _serving_parameters(args) -> dict[str, str]:
-    """CLI flags -> config.pbtxt parameters, validated here so a typo fails before the server starts."""
+def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
+    """CLI flags -> config.pbtxt parameters, validated here so a typo fails before the server starts
+    (``served_here``: also that this machine has the device they name)."""
     from icekv.config import ServingConfig
 
     params = {"model_dir": args.model and str(Path(args.model).resolve()), "device": args.device,
@@ -120,7 +121,11 @@ def _serving_parameters(args) -> dict[str, str]:
               "index_threads": args.index_threads, "store": args.store,
               "max_compress_tokens": args.max_compress_tokens, "kv2": args.kv2}
     params = {k: str(v) for k, v in params.items() if v is not None}
-    ServingConfig.from_triton_parameters(params)
+    config = ServingConfig.from_triton_parameters(params)
+    if served_here and config.engine.device.startswith("cuda"):  # a clear error now, not a model load failure
+        from icekv.devices import resolve_device
+
+        resolve_device(config.engine.device)
     return params
 
 

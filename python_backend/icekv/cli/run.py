@@ -93,7 +93,7 @@ def _cmd_demo(args) -> int:
     from icekv.serving.launcher import TritonServer, free_port
     from icekv.serving.openai.process import OpenAIFrontendProcess
 
-    params = _serving_parameters(args)
+    params = _serving_parameters(args, served_here=True)
     assets = Assets()
     model_dir = Path(args.model) if args.model else assets.model_dir()
     sample = HaystackSampler(assets.haystack_text("essays"), Tokenizer(model_dir)).make(
@@ -149,7 +149,7 @@ def _cmd_serve(args) -> int:
     from icekv.serving.launcher import TritonServer
     from icekv.serving.openai.process import OpenAIFrontendProcess
 
-    params = _serving_parameters(args)
+    params = _serving_parameters(args, served_here=True)
     if args.openai_port is not None and args.openai_port == args.http_port:
         raise IcekvError("--openai-port and --http-port must differ (the HTTP port serves both APIs already)")
     if args.model_repository is not None and params:
