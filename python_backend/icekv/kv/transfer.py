@@ -38,7 +38,8 @@ class CudaCopySync:
         self.stream = torch.cuda.Stream(device)
 
     def copy_on_side_stream(self, staged, device):
-        self.stream.wait_stream(torch.cuda.current_stream(device))  # after what the slots' last readers queued
+        # needs nothing queued on the compute stream: it reads the host buffer and writes memory of
+        # its own (held for the compute stream by record_stream), so it may run during that work
         with torch.cuda.stream(self.stream):
             return staged.to(device, non_blocking=True)
 
