@@ -16,6 +16,7 @@ from icekv.attention import causal_attention, decode_attention_chunks, is_decode
 from icekv.compress import CompressedContext
 from icekv.compress.evict import CONTEXT_SINKS
 from icekv.config import SelectionConfig
+from icekv.engine.backends.mirror import ComputeMirror
 from icekv.engine.results import KVStats
 from icekv.kv import PagedKVCache
 from icekv.policies import sink_tokens
@@ -29,6 +30,8 @@ class RequestPages:
         self.offset = 0  # RoPE position of the request's first own token
         self.context: CompressedContext | None = None
         self._pool_layers: dict[int, torch.Tensor] = {}
+        # a pool off the compute device: the layers attended whole read a device copy of the tokens
+        self.mirror = None if cache.pool_on_compute else ComputeMirror(cache, seq_id)
 
     def length(self) -> int:
         """Own tokens in the pool."""
@@ -39,12 +42,19 @@ class RequestPages:
 
     def attend_all(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D] of the newest N tokens (own positions ``positions``) over every token."""
-        length, move = self.length(), self.cache.to_compute
+        length = self.length()
+        if self.mirror is not None:
+            return causal_attention(q, *self.mirror.read(layer, length), positions)
         if is_decode_step(positions, length):  # read the pages in place, run by run
-            runs = [(move(k), move(v)) for k, v in self.cache.view_runs(layer, self.seq_id, 0, length)]
-            return decode_attention_chunks(q[0], runs)[None]
+            return decode_attention_chunks(q[0], self.cache.view_runs(layer, self.seq_id, 0, length))[None]
         keys, values = self.cache.view_range(layer, self.seq_id, 0, length)  # [Hkv, L, D]
-        return causal_attention(q, move(keys), move(values), positions)
+        return causal_attention(q, keys, values, positions)
+
+    def own_tokens(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every own token's K and V on the compute device: two [Hkv, length, D]."""
+        if self.mirror is not None:
+            return self.mirror.read(layer, self.length())
+        return self.cache.gather(layer, self.seq_id)
 
     def context_bytes(self, layers) -> int:
         """Bytes of a compressed context's pages in ``layers`` (none here)."""
@@ -108,9 +118,7 @@ class ContextPages(RequestPages):
         self.n_pref = [torch.tensor(layer.kept_per_head) - CONTEXT_SINKS for layer in context.layers]  # [Hkv]
 
     def attend_all(self, layer, q, positions):
-        tail_k, tail_v = self.cache.gather(layer, self.seq_id)  # [Hkv, S, D]
-        return paged_prefix_attention(q, *self.prefix[layer], self.cache.to_compute(tail_k),
-                                      self.cache.to_compute(tail_v))
+        return paged_prefix_attention(q, *self.prefix[layer], *self.own_tokens(layer))  # own: [Hkv, S, D]
 
     def context_bytes(self, layers) -> int:
         return sum(2 * self.prefix[i][0].numel() * self.prefix[i][0].element_size() for i in layers)

@@ -1,0 +1,49 @@
+"""A request's own K/V of the layers it attends whole, kept on the compute device while the page
+pool lives elsewhere (host memory, for a GPU under a sparse policy).
+
+Without it, every step of a layer attended whole (a prefill chunk, full attention, a sparse
+policy's unlimited layers) would copy all the request's tokens to the device; the mirror copies
+each token once, after it is written, and grows by doubling. It belongs to one backend and is
+dropped with it, so a sparse decode's budgeted layers never hold one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from icekv.kv import PagedKVCache
+
+
+class ComputeMirror:
+    def __init__(self, cache: PagedKVCache, seq_id: int):
+        self.cache, self.seq_id = cache, seq_id
+        self.kv: dict[int, torch.Tensor] = {}  # layer -> [2, Hkv, capacity, D] on the compute device
+        self.filled: dict[int, int] = {}  # layer -> tokens copied
+
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of own positions ``0 .. length-1``: two [Hkv, length, D] device views.
+        Positions below what was read before are never rewritten within one backend."""
+        filled = self.filled.get(layer, 0)
+        kv = self._room(layer, length, filled)
+        if filled < length:
+            k, v = self.cache.view_range(layer, self.seq_id, filled, length)  # [Hkv, n, D] in the pool
+            kv[0, :, filled:length].copy_(k, non_blocking=True)
+            kv[1, :, filled:length].copy_(v, non_blocking=True)
+            self.filled[layer] = length
+        return kv[0, :, :length], kv[1, :, :length]
+
+    def _room(self, layer: int, length: int, filled: int) -> torch.Tensor:
+        kv = self.kv.get(layer)
+        if kv is None or kv.shape[2] < length:
+            pool = self.cache.pool  # [L, 2, Hkv, pages, P, D]
+            capacity = max(length, 2 * (kv.shape[2] if kv is not None else 0), self.cache.page_size)
+            grown = torch.empty((2, pool.shape[2], capacity, pool.shape[-1]), dtype=pool.dtype,
+                                device=self.cache.compute)  # [2, Hkv, capacity, D]
+            if kv is not None:
+                grown[:, :, :filled] = kv[:, :, :filled]
+            self.kv[layer] = kv = grown
+        return kv
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv.values())

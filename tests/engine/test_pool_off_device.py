@@ -1,0 +1,56 @@
+"""The code a GPU runs with its page pool in host memory, exercised on the CPU by telling the
+engine its pool is not where attention runs: per-request attention instead of the batched paged
+decode, the compute mirror for layers attended whole, selected pages staged then loaded. The
+greedy tokens must equal those of the pool read in place."""
+
+import pytest
+import torch
+
+from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.engine import Engine
+from icekv.engine.backends.mirror import ComputeMirror
+from icekv.kv import PagedKVCache
+
+SELECTIONS = [SelectionConfig(), SelectionConfig(policy="icecache", budget=64)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(random_weights="llama-tiny", device="cpu", paging=PagingConfig(max_context_tokens=8192)))
+
+
+def _tokens(engine, selection, context=None):
+    sampling = SamplingConfig(max_tokens=10, ignore_eos=True)
+    prompts = [[3 + i % 500 for i in range(n)] for n in (40, 300, 700)]  # within the budget and past it
+    seqs = [engine.submit(p, sampling, selection, context) for p in prompts]  # batched: one step for all
+    return [engine.run(s).token_ids for s in seqs]
+
+
+@pytest.mark.parametrize("selection", SELECTIONS, ids=["full", "icecache"])
+def test_a_pool_off_the_compute_device_decodes_the_same_tokens(engine, selection, monkeypatch):
+    context = engine.compress(list(range(5, 500)), "snapkv", 0.2)
+    want = _tokens(engine, selection), _tokens(engine, selection, context)
+    mirrored = []
+    original_read = ComputeMirror.read
+
+    def read(self, layer, length):
+        mirrored.append(length)
+        return original_read(self, layer, length)
+
+    monkeypatch.setattr(PagedKVCache, "pool_on_compute", property(lambda self: False))
+    monkeypatch.setattr(ComputeMirror, "read", read)
+    assert (_tokens(engine, selection), _tokens(engine, selection, context)) == want
+    assert mirrored  # the layers attended whole read the device copy
+
+
+def test_the_mirror_copies_each_token_once_and_grows():
+    cache = PagedKVCache(1, 2, 4, PagingConfig(page_size=4, max_context_tokens=64))
+    cache.add(0)
+    mirror = ComputeMirror(cache, 0)
+    for n in (3, 1, 9, 1):
+        start = cache.extend(0, n)
+        cache.write(0, 0, start, torch.randn(n, 2, 4), torch.randn(n, 2, 4))
+        k, v = mirror.read(0, cache.length(0))
+        want_k, want_v = cache.gather(0, 0)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert mirror.filled[0] == 14 and mirror.kv[0].shape[2] >= 14
