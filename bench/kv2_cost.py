@@ -67,14 +67,20 @@ def main() -> int:
                 print(f"{length} {method}: {seconds:.1f} s beyond a {prefill_s:.1f} s prefill, "
                       f"+{growth / 2**20:.0f} MiB", file=sys.stderr, flush=True)
                 del ctx
+                write(args.out, records, engine)  # after each method: a long run keeps what it measured
         finally:
             engine.release(prefilled)
+    print(f"wrote {args.out}/results.json, report.md")
+    return 0
+
+
+def write(out: Path, records: list[dict], engine: Engine) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"command": " ".join(["python", *sys.argv]), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": str(engine.model_dir),
-            "dtype": EngineConfig().dtype}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+            "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": engine.model_name,
+            "dtype": str(engine.cache.pool.dtype)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     by = {(r["length"], r["method"]): r for r in records}
     lines = ["# Compression cost at length", "", "```", meta["command"], "```", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items() if k != "command"] + [""]
@@ -88,9 +94,7 @@ def main() -> int:
         lines.append(f"| {r['length']} | {r['method']} | {r['prefill_s']:.1f} | {r['compress_s']:.1f} | "
                      f"{ratio('compress_s')} | {r['peak_memory_growth_bytes'] / 2**20:.0f} | "
                      f"{ratio('peak_memory_growth_bytes')} |")
-    (args.out / "report.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}/results.json, report.md")
-    return 0
+    (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
