@@ -18,6 +18,7 @@ import torch
 
 from icekv.compress import CompressedContext
 from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
+from icekv.devices import pool_device, resolve_device
 from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compression import CompressionJob
 from icekv.engine.backends import DenseAttention, token_source
@@ -27,7 +28,6 @@ from icekv.engine.sequence import OnProgress, OnText, Phase, Sequence
 from icekv.engine.step import StepRunner
 from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache
-from icekv.devices import pool_device, resolve_device
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import get_policy

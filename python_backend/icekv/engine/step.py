@@ -49,9 +49,9 @@ class StepRunner:
         t0 = time.perf_counter()
         device = self.cache.compute
         try:
-            logits = self.model(torch.tensor([t for ts in tokens for t in ts], device=device),
-                                torch.cat(positions).to(device), batch,
-                                logit_rows=torch.tensor([ends[i] - 1 for i in samples], dtype=torch.long, device=device)).cpu()  # [R, V]
+            flat = torch.tensor([t for ts in tokens for t in ts], device=device)  # [N]
+            rows = torch.tensor([ends[i] - 1 for i in samples], dtype=torch.long, device=device)  # [R]
+            logits = self.model(flat, torch.cat(positions).to(device), batch, logit_rows=rows).cpu()  # [R, V]
         except Exception as e:  # outside any one sequence's attention: the whole step failed
             for seq in ready:
                 seq.fail(e)

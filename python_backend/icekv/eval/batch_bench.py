@@ -18,6 +18,7 @@ from typing import Callable
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine, Prefilled
 from icekv.eval.decode_bench import synthesize
+from icekv.eval.device_memory import DevicePeak
 
 SPLIT = ("select_s", "transfer_s", "attention_s", "insert_s")
 
@@ -50,17 +51,18 @@ def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig
     sampling = SamplingConfig(max_tokens=steps + 2, ignore_eos=True)
     seqs = [engine.submit(r.prompt_ids, sampling, selection, prefilled=r) for r in reqs]
     step_s, splits, first_s = [], [], None
-    while not all(s.done for s in seqs):
-        before = _split(seqs)
-        t0 = time.perf_counter()
-        engine.step()
-        elapsed = time.perf_counter() - t0
-        if first_s is None:  # not a steady-state step
-            first_s = elapsed
-            continue
-        after = _split(seqs)
-        step_s.append(elapsed)
-        splits.append({k: after[k] - before[k] for k in SPLIT})
+    with DevicePeak(engine.device) as peak:
+        while not all(s.done for s in seqs):
+            before = _split(seqs)
+            t0 = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - t0
+            if first_s is None:  # not a steady-state step
+                first_s = elapsed
+                continue
+            after = _split(seqs)
+            step_s.append(elapsed)
+            splits.append({k: after[k] - before[k] for k in SPLIT})
     for s in seqs:
         if s.error is not None:
             raise s.error
@@ -77,6 +79,7 @@ def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig
         "steps": len(step_s),
         "index_bytes": sum(s.result.kv.index_bytes for s in seqs),
         "resident_kv_bytes": sum(s.result.kv.resident_bytes for s in seqs),
+        "device_peak_growth_bytes": peak.growth,  # measured on a GPU: slots, mirrors, activations
     }
 
 

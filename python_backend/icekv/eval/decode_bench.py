@@ -21,6 +21,7 @@ import torch
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine, Prefilled
+from icekv.eval.device_memory import DevicePeak
 from icekv.eval.hf_peer import hf_model
 
 
@@ -124,7 +125,8 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
     sampling = SamplingConfig(max_tokens=cfg.steps + 1, ignore_eos=True)
     sel = selection_for(cfg, policy)
     prebuilt = req.prebuilt_index(sel) is not None  # this decode takes prefill's index
-    gen = engine.decode(req, sampling, sel)
+    with DevicePeak(engine.device) as peak:
+        gen = engine.decode(req, sampling, sel)
     steps = max(gen.new_tokens - 1, 1)
     t = {k: v / steps for k, v in gen.timings.items() if k not in ("index_build_s",)}
     split = {k: t.get(k, 0.0) for k in ("select_s", "transfer_s", "attention_s", "insert_s")}
@@ -143,6 +145,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
         "prefill_s": prefill_s,
         "ttft_s": None if prefill_s is None else prefill_s + index_build_s,
         "resident_kv_bytes": gen.kv.resident_bytes, "total_kv_bytes": gen.kv.total_bytes,
+        "device_peak_growth_bytes": peak.growth,  # measured on a GPU: slots, mirrors, activations
         "index_bytes": gen.kv.index_bytes,
         "steps": steps,
     }
