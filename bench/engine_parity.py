@@ -47,6 +47,11 @@ def greedy(e: Engine, ids: list[list[int]], selection: SelectionConfig, batched:
     return [e.run(s).token_ids for s in seqs]
 
 
+def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[bool, str]:
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    return got == want, f"{same}/{sum(map(len, want))} greedy tokens equal"
+
+
 def compressed(e: Engine, ids: list[int], question: list[int]) -> list[int]:
     context = e.compress(ids, "kv2", 0.2)
     sampling = SamplingConfig(max_tokens=16, ignore_eos=True)
@@ -78,14 +83,11 @@ def main() -> int:
     for kv_pool in ("host", "device"):
         dev = engine(args.device, "float32", kv_pool, weights=ref)
         for (name, batched), want in expected.items():
-            def same_tokens(dev=dev, name=name, batched=batched, want=want):
-                got = greedy(dev, ids, SELECTIONS[name], batched)
-                agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
-                return got == want, f"{agree}/{sum(map(len, want))} greedy tokens equal"
-            check(f"fp32 {name} {'batched' if batched else 'one at a time'}, pool on {kv_pool}", same_tokens)
+            check(f"fp32 {name} {'batched' if batched else 'one at a time'}, pool on {kv_pool}",
+                  lambda dev=dev, name=name, batched=batched, want=want:
+                  agreement(greedy(dev, ids, SELECTIONS[name], batched), want))
         check(f"fp32 kv2-compressed context, pool on {kv_pool}",
-              lambda dev=dev: ((a := compressed(dev, ids[2], ids[0][:20])) == (b := compressed(ref, ids[2], ids[0][:20])),
-                               f"{sum(x == y for x, y in zip(a, b))}/{len(b)} greedy tokens equal"))
+              lambda dev=dev: agreement([compressed(dev, ids[2], ids[0][:20])], [compressed(ref, ids[2], ids[0][:20])]))
         del dev
 
     def bf16_logits():
@@ -94,7 +96,8 @@ def main() -> int:
         for p in ids:
             want, got = ref.prefill(p).logits.float(), dev.prefill(p).logits.float()
             cosines.append(float(torch.nn.functional.cosine_similarity(want, got, dim=-1)))
-        return min(cosines) >= MIN_BF16_COSINE, f"last-token logits cosine vs fp32 CPU: {[round(c, 4) for c in cosines]}"
+        rounded = [round(c, 4) for c in cosines]
+        return min(cosines) >= MIN_BF16_COSINE, f"last-token logits cosine vs fp32 CPU: {rounded}"
 
     check(f"bf16 prefill logits (cosine >= {MIN_BF16_COSINE})", bf16_logits)
     args.out.parent.mkdir(parents=True, exist_ok=True)

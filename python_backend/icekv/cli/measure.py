@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-
 from dataclasses import replace
 
 from icekv.cli.common import _csv, _device_settings, _icecache_config
@@ -115,7 +114,8 @@ def _cmd_bench(args) -> int:
         line = lambda r: f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token"
     # the text whose prefill is tiled into each context; a random-weight model has no vocabulary
     # (and where it runs, no texts are fetched): any bytes will do
-    seed_text = Assets().haystack_text("essays") if args.random_weights is None else bytes(range(32, 127)).decode() * 64
+    printable = bytes(range(32, 127)).decode()
+    seed_text = Assets().haystack_text("essays") if args.random_weights is None else printable * 64
     settings = _device_settings(args)
     device_type = resolve_device(settings.get("device", EngineConfig.device)).type
     records, meta = [], {}
@@ -156,7 +156,8 @@ def _timed(engine, run) -> tuple[list[dict], dict]:
     t0 = time.perf_counter()
     records = run()
     meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": engine.model_name,
-            "device": str(engine.device), "kv_pool": str(engine.cache.pool.device), "dtype": str(engine.cache.pool.dtype),
+            "device": str(engine.device), "kv_pool": str(engine.cache.pool.device),
+            "dtype": str(engine.cache.pool.dtype),
             "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
             "wall_s": round(time.perf_counter() - t0, 1)}

@@ -114,7 +114,8 @@ class ContextPages(RequestPages):
     def __init__(self, cache: PagedKVCache, seq_id: int, context: CompressedContext):
         super().__init__(cache, seq_id)
         self.context, self.offset = context, context.length
-        self.prefix = [tuple(cache.to_compute(t) for t in layer.padded()) for layer in context.layers]  # (k, v, page_len)
+        # per layer (k, v, page_len) on the compute device
+        self.prefix = [tuple(cache.to_compute(t) for t in layer.padded()) for layer in context.layers]
         self.n_pref = [torch.tensor(layer.kept_per_head) - CONTEXT_SINKS for layer in context.layers]  # [Hkv]
 
     def attend_all(self, layer, q, positions):

@@ -135,7 +135,8 @@ class SparseAttention(DenseAttention):
     def _measure(self, layer, q, out, selection, length):
         """Share of the full softmax mass on the attended tokens, and output cosine vs full (own
         tokens only: the probe runs without a compressed context)."""
-        keys, values = (self.cache.to_compute(t) for t in self.cache.gather_range(layer, self.seq_id, 0, length))  # [Hkv, T, D]
+        keys, values = self.cache.gather_range(layer, self.seq_id, 0, length)  # [Hkv, T, D]
+        keys, values = self.cache.to_compute(keys), self.cache.to_compute(values)
         hkv = keys.shape[0]
         group = q.shape[0] // hkv
         scores = torch.einsum("hgd,htd->hgt", q.view(hkv, group, -1), keys) / keys.shape[-1] ** 0.5
