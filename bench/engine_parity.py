@@ -82,6 +82,8 @@ def main() -> int:
                 for batched in (False, True)}
     for kv_pool in ("host", "device"):
         dev = engine(args.device, "float32", kv_pool, weights=ref)
+        if kv_pool == "host" and dev.device.type == "cuda":
+            check("the host pool is page-locked", lambda dev=dev: (dev.cache.pool.is_pinned(), str(dev.cache.pool.shape)))
         for (name, batched), want in expected.items():
             check(f"fp32 {name} {'batched' if batched else 'one at a time'}, pool on {kv_pool}",
                   lambda dev=dev, name=name, batched=batched, want=want:

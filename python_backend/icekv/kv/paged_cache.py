@@ -20,6 +20,7 @@ from icekv.config import PagingConfig
 from icekv.errors import CacheFullError
 from icekv.kv.allocator import PageAllocator
 from icekv.kv.page_table import PageTable
+from icekv.kv.pinned import pinned_empty
 
 
 @dataclass
@@ -69,14 +70,11 @@ class PagedKVCache:
         self.num_layers = num_layers
         self.compute = torch.device(compute or device)
         device = torch.device(device)
-        # torch.empty: the OS maps pages lazily, so an unused pool costs address space, not RAM
-        # (a pinned pool is mapped at once: it is sized for what the host can lock)
-        self.pool = torch.empty(
-            (num_layers, 2, num_kv_heads, paging.num_pages, paging.page_size, head_dim),
-            dtype=dtype,
-            device=device,
-            pin_memory=device.type == "cpu" and self.compute.type == "cuda",
-        )  # [L, 2, Hkv, num_pages, P, D]
+        shape = (num_layers, 2, num_kv_heads, paging.num_pages, paging.page_size, head_dim)
+        if device.type == "cpu" and self.compute.type == "cuda":  # locked in memory: sized for what the host can lock
+            self.pool = pinned_empty(shape, dtype, owner=self)  # [L, 2, Hkv, num_pages, P, D]
+        else:  # the OS maps pages lazily, so an unused pool costs address space, not RAM
+            self.pool = torch.empty(shape, dtype=dtype, device=device)  # [L, 2, Hkv, num_pages, P, D]
         self.allocator = PageAllocator(paging.num_pages)
         self._seqs: dict[int, _Sequence] = {}
 
