@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# One command on a CUDA machine (about 8 minutes on an H200), everything written under $OUT (or
-# bench/results/gpu/): the kernel tests natively (bf16 included); engine parity CPU vs CUDA
-# (bench/engine_parity.py); kernel timings vs torch SDPA (bench/gpu_kernels.py); decode time per
-# token of a random-weight Llama-3.1-8B (bf16, budget 256) at 32k and 128k tokens under full
-# attention and IceCache with transformers as the peer; batched decode at batch 1 and 8 x 32k.
+# One command on a CUDA machine (at most about 8 minutes), everything written under $OUT (or
+# bench/results/gpu/): engine parity CPU vs CUDA (bench/engine_parity.py); decode time per token
+# of a random-weight Llama-3.1-8B (bf16, budget 256) at 32k and 128k tokens under full attention
+# and IceCache with transformers as the peer; the kernel tests natively (bf16 included); batched
+# decode at batch 1 and 8 x 32k; kernel timings vs torch SDPA (bench/gpu_kernels.py).
 # Each part has its own time limit and output, so one that fails or runs long loses only itself.
-# Uses the machine's own torch + triton (no network needed).
+# Uses the machine's own torch + triton (no network needed). Under the device tool ($OUT set, which
+# takes back at most 8 files) the parts' files are packed into $OUT/gpu_check.tgz after each part;
+# ICEKV_COMMIT names the commit where the copy has no git history.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-bench/results/gpu}"
+OUT_DIR="${OUT:+/tmp/icekv-gpu-check}"
+OUT_DIR="${OUT_DIR:-bench/results/gpu}"
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD/python_backend:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
@@ -21,19 +24,21 @@ part() {  # part NAME SECONDS COMMAND...: run it; its stdout in NAME.txt, stderr
   local rc=$?
   echo "$name: rc $rc in $((SECONDS - t0)) s (limit $limit)" | tee -a "$OUT_DIR/summary.txt"
   tail -3 "$OUT_DIR/$name.log"
+  if [ -n "${OUT:-}" ]; then tar -czf "$OUT/gpu_check.tgz" -C "$OUT_DIR" . && cp "$OUT_DIR/summary.txt" "$OUT/"; fi
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  git log -1 --format='commit %H %cd' 2>/dev/null || true; date -u; } | tee "$OUT_DIR/device.txt"
+  echo "commit ${ICEKV_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; date -u; } | tee "$OUT_DIR/device.txt"
 : > "$OUT_DIR/summary.txt"
-part kernel_tests 150 env ICEKV_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p no:cacheprovider \
-    --junitxml="$OUT_DIR/kernel_tests.xml"
-part engine_parity 90 "$PY" bench/engine_parity.py --device cuda --out "$OUT_DIR/engine_parity.json"
-part gpu_kernels 60 "$PY" bench/gpu_kernels.py --out "$OUT_DIR/gpu_kernels.json"
+# most important first: a part that runs long loses only itself, and the limits sum to 490 s
+part engine_parity 75 "$PY" bench/engine_parity.py --device cuda --out "$OUT_DIR/engine_parity.json"
 DECODE=(bench decode --device cuda --random-weights llama-3.1-8b --policies full,icecache --budget 256
         --search centroids --steps 16 --peer hf --json)  # --json on stdout: no plotting library needed
 part decode_32k 90 $ICEKV "${DECODE[@]}" --contexts 32768
-part decode_128k 150 $ICEKV "${DECODE[@]}" --contexts 131072
-part batch_32k 120 $ICEKV bench batch --device cuda --random-weights llama-3.1-8b --contexts 32768 --batch 1,8 \
+part kernel_tests 100 env ICEKV_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p no:cacheprovider \
+    --junitxml="$OUT_DIR/kernel_tests.xml"
+part decode_128k 120 $ICEKV "${DECODE[@]}" --contexts 131072
+part batch_32k 75 $ICEKV bench batch --device cuda --random-weights llama-3.1-8b --contexts 32768 --batch 1,8 \
     --policies full,icecache --budget 256 --search centroids --steps 16 --json
+part gpu_kernels 30 "$PY" bench/gpu_kernels.py --out "$OUT_DIR/gpu_kernels.json"
 cat "$OUT_DIR/summary.txt"
