@@ -55,13 +55,14 @@ class CudaCopySync:
 
 
 class StagedTransfer:
+    """One layer's staging buffer and its copies to ``device`` (a ``sync`` stand-in for tests)."""
+
     def __init__(self, device: str | torch.device, dtype: torch.dtype, sync: CopySync | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.sync = sync if sync is not None else (CudaCopySync(self.device) if self.device.type == "cuda" else None)
         self.buffer = torch.empty(0, dtype=dtype)
         self.copied = None  # the event of the last copy out of the buffer, until it is known done
-        self.bytes_copied = 0
 
     def staging(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A contiguous host tensor of ``shape`` to gather into (pinned when copying to a GPU);
@@ -78,7 +79,6 @@ class StagedTransfer:
     def to_device(self, staged: torch.Tensor) -> torch.Tensor:
         """``staged`` (from :meth:`staging`) on the device, ordered before the compute stream's
         next reads; on a CPU, ``staged`` itself."""
-        self.bytes_copied += staged.numel() * staged.element_size()
         if self.sync is None:
             return staged.to(self.device)
         out = self.sync.copy_on_side_stream(staged, self.device)
