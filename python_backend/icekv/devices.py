@@ -28,6 +28,12 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously; a CPU has none queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def pool_device(kv_pool: str, compute: torch.device) -> torch.device:
     """The page pool's device: the compute device, or the host for ``kv_pool='host'``."""
     return compute if kv_pool == "device" else torch.device("cpu")

@@ -4,8 +4,8 @@ Rows ``bounds[i]:bounds[i+1]`` of the flat token batch belong to request ``i``. 
 requests that attend a layer in full over their own pages (full attention, and a sparse policy's
 unlimited layers) go through one batched paged decode per layer (the batch's page table, one
 kernel call) when the pool is on the compute device; every other request's rows go to its own
-backend. A request whose backend fails is
-failed alone: its rows get zeros for the rest of the step and the others go on.
+backend. A request whose backend fails is failed alone: its rows get zeros for the rest of the
+step and the others go on.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.devices import synchronize
 from icekv.engine import Engine, Prefilled
 from icekv.eval.device_memory import DevicePeak
 from icekv.eval.hf_peer import hf_model
@@ -76,12 +77,6 @@ def hf_decode_tpot(engine: Engine, req: Prefilled, steps: int) -> float:
             token = out.logits[:, -1:].argmax(-1)
         synchronize(device)
     return (time.perf_counter() - t0) / steps
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a GPU runs asynchronously; a CPU has none queued)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from icekv.devices import synchronize
+
 
 class DevicePeak:
     """``with DevicePeak(device) as peak: ...`` then ``peak.growth``: the most device bytes held
@@ -16,12 +18,12 @@ class DevicePeak:
 
     def __enter__(self) -> "DevicePeak":
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         return self
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            synchronize(self.device)
             self.growth = torch.cuda.max_memory_allocated(self.device) - self._start

@@ -43,7 +43,3 @@ class ComputeMirror:
                 grown[:, :, :filled] = kv[:, :, :filled]
             self.kv[layer] = kv = grown
         return kv
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv.values())

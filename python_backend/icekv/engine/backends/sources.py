@@ -80,8 +80,9 @@ class RequestPages:
 
     def pool_rows(self, layer: int):
         """(pool layer [2, Hkv, pages, P, D], page ids [pages]) that selected tokens and the tail are
-        read from in place, when the pool is in CPU memory; None: stage them via gather_pages."""
-        if self.cache.pool.is_cuda or not self.cache.pool_on_compute:
+        read from in place, when the pool and attention are both in CPU memory; None: stage them via
+        gather_pages."""
+        if not self.cache.pool_on_compute or self.cache.pool.device.type != "cpu":
             return None
         if layer not in self._pool_layers:
             self._pool_layers[layer] = self.cache.pool[layer]  # a view, made once per layer

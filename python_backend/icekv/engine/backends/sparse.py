@@ -74,7 +74,7 @@ class SparseAttention(DenseAttention):
         selection = self.selector.select(layer, q[0].cpu(), self.cfg.selected_pages)  # the index is on the host
         t1 = time.perf_counter()
         dev = self.device[layer]
-        rows = self.source.pool_rows(layer) if not dev.k.is_cuda else None
+        rows = self.source.pool_rows(layer)
         if rows is not None:  # pool and slots in CPU memory: one compiled pass, straight from the pool
             positions = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P]
             dev.fill_from_pool(selection.heads, selection.pages, selection.versions, positions, *rows)
