@@ -76,6 +76,7 @@ class SamplingConfig:
 
 
 SEARCHES = ("walk", "exhaustive", "centroids")  # IceCache page searches
+CENTROID_SCORING = ("auto", "host", "device")  # where the centroids search scores the centroids
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,13 @@ class IceCacheConfig:
     our evals, speed about the same on our CPU, so it is off. ``score_dtype="int8"`` stores each
     key as int8 values with its own fp32 scale (max |value| / 127: nothing clips), about a quarter
     of fp32's bytes; every search scores with the decoded keys (:mod:`icekv.index.score_rows`).
+
+    ``centroid_scoring``: where the centroids search ranks the pages by centroid. ``device``: a
+    copy of the centroids in the compute dtype on the compute device (1 / (2 * page_size) of the
+    full KV's bytes) is scored there and only the candidates' ids come to the host, which rescores
+    them exactly (the host no longer reads every centroid each step: that read grows with the
+    context); ``host``: the host reads them, and device memory stays flat in the context length;
+    ``auto``: device on a GPU, host on a CPU.
     """
 
     ratio_1: float = 0.02
@@ -111,10 +119,14 @@ class IceCacheConfig:
     rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k,
     min_candidates: int = 96  # and at least this many (small k needs a floor: 2 x 8 misses pages)
     score_dtype: str = "float32"  # the index's page keys: "bfloat16" half the memory, "int8" about a quarter
+    centroid_scoring: str = "auto"  # centroids search: "auto" | "host" | "device" (see above)
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:
             raise ConfigError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
+        if self.centroid_scoring not in CENTROID_SCORING:
+            raise ConfigError(f"centroid_scoring must be one of {', '.join(CENTROID_SCORING)}, "
+                              f"got {self.centroid_scoring!r}")
         if self.rerank < 1 or self.min_candidates < 1:
             raise ConfigError(f"rerank and min_candidates must be >= 1, got {self.rerank}, {self.min_candidates}")
         if self.score_dtype not in SCORE_DTYPES:
@@ -129,6 +141,12 @@ class IceCacheConfig:
     def candidates(self, k: int) -> int:
         """Pages per query head the centroids search rescores exactly, to select ``k``."""
         return max(self.rerank * k, self.min_candidates)
+
+    def scores_centroids_on_device(self, device_type: str) -> bool:
+        """Does the search rank pages by centroid on the compute device (of type ``device_type``)?"""
+        if self.search != "centroids":
+            return False
+        return self.centroid_scoring == "device" or (self.centroid_scoring == "auto" and device_type == "cuda")
 
     def field_of_view(self, seq_len: int) -> int:
         return max(int(self.fov_fraction * seq_len), self.fov_min)
@@ -340,7 +358,7 @@ class ServingConfig:
                  "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
                  "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
                  "max_index_bytes", "max_context_bytes", "max_compress_tokens", "max_queue_wait_s", "kv2",
-                 "device", "kv_pool"}
+                 "device", "kv_pool", "centroid_scoring"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
@@ -363,7 +381,8 @@ class ServingConfig:
             budget=number("budget", SelectionConfig.budget),
             page_size=paging.page_size,
             icecache=IceCacheConfig(search=values.get("search", IceCacheConfig.search),
-                                    score_dtype=values.get("score_dtype", IceCacheConfig.score_dtype)),
+                                    score_dtype=values.get("score_dtype", IceCacheConfig.score_dtype),
+                                    centroid_scoring=values.get("centroid_scoring", IceCacheConfig.centroid_scoring)),
         )
         scheduler = SchedulerConfig(
             max_running=number("max_active_requests", SchedulerConfig.max_running),

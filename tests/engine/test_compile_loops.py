@@ -9,7 +9,8 @@ from icekv.kv import device_cache, paged_cache
 
 
 def _signatures() -> dict:
-    loops = {"search": fused_search._search, "placement": dci_tree.place_tokens, "parents": dci_tree.append_tokens, "rewrite": page_store._rewrite,
+    loops = {"candidates": fused_search._candidates, "rescore": fused_search._rescore,
+             "picks": fused_search._union_of_picks, "placement": dci_tree.place_tokens, "parents": dci_tree.append_tokens, "rewrite": page_store._rewrite,
              "walk": tree_walk.walk_scores,
              "positions": page_store._positions, "plan": device_cache._plan_slots, "fill": device_cache._fill,
              "gather": paged_cache._copy_rows,

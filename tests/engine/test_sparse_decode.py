@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from icekv.config import PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config import IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
 from icekv.engine.backends import DenseAttention, RequestPages, SparseAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
@@ -64,6 +64,26 @@ def test_prompts_shorter_than_sink_and_window_decode(policy, tmp_path):
     sel = SelectionConfig(policy=policy, budget=128, n_unlimited_layers=0)
     sparse, backend = _decode_logits(model, [1, 2, 3, 4, 5], list(range(50)), sel)
     torch.testing.assert_close(sparse, full, rtol=1e-4, atol=1e-4)  # 55 tokens < budget: all attended
+
+
+def test_centroids_scored_on_the_compute_device_select_what_the_host_does(tmp_path):
+    """The GPU's search (centroids scored where the query is, candidates rescored on the host),
+    run on the CPU: the same pages every step, through inserts, so the same logits."""
+    make_tiny_hf_model("llama", tmp_path)
+    model = load_model(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 512, (600,), generator=g).tolist()
+    new = torch.randint(0, 512, (40,), generator=g).tolist()  # window pages flush into the index
+    runs = {}
+    for where in ("host", "device"):
+        sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1,
+                              icecache=IceCacheConfig(search="centroids", centroid_scoring=where))
+        runs[where] = _decode_logits(model, ids, new, sel)
+    (host, on_host), (device, on_device) = runs["host"], runs["device"]
+    torch.testing.assert_close(device, host, rtol=0, atol=0)
+    assert on_host.selector.device_bytes() == 0 and on_device.selector.device_bytes() > 0
+    assert on_device.resident_bytes() == on_host.resident_bytes() + on_device.selector.device_bytes()
+    assert set(on_device.selector.device_centroids) == set(on_device.sparse_layers)
 
 
 @pytest.mark.model

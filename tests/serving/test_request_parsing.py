@@ -77,6 +77,11 @@ def test_serving_config_from_triton_parameters():
     assert fast.engine.selection.icecache.search == "centroids"
     with pytest.raises(Exception, match="search must be one of walk, exhaustive, centroids"):
         ServingConfig.from_triton_parameters({"search": "beam"})
+    assert ServingConfig.from_triton_parameters({}).engine.selection.icecache.centroid_scoring == "auto"
+    host = ServingConfig.from_triton_parameters({"centroid_scoring": "host"}).engine.selection.icecache
+    assert host.centroid_scoring == "host" and not host.scores_centroids_on_device("cuda")
+    with pytest.raises(Exception, match="centroid_scoring must be one of auto, host, device, got 'gpu'"):
+        ServingConfig.from_triton_parameters({"centroid_scoring": "gpu"})
 
 
 def _template():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from icekv.config import DTYPES, KV_POOLS, SCORE_DTYPES, SEARCHES, IceCacheConfig
+from icekv.config import CENTROID_SCORING, DTYPES, KV_POOLS, SCORE_DTYPES, SEARCHES, IceCacheConfig
 from icekv.errors import IcekvError
 
 
@@ -59,6 +59,7 @@ def _serving_flags(parser) -> None:
     parser.add_argument("--budget", type=_positive_int("--budget"), default=None)
     _search_flag(parser, default=None, hint=" (config: centroids)")
     _score_dtype_flag(parser, default=None)
+    _centroid_scoring_flag(parser, default=None)
     parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
                         help="KV page pool capacity in tokens, shared by all requests")
     parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None,
@@ -95,6 +96,14 @@ def _icecache_flags(parser) -> None:
     parser.add_argument("--rerank", type=_positive_int("--rerank"), default=IceCacheConfig.rerank,
                         help="icecache --search centroids: pages rescored exactly per query head, times k")
     _score_dtype_flag(parser, default=IceCacheConfig.score_dtype)
+    _centroid_scoring_flag(parser, default=IceCacheConfig.centroid_scoring)
+
+
+def _centroid_scoring_flag(parser, default: str | None) -> None:
+    parser.add_argument("--centroid-scoring", choices=CENTROID_SCORING, default=default,
+                        help="icecache --search centroids: rank pages by centroid on the compute device (only "
+                             "the candidates come back to the host) or on the host (device memory flat in the "
+                             "context length); auto: device on a GPU")
 
 
 def _score_dtype_flag(parser, default: str | None) -> None:
@@ -104,7 +113,8 @@ def _score_dtype_flag(parser, default: str | None) -> None:
 
 
 def _icecache_config(args):
-    return IceCacheConfig(search=args.search, rerank=args.rerank, score_dtype=args.score_dtype)
+    return IceCacheConfig(search=args.search, rerank=args.rerank, score_dtype=args.score_dtype,
+                          centroid_scoring=args.centroid_scoring)
 
 
 def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
@@ -115,6 +125,7 @@ def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
     params = {"model_dir": args.model and str(Path(args.model).resolve()), "device": args.device,
               "kv_pool": args.kv_pool, "dtype": args.dtype, "policy": args.policy,
               "budget": args.budget, "search": args.search, "score_dtype": args.score_dtype,
+              "centroid_scoring": args.centroid_scoring,
               "host_pool_tokens": args.host_pool_tokens,
               "max_active_requests": args.max_active_requests,
               "max_step_tokens": args.max_step_tokens, "max_index_bytes": args.max_index_bytes,

@@ -11,6 +11,11 @@ candidates' keys.
 In the decode loop the index comes from DRAM (the dense layers evict it): at 32k a layer reads
 ~1.7 MB of centroids and ~2.2 MB of candidate keys, and that, not arithmetic, sets its time.
 
+Two stages, each one compiled call: the candidates by centroid (:func:`_candidates`), then the
+exact rescoring and the merge (:func:`_rescore`). :func:`candidate_search` runs the second alone,
+for candidates picked on the compute device (:mod:`icekv.index.device_centroids`), so the host
+reads only the candidates' keys: the centroid reads grow with the context, the candidates' do not.
+
 Compiled on first call and cached on disk (numba ``cache=True``): only the first process after an
 install pays the compile (seconds). A bf16 or int8 store (``score_dtype``) is read as raw rows
 (:func:`icekv.index.score_rows.dots`): bf16 rows are widened one at a time, which costs about what
@@ -37,18 +42,39 @@ def centroid_search(store: PageStore, q: torch.Tensor, candidates: int,
     """q [H, G, D] -> (heads [n], pages [n], versions [n]) int64: up to ``k`` page ids per KV
     head, grouped by head, each head's in the merge's order, with the pages' versions."""
     if not store.num_pages.shape[0] or k <= 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return _search(q.float().contiguous().numpy(), *store.search_views(), candidates, k, numba.get_num_threads())
+        return _nothing()
+    qf = q.float().contiguous().numpy()
+    centroid, keys, pad, num_pages, version = store.search_views()
+    parts = numba.get_num_threads()
+    cand, n_cand = _candidates(qf, centroid, num_pages, candidates, parts)
+    return _rescore(qf, keys, pad, version, cand, n_cand, k, parts)
+
+
+def candidate_search(store: PageStore, q: torch.Tensor, picks: np.ndarray,
+                     k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`centroid_search` with each query head's candidates already picked (by scoring the
+    centroids elsewhere: on the compute device): q [H, G, D], picks [H, G, c] page ids (-1: none).
+    Only the candidates' keys are read here."""
+    if not store.num_pages.shape[0] or k <= 0:
+        return _nothing()
+    _, keys, pad, _, version = store.search_views()
+    cand, n_cand = _union_of_picks(np.ascontiguousarray(picks, dtype=np.int64))
+    return _rescore(q.float().contiguous().numpy(), keys, pad, version, cand, n_cand, k, numba.get_num_threads())
+
+
+def _nothing() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
-def _search(q, centroid, keys, pad, num_pages, version, candidates, k, parts):
-    """q [H, G, D], centroid [H, cap, W], keys [H, cap, P, W] (rows of the score dtype), pad
-    [H, cap, P], num_pages [H], version [H, cap] -> (heads [n], pages [n], versions [n]).
+def _candidates(q, centroid, num_pages, candidates, parts):
+    """q [H, G, D], centroid [H, cap, W] (rows of the score dtype), num_pages [H] -> (cand [H, m],
+    n_cand [H]): per KV head, the union of its query heads' best ``candidates`` pages by
+    q.centroid, ascending, in ``cand[h, :n_cand[h]]``.
 
-    The reads (centroids, then the candidates' keys) are split into ``parts`` slices per head and
-    the slices of all heads run in parallel (a few KV heads do not spread evenly over the cores),
-    and so do the query heads' candidate cuts (a heap pass over every estimate each)."""
+    The centroid reads are split into ``parts`` slices per head and the slices of all heads run in
+    parallel (a few KV heads do not spread evenly over the cores), and so do the query heads'
+    candidate cuts (a heap pass over every estimate each)."""
     h_n, g_n, _ = q.shape
     most = max(num_pages.max(), 1)
     estimate = np.empty((h_n, g_n, most), dtype=np.float32)  # [H, G, m]
@@ -64,6 +90,32 @@ def _search(q, centroid, keys, pad, num_pages, version, candidates, k, parts):
     n_cand = np.zeros(h_n, dtype=np.int64)  # [H]
     for h in numba.prange(h_n):
         n_cand[h] = _union(estimate[h, :, : num_pages[h]], cut[h], ties[h], cand[h])
+    return cand, n_cand
+
+
+@_jit
+def _union_of_picks(picks):
+    """picks [H, G, c] page ids (-1: none) -> (cand [H, G * c], n_cand [H]): each head's distinct
+    ids, ascending, in ``cand[h, :n_cand[h]]`` (the layout :func:`_candidates` returns)."""
+    h_n = picks.shape[0]
+    cand = np.empty((h_n, max(picks.shape[1] * picks.shape[2], 1)), dtype=np.int64)  # [H, G * c]
+    n_cand = np.zeros(h_n, dtype=np.int64)  # [H]
+    for h in range(h_n):
+        ids = np.sort(picks[h].ravel())
+        for i in range(ids.shape[0]):
+            if ids[i] >= 0 and (n_cand[h] == 0 or ids[i] != cand[h, n_cand[h] - 1]):
+                cand[h, n_cand[h]] = ids[i]
+                n_cand[h] += 1
+    return cand, n_cand
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
+def _rescore(q, keys, pad, version, cand, n_cand, k, parts):
+    """q [H, G, D], keys [H, cap, P, W], pad [H, cap, P], version [H, cap], each head's candidates
+    ``cand[h, :n_cand[h]]`` ascending -> (heads [n], pages [n], versions [n]): the candidates
+    rescored exactly (best q.k over the page's tokens, the reads split like the centroids') and
+    the query heads' rankings merged into up to ``k`` pages per head."""
+    h_n, g_n, _ = q.shape
     exact = np.full((h_n, g_n, max(n_cand.max(), 1)), -np.inf, dtype=np.float32)  # [H, G, c] candidates' scores
     for task in numba.prange(h_n * parts):
         h, lo, hi = _slice(task, parts, n_cand)

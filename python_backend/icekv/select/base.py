@@ -47,7 +47,8 @@ class PageSelector(Protocol):
         """Append the next full page of keys [Hkv, P, D] (flushed out of the window)."""
 
     def select(self, layer: int, q: torch.Tensor, k: int) -> Selection:
-        """q [Hq, D] -> per KV head, up to ``k`` pages (best first)."""
+        """q [Hq, D] (on the compute device: the selector moves it where it scores) -> per KV
+        head, up to ``k`` pages (best first)."""
 
     def page_positions(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Page ``pages[i]`` of KV head ``heads[i]`` ([m] each) -> positions [m, P] of its tokens
@@ -55,6 +56,9 @@ class PageSelector(Protocol):
 
     def index_bytes(self) -> int:
         """Host memory the selector's index holds, all layers (the KV pool itself not included)."""
+
+    def device_bytes(self) -> int:
+        """Compute-device memory the selector holds (a copy of index summaries scored there)."""
 
 
 class SequencePages:

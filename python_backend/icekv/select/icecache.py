@@ -3,6 +3,11 @@
 ``layer_reuse`` gives IceCache(r): layers form groups of ``layer_group``; only a group's first
 layer has trees and runs the walk, the others lay out their tokens in the same pages and reuse its
 selection.
+
+Where the centroids search scores the centroids is ``config.centroid_scoring``: on the compute
+device (the query's), a copy of each layer's centroids is kept there, made at the layer's first
+search and refreshed after each insert (:mod:`icekv.index.device_centroids`), and only the
+candidates' ids come back; on the host, with the rest of the index.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import torch
 
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, PageStore
-from icekv.index.fused_search import centroid_search
+from icekv.index.device_centroids import DeviceCentroids
+from icekv.index.fused_search import candidate_search, centroid_search
 from icekv.select.base import Selection
 from icekv.select.gqa import merge_ranked, merge_ranked_heads
 
@@ -27,6 +33,7 @@ class IceCacheSelector:
     trees: dict = field(init=False, default_factory=dict)  # leader layer -> [DCITree per KV head]
     stores: dict = field(init=False, default_factory=dict)  # leader layer -> the trees' PageStore
     base: dict = field(init=False, default_factory=dict)  # layer -> position of local token 0
+    device_centroids: dict = field(init=False, default_factory=dict)  # leader layer -> DeviceCentroids
     _last: dict = field(init=False, default_factory=dict)  # leader layer -> its latest selection
 
     def leader(self, layer: int) -> int:
@@ -53,18 +60,26 @@ class IceCacheSelector:
         if self.leader(layer) == layer:
             for tree, k in zip(self.trees[layer], keys):
                 tree.insert(k)
+            if layer in self.device_centroids:
+                self.device_centroids[layer].refresh()
 
     def select(self, layer, q, k):
         lead = self.leader(layer)
         if lead != layer:
             return self._last[lead]
-        q = q.view(len(self.trees[layer]), -1, q.shape[-1])  # [Hkv, G, D]
+        q = q.view(len(self.trees[layer]), -1, q.shape[-1])  # [Hkv, G, D] on the compute device
         self._last[layer] = picks = self._search(layer, q, k)
         return picks
 
     def _search(self, layer: int, q: torch.Tensor, k: int) -> Selection:
         """q [Hkv, G, D] -> per KV head up to ``k`` pages, by ``config.search``."""
         store, search = self.stores[layer], self.config.search
+        if self.config.scores_centroids_on_device(q.device.type):  # candidates there, exact scores here
+            if layer not in self.device_centroids:
+                self.device_centroids[layer] = DeviceCentroids(store, q.device, q.dtype)
+            picks = self.device_centroids[layer].candidates(q, self.config.candidates(k))  # [Hkv, G, c]
+            return Selection(*map(torch.from_numpy, candidate_search(store, q.cpu(), picks.cpu().numpy(), k)))
+        q = q.cpu()  # the rest of the index is on the host
         if search == "centroids":  # compiled, one call per layer
             return Selection(*map(torch.from_numpy, centroid_search(store, q, self.config.candidates(k), k)))
         versions = store.version.numpy()  # [Hkv, cap]
@@ -79,3 +94,6 @@ class IceCacheSelector:
 
     def index_bytes(self) -> int:
         return sum(s.nbytes for s in self.stores.values()) + sum(t.nbytes for ts in self.trees.values() for t in ts)
+
+    def device_bytes(self) -> int:
+        return sum(c.nbytes for c in self.device_centroids.values())

@@ -42,7 +42,7 @@ class QuestSelector:
         return torch.maximum(qf * kmin, qf * kmax).sum(-1)
 
     def select(self, layer, q, k):
-        bounds = self.upper_bounds(layer, q)  # [Hq, n]
+        bounds = self.upper_bounds(layer, q.cpu())  # [Hq, n] the bounds are on the host
         hkv = self.key_min[layer].shape[0]
         return Selection.ranked([merge_ranked(g, k) for g in bounds.chunk(hkv, dim=0)])  # pages never change
 
@@ -51,3 +51,6 @@ class QuestSelector:
 
     def index_bytes(self) -> int:
         return sum(t.nbytes for t in (*self.key_min.values(), *self.key_max.values()))
+
+    def device_bytes(self) -> int:
+        return 0  # the bounds are scored on the host

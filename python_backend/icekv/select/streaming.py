@@ -37,3 +37,6 @@ class StreamingSelector:
 
     def index_bytes(self) -> int:
         return 0  # pages are positions: nothing stored
+
+    def device_bytes(self) -> int:
+        return 0

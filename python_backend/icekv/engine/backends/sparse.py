@@ -71,7 +71,7 @@ class SparseAttention(DenseAttention):
         self.source.write(layer, self.start, k, v)
         length = self.start + 1
         t0 = time.perf_counter()
-        selection = self.selector.select(layer, q[0].cpu(), self.cfg.selected_pages)  # the index is on the host
+        selection = self.selector.select(layer, q[0], self.cfg.selected_pages)
         t1 = time.perf_counter()
         dev = self.device[layer]
         rows = self.source.pool_rows(layer)
@@ -114,14 +114,15 @@ class SparseAttention(DenseAttention):
 
     # ---- statistics
     def resident_bytes(self) -> int:
-        """Bytes on the compute device: dense layers whole; sink, window and slots of sparse ones."""
+        """Bytes on the compute device: dense layers whole; sink, window and slots of sparse ones;
+        what the selector keeps there."""
         length = self.source.length()
         per_token_layer = self.cache.bytes_per_token // self.cache.num_layers
         dense = [layer for layer in range(self.cache.num_layers) if layer not in self.device]
         tail = self.source.sink_tokens_held(self.sink_end) + max(length - self.win_start, 0)
         slots = sum(d.resident_bytes for d in self.device.values())
         return (self.source.context_bytes(dense) + len(dense) * length * per_token_layer
-                + len(self.sparse_layers) * tail * per_token_layer + slots)
+                + len(self.sparse_layers) * tail * per_token_layer + slots + self.selector.device_bytes())
 
     def kv_stats(self) -> KVStats:
         moved = sum(d.bytes_moved for d in self.device.values())
