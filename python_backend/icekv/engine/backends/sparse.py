@@ -22,6 +22,7 @@ from icekv.attention import sparse_paged_attention
 from icekv.config import SelectionConfig
 from icekv.engine.backends.dense import DenseAttention
 from icekv.engine.backends.sources import RequestPages
+from icekv.engine.backends.tail import DeviceTail
 from icekv.engine.results import KVStats
 from icekv.kernels import scatter_pages
 from icekv.kernels.cpu_decode import sparse_decode_pool_cpu
@@ -56,9 +57,16 @@ class SparseAttention(DenseAttention):
                                    self.cache.pool.dtype, self.cache.compute, scatter=scatter_pages)
             for layer in self.sparse_layers
         }
-        # fp32 pool under the compiled kernels: attention reads sink and window from the pool too
+        # pool and slots in CPU memory, fp32: the compiled kernel reads sink and window from the
+        # pool in place; otherwise they are kept on the compute device (copied once, then appended)
         pool = self.cache.pool
-        self.tail_from_pool = pool.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
+        compiled_fp32 = pool.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
+        self.tail_from_pool = compiled_fp32 and all(source.pool_rows(layer) is not None for layer in self.sparse_layers)
+        length, window = source.length(), (cfg.n_win_pages + 1) * cfg.page_size
+        self.tails = {} if self.tail_from_pool else {
+            layer: DeviceTail(*source.sink_window(layer, self.sink_end, self.win_start, length), self.win_start, window)
+            for layer in self.sparse_layers
+        }
 
     def attends_all(self, layer: int) -> bool:
         return layer not in self.device  # the unlimited layers
@@ -69,6 +77,8 @@ class SparseAttention(DenseAttention):
         if q.shape[0] != 1:
             raise ValueError("sparse attention decodes one token per step")
         self.source.write(layer, self.start, k, v)
+        if layer in self.tails:
+            self.tails[layer].append(self.start, k[0], v[0])
         length = self.start + 1
         t0 = time.perf_counter()
         selection = self.selector.select(layer, q[0], self.cfg.selected_pages)
@@ -86,11 +96,11 @@ class SparseAttention(DenseAttention):
                 staging = dev.transfer.staging((2, *positions.shape, dev.k.shape[-1]))  # [2, m, P, D]
                 dev.load(plan, self.source.gather_pages(layer, plan.heads, positions, staging), lengths)
         t2 = time.perf_counter()
-        if rows is not None and self.tail_from_pool and q.dtype == torch.float32:
+        if self.tail_from_pool:
             tail = self.source.tail_ranges(self.sink_end, self.win_start, length)
             out = sparse_decode_pool_cpu(q[0], *rows, tail, dev.k, dev.v, dev.attended_lengths())
         else:
-            sink_k, sink_v, win_k, win_v = self.source.sink_window(layer, self.sink_end, self.win_start, length)
+            sink_k, sink_v, win_k, win_v = self.tails[layer].views()
             out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)
         t3 = time.perf_counter()
         self.timings["select_s"] += t1 - t0
@@ -111,6 +121,8 @@ class SparseAttention(DenseAttention):
                 self.selector.insert(layer, keys.cpu())
             self.timings["insert_s"] += time.perf_counter() - t0
             self.win_start += self.cfg.page_size
+        for tail in self.tails.values():
+            tail.advance(self.win_start)
 
     # ---- statistics
     def resident_bytes(self) -> int:

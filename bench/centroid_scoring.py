@@ -1,0 +1,113 @@
+"""Time one layer's IceCache centroids search with the centroids ranked on the host (the compiled
+search reads every centroid) against ranked on the compute device (DeviceCentroids + select_pages;
+the host rescores only the candidates), and how often the two pick the same pages.
+
+Llama-3.1-8B head shapes (8 KV heads, 4 query heads each, head_dim 128), pages of 16 full tokens,
+k pages per KV head, the served rule's candidates; the device copy in --dtype. Random keys: the
+time does not depend on their values. The store is filled directly (no tree build): the search
+reads pages, not the tree. Multiply by the sparse layers (30 of 32) for a token's search time.
+
+    python bench/centroid_scoring.py --device cuda --contexts 32768,131072 --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def store_of(tokens: int, heads: int, dim: int, page: int, seed: int = 0):
+    """A PageStore with ``tokens // page`` full pages of random keys per head."""
+    from icekv.index import PageStore
+
+    pages = tokens // page
+    g = torch.Generator().manual_seed(seed)
+    store = PageStore(heads, page, dim)
+    store.reserve(pages)
+    present = torch.ones(pages, page, dtype=torch.bool)
+    for h in range(heads):
+        store.write(h, torch.arange(pages), torch.randn(pages, page, dim, generator=g), present)
+    store.tokens[:, :pages] = torch.arange(pages * page).view(pages, page)  # members: local token ids
+    store.num_pages[:] = pages
+    return store
+
+
+def median_s(fn, device: torch.device, repeats: int) -> float:
+    from icekv.devices import synchronize
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int, repeats: int,
+                  heads: int = 8, group: int = 4, dim: int = 128, page: int = 16) -> dict:
+    from icekv.config import IceCacheConfig
+    from icekv.index.device_centroids import DeviceCentroids
+    from icekv.index.fused_search import candidate_search, centroid_search
+
+    store = store_of(tokens, heads, dim, page)
+    candidates = IceCacheConfig().candidates(k)
+    t0 = time.perf_counter()
+    centroids = DeviceCentroids(store, device, dtype)
+    copy_s = time.perf_counter() - t0
+    q = torch.randn(heads, group, dim, generator=torch.Generator().manual_seed(1))  # [H, G, D]
+    q_dev = q.to(device, dtype)
+
+    host = lambda: centroid_search(store, q_dev.cpu().float(), candidates, k)  # noqa: E731
+    ranked = lambda: centroids.candidates(q_dev, candidates)  # noqa: E731
+    on_device = lambda: candidate_search(store, q_dev.cpu().float(), ranked().cpu().numpy(), k)  # noqa: E731
+    picks_host, picks_device = host(), on_device()
+    same = set(zip(*map(list, picks_host[:2]))) & set(zip(*map(list, picks_device[:2])))
+    return {
+        "context": tokens, "pages_per_head": tokens // page, "k": k, "candidates": candidates,
+        "host_s": median_s(host, device, repeats), "device_s": median_s(on_device, device, repeats),
+        "device_ranking_s": median_s(ranked, device, repeats), "device_copy_bytes": centroids.nbytes,
+        "first_copy_s": copy_s, "same_pages": len(same) / max(len(picks_host[0]), 1),
+    }
+
+
+def main() -> int:
+    from icekv.devices import resolve_device
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None, help="the device copy's dtype (default: bfloat16 on a GPU)")
+    parser.add_argument("--contexts", default="32768,131072")
+    parser.add_argument("--k", type=int, default=12, help="pages selected per KV head")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    records = []
+    for tokens in (int(x) for x in args.contexts.split(",")):
+        r = bench_context(tokens, device, dtype, args.k, args.repeats)
+        records.append(r)
+        print(f"{tokens:>7} tokens: host {r['host_s'] * 1e3:7.3f} ms, device+host {r['device_s'] * 1e3:7.3f} ms "
+              f"(ranking {r['device_ranking_s'] * 1e3:.3f} ms), same pages {r['same_pages']:.0%}", flush=True)
+    meta = {"command": "python " + " ".join(sys.argv), "device": str(device), "dtype": str(dtype),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "machine": f"{platform.machine()}, torch threads {torch.get_num_threads()}"}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
