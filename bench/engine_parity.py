@@ -1,5 +1,6 @@
 """Engine parity between the CPU and a device: the same random-weight Llama (llama-tiny) decodes
-the same greedy tokens in fp32 on both, under full attention and IceCache, with the KV pool on the
+the same greedy tokens in fp32 on both, under full attention and IceCache (the tree walk, and the
+centroids search, whose ranking by centroid runs on the device there), with the KV pool on the
 host and on the device, one request at a time and batched, and over a KV²-compressed context;
 in bf16 the device's logits stay close to the CPU's fp32 ones. Writes one json; exits 1 on a
 mismatch. ``--device cpu`` runs the same comparison against a second CPU engine (a dry run of
@@ -17,12 +18,14 @@ from pathlib import Path
 
 import torch
 
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 
 SHAPE = "llama-tiny"
 LENGTHS = (300, 1000, 2500)  # prompt tokens: under, near and well over the budget's pages
-SELECTIONS = {"full": SelectionConfig(), "icecache": SelectionConfig(policy="icecache", budget=128)}
+SELECTIONS = {"full": SelectionConfig(), "icecache": SelectionConfig(policy="icecache", budget=128),
+              "icecache centroids": SelectionConfig(policy="icecache", budget=128,
+                                                    icecache=IceCacheConfig(search="centroids"))}
 MIN_BF16_COSINE = 0.99
 
 

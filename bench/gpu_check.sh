@@ -3,7 +3,8 @@
 # bench/results/gpu/): engine parity CPU vs CUDA (bench/engine_parity.py); decode time per token
 # of a random-weight Llama-3.1-8B (bf16, budget 256) at 32k and 128k tokens under full attention
 # and IceCache with transformers as the peer; the kernel tests natively (bf16 included); batched
-# decode at batch 1 and 8 x 32k; kernel timings vs torch SDPA (bench/gpu_kernels.py).
+# decode at batch 1 and 8 x 32k; one layer's centroids search with the centroids ranked on the host
+# vs on the device (bench/centroid_scoring.py); kernel timings vs torch SDPA (bench/gpu_kernels.py).
 # Each part has its own time limit and output, so one that fails or runs long loses only itself.
 # Uses the machine's own torch + triton (no network needed). Under the device tool ($OUT set, which
 # takes back at most 8 files) the parts' files are packed into $OUT/gpu_check.tgz after each part;
@@ -30,9 +31,9 @@ part() {  # part NAME SECONDS COMMAND...: run it; its stdout in NAME.txt, stderr
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   echo "commit ${ICEKV_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; date -u; } | tee "$OUT_DIR/device.txt"
 : > "$OUT_DIR/summary.txt"
-# most important first: a part that runs long loses only itself, and the limits sum to 565 s.
+# most important first: a part that runs long loses only itself, and the limits sum to 575 s.
 # First the compiled CPU loops (numba, cached on disk for the later parts: about a minute cold)
-part warmup 90 "$PY" -c "from icekv.engine.compile_loops import compile_loops; import torch; \
+part warmup 80 "$PY" -c "from icekv.engine.compile_loops import compile_loops; import torch; \
 [compile_loops(d) for d in (torch.float32, torch.bfloat16)]"
 part engine_parity 75 "$PY" bench/engine_parity.py --device cuda --out "$OUT_DIR/engine_parity.json"
 DECODE=(bench decode --device cuda --random-weights llama-3.1-8b --policies full,icecache --budget 256
@@ -43,5 +44,7 @@ part kernel_tests 100 env ICEKV_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -
 part decode_128k 110 $ICEKV "${DECODE[@]}" --contexts 131072
 part batch_32k 70 $ICEKV bench batch --device cuda --random-weights llama-3.1-8b --contexts 32768 --batch 1,8 \
     --policies full,icecache --budget 256 --search centroids --steps 16 --json
-part gpu_kernels 30 "$PY" bench/gpu_kernels.py --out "$OUT_DIR/gpu_kernels.json"
+part centroid_scoring 25 "$PY" bench/centroid_scoring.py --device cuda --contexts 32768,131072 \
+    --out "$OUT_DIR/centroid_scoring.json"
+part gpu_kernels 25 "$PY" bench/gpu_kernels.py --out "$OUT_DIR/gpu_kernels.json"
 cat "$OUT_DIR/summary.txt"

@@ -27,6 +27,16 @@ def test_matches_naive_softmax(hq, hkv, n, length):
     torch.testing.assert_close(causal_attention(q, k, v, pos), naive(q, k, v, pos), rtol=1e-5, atol=1e-5)
 
 
+def test_queries_that_are_not_the_last_positions_see_only_their_prefix():
+    """The general mask (a batch row whose queries end before the keys do), beside the prompt
+    chunk's lower-right form above."""
+    torch.manual_seed(1)
+    q = torch.randn(4, 9, 16)
+    k, v = torch.randn(3, 30, 16), torch.randn(3, 30, 16)
+    for pos in (torch.tensor([3, 8, 9, 20]), torch.arange(10, 14)):
+        torch.testing.assert_close(causal_attention(q, k, v, pos), naive(q, k, v, pos), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cuts", [[], [1], [5, 6], [3, 17, 30]])
 def test_decode_attention_over_chunks_equals_one_piece(cuts):
     g = torch.Generator().manual_seed(len(cuts))

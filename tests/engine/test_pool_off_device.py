@@ -54,3 +54,26 @@ def test_the_mirror_copies_each_token_once_and_grows():
         want_k, want_v = cache.gather(0, 0)
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
     assert mirror.filled[0] == 14 and mirror.kv[0].shape[2] >= 14
+
+
+def test_tokens_written_through_the_mirror_are_never_copied_back(monkeypatch):
+    """Writes that continue the mirror are kept from the model's own tensors; a gap (tokens
+    written to the pool only) is filled from the pool on the next read. Sized once by its hint."""
+    cache = PagedKVCache(1, 2, 4, PagingConfig(page_size=4, max_context_tokens=64))
+    cache.add(0)
+    mirror = ComputeMirror(cache, 0, tokens=20)
+    copied = []
+    view_range = PagedKVCache.view_range
+    monkeypatch.setattr(PagedKVCache, "view_range",
+                        lambda self, layer, seq, a, b: copied.append((a, b)) or view_range(self, layer, seq, a, b))
+    for n, through_mirror in ((5, True), (1, True), (3, False), (1, True), (2, True)):
+        start = cache.extend(0, n)
+        k, v = torch.randn(n, 2, 4), torch.randn(n, 2, 4)
+        cache.write(0, 0, start, k, v)
+        if through_mirror:
+            mirror.write(0, start, k, v)
+        got_k, got_v = mirror.read(0, cache.length(0))
+        want_k, want_v = cache.gather(0, 0)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert copied == [(6, 9)]  # only the tokens written to the pool alone
+    assert mirror.kv[0].shape[2] == 20

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def is_decode_step(q_positions: torch.Tensor, length: int) -> bool:
@@ -43,11 +44,17 @@ def causal_attention(
 ) -> torch.Tensor:
     """q [N, Hq, D] at ``q_positions`` [N]; k, v [Hkv, L, D] for positions 0..L-1 -> [N, Hq, D].
 
-    Query ``i`` sees keys ``0 .. q_positions[i]``; query heads share KV heads in groups (GQA).
+    Query ``i`` sees keys ``0 .. q_positions[i]`` (ascending positions); query heads share KV
+    heads in groups (GQA).
     """
-    length = k.shape[1]
+    length, n = k.shape[1], q.shape[0]
     if is_decode_step(q_positions, length):
         return decode_attention(q[0], k, v)[None]
+    if int(q_positions[0]) == length - n and int(q_positions[-1]) == length - 1:  # a prompt chunk: the last n
+        # positions, a lower-right causal mask, which the fused kernels (flash attention) take
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                             attn_mask=causal_lower_right(n, length), enable_gqa=True)  # [1, Hq, N, D]
+        return out[0].transpose(0, 1)
     mask = torch.arange(length, device=q.device)[None, :] <= q_positions.to(q.device)[:, None]  # [N, L]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True

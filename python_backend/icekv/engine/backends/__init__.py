@@ -32,7 +32,7 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
     # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
     selects = seq.selects or (policy.sparse and seq.prefill_only)
     if seq.context is not None or not selects or index_threads == 0:
-        return DenseAttention(token_source(cache, seq.seq_id, seq.context))
+        return DenseAttention(token_source(cache, seq.seq_id, seq.context, len(seq.prompt_ids)))
     seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads)
     return IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
 
@@ -45,7 +45,7 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
     if prefilled is not None and index is not None:
         prefilled.index = None  # decoding changes the index: it serves this one decode
     seq.index = None
-    source = token_source(cache, seq.seq_id, seq.context)
+    source = token_source(cache, seq.seq_id, seq.context, seq.tokens_held)
     if not seq.selects:
         if index is not None:
             index.cancel()

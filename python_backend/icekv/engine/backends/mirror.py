@@ -2,9 +2,12 @@
 pool lives elsewhere (host memory, for a GPU under a sparse policy).
 
 Without it, every step of a layer attended whole (a prefill chunk, full attention, a sparse
-policy's unlimited layers) would copy all the request's tokens to the device; the mirror copies
-each token once, after it is written, and grows by doubling. It belongs to one backend and is
-dropped with it, so a sparse decode's budgeted layers never hold one.
+policy's unlimited layers) would copy all the request's tokens to the device. The mirror keeps
+each token's K/V as the model wrote it (on the device already) when it extends what the mirror
+holds, and otherwise copies what it lacks from the pool once, on the next read. It is allocated
+at the request's most tokens (given) in one piece: growing would hold the old and the new copy
+at once. It belongs to one backend and is dropped with it, so a sparse decode's budgeted layers
+never hold one.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from icekv.kv import PagedKVCache
 
 
 class ComputeMirror:
-    def __init__(self, cache: PagedKVCache, seq_id: int):
-        self.cache, self.seq_id = cache, seq_id
+    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0):
+        self.cache, self.seq_id, self.tokens = cache, seq_id, tokens  # tokens: the most it will hold
         self.kv: dict[int, torch.Tensor] = {}  # layer -> [2, Hkv, capacity, D] on the compute device
         self.filled: dict[int, int] = {}  # layer -> tokens copied
 
@@ -32,11 +35,22 @@ class ComputeMirror:
             self.filled[layer] = length
         return kv[0, :, :length], kv[1, :, :length]
 
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep k, v [n, Hkv, D] of own positions ``start ..`` (just written to the pool) when they
+        continue what the mirror holds; otherwise the next read copies them from the pool."""
+        filled = self.filled.get(layer, 0)
+        if start != filled:
+            return
+        kv = self._room(layer, start + k.shape[0], filled)
+        kv[0, :, start : start + k.shape[0]] = k.transpose(0, 1)
+        kv[1, :, start : start + k.shape[0]] = v.transpose(0, 1)
+        self.filled[layer] = start + k.shape[0]
+
     def _room(self, layer: int, length: int, filled: int) -> torch.Tensor:
         kv = self.kv.get(layer)
         if kv is None or kv.shape[2] < length:
             pool = self.cache.pool  # [L, 2, Hkv, pages, P, D]
-            capacity = max(length, 2 * (kv.shape[2] if kv is not None else 0), self.cache.page_size)
+            capacity = max(length, self.tokens, 2 * (kv.shape[2] if kv is not None else 0), self.cache.page_size)
             grown = torch.empty((2, pool.shape[2], capacity, pool.shape[-1]), dtype=pool.dtype,
                                 device=self.cache.compute)  # [2, Hkv, capacity, D]
             if kv is not None:

@@ -67,7 +67,7 @@ class IndexingPrefillAttention(DenseAttention):
     ``prompt_tokens`` tokens, each as soon as that layer has written its indexed region."""
 
     def __init__(self, cache: PagedKVCache, seq_id: int, num_layers: int, prompt_tokens: int, index: PrefillIndex):
-        super().__init__(RequestPages(cache, seq_id))
+        super().__init__(RequestPages(cache, seq_id, prompt_tokens))
         self.index = index
         cfg = index.selection
         self.layers = sparse_layers(cfg, num_layers)

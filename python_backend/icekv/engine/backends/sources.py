@@ -23,15 +23,16 @@ from icekv.policies import sink_tokens
 
 
 class RequestPages:
-    """The request's own tokens. An IceCache tree's local token ``l`` is position ``base + l``."""
+    """The request's own tokens (at most ``tokens``, a size hint for device copies). An IceCache
+    tree's local token ``l`` is position ``base + l``."""
 
-    def __init__(self, cache: PagedKVCache, seq_id: int):
+    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0):
         self.cache, self.seq_id = cache, seq_id
         self.offset = 0  # RoPE position of the request's first own token
         self.context: CompressedContext | None = None
         self._pool_layers: dict[int, torch.Tensor] = {}
         # a pool off the compute device: the layers attended whole read a device copy of the tokens
-        self.mirror = None if cache.pool_on_compute else ComputeMirror(cache, seq_id)
+        self.mirror = None if cache.pool_on_compute else ComputeMirror(cache, seq_id, tokens)
 
     def length(self) -> int:
         """Own tokens in the pool."""
@@ -39,6 +40,8 @@ class RequestPages:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache.write(layer, self.seq_id, start, k, v)
+        if self.mirror is not None:
+            self.mirror.write(layer, start, k, v)
 
     def attend_all(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D] of the newest N tokens (own positions ``positions``) over every token."""
@@ -112,8 +115,8 @@ class ContextPages(RequestPages):
     local token ``l`` is kept context token ``l + CONTEXT_SINKS`` of its head while
     ``l < n_h - CONTEXT_SINKS``, else the request's own token ``l - (n_h - CONTEXT_SINKS)``."""
 
-    def __init__(self, cache: PagedKVCache, seq_id: int, context: CompressedContext):
-        super().__init__(cache, seq_id)
+    def __init__(self, cache: PagedKVCache, seq_id: int, context: CompressedContext, tokens: int = 0):
+        super().__init__(cache, seq_id, tokens)
         self.context, self.offset = context, context.length
         # per layer (k, v, page_len) on the compute device
         self.prefix = [tuple(cache.to_compute(t) for t in layer.padded()) for layer in context.layers]
@@ -163,5 +166,6 @@ class ContextPages(RequestPages):
                                                         win_k, win_v))
 
 
-def token_source(cache: PagedKVCache, seq_id: int, context: CompressedContext | None) -> RequestPages:
-    return RequestPages(cache, seq_id) if context is None else ContextPages(cache, seq_id, context)
+def token_source(cache: PagedKVCache, seq_id: int, context: CompressedContext | None, tokens: int = 0) -> RequestPages:
+    """The request's tokens (at most ``tokens`` of its own), after ``context`` if there is one."""
+    return RequestPages(cache, seq_id, tokens) if context is None else ContextPages(cache, seq_id, context, tokens)
