@@ -216,8 +216,12 @@ class SchedulerConfig:
     up to ``max_step_tokens`` tokens in all: a long prompt holds the others' next tokens for at
     most one step. A request is admitted (FIFO) when its worst case fits in what the running ones
     have not been promised: KV pages (prompt + max_tokens), page-index host memory
-    (``max_index_bytes``, None: the pool's size) and compressed-context bytes
-    (``max_context_bytes``, None: the pool's size). One that could never fit is refused at submit.
+    (``max_index_bytes``, None: the pool's size), compressed-context bytes
+    (``max_context_bytes``, None: the pool's size) and, when the pool is off the compute device,
+    the device memory requests hold beside the model (``max_device_bytes``, None: 90% of what is
+    free once the engine is loaded; see :func:`icekv.sizing.device_need`: a prefill keeps every
+    layer's K/V of its prompt there, a decode under a budget far less). One that could never fit
+    is refused at submit.
     """
 
     max_running: int = 8  # requests in prefill or decode at once
@@ -225,6 +229,7 @@ class SchedulerConfig:
     max_step_tokens: int = 512  # tokens per engine step: every running decode + prefill chunks
     max_index_bytes: int | None = None
     max_context_bytes: int | None = None
+    max_device_bytes: int | None = None
     max_queue_wait_s: float = 120.0  # a request queued longer is refused as busy
 
     def __post_init__(self) -> None:
@@ -236,7 +241,7 @@ class SchedulerConfig:
         if self.max_step_tokens <= self.max_running:
             raise ConfigError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_running "
                               f"({self.max_running}): every running decode and some prefill fit in one step")
-        for name in ("max_index_bytes", "max_context_bytes"):
+        for name in ("max_index_bytes", "max_context_bytes", "max_device_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -357,7 +362,7 @@ class ServingConfig:
         known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
                  "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
-                 "max_index_bytes", "max_context_bytes", "max_compress_tokens", "max_queue_wait_s", "kv2",
+                 "max_index_bytes", "max_context_bytes", "max_device_bytes", "max_compress_tokens", "max_queue_wait_s", "kv2",
                  "device", "kv_pool", "centroid_scoring"}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -390,6 +395,7 @@ class ServingConfig:
             max_step_tokens=number("max_step_tokens", SchedulerConfig.max_step_tokens),
             max_index_bytes=number("max_index_bytes", SchedulerConfig.max_index_bytes),
             max_context_bytes=number("max_context_bytes", SchedulerConfig.max_context_bytes),
+            max_device_bytes=number("max_device_bytes", SchedulerConfig.max_device_bytes),
             max_queue_wait_s=number("max_queue_wait_s", SchedulerConfig.max_queue_wait_s, float),
         )
         engine = EngineConfig(

@@ -1,4 +1,5 @@
-"""Size the host page pool and the device budget from context length and model shape."""
+"""Size the host page pool and the device budget from context length and model shape, and what
+one request holds on the compute device (what admission charges when the pool is elsewhere)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,44 @@ def size(args: ModelArgs, context_tokens: int, concurrent: int, selection: Selec
     per_layer_token = 2 * args.num_kv_heads * args.head_dim * DTYPE_BYTES[dtype]
     per_token = per_layer_token * args.num_layers
     pages = -(-context_tokens // selection.page_size) * selection.page_size  # page-granular
-    sparse_layers = len(policy.sparse_layers(selection, args.num_layers))
-    full_layers = args.num_layers - sparse_layers
-    attended = min(selection.budget, pages)
-    budget = (full_layers * pages + sparse_layers * attended) * per_layer_token
+    budget = budgeted_tokens(args, pages, selection) * per_layer_token
     return SizingPlan(per_token, concurrent * pages * per_token, pages * per_token, budget, pages * per_token / budget,
                       index_bytes(args, context_tokens, selection))
+
+
+def budgeted_tokens(args: ModelArgs, tokens: int, selection: SelectionConfig, slack: int = 0) -> int:
+    """Token-layers of K/V a request of ``tokens`` tokens attends on the compute device: every
+    token in the layers attended whole, the budget (plus ``slack``) in the budgeted ones."""
+    sparse = len(get_policy(selection.policy).sparse_layers(selection, args.num_layers))
+    return (args.num_layers - sparse) * tokens + sparse * min(selection.budget + slack, tokens)
+
+
+@dataclass(frozen=True)
+class DeviceNeed:
+    """Compute-device bytes one request holds beside the model while the KV pool is in host memory."""
+
+    prefill: int  # every layer attends the prompt whole: each keeps a device copy of it
+    decode: int  # layers attended whole: every token; budgeted ones: slots, sink, window, a centroid copy
+
+    @property
+    def most(self) -> int:
+        return max(self.prefill, self.decode)
+
+
+def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, selection: SelectionConfig | None,
+                layer_token_bytes: int, context_bytes: int = 0, device_type: str = "cuda") -> DeviceNeed:
+    """What a request holds on the compute device. ``selection`` None: it only prefills;
+    ``layer_token_bytes``: one token's K and V in one layer; ``context_bytes``: a compressed
+    context's kept pages (on the device in both phases). The window may run a page past the
+    budget before its oldest page is flushed."""
+    prefill = args.num_layers * prompt_tokens * layer_token_bytes + context_bytes
+    if selection is None:
+        return DeviceNeed(prefill, 0)
+    tokens = prompt_tokens + max_tokens
+    dtype_bytes = layer_token_bytes // (2 * args.num_kv_heads * args.head_dim)
+    index = get_policy(selection.policy).device_index_bytes(args, tokens, selection, device_type, dtype_bytes)
+    kv = budgeted_tokens(args, tokens, selection, slack=selection.page_size) * layer_token_bytes
+    return DeviceNeed(prefill, kv + index + context_bytes)
 
 
 def index_bytes(args: ModelArgs, context_tokens: int, selection: SelectionConfig) -> int:

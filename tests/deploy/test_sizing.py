@@ -1,13 +1,16 @@
 """The sizing calculator agrees with what the engine really allocates."""
 
+from dataclasses import replace
+
 import torch
 
 from icekv.config import IceCacheConfig, PagingConfig, SelectionConfig
 from icekv.engine.backends import DenseAttention, RequestPages, SparseAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
-from icekv.policies import make_selector
-from icekv.sizing import size
+from icekv.model.random import shape_args
+from icekv.policies import get_policy, make_selector
+from icekv.sizing import device_need, size
 from tests.conftest import make_tiny_hf_model
 
 
@@ -42,3 +45,37 @@ def test_index_estimate_is_close_to_a_built_index(tmp_path):
             selector.build(layer, torch.randn(a.num_kv_heads, n, a.head_dim, generator=g), base=0)
         estimate, real = size(a, n, 1, sel).index_host_bytes, selector.index_bytes()
         assert 0.85 * real < estimate < 1.2 * real, (policy, estimate, real)
+
+
+def test_centroid_copy_estimate_is_close_to_the_copies_made(tmp_path):
+    make_tiny_hf_model("llama", tmp_path)
+    a = load_model(tmp_path).args
+    n = 3000
+    for policy in ("icecache", "icecache_r"):
+        sel = SelectionConfig(policy=policy, budget=64, n_unlimited_layers=1,
+                              icecache=IceCacheConfig(search="centroids", centroid_scoring="device"))
+        selector = make_selector(sel)
+        g = torch.Generator().manual_seed(0)
+        for layer in range(1, a.num_layers):
+            selector.build(layer, torch.randn(a.num_kv_heads, n, a.head_dim, generator=g), base=0)
+            selector.select(layer, torch.randn(a.num_heads, a.head_dim, generator=g), sel.selected_pages)
+        estimate = get_policy(policy).device_index_bytes(a, n, sel, "cpu", 4)
+        assert 0.8 * selector.device_bytes() < estimate < 1.25 * selector.device_bytes(), (policy, estimate)
+        on_host = replace(sel, icecache=IceCacheConfig(search="centroids", centroid_scoring="auto"))
+        assert get_policy(policy).device_index_bytes(a, n, on_host, "cpu", 4) == 0  # auto: the host, on a CPU
+        assert get_policy(policy).device_index_bytes(a, n, on_host, "cuda", 2) > 0
+
+
+def test_device_need_of_a_prefill_and_of_decodes():
+    a = shape_args("llama-3.1-8b")
+    per = 2 * a.num_kv_heads * a.head_dim * 2  # bf16 K and V of one token in one layer
+    sparse = SelectionConfig(policy="icecache", budget=256, icecache=IceCacheConfig(search="centroids"))
+    need = device_need(a, 32768, 100, sparse, per, device_type="cuda")
+    assert need.prefill == a.num_layers * 32768 * per  # every layer's K/V of the prompt
+    unlimited = sparse.n_unlimited_layers * 32868 * per
+    slots = (a.num_layers - sparse.n_unlimited_layers) * (256 + 16) * per
+    assert unlimited + slots < need.decode < unlimited + slots + 0.05 * need.prefill  # + the centroid copy
+    assert need.most == need.prefill
+    full = device_need(a, 32768, 100, SelectionConfig(policy="full"), per)
+    assert full.decode == a.num_layers * 32868 * per and full.most == full.decode
+    assert device_need(a, 32768, 100, None, per, context_bytes=5).decode == 0  # prefill only

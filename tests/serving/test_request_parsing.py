@@ -64,6 +64,9 @@ def test_serving_config_from_triton_parameters():
         ServingConfig.from_triton_parameters({"score_dtype": "float16"})
     with pytest.raises(Exception, match="max_index_bytes must be >= 0"):
         ServingConfig.from_triton_parameters({"max_index_bytes": "-1"})
+    assert ServingConfig.from_triton_parameters({"max_device_bytes": "4096"}).engine.scheduler.max_device_bytes == 4096
+    with pytest.raises(Exception, match="max_device_bytes must be >= 0"):
+        ServingConfig.from_triton_parameters({"max_device_bytes": "-1"})
     assert ServingConfig.from_triton_parameters({"index_threads": "2"}).engine.index_threads == 2
     assert ServingConfig.from_triton_parameters({}).engine.index_threads is None  # the cores prefill leaves free
     with pytest.raises(Exception, match="index_threads must be >= 0"):

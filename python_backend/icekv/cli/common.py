@@ -68,6 +68,9 @@ def _serving_flags(parser) -> None:
                         help="tokens per engine step: every running decode plus prompt chunks (default 512)")
     parser.add_argument("--max-index-bytes", type=_positive_int("--max-index-bytes"), default=None,
                         help="host memory for the active requests' page indexes (default: the KV pool's size)")
+    parser.add_argument("--max-device-bytes", type=_positive_int("--max-device-bytes"), default=None,
+                        help="device memory the running requests may hold beside the model when the KV pool "
+                             "is in host memory (default: 90%% of what is free after loading)")
     parser.add_argument("--index-threads", type=_positive_int("--index-threads", least=0), default=None,
                         help="threads that build a request's page index during its prefill; 0: after it "
                              "(default: the cores the forward pass leaves free)")
@@ -129,6 +132,7 @@ def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
               "host_pool_tokens": args.host_pool_tokens,
               "max_active_requests": args.max_active_requests,
               "max_step_tokens": args.max_step_tokens, "max_index_bytes": args.max_index_bytes,
+              "max_device_bytes": args.max_device_bytes,
               "index_threads": args.index_threads, "store": args.store,
               "max_compress_tokens": args.max_compress_tokens, "kv2": args.kv2}
     params = {k: str(v) for k, v in params.items() if v is not None}

@@ -31,8 +31,10 @@ from icekv.kv import PagedKVCache
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import get_policy
+from icekv.sizing import device_need
 
 FULL = SelectionConfig(policy="full")
+DEVICE_SHARE = 0.9  # of the device memory free once loaded, for requests (the rest: a step's activations)
 
 
 def model_identity(model_dir: Path, dtype: str) -> str:
@@ -78,10 +80,22 @@ class Engine:
         pool = pool_device(config.pool_placement(), self.device)
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
                                   device=pool, compute=self.device)
-        self.scheduler = Scheduler(config.scheduler, self.cache, config.prefill_chunk_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.cache, config.prefill_chunk_tokens, self._device_limit())
         self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads)
         self._seq_ids = itertools.count()
         compile_loops(dtype)  # here, not in the first request's first decode step
+
+    def _device_limit(self) -> int | None:
+        """Device bytes requests may hold beside the model; None where they are not charged (the
+        pool is on the compute device, allocated whole)."""
+        if self.cache.pool_on_compute:
+            return None
+        if self.config.scheduler.max_device_bytes is not None:
+            return self.config.scheduler.max_device_bytes
+        if self.device.type != "cuda":
+            return None  # no free-memory reading to default to
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(DEVICE_SHARE * free)
 
     # ---- requests
     def chat_prompt(self, messages) -> str:
@@ -126,6 +140,11 @@ class Engine:
             kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
             seq.index_bytes = get_policy(selection.policy).index_bytes(self.model.args, held + kept, selection)
         seq.context_bytes = context.nbytes if context is not None else 0
+        if not self.cache.pool_on_compute:
+            args = self.model.args
+            seq.device_need = device_need(args, len(ids), sampling.max_tokens, None if prefill_only else selection,
+                                          self.cache.bytes_per_token // args.num_layers, seq.context_bytes,
+                                          self.device.type)
         self.scheduler.add(seq)
         return seq
 

@@ -1,8 +1,9 @@
 """Which requests run in the next engine step: the waiting queue, admission and the token budget.
 
 Requests wait in FIFO order until their worst case fits in what the running ones have not been
-promised: KV pages for prompt + max_tokens, page-index host memory and compressed-context bytes
-(:class:`icekv.config.SchedulerConfig`). Each step takes one decode token of every running
+promised: KV pages for prompt + max_tokens, page-index host memory, compressed-context bytes and,
+with the pool off the compute device, device memory: a request in prefill is charged its prefill
+or its decode, whichever is more, one decoding only its decode (:class:`icekv.config.SchedulerConfig`). Each step takes one decode token of every running
 request first, then fills the rest of ``max_step_tokens`` with prompt chunks of the others, so a
 long prompt never holds another request's next token for more than one step. Cancelled requests,
 queued or running, are dropped at the start of the next step, and so is a request that has waited
@@ -30,8 +31,9 @@ class Scheduler:
     """Holds the waiting and running requests; :meth:`add` and ``Sequence.cancel`` may be called
     from any thread, :meth:`schedule` and :meth:`remove` from the one thread that steps."""
 
-    def __init__(self, cfg: SchedulerConfig, cache: PagedKVCache, chunk_tokens: int):
+    def __init__(self, cfg: SchedulerConfig, cache: PagedKVCache, chunk_tokens: int, device_limit: int | None = None):
         self.cfg, self.cache, self.chunk_tokens = cfg, cache, chunk_tokens
+        self.device_limit = device_limit  # None: device memory is not charged (the pool is on the device)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._lock = threading.Lock()
@@ -51,6 +53,11 @@ class Scheduler:
         if seq.context_bytes > self.context_limit:
             raise IcekvError(f"the compressed context takes {seq.context_bytes / 2**20:.0f} MiB, above "
                              f"max_context_bytes ({self.context_limit / 2**20:.0f} MiB)")
+        if self.device_limit is not None and seq.device_need.most > self.device_limit:
+            raise IcekvError(
+                f"this request needs ~{seq.device_need.most / 2**20:,.0f} MiB of device memory (its prefill keeps "
+                f"every layer's K/V of the prompt there), above max_device_bytes ({self.device_limit / 2**20:,.0f} "
+                f"MiB): shorten the prompt, or compress it as a context")
         with self._lock:
             if len(self.waiting) >= self.cfg.max_waiting:
                 raise BusyError(f"server busy: {len(self.waiting)} requests already waiting, retry later")
@@ -106,7 +113,13 @@ class Scheduler:
         contexts = {id(s.context): s.context_bytes for s in [*self.running, seq] if s.context is not None}
         context = sum(contexts.values())  # a context shared by several requests is held once
         return (promised + self._pages_to_come(seq) <= self.cache.allocator.num_free
-                and index <= self.index_limit and context <= self.context_limit)
+                and index <= self.index_limit and context <= self.context_limit
+                and (self.device_limit is None or self.device_promised() + seq.device_need.most <= self.device_limit))
+
+    def device_promised(self) -> int:
+        """Device bytes the running requests may hold: a prefill's prefill or decode, whichever is
+        more, a decode's decode."""
+        return sum(s.device_need.decode if s.decoding else s.device_need.most for s in self.running)
 
     def _pages_to_come(self, seq: Sequence) -> int:
         """Pages ``seq`` may still allocate: its worst case less what it holds."""

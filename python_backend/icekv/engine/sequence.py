@@ -18,6 +18,7 @@ from icekv.engine.sampling import sample_next
 from icekv.engine.text_stream import TextStream
 from icekv.errors import IcekvError
 from icekv.policies import get_policy
+from icekv.sizing import DeviceNeed
 
 OnText = Callable[[str], None]
 OnProgress = Callable[[int, int], None]
@@ -50,10 +51,11 @@ class Sequence:
     prefilled: Prefilled | None = None
     prefill_only: bool = False
     probe: bool = False
-    # what admission charges (worst case): set by the scheduler at submit
+    # what admission charges (worst case): set by the engine at submit
     pages: int = 0
     index_bytes: int = 0
     context_bytes: int = 0
+    device_need: DeviceNeed = DeviceNeed(0, 0)  # only while the pool is off the compute device
     # progress
     phase: Phase = Phase.WAITING
     prefill_done: int = 0  # prompt tokens already through the model

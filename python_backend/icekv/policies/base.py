@@ -18,10 +18,16 @@ from icekv.select.base import PageSelector
 
 SelectorFactory = Callable[[SelectionConfig], PageSelector]
 IndexSizer = Callable[[ModelArgs, int, SelectionConfig], int]
+DeviceIndexSizer = Callable[[ModelArgs, int, SelectionConfig, str, int], int]
 
 
 def no_index(args: ModelArgs, tokens: int, cfg: SelectionConfig) -> int:
     """Policies that keep no page index beside the KV pool."""
+    return 0
+
+
+def no_device_index(args: ModelArgs, tokens: int, cfg: SelectionConfig, device_type: str, dtype_bytes: int) -> int:
+    """Policies whose selection keeps nothing on the compute device."""
     return 0
 
 
@@ -32,6 +38,8 @@ class Policy:
     name: str
     selector: SelectorFactory | None
     index_bytes: IndexSizer = no_index  # (model, tokens held, selection) -> host bytes of the index
+    # (model, tokens held, selection, compute device type, its dtype's bytes) -> device bytes of the index
+    device_index_bytes: DeviceIndexSizer = no_device_index
     compressed_context: bool = False  # can it select over a compressed context's per-head pages?
 
     @property

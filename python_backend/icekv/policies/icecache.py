@@ -34,13 +34,28 @@ def tree_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, trees_p
     return int(trees_per_kv_head * args.num_kv_heads * tokens * per_token)
 
 
-def icecache_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig) -> int:
-    return tree_index_bytes(args, tokens, cfg, len(sparse_layers(cfg, args.num_layers)))
+def centroid_copy_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, device_type: str, dtype_bytes: int,
+                        trees_per_kv_head: int) -> int:
+    """Compute-device bytes of the page centroids copy (index/device_centroids.py) over ``tokens``
+    tokens, where the centroids are ranked on that device; else 0."""
+    if not cfg.icecache.scores_centroids_on_device(device_type):
+        return 0
+    pages = HEADROOM * tokens / cfg.page_size / PAGE_FILL
+    return int(trees_per_kv_head * args.num_kv_heads * pages * (args.head_dim * dtype_bytes + 8))  # row, live, id
 
 
-def icecache_r_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig) -> int:
-    groups = -(-len(sparse_layers(cfg, args.num_layers)) // cfg.icecache.layer_group)
-    return tree_index_bytes(args, tokens, cfg, groups)
+def _trees(cfg: SelectionConfig, args: ModelArgs, layer_reuse: bool) -> int:
+    """Trees per KV head: one per sparse layer, or per group of them under layer reuse."""
+    layers = len(sparse_layers(cfg, args.num_layers))
+    return -(-layers // cfg.icecache.layer_group) if layer_reuse else layers
+
+
+def _sizers(layer_reuse: bool) -> dict:
+    return {
+        "index_bytes": lambda args, tokens, cfg: tree_index_bytes(args, tokens, cfg, _trees(cfg, args, layer_reuse)),
+        "device_index_bytes": lambda args, tokens, cfg, device_type, dtype_bytes: centroid_copy_bytes(
+            args, tokens, cfg, device_type, dtype_bytes, _trees(cfg, args, layer_reuse)),
+    }
 
 
 def _selector(layer_reuse: bool):
@@ -48,5 +63,5 @@ def _selector(layer_reuse: bool):
                                         first_sparse_layer=cfg.n_unlimited_layers)
 
 
-ICECACHE = Policy("icecache", selector=_selector(False), index_bytes=icecache_index_bytes, compressed_context=True)
-ICECACHE_R = Policy("icecache_r", selector=_selector(True), index_bytes=icecache_r_index_bytes)
+ICECACHE = Policy("icecache", selector=_selector(False), compressed_context=True, **_sizers(False))
+ICECACHE_R = Policy("icecache_r", selector=_selector(True), **_sizers(True))

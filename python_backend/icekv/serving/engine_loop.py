@@ -67,6 +67,7 @@ class SchedulerStats:
     select_s: float = 0.0
     generated_tokens: int = 0
     index_bytes_promised: int = 0
+    device_bytes_promised: int = 0
 
 
 def _memory_contexts(engine: Engine) -> ContextService:
@@ -282,6 +283,7 @@ class EngineLoop:
         scheduler = self.engine.scheduler
         self.stats.active, self.stats.queued = len(scheduler.running), len(scheduler.waiting)
         self.stats.index_bytes_promised = sum(s.index_bytes for s in scheduler.running)
+        self.stats.device_bytes_promised = scheduler.device_promised()
 
     def _tick(self) -> None:
         if self._on_tick and not self._stopping and time.monotonic() - self._last_tick >= self._tick_s:

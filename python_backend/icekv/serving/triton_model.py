@@ -111,6 +111,8 @@ class Metrics:
         "icekv_active_requests": "requests being prefilled or decoded",
         "icekv_queued_requests": "requests waiting for memory or a turn",
         "icekv_index_bytes_promised": "host bytes of page index the active requests may build (worst case)",
+        "icekv_device_bytes_promised": "device bytes the active requests may hold beside the model, with the KV "
+                                       "pool in host memory (worst case; 0 otherwise)",
         "icekv_contexts_in_memory": "compressed contexts held in memory (shared by the requests using them)",
         "icekv_context_bytes_in_memory": "bytes of the compressed contexts held in memory",
     }
@@ -144,6 +146,7 @@ class Metrics:
         gauges = (("icekv_kv_resident_bytes", resident), ("icekv_kv_host_bytes", host),
                   ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued),
                   ("icekv_index_bytes_promised", s.index_bytes_promised),
+                  ("icekv_device_bytes_promised", s.device_bytes_promised),
                   ("icekv_contexts_in_memory", shared.count), ("icekv_context_bytes_in_memory", shared.nbytes))
         counters = (("icekv_pages_moved_total", s.pages_moved), ("icekv_selection_seconds_total", s.select_s),
                     ("icekv_requests_completed_total", s.completed), ("icekv_requests_failed_total", s.failed),

@@ -1,0 +1,82 @@
+"""With the pool off the compute device, admission charges what requests hold there: a prefill
+every layer's K/V of its prompt, a budgeted decode far less. Run on the CPU by telling the engine
+its pool is not where attention runs, with a real random-weight model."""
+
+import pytest
+
+from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.engine import Engine
+from icekv.errors import IcekvError
+from icekv.kv import PagedKVCache
+from icekv.sizing import device_need
+
+SPARSE = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1)
+SAMPLING = SamplingConfig(max_tokens=8, ignore_eos=True)
+PROMPT = [3 + i % 500 for i in range(900)]
+
+
+def _engine(monkeypatch, limit: int | None) -> Engine:
+    monkeypatch.setattr(PagedKVCache, "pool_on_compute", property(lambda self: False))
+    return Engine(EngineConfig(random_weights="llama-tiny", device="cpu", paging=PagingConfig(max_context_tokens=8192),
+                               scheduler=SchedulerConfig(max_device_bytes=limit)))
+
+
+def _need(engine: Engine, selection=SPARSE):
+    args = engine.model.args
+    return device_need(args, len(PROMPT), SAMPLING.max_tokens, selection,
+                       engine.cache.bytes_per_token // args.num_layers, device_type="cpu")
+
+
+def _device_bytes(seq) -> int:
+    """What the request's backend really holds on the compute device: mirrors, slots, tails and
+    the selector's copies."""
+    backend = seq.backend
+    mirror = backend.source.mirror
+    held = sum(kv.nbytes for kv in mirror.kv.values()) if mirror else 0
+    for name in ("device", "tails"):
+        held += sum(getattr(d, "resident_bytes", getattr(d, "nbytes", 0)) for d in getattr(backend, name, {}).values())
+    selector = getattr(backend, "selector", None)
+    return held + (selector.device_bytes() if selector else 0)
+
+
+def test_a_second_prefill_waits_for_the_first_to_reach_its_decode(monkeypatch):
+    probe = _engine(monkeypatch, 1)
+    need = _need(probe)
+    assert need.decode < need.prefill / 2  # a budgeted decode holds far less than its prefill
+    engine = _engine(monkeypatch, int(1.5 * need.prefill))
+    first, second = (engine.submit(PROMPT, SAMPLING, SPARSE) for _ in range(2))
+    held = {"prefill": 0, "decode": 0}
+    overlapped = False
+    while not (first.done and second.done):
+        engine.step()
+        running = engine.scheduler.running
+        assert not (first in running and second in running and not first.decoding)  # never two prefills
+        overlapped |= first in running and second in running  # the second's prefill beside the first's decode
+        for seq in running:
+            phase = "decode" if seq.decoder_ready else "prefill"  # the backend it holds (the prefill one
+            # is dropped in the step after the prompt's last chunk, before any new prefill allocates)
+            held[phase] = max(held[phase], _device_bytes(seq))
+    assert first.error is None and second.error is None and len(second.result.token_ids) == 8
+    assert overlapped
+    assert 0.9 * need.prefill <= held["prefill"] <= need.prefill  # the estimates bound what was really held
+    assert 0 < held["decode"] <= need.decode
+
+
+def test_full_attention_holds_what_its_estimate_says(monkeypatch):
+    engine = _engine(monkeypatch, None)
+    seq = engine.submit(PROMPT, SAMPLING, SelectionConfig(policy="full"))
+    most = 0
+    while not seq.done:
+        engine.step()
+        if not seq.done:
+            most = max(most, _device_bytes(seq))
+    need = _need(engine, SelectionConfig(policy="full"))
+    assert need.decode * 0.9 <= most <= need.decode  # every layer's tokens, sized once
+
+
+def test_a_request_that_could_never_fit_the_device_is_refused(monkeypatch):
+    engine = _engine(monkeypatch, 1 << 20)
+    with pytest.raises(IcekvError, match=r"needs ~\d+ MiB of device memory .* above max_device_bytes \(1 MiB\)"):
+        engine.submit(PROMPT, SAMPLING, SPARSE)
+    short = engine.run(engine.submit(PROMPT[:40], SAMPLING, SPARSE))  # a short one is served
+    assert len(short.token_ids) == 8
