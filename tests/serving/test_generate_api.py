@@ -56,6 +56,7 @@ def test_generate_stream_sends_pieces_then_the_statistics(front):
     ({"text_input": "hi", "stop": ["a", 3]}, 400, "input stop must be a string or a list of them"),
     ({"text_input": "hi", "colour": "red"}, 400, "unknown inputs ['colour']"),
     ({"text_input": "hi", "parameters": [1]}, 400, "parameters must be a JSON object"),
+    ({"text_input": "hi", "parameters": {"max_token": 5}}, 400, "unknown parameters ['max_token']"),
     ({"text_input": "hi", "policy": "magic"}, 400, "unknown policy 'magic'"),
     ({"max_tokens": 4}, 400, "text_input"),
 ])

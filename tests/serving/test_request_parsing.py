@@ -41,6 +41,13 @@ def test_wrong_types_in_parameters(params, message):
         parse_request({"text_input": np.array([b"x"], dtype=object)}, params, CFG)
 
 
+def test_unknown_parameters_are_refused_by_name():
+    with pytest.raises(RequestError, match=r"unknown parameters \['budgt', 'device'\]; the model takes"):
+        parse_request({"text_input": np.array([b"x"], dtype=object)}, {"budgt": 5, "device": "cuda"}, CFG)
+    req = parse_request({"text_input": np.array([b"x"], dtype=object)}, {"triton_enable_empty_final_response": True}, CFG)
+    assert req.text == "x"  # Triton's own parameters pass
+
+
 def test_invalid_utf8_is_refused():
     with pytest.raises(RequestError, match="UTF-8"):
         parse_request({"text_input": np.array([b"\xff\xfe"], dtype=object)}, {}, CFG)

@@ -19,6 +19,7 @@ from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError
 from icekv.store.format import StoreError, check_key
 
+TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton_enable_empty_final_response)
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
                "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget")
 
@@ -141,6 +142,9 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
                   chat_prompt: Callable[[Any], str] | None = None) -> GenerateRequest:
     """inputs: name -> numpy array (absent inputs omitted); params: the request's parameters;
     chat_prompt: renders ``messages`` with the model's chat template (Engine.chat_prompt)."""
+    unknown = sorted(k for k in params if k not in INPUT_NAMES and not k.startswith(TRITON_PREFIX))
+    if unknown:  # a misspelt setting would otherwise be dropped without a word
+        raise RequestError(f"unknown parameters {unknown}; the model takes {sorted(INPUT_NAMES)}")
     fields = {k: v for k, v in params.items() if k in INPUT_NAMES}
     fields.update({k: _scalar(v) for k, v in inputs.items() if v is not None})
     for name in ("text_input", "messages", "context"):

@@ -56,11 +56,11 @@ def generate_fields(raw: bytes) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise OpenAIError(400, "parameters must be a JSON object")
     inputs = {name: (ttype, dims) for name, ttype, dims, _ in INPUTS}
-    unknown = sorted(set(body) - set(inputs))
-    if unknown:
-        raise OpenAIError(400, f"unknown inputs {unknown}; the model takes {sorted(inputs)}")
-    merged = {k: v for k, v in params.items() if k in inputs}
-    merged.update(body)
+    for where, keys in (("inputs", body), ("parameters", params)):
+        unknown = sorted(set(keys) - set(inputs))
+        if unknown:  # a misspelt setting would otherwise be dropped without a word
+            raise OpenAIError(400, f"unknown {where} {unknown}; the model takes {sorted(inputs)}")
+    merged = {**params, **body}
     fields = {name: _check(name, value, *inputs[name]) for name, value in merged.items()}
     fields.pop("stream", None)
     return fields
