@@ -50,13 +50,11 @@ def causal_attention(
     length, n = k.shape[1], q.shape[0]
     if is_decode_step(q_positions, length):
         return decode_attention(q[0], k, v)[None]
-    if int(q_positions[0]) == length - n and int(q_positions[-1]) == length - 1:  # a prompt chunk: the last n
-        # positions, a lower-right causal mask, which the fused kernels (flash attention) take
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
-                                             attn_mask=causal_lower_right(n, length), enable_gqa=True)  # [1, Hq, N, D]
-        return out[0].transpose(0, 1)
-    mask = torch.arange(length, device=q.device)[None, :] <= q_positions.to(q.device)[:, None]  # [N, L]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True
-    )  # [Hq, N, D]
-    return out.transpose(0, 1)
+    chunk = int(q_positions[0]) == length - n and int(q_positions[-1]) == length - 1  # the last n positions
+    if chunk and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        mask = causal_lower_right(n, length)  # the form flash attention takes (with GQA)
+    else:
+        mask = torch.arange(length, device=q.device)[None, :] <= q_positions.to(q.device)[:, None]  # [N, L]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                         enable_gqa=True)  # [1, Hq, N, D]: the fused kernels take 4-D
+    return out[0].transpose(0, 1)
