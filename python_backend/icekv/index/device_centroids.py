@@ -20,6 +20,8 @@ from icekv.kernels import select_pages
 
 
 class DeviceCentroids:
+    """One layer's page centroids (of ``store``) on ``device`` in ``dtype``."""
+
     def __init__(self, store: PageStore, device: torch.device, dtype: torch.dtype):
         self.store, self.device, self.dtype = store, device, dtype
         self.centroid = torch.zeros(0, device=device)  # [H, cap, 1, D] one-token pages
