@@ -18,6 +18,9 @@ export PYTHONPATH="$PWD/python_backend:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 unset TRITON_INTERPRET
 ICEKV="$PY -m icekv.cli"
+pack() {  # under the device tool: everything so far into one archive, the summary beside it
+  if [ -n "${OUT:-}" ]; then tar -czf "$OUT/gpu_check.tgz" -C "$OUT_DIR" . && cp "$OUT_DIR/summary.txt" "$OUT/"; fi
+}
 part() {  # part NAME SECONDS COMMAND...: run it; its stdout in NAME.txt, stderr in NAME.log
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -25,7 +28,7 @@ part() {  # part NAME SECONDS COMMAND...: run it; its stdout in NAME.txt, stderr
   local rc=$?
   echo "$name: rc $rc in $((SECONDS - t0)) s (limit $limit)" | tee -a "$OUT_DIR/summary.txt"
   tail -3 "$OUT_DIR/$name.log"
-  if [ -n "${OUT:-}" ]; then tar -czf "$OUT/gpu_check.tgz" -C "$OUT_DIR" . && cp "$OUT_DIR/summary.txt" "$OUT/"; fi
+  pack
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -47,4 +50,6 @@ part batch_32k 70 $ICEKV bench batch --device cuda --random-weights llama-3.1-8b
 part centroid_scoring 25 "$PY" bench/centroid_scoring.py --device cuda --contexts 32768,131072 \
     --out "$OUT_DIR/centroid_scoring.json"
 part gpu_kernels 25 "$PY" bench/gpu_kernels.py --out "$OUT_DIR/gpu_kernels.json"
+"$PY" bench/gpu_targets.py "$OUT_DIR" >> "$OUT_DIR/summary.txt" 2>&1  # each target: met, missed or missing
+pack
 cat "$OUT_DIR/summary.txt"

@@ -1,0 +1,81 @@
+"""Read what bench/gpu_check.sh wrote and set it against the CUDA targets of the device mode:
+each target measured or missing, met or not, and the split of IceCache's time per token (what
+bounds it). Runs at the end of the check and on an unpacked archive:
+
+    python bench/gpu_targets.py bench/results/gpu/<date>-<commit>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+TPOT_32K_S = 0.030  # icecache, Llama-3.1-8B shape, bf16, batch 1, budget 256
+VS_FULL_128K, VS_HF_128K = 0.6, 0.5  # icecache TPOT at 128k as a share of full's and of transformers'
+BATCH_GAIN = 2.0  # icecache aggregate tokens/s at 8 x 32k over full attention's
+
+
+def records(folder: Path, name: str) -> list[dict]:
+    """The records of one part's --json output; [] when it did not finish."""
+    try:
+        return json.loads((folder / name).read_text())["records"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def pick(rows: list[dict], **match) -> dict | None:
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def verdict(name: str, value: float | None, limit: float, unit: str = "", higher_is_better: bool = False) -> str:
+    if value is None:
+        return f"{name}: not measured"
+    met = value >= limit if higher_is_better else value <= limit
+    return f"{name}: {value:.4g}{unit} ({'>=' if higher_is_better else '<='} {limit:g}{unit}: {'met' if met else 'MISSED'})"
+
+
+def split(row: dict) -> str:
+    parts = ("select_s", "transfer_s", "attention_s", "insert_s", "other_s")
+    return ", ".join(f"{p.removesuffix('_s')} {row.get(p, 0) * 1e3:.2f} ms" for p in parts)
+
+
+def report(folder: Path) -> list[str]:
+    decode = records(folder, "decode_32k.txt") + records(folder, "decode_128k.txt")
+    lines = []
+    ice32 = pick(decode, context=32768, policy="icecache")
+    lines.append(verdict("icecache TPOT at 32k", ice32 and ice32["tpot_s"], TPOT_32K_S, " s"))
+    ice128, full128 = pick(decode, context=131072, policy="icecache"), pick(decode, context=131072, policy="full")
+    hf128 = pick(decode, context=131072, policy="hf_transformers")
+    lines.append(verdict("icecache / full TPOT at 128k", ice128 and full128 and ice128["tpot_s"] / full128["tpot_s"],
+                         VS_FULL_128K))
+    lines.append(verdict("icecache / transformers TPOT at 128k", ice128 and hf128 and ice128["tpot_s"] / hf128["tpot_s"],
+                         VS_HF_128K))
+    batch = records(folder, "batch_32k.txt")
+    ice8, full8 = pick(batch, batch=8, policy="icecache"), pick(batch, batch=8, policy="full")
+    lines.append(verdict("icecache / full tokens/s at 8 x 32k",
+                         ice8 and full8 and ice8["tokens_per_s"] / full8["tokens_per_s"], BATCH_GAIN,
+                         higher_is_better=True))
+    if ice32 and ice128:
+        growth = [r.get("device_peak_growth_bytes") for r in (ice32, ice128)]
+        lines.append(f"icecache device memory growth during decode, 32k -> 128k: "
+                     f"{growth[0] / 2**20:.1f} -> {growth[1] / 2**20:.1f} MiB" if None not in growth
+                     else "icecache device memory growth: not recorded")
+    for row in (ice32, ice128):
+        if row:
+            lines.append(f"icecache at {row['context']}: {row['tpot_s'] * 1e3:.2f} ms/token = {split(row)}")
+    scoring = records(folder, "centroid_scoring.json")
+    for r in scoring:
+        lines.append(f"centroids search, one layer at {r['context']}: host {r['host_s'] * 1e3:.3f} ms, device "
+                     f"ranking + host rescoring {r['device_s'] * 1e3:.3f} ms, same pages {r['same_pages']:.0%}")
+    return lines
+
+
+def main() -> int:
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("bench/results/gpu")
+    print("\n".join(report(folder)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
