@@ -3,7 +3,8 @@
 Requests wait in FIFO order until their worst case fits in what the running ones have not been
 promised: KV pages for prompt + max_tokens, page-index host memory, compressed-context bytes and,
 with the pool off the compute device, device memory: a request in prefill is charged its prefill
-or its decode, whichever is more, one decoding only its decode (:class:`icekv.config.SchedulerConfig`). Each step takes one decode token of every running
+or its decode, whichever is more, one decoding only its decode
+(:class:`icekv.config.SchedulerConfig`). Each step takes one decode token of every running
 request first, then fills the rest of ``max_step_tokens`` with prompt chunks of the others, so a
 long prompt never holds another request's next token for more than one step. Cancelled requests,
 queued or running, are dropped at the start of the next step, and so is a request that has waited
