@@ -3,8 +3,10 @@ search reads every centroid) against ranked on the compute device (DeviceCentroi
 the host rescores only the candidates), and how often the two pick the same pages.
 
 Llama-3.1-8B head shapes (8 KV heads, 4 query heads each, head_dim 128), pages of 16 full tokens,
-k pages per KV head, the served rule's candidates; the device copy in --dtype. Random keys: the
-time does not depend on their values. The store is filled directly (no tree build): the search
+k pages per KV head, the served rule's candidates, the index's page keys in fp32 and int8; the
+device copy in --dtype. Random keys and queries: the time does not depend on their values, but the
+union of the query heads' candidates (what the host rescores) is near its largest, as a random-
+weight model's is; a trained model's query heads agree more. The store is filled directly (no tree build): the search
 reads pages, not the tree. Multiply by the sparse layers (30 of 32) for a token's search time.
 
     python bench/centroid_scoring.py --device cuda --contexts 32768,131072 --out FILE.json
@@ -23,13 +25,13 @@ from pathlib import Path
 import torch
 
 
-def store_of(tokens: int, heads: int, dim: int, page: int, seed: int = 0):
+def store_of(tokens: int, heads: int, dim: int, page: int, score_dtype: torch.dtype = torch.float32, seed: int = 0):
     """A PageStore with ``tokens // page`` full pages of random keys per head."""
     from icekv.index import PageStore
 
     pages = tokens // page
     g = torch.Generator().manual_seed(seed)
-    store = PageStore(heads, page, dim)
+    store = PageStore(heads, page, dim, score_dtype)
     store.reserve(pages)
     present = torch.ones(pages, page, dtype=torch.bool)
     for h in range(heads):
@@ -54,13 +56,13 @@ def median_s(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int, repeats: int,
+def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int, repeats: int, score_dtype: str,
                   heads: int = 8, group: int = 4, dim: int = 128, page: int = 16) -> dict:
     from icekv.config import IceCacheConfig
     from icekv.index.device_centroids import DeviceCentroids
-    from icekv.index.fused_search import candidate_search, centroid_search
+    from icekv.index.fused_search import _union_of_picks, candidate_search, centroid_search
 
-    store = store_of(tokens, heads, dim, page)
+    store = store_of(tokens, heads, dim, page, getattr(torch, score_dtype))
     candidates = IceCacheConfig().candidates(k)
     t0 = time.perf_counter()
     centroids = DeviceCentroids(store, device, dtype)
@@ -73,8 +75,10 @@ def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int,
     on_device = lambda: candidate_search(store, q_dev.cpu().float(), ranked().cpu().numpy(), k)  # noqa: E731
     picks_host, picks_device = host(), on_device()
     same = set(zip(*map(list, picks_host[:2]))) & set(zip(*map(list, picks_device[:2])))
+    _, rescored = _union_of_picks(ranked().cpu().numpy().astype("int64"))  # [H] pages rescored per head
     return {
-        "context": tokens, "pages_per_head": tokens // page, "k": k, "candidates": candidates,
+        "context": tokens, "score_dtype": score_dtype, "pages_per_head": tokens // page, "k": k,
+        "candidates": candidates, "rescored_per_head": float(rescored.mean()),
         "host_s": median_s(host, device, repeats), "device_s": median_s(on_device, device, repeats),
         "device_ranking_s": median_s(ranked, device, repeats), "device_copy_bytes": centroids.nbytes,
         "first_copy_s": copy_s, "same_pages": len(same) / max(len(picks_host[0]), 1),
@@ -89,6 +93,7 @@ def main() -> int:
     parser.add_argument("--dtype", default=None, help="the device copy's dtype (default: bfloat16 on a GPU)")
     parser.add_argument("--contexts", default="32768,131072")
     parser.add_argument("--k", type=int, default=12, help="pages selected per KV head")
+    parser.add_argument("--score-dtypes", default="float32,int8", help="the index's page keys (what the host rescores)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -96,10 +101,12 @@ def main() -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     records = []
     for tokens in (int(x) for x in args.contexts.split(",")):
-        r = bench_context(tokens, device, dtype, args.k, args.repeats)
-        records.append(r)
-        print(f"{tokens:>7} tokens: host {r['host_s'] * 1e3:7.3f} ms, device+host {r['device_s'] * 1e3:7.3f} ms "
-              f"(ranking {r['device_ranking_s'] * 1e3:.3f} ms), same pages {r['same_pages']:.0%}", flush=True)
+        for score_dtype in args.score_dtypes.split(","):
+            r = bench_context(tokens, device, dtype, args.k, args.repeats, score_dtype)
+            records.append(r)
+            print(f"{tokens:>7} tokens, {score_dtype} keys: host {r['host_s'] * 1e3:7.3f} ms, device+host "
+                  f"{r['device_s'] * 1e3:7.3f} ms (ranking {r['device_ranking_s'] * 1e3:.3f} ms), "
+                  f"{r['rescored_per_head']:.0f} pages rescored per head, same pages {r['same_pages']:.0%}", flush=True)
     meta = {"command": "python " + " ".join(sys.argv), "device": str(device), "dtype": str(dtype),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "machine": f"{platform.machine()}, torch threads {torch.get_num_threads()}"}

@@ -66,8 +66,9 @@ def report(folder: Path) -> list[str]:
             lines.append(f"icecache at {row['context']}: {row['tpot_s'] * 1e3:.2f} ms/token = {split(row)}")
     scoring = records(folder, "centroid_scoring.json")
     for r in scoring:
-        lines.append(f"centroids search, one layer at {r['context']}: host {r['host_s'] * 1e3:.3f} ms, device "
-                     f"ranking + host rescoring {r['device_s'] * 1e3:.3f} ms, same pages {r['same_pages']:.0%}")
+        lines.append(f"centroids search, one layer at {r['context']}, {r.get('score_dtype')} keys: host "
+                     f"{r['host_s'] * 1e3:.3f} ms, device ranking + host rescoring {r['device_s'] * 1e3:.3f} ms "
+                     f"({r.get('rescored_per_head', 0):.0f} pages rescored per head), same pages {r['same_pages']:.0%}")
     return lines
 
 
