@@ -5,8 +5,8 @@ the host rescores only the candidates), and how often the two pick the same page
 Llama-3.1-8B head shapes (8 KV heads, 4 query heads each, head_dim 128), pages of 16 full tokens,
 k pages per KV head, the served rule's candidates, the index's page keys in fp32 and int8; the
 device copy in --dtype. Random keys and queries: the time does not depend on their values, but the
-union of the query heads' candidates (what the host rescores) is near its largest, as a random-
-weight model's is; a trained model's query heads agree more. The store is filled directly (no tree build): the search
+union of the query heads' candidates (what the host rescores) is near its largest, as it is for a
+random-weight model; the records say how many pages that was. The store is filled directly (no tree build): the search
 reads pages, not the tree. Multiply by the sparse layers (30 of 32) for a token's search time.
 
     python bench/centroid_scoring.py --device cuda --contexts 32768,131072 --out FILE.json
