@@ -10,11 +10,12 @@ import torch
 from icekv.assets import Assets
 
 
-def pytest_configure(config):
-    """Kernel tests on CPU run triton's interpreter, which must be chosen before anything imports
-    triton (its own library functions are decorated at import). Off for ICEKV_TEST_DEVICE=cuda."""
-    if os.environ.get("ICEKV_TEST_DEVICE") != "cuda":
-        os.environ["TRITON_INTERPRET"] = "1"
+# Kernel tests on CPU run triton's interpreter, which must be chosen before anything imports triton
+# (its functions are decorated at import). Set here, as this file loads: pytest imports the
+# conftests of the paths it is given (tests/serving's imports reach triton) before any
+# pytest_configure hook runs. Off for ICEKV_TEST_DEVICE=cuda.
+if os.environ.get("ICEKV_TEST_DEVICE") != "cuda":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -127,6 +127,9 @@ class IceCacheConfig:
         if self.centroid_scoring not in CENTROID_SCORING:
             raise ConfigError(f"centroid_scoring must be one of {', '.join(CENTROID_SCORING)}, "
                               f"got {self.centroid_scoring!r}")
+        if self.centroid_scoring == "device" and self.search != "centroids":
+            raise ConfigError(f"centroid_scoring 'device' applies to search 'centroids' only; the {self.search!r} "
+                              "search scores on the host")
         if self.rerank < 1 or self.min_candidates < 1:
             raise ConfigError(f"rerank and min_candidates must be >= 1, got {self.rerank}, {self.min_candidates}")
         if self.score_dtype not in SCORE_DTYPES:

@@ -92,6 +92,8 @@ def test_serving_config_from_triton_parameters():
     assert host.centroid_scoring == "host" and not host.scores_centroids_on_device("cuda")
     with pytest.raises(Exception, match="centroid_scoring must be one of auto, host, device, got 'gpu'"):
         ServingConfig.from_triton_parameters({"centroid_scoring": "gpu"})
+    with pytest.raises(Exception, match="centroid_scoring 'device' applies to search 'centroids'"):
+        ServingConfig.from_triton_parameters({"centroid_scoring": "device", "search": "walk"})
 
 
 def _template():
