@@ -313,6 +313,13 @@ class EngineConfig:
         return "host" if self.selection.attended_budget is not None else "device"
 
 
+def check_kv_budget(value: float, name: str = "kv_budget") -> float:
+    """A share of a context's KV to keep: in (0, 1] (ConfigError naming ``name`` otherwise)."""
+    if not (0 < value <= 1):
+        raise ConfigError(f"{name} must be in (0, 1], got {value:g}")
+    return value
+
+
 @dataclass(frozen=True)
 class CompressionConfig:
     """Compressing reusable contexts (``icekv compress``, and the server's ``context`` requests)."""
@@ -323,8 +330,7 @@ class CompressionConfig:
     kv2: str = ""  # the kv2 method's settings, "NAME=VALUE,..." (its dataclass fields; empty: its defaults)
 
     def __post_init__(self) -> None:
-        if not (0 < self.kv_budget <= 1):
-            raise ConfigError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        check_kv_budget(self.kv_budget)
         if self.max_tokens < 1:
             raise ConfigError(f"max_compress_tokens must be >= 1, got {self.max_tokens}")
         self.method_settings()  # a bad settings string fails here

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from icekv.config import check_kv_budget
 from icekv.errors import IcekvError
 from icekv.cli.common import _open_store
 
@@ -20,8 +21,7 @@ def _compressor_settings(args) -> dict:
 def _read_context(args) -> str:
     if not args.context_file.is_file():
         raise IcekvError(f"--context-file {args.context_file} is not a readable file")
-    if not (0 < args.kv_budget <= 1):
-        raise IcekvError(f"--kv-budget must be in (0, 1], got {args.kv_budget}")
+    check_kv_budget(args.kv_budget, "--kv-budget")
     text = args.context_file.read_text()
     if not text.strip():
         raise IcekvError(f"--context-file {args.context_file} is empty")

@@ -22,7 +22,7 @@ import psutil
 
 from icekv.compress import CompressedContext, evict, make_compressor
 from icekv.compress.scoring import run_steps
-from icekv.config import SamplingConfig
+from icekv.config import SamplingConfig, check_kv_budget
 from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.eval.tasks import REUSABLE_TASKS, HaystackSampler, PromptFormat, make_reusable
@@ -57,8 +57,7 @@ class CompressionEvalConfig:
 
     def __post_init__(self) -> None:
         for b in self.kv_budgets:
-            if not (0 < b <= 1):
-                raise ConfigError(f"--kv-budgets: {b} is not in (0, 1]")
+            check_kv_budget(b, "--kv-budgets")
         for t in self.tasks:
             if t not in REUSABLE_TASKS:
                 raise ConfigError(f"--task: {t!r} cannot be asked as a reusable context; choose from "

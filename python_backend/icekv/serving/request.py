@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from icekv.compress.methods import COMPRESSORS
-from icekv.config import CompressionConfig, SamplingConfig, SelectionConfig, ServingConfig
+from icekv.config import CompressionConfig, SamplingConfig, SelectionConfig, ServingConfig, check_kv_budget
 from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError
 from icekv.store.format import StoreError, check_key
@@ -126,8 +126,12 @@ def _context(fields: dict[str, Any], cfg: CompressionConfig) -> ContextRequest |
         raise RequestError(f"unknown kv_method {method!r}; choose from {', '.join(COMPRESSORS)}")
     sent = _float("kv_budget", fields.get("kv_budget", cfg.kv_budget))
     budget = round(sent, 6)  # an fp32 input, rounded as the CLI's decimal flag: one key for both
-    if not (0 < sent <= 1) or budget == 0:
-        raise RequestError(f"kv_budget must be in (0, 1] and at least 1e-06, got {sent:g}")
+    try:
+        check_kv_budget(sent)
+    except ConfigError as e:
+        raise RequestError(str(e)) from None
+    if budget == 0:
+        raise RequestError(f"kv_budget must be at least 1e-06, got {sent:g}")
     if "context" in fields:
         text = _str("context", fields["context"])
         if not text.strip():
