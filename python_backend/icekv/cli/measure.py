@@ -119,9 +119,10 @@ def _cmd_bench(args) -> int:
     settings = _device_settings(args)
     device_type = resolve_device(settings.get("device", EngineConfig.device)).type
     records, meta = [], {}
+    peer_once = {"peer_hf": False} if args.bench_command == "decode" else {}
     for pool_settings, group in _pool_groups(policies, settings, device_type):
         engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler, **pool_settings))
-        part = replace(cfg, policies=group, **({"peer_hf": False} if records and hasattr(cfg, "peer_hf") else {}))
+        part = replace(cfg, policies=group, **(peer_once if records else {}))  # the peer runs with the first group
         more, part_meta = _timed(engine, lambda: run(engine, part, seed_text, lambda m: print(m, file=sys.stderr)))
         records += more
         meta = {**part_meta, "wall_s": round(meta.get("wall_s", 0) + part_meta["wall_s"], 1)}
