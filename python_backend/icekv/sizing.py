@@ -59,8 +59,9 @@ def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, selection:
                 layer_token_bytes: int, context_bytes: int = 0, device_type: str = "cuda") -> DeviceNeed:
     """What a request holds on the compute device. ``selection`` None: it only prefills;
     ``layer_token_bytes``: one token's K and V in one layer; ``context_bytes``: a compressed
-    context's kept pages (on the device in both phases). The window may run a page past the
-    budget before its oldest page is flushed."""
+    context's kept pages (all on the device in prefill; a decode holds only its layers attended
+    whole, charged whole all the same). The window may run a page past the budget before its
+    oldest page is flushed."""
     prefill = args.num_layers * prompt_tokens * layer_token_bytes + context_bytes
     if selection is None:
         return DeviceNeed(prefill, 0)

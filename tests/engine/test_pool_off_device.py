@@ -77,3 +77,16 @@ def test_tokens_written_through_the_mirror_are_never_copied_back(monkeypatch):
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     assert copied == [(6, 9)]  # only the tokens written to the pool alone
     assert mirror.kv[0].shape[2] == 20
+
+
+def test_a_decode_over_a_context_holds_its_pages_only_for_the_layers_attended_whole(engine):
+    context = engine.compress([5 + i % 500 for i in range(700)], "snapkv", 0.2)
+    selection = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1)
+    seq = engine.submit([7, 8, 9], SamplingConfig(max_tokens=6, ignore_eos=True), selection, context)
+    while not seq.decoder_ready:
+        engine.step()
+    engine.step()  # a decode step: every layer has attended once
+    source = seq.backend.source
+    assert set(source._prefix) == {0}  # the budgeted layers read the context from its host copy
+    assert source.context_bytes(range(engine.model.args.num_layers)) == source.context_bytes([0]) > 0
+    assert len(engine.run(seq).token_ids) == 6

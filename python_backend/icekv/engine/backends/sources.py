@@ -118,15 +118,23 @@ class ContextPages(RequestPages):
     def __init__(self, cache: PagedKVCache, seq_id: int, context: CompressedContext, tokens: int = 0):
         super().__init__(cache, seq_id, tokens)
         self.context, self.offset = context, context.length
-        # per layer (k, v, page_len) on the compute device
-        self.prefix = [tuple(cache.to_compute(t) for t in layer.padded()) for layer in context.layers]
+        self._prefix: dict[int, tuple] = {}  # layer -> (k, v, page_len) regrouped per head, on the compute device
         self.n_pref = [torch.tensor(layer.kept_per_head) - CONTEXT_SINKS for layer in context.layers]  # [Hkv]
 
+    def prefix(self, layer: int) -> tuple:
+        """The layer's kept pages per head on the compute device: k, v [Hkv, K, P, D], page_len
+        [Hkv, K]. Made at the layer's first whole attention: a budgeted layer never needs them
+        there (it selects from the host copy and keeps only the sinks on the device)."""
+        if layer not in self._prefix:
+            self._prefix[layer] = tuple(self.cache.to_compute(t) for t in self.context.layers[layer].padded())
+        return self._prefix[layer]
+
     def attend_all(self, layer, q, positions):
-        return paged_prefix_attention(q, *self.prefix[layer], *self.own_tokens(layer))  # own: [Hkv, S, D]
+        return paged_prefix_attention(q, *self.prefix(layer), *self.own_tokens(layer))  # own: [Hkv, S, D]
 
     def context_bytes(self, layers) -> int:
-        return sum(2 * self.prefix[i][0].numel() * self.prefix[i][0].element_size() for i in layers)
+        """Bytes of the kept pages held on the compute device, of ``layers``."""
+        return sum(self._prefix[i][0].nbytes + self._prefix[i][1].nbytes for i in layers if i in self._prefix)
 
     def sink_end(self, cfg):
         return 0  # the sink is the context's first tokens, not the request's own
