@@ -196,3 +196,21 @@ def test_compiled_walk_over_narrow_keys_is_exact_with_an_unlimited_view(score_dt
     widened = decode(encode(keys, getattr(torch, score_dtype)))  # fp32 q against the stored keys
     exact = (q @ widened.T)[:, toks.clamp_min(0)].masked_fill(toks[None] < 0, float("-inf")).amax(-1)
     torch.testing.assert_close(got, exact)
+
+
+def test_parents_are_found_in_row_blocks_exactly_as_in_one_product(monkeypatch):
+    """The build's one bulk product (tokens against the level above) runs in blocks of rows, on the
+    keys' device: the blocks give each token the parent one product over all rows gives."""
+    from icekv.index import dci_tree
+
+    keys = _keys(3000)
+    whole = _tree(keys).parent.clone()
+    monkeypatch.setattr(dci_tree, "NEAREST_ROWS", 7)  # many blocks, the last one partial
+    assert torch.equal(_tree(keys).parent, whole)
+    brute = _tree(keys)  # and each parent is the nearest node of the level above, by the transform
+    level = brute.level[: brute.n]
+    below = torch.nonzero(level == 0).flatten()
+    above = torch.nonzero(level == 1).flatten()
+    aug = brute._aug(brute.norm2[: brute.n])
+    sim = keys[below] @ keys[above].T + aug[below, None] * aug[above][None, :]
+    assert torch.equal(brute.parent[below], above[sim.argmax(-1)])

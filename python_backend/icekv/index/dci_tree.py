@@ -26,6 +26,8 @@ from icekv.index.placement import place_tokens
 from icekv.index.score_rows import computable, raw
 from icekv.index.tree_walk import walk_scores
 
+NEAREST_ROWS = 4096  # tokens per product when the build finds parents: bounds the [rows, nodes] scores
+
 
 def with_headroom(n: int) -> int:
     """Capacity for ``n`` items that a long decode can grow into (1/8 more, at least 16): each
@@ -95,6 +97,8 @@ class DCITree:
                  store: PageStore | None = None, head: int = 0):
         """keys [n, D] in sequence order; projection [D + 1] a unit vector shared per request.
 
+        The tree lives on the host; only the build's one bulk product (each token against the
+        level above it, quadratic in n) runs where ``keys`` are: on a GPU when given there.
         ``store``: where the pages live, shared by a layer's trees (row ``head``); by default a
         store of this tree alone.
         """
@@ -104,7 +108,8 @@ class DCITree:
         self.u = projection.to(torch.float32)  # [D + 1]
         self.step = promotion_step(cfg)
         n, d = keys.shape
-        keys = keys.float()
+        on_device = keys.float()  # [n, D] for the parents' product
+        keys = on_device.cpu()
         cap = with_headroom(n)
         self.n = n
         self.norm2 = torch.zeros(cap)  # [cap]
@@ -118,7 +123,7 @@ class DCITree:
         self.max_norm2 = float(self.norm2[:n].max()) if n else 0.0
         self.level[:n] = promotion_levels(torch.arange(n), cfg)
         self.proj[:n] = self._project(keys, self.norm2[:n])
-        self._assign_parents(keys)
+        self._assign_parents(on_device)
         self._cut_pages(keys)
 
     # ---- geometry of the MIPS transform
@@ -129,19 +134,27 @@ class DCITree:
         return keys @ self.u[:-1] + self._aug(norm2) * self.u[-1]  # [n]
 
     def _nearest(self, who: torch.Tensor, keys: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
-        """For local tokens ``who`` [a] with keys [a, D], their nearest neighbour (transformed
-        space) among the promoted tokens ``among`` [b]."""
-        sim = keys @ self.node_keys[among // self.step].T  # [a, b]
-        sim += self._aug(self.norm2[who])[:, None] * self._aug(self.norm2[among])[None, :]
-        return among[sim.argmax(-1)]  # [a]
+        """For local tokens ``who`` [a] with keys [a, D] (on any device: the product runs there),
+        their nearest neighbour (transformed space) among the promoted tokens ``among`` [b]."""
+        device = keys.device
+        nodes = self.node_keys[among // self.step].to(device)  # [b, D]
+        aug_who, aug_among = self._aug(self.norm2[who]).to(device), self._aug(self.norm2[among]).to(device)  # [a], [b]
+        best = torch.empty(len(who), dtype=torch.long)  # [a]
+        for lo in range(0, len(who), NEAREST_ROWS):
+            hi = lo + NEAREST_ROWS
+            sim = keys[lo:hi] @ nodes.T  # [rows, b]
+            sim += aug_who[lo:hi, None] * aug_among[None, :]
+            best[lo:hi] = sim.argmax(-1).cpu()
+        return among[best]  # [a]
 
     # ---- build
     def _assign_parents(self, keys: torch.Tensor) -> None:
+        """keys [n, D] on the device the products run on."""
         level = self.level[: self.n]
         present = torch.unique(level).tolist()  # ascending
         for below, above in zip(present[:-1], present[1:]):
             who = torch.nonzero(level == below).flatten()
-            self.parent[who] = self._nearest(who, keys[who], torch.nonzero(level == above).flatten())
+            self.parent[who] = self._nearest(who, keys[who.to(keys.device)], torch.nonzero(level == above).flatten())
 
     def _cut_pages(self, keys: torch.Tensor) -> None:
         n, p = self.n, self.page_size

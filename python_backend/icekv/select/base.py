@@ -41,7 +41,9 @@ class Selection:
 
 class PageSelector(Protocol):
     def build(self, layer: int, keys: torch.Tensor, base: int) -> None:
-        """Index the region's keys [Hkv, n, D] (post-RoPE), first at position ``base``."""
+        """Index the region's keys [Hkv, n, D] (post-RoPE; on the compute device, where a build
+        may run its bulk products; the index it keeps is the selector's choice), first at
+        position ``base``."""
 
     def insert(self, layer: int, keys: torch.Tensor) -> None:
         """Append the next full page of keys [Hkv, P, D] (flushed out of the window)."""

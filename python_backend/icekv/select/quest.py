@@ -23,6 +23,7 @@ class QuestSelector:
         self.pages = SequencePages(self.page_size)
 
     def build(self, layer, keys, base):
+        keys = keys.cpu()  # the bounds are kept and scored on the host
         hkv, n, d = keys.shape
         self.pages.add_region(layer, n, base)
         paged = keys[:, : n - n % self.page_size].float().reshape(hkv, -1, self.page_size, d)

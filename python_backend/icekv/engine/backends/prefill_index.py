@@ -80,5 +80,5 @@ class IndexingPrefillAttention(DenseAttention):
         written = self.cache.length(self.seq_id)  # this chunk's end: the layer has written up to it
         if layer in self.layers and layer not in self.index.builds and written >= self.final_at:
             keys, _ = self.cache.gather_range(layer, self.seq_id, self.sink_end, self.region_end)  # [Hkv, n, D]
-            self.index.submit(layer, keys.cpu(), self.sink_end)  # the index lives on the host
+            self.index.submit(layer, self.cache.to_compute(keys), self.sink_end)  # see RequestPages.region_keys
         return out

@@ -72,8 +72,9 @@ class RequestPages:
         return min(sink_end, self.length())
 
     def region_keys(self, layer: int, sink_end: int, win_start: int):
-        """Keys of the indexed region, per KV head, in host memory (where the index lives): [Hkv, n, D]."""
-        return self.cache.gather_range(layer, self.seq_id, sink_end, win_start)[0].cpu()
+        """Keys of the indexed region, per KV head, on the compute device (the index lives on the
+        host; its build runs its bulk product where the keys are): [Hkv, n, D]."""
+        return self.cache.to_compute(self.cache.gather_range(layer, self.seq_id, sink_end, win_start)[0])
 
     def gather_pages(self, layer: int, heads: torch.Tensor, refs: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,7 +150,7 @@ class ContextPages(RequestPages):
         keys = []
         for h, (a, b) in enumerate(zip(ctx.head_indptr[:-1].tolist(), ctx.head_indptr[1:].tolist())):
             kept = ctx.k[a:b].flatten(0, 1)[: int(ctx.page_len[a:b].sum())]  # [n_h, D] in position order
-            keys.append(torch.cat([kept[CONTEXT_SINKS:], own[h]]))
+            keys.append(self.cache.to_compute(torch.cat([kept[CONTEXT_SINKS:], own[h]])))
         return keys
 
     def gather_pages(self, layer, heads, refs, out=None):
