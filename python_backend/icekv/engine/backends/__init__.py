@@ -33,7 +33,7 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
     selects = seq.selects or (policy.sparse and seq.prefill_only)
     if seq.context is not None or not selects or index_threads == 0:
         return DenseAttention(token_source(cache, seq.seq_id, seq.context, len(seq.prompt_ids)))
-    seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads)
+    seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads, cache.compute)
     return IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
 
 

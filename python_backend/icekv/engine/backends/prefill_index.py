@@ -32,15 +32,20 @@ from icekv.select import PageSelector
 class PrefillIndex:
     """Per-layer index builds started during one request's prefill, for one selection policy."""
 
-    def __init__(self, selection: SelectionConfig, selector: PageSelector, threads: int = 1):
-        self.selection, self.selector = selection, selector
+    def __init__(self, selection: SelectionConfig, selector: PageSelector, threads: int = 1,
+                 device: torch.device = torch.device("cpu")):
+        self.selection, self.selector, self.device = selection, selector, device
         self.builds: dict[int, Future] = {}  # layer -> its build on the worker
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icekv-index",
                                           initializer=_use_threads, initargs=(threads,))
 
     def submit(self, layer: int, keys: torch.Tensor, base: int) -> None:
-        """Build ``layer``'s index from its region's keys [Hkv, n, D] (position of key 0: ``base``)."""
-        self.builds[layer] = self._worker.submit(self.selector.build, layer, keys, base)
+        """Build ``layer``'s index from its region's keys [Hkv, n, D] (position of key 0: ``base``),
+        held in host memory until the build moves them to ``device`` (builds may queue up)."""
+        self.builds[layer] = self._worker.submit(self._build, layer, keys.cpu(), base)
+
+    def _build(self, layer: int, keys: torch.Tensor, base: int) -> None:
+        self.selector.build(layer, keys.to(self.device), base)
 
     def wait(self) -> set[int]:
         """Block until every started build is done; the layers they built. A failed build raises."""
@@ -80,5 +85,5 @@ class IndexingPrefillAttention(DenseAttention):
         written = self.cache.length(self.seq_id)  # this chunk's end: the layer has written up to it
         if layer in self.layers and layer not in self.index.builds and written >= self.final_at:
             keys, _ = self.cache.gather_range(layer, self.seq_id, self.sink_end, self.region_end)  # [Hkv, n, D]
-            self.index.submit(layer, self.cache.to_compute(keys), self.sink_end)  # see RequestPages.region_keys
+            self.index.submit(layer, keys, self.sink_end)
         return out
