@@ -32,7 +32,8 @@ def verdict(name: str, value: float | None, limit: float, unit: str = "", higher
     if value is None:
         return f"{name}: not measured"
     met = value >= limit if higher_is_better else value <= limit
-    return f"{name}: {value:.4g}{unit} ({'>=' if higher_is_better else '<='} {limit:g}{unit}: {'met' if met else 'MISSED'})"
+    bound = f"{'>=' if higher_is_better else '<='} {limit:g}{unit}"
+    return f"{name}: {value:.4g}{unit} ({bound}: {'met' if met else 'MISSED'})"
 
 
 def split(row: dict) -> str:
@@ -49,8 +50,8 @@ def report(folder: Path) -> list[str]:
     hf128 = pick(decode, context=131072, policy="hf_transformers")
     lines.append(verdict("icecache / full TPOT at 128k", ice128 and full128 and ice128["tpot_s"] / full128["tpot_s"],
                          VS_FULL_128K))
-    lines.append(verdict("icecache / transformers TPOT at 128k", ice128 and hf128 and ice128["tpot_s"] / hf128["tpot_s"],
-                         VS_HF_128K))
+    lines.append(verdict("icecache / transformers TPOT at 128k",
+                         ice128 and hf128 and ice128["tpot_s"] / hf128["tpot_s"], VS_HF_128K))
     batch = records(folder, "batch_32k.txt")
     ice8, full8 = pick(batch, batch=8, policy="icecache"), pick(batch, batch=8, policy="full")
     lines.append(verdict("icecache / full tokens/s at 8 x 32k",

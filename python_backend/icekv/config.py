@@ -313,11 +313,10 @@ class EngineConfig:
         return "host" if self.selection.attended_budget is not None else "device"
 
 
-def check_kv_budget(value: float, name: str = "kv_budget") -> float:
-    """A share of a context's KV to keep: in (0, 1] (ConfigError naming ``name`` otherwise)."""
+def check_kv_budget(value: float, name: str = "kv_budget") -> None:
+    """A share of a context's KV to keep must be in (0, 1] (ConfigError naming ``name`` otherwise)."""
     if not (0 < value <= 1):
         raise ConfigError(f"{name} must be in (0, 1], got {value:g}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -371,8 +370,8 @@ class ServingConfig:
         known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
                  "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
                  "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
-                 "max_index_bytes", "max_context_bytes", "max_device_bytes", "max_compress_tokens", "max_queue_wait_s", "kv2",
-                 "device", "kv_pool", "centroid_scoring"}
+                 "max_index_bytes", "max_context_bytes", "max_device_bytes", "max_compress_tokens",
+                 "max_queue_wait_s", "kv2", "device", "kv_pool", "centroid_scoring"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")

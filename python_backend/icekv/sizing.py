@@ -27,7 +27,6 @@ class SizingPlan:
 
 def size(args: ModelArgs, context_tokens: int, concurrent: int, selection: SelectionConfig,
          dtype: str = "float32") -> SizingPlan:
-    policy = get_policy(selection.policy)
     per_layer_token = 2 * args.num_kv_heads * args.head_dim * DTYPE_BYTES[dtype]
     per_token = per_layer_token * args.num_layers
     pages = -(-context_tokens // selection.page_size) * selection.page_size  # page-granular
