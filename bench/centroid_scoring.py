@@ -60,7 +60,7 @@ def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int,
                   heads: int = 8, group: int = 4, dim: int = 128, page: int = 16) -> dict:
     from icekv.config import IceCacheConfig
     from icekv.index.device_centroids import DeviceCentroids
-    from icekv.index.fused_search import _union_of_picks, candidate_search, centroid_search
+    from icekv.index.fused_search import union_of_picks, candidate_search, centroid_search
 
     store = store_of(tokens, heads, dim, page, getattr(torch, score_dtype))
     candidates = IceCacheConfig().candidates(k)
@@ -75,7 +75,7 @@ def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int,
     on_device = lambda: candidate_search(store, q_dev.cpu().float(), ranked().cpu().numpy(), k)  # noqa: E731
     picks_host, picks_device = host(), on_device()
     same = set(zip(*map(list, picks_host[:2]))) & set(zip(*map(list, picks_device[:2])))
-    _, rescored = _union_of_picks(ranked().cpu().numpy().astype("int64"))  # [H] pages rescored per head
+    _, rescored = union_of_picks(ranked().cpu().numpy().astype("int64"))  # [H] pages rescored per head
     return {
         "context": tokens, "score_dtype": score_dtype, "pages_per_head": tokens // page, "k": k,
         "candidates": candidates, "rescored_per_head": float(rescored.mean()),

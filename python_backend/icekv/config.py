@@ -77,6 +77,7 @@ class SamplingConfig:
 
 SEARCHES = ("walk", "exhaustive", "centroids")  # IceCache page searches
 CENTROID_SCORING = ("auto", "host", "device")  # where the centroids search scores the centroids
+RESCORING = ("host", "device")  # where the centroids search rescores its candidates
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,12 @@ class IceCacheConfig:
     them exactly (the host no longer reads every centroid each step: that read grows with the
     context); ``host``: the host reads them, and device memory stays flat in the context length;
     ``auto``: device on a GPU, host on a CPU.
+
+    ``rescoring``: where the centroids search rescores its candidates exactly. ``host``: from the
+    index's page keys (each step reads every candidate's); ``device``: from a copy of the latest
+    candidates' keys on the compute device (``G * candidates(k)`` pages per KV head and layer in
+    the compute dtype, flat in the context length), refilled only with pages new to the
+    candidates; the centroids are then scored there too.
     """
 
     ratio_1: float = 0.02
@@ -120,6 +127,7 @@ class IceCacheConfig:
     min_candidates: int = 96  # and at least this many (small k needs a floor: 2 x 8 misses pages)
     score_dtype: str = "float32"  # the index's page keys: "bfloat16" half the memory, "int8" about a quarter
     centroid_scoring: str = "auto"  # centroids search: "auto" | "host" | "device" (see above)
+    rescoring: str = "host"  # centroids search: "host" | "device" (see above)
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:
@@ -127,9 +135,15 @@ class IceCacheConfig:
         if self.centroid_scoring not in CENTROID_SCORING:
             raise ConfigError(f"centroid_scoring must be one of {', '.join(CENTROID_SCORING)}, "
                               f"got {self.centroid_scoring!r}")
-        if self.centroid_scoring == "device" and self.search != "centroids":
-            raise ConfigError(f"centroid_scoring 'device' applies to search 'centroids' only; the {self.search!r} "
-                              "search scores on the host")
+        if self.rescoring not in RESCORING:
+            raise ConfigError(f"rescoring must be one of {', '.join(RESCORING)}, got {self.rescoring!r}")
+        if self.rescoring == "device" and self.centroid_scoring == "host":
+            raise ConfigError("rescoring 'device' needs the centroids scored on the device too: "
+                              "centroid_scoring 'host' contradicts it")
+        for name in ("centroid_scoring", "rescoring"):
+            if getattr(self, name) == "device" and self.search != "centroids":
+                raise ConfigError(f"{name} 'device' applies to search 'centroids' only; the {self.search!r} "
+                                  "search scores on the host")
         if self.rerank < 1 or self.min_candidates < 1:
             raise ConfigError(f"rerank and min_candidates must be >= 1, got {self.rerank}, {self.min_candidates}")
         if self.score_dtype not in SCORE_DTYPES:
@@ -149,7 +163,12 @@ class IceCacheConfig:
         """Does the search rank pages by centroid on the compute device (of type ``device_type``)?"""
         if self.search != "centroids":
             return False
-        return self.centroid_scoring == "device" or (self.centroid_scoring == "auto" and device_type == "cuda")
+        return (self.centroid_scoring == "device" or self.rescoring == "device"
+                or (self.centroid_scoring == "auto" and device_type == "cuda"))
+
+    def rescores_on_device(self) -> bool:
+        """Does the search rescore its candidates on the compute device?"""
+        return self.search == "centroids" and self.rescoring == "device"
 
     def field_of_view(self, seq_len: int) -> int:
         return max(int(self.fov_fraction * seq_len), self.fov_min)
@@ -371,7 +390,7 @@ class ServingConfig:
                  "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
                  "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
                  "max_index_bytes", "max_context_bytes", "max_device_bytes", "max_compress_tokens",
-                 "max_queue_wait_s", "kv2", "device", "kv_pool", "centroid_scoring"}
+                 "max_queue_wait_s", "kv2", "device", "kv_pool", "centroid_scoring", "rescoring"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
@@ -395,7 +414,8 @@ class ServingConfig:
             page_size=paging.page_size,
             icecache=IceCacheConfig(search=values.get("search", IceCacheConfig.search),
                                     score_dtype=values.get("score_dtype", IceCacheConfig.score_dtype),
-                                    centroid_scoring=values.get("centroid_scoring", IceCacheConfig.centroid_scoring)),
+                                    centroid_scoring=values.get("centroid_scoring", IceCacheConfig.centroid_scoring),
+                                    rescoring=values.get("rescoring", IceCacheConfig.rescoring)),
         )
         scheduler = SchedulerConfig(
             max_running=number("max_active_requests", SchedulerConfig.max_running),

@@ -3,17 +3,18 @@
 import pytest
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
-from icekv.index import dci_tree, fused_search, page_store, tree_walk
+from icekv.index import dci_tree, device_rescoring, fused_search, page_store, tree_walk
 from icekv.kernels import cpu_decode
 from icekv.kv import device_cache, paged_cache
 
 
 def _signatures() -> dict:
     loops = {"candidates": fused_search._candidates, "rescore": fused_search._rescore,
-             "picks": fused_search._union_of_picks, "placement": dci_tree.place_tokens, "parents": dci_tree.append_tokens, "rewrite": page_store._rewrite,
-             "walk": tree_walk.walk_scores,
-             "positions": page_store._positions, "plan": device_cache._plan_slots, "fill": device_cache._fill,
-             "gather": paged_cache._copy_rows,
+             "picks": fused_search.union_of_picks, "merge picks": fused_search._interleave_heads,
+             "rescoring plan": device_rescoring._plan,
+             "placement": dci_tree.place_tokens, "parents": dci_tree.append_tokens, "rewrite": page_store._rewrite,
+             "walk": tree_walk.walk_scores, "positions": page_store._positions,
+             "plan": device_cache._plan_slots, "fill": device_cache._fill, "gather": paged_cache._copy_rows,
              "attention": cpu_decode._decode}
     return {name: list(f.signatures) for name, f in loops.items()}
 

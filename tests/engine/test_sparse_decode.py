@@ -67,23 +67,30 @@ def test_prompts_shorter_than_sink_and_window_decode(policy, tmp_path):
 
 
 def test_centroids_scored_on_the_compute_device_select_what_the_host_does(tmp_path):
-    """The GPU's search (centroids scored where the query is, candidates rescored on the host),
-    run on the CPU: the same pages every step, through inserts, so the same logits."""
+    """The GPU's searches (centroids scored where the query is, candidates rescored on the host or
+    there too), run on the CPU: the same pages every step, through inserts, so the same logits."""
     make_tiny_hf_model("llama", tmp_path)
     model = load_model(tmp_path)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 512, (600,), generator=g).tolist()
     new = torch.randint(0, 512, (40,), generator=g).tolist()  # window pages flush into the index
     runs = {}
-    for where in ("host", "device"):
+    for where in (("host", "host"), ("device", "host"), ("device", "device")):
         sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1,
-                              icecache=IceCacheConfig(search="centroids", centroid_scoring=where))
+                              icecache=IceCacheConfig(search="centroids", centroid_scoring=where[0], rescoring=where[1]))
         runs[where] = _decode_logits(model, ids, new, sel)
-    (host, on_host), (device, on_device) = runs["host"], runs["device"]
-    torch.testing.assert_close(device, host, rtol=0, atol=0)
-    assert on_host.selector.device_bytes() == 0 and on_device.selector.device_bytes() > 0
-    assert on_device.resident_bytes() == on_host.resident_bytes() + on_device.selector.device_bytes()
-    assert set(on_device.selector.device_centroids) == set(on_device.sparse_layers)
+    host, on_host = runs["host", "host"]
+    for where in (("device", "host"), ("device", "device")):
+        device, on_device = runs[where]
+        torch.testing.assert_close(device, host, rtol=0, atol=0)
+        assert on_device.resident_bytes() == on_host.resident_bytes() + on_device.selector.device_bytes()
+        assert set(on_device.selector.device_centroids) == set(on_device.sparse_layers)
+    assert on_host.selector.device_bytes() == 0
+    ranked, rescored = runs["device", "host"][1].selector, runs["device", "device"][1].selector
+    assert not ranked.device_rescoring and set(rescored.device_rescoring) == set(runs["device", "device"][1].sparse_layers)
+    assert rescored.device_bytes() > ranked.device_bytes()  # + the candidates' keys
+    cache = next(iter(rescored.device_rescoring.values()))
+    assert cache.hits > 0 and cache.bytes_moved > 0  # the candidates' keys came over once, then were reused
 
 
 @pytest.mark.model

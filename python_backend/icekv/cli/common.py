@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from icekv.config import CENTROID_SCORING, DTYPES, KV_POOLS, SCORE_DTYPES, SEARCHES, IceCacheConfig
+from icekv.config import CENTROID_SCORING, DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES, IceCacheConfig
 from icekv.errors import IcekvError
 
 
@@ -60,6 +60,7 @@ def _serving_flags(parser) -> None:
     _search_flag(parser, default=None, hint=" (config: centroids)")
     _score_dtype_flag(parser, default=None)
     _centroid_scoring_flag(parser, default=None)
+    _rescoring_flag(parser, default=None)
     parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
                         help="KV page pool capacity in tokens, shared by all requests")
     parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None,
@@ -100,6 +101,7 @@ def _icecache_flags(parser) -> None:
                         help="icecache --search centroids: pages rescored exactly per query head, times k")
     _score_dtype_flag(parser, default=IceCacheConfig.score_dtype)
     _centroid_scoring_flag(parser, default=IceCacheConfig.centroid_scoring)
+    _rescoring_flag(parser, default=IceCacheConfig.rescoring)
 
 
 def _centroid_scoring_flag(parser, default: str | None) -> None:
@@ -107,6 +109,13 @@ def _centroid_scoring_flag(parser, default: str | None) -> None:
                         help="icecache --search centroids: rank pages by centroid on the compute device (only "
                              "the candidates come back to the host) or on the host (device memory flat in the "
                              "context length); auto: device on a GPU")
+
+
+def _rescoring_flag(parser, default: str | None) -> None:
+    parser.add_argument("--rescoring", choices=RESCORING, default=default,
+                        help="icecache --search centroids: rescore the candidates exactly on the host (from the "
+                             "index) or on the compute device (from a copy of the latest candidates' keys there, "
+                             "refilled with new candidates only)")
 
 
 def _score_dtype_flag(parser, default: str | None) -> None:
@@ -117,7 +126,7 @@ def _score_dtype_flag(parser, default: str | None) -> None:
 
 def _icecache_config(args):
     return IceCacheConfig(search=args.search, rerank=args.rerank, score_dtype=args.score_dtype,
-                          centroid_scoring=args.centroid_scoring)
+                          centroid_scoring=args.centroid_scoring, rescoring=args.rescoring)
 
 
 def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
@@ -128,7 +137,7 @@ def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
     params = {"model_dir": args.model and str(Path(args.model).resolve()), "device": args.device,
               "kv_pool": args.kv_pool, "dtype": args.dtype, "policy": args.policy,
               "budget": args.budget, "search": args.search, "score_dtype": args.score_dtype,
-              "centroid_scoring": args.centroid_scoring,
+              "centroid_scoring": args.centroid_scoring, "rescoring": args.rescoring,
               "host_pool_tokens": args.host_pool_tokens,
               "max_active_requests": args.max_active_requests,
               "max_step_tokens": args.max_step_tokens, "max_index_bytes": args.max_index_bytes,

@@ -15,6 +15,7 @@ import torch
 
 from icekv.config import SCORE_DTYPES, IceCacheConfig, PagingConfig
 from icekv.index import DCITree
+from icekv.index.device_rescoring import DeviceRescoring
 from icekv.index.fused_search import candidate_search, centroid_search
 from icekv.kernels.cpu_decode import sparse_decode_cpu
 from icekv.kernels.cpu_paged_decode import paged_decode_cpu
@@ -29,7 +30,9 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
         tree.insert(torch.randn(4, 8, generator=g))  # parents, placement, page rows
         q = torch.randn(1, 2, 8, generator=g)
         centroid_search(tree.store, q, 4, 2)
-        candidate_search(tree.store, q, np.zeros((1, 2, 4), dtype=np.int64), 2)  # candidates scored on a GPU
+        picks = np.zeros((1, 2, 4), dtype=np.int64)  # candidates scored on a GPU,
+        candidate_search(tree.store, q, picks, 2)  # rescored on the host
+        DeviceRescoring(tree.store, torch.device("cpu"), torch.float32, 8).search(q, picks, 2)  # or there
         tree.store.positions(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 0)  # selected pages' tokens
         tree.page_scores(q[0], 4)  # the walk
     cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype)

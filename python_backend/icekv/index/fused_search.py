@@ -58,8 +58,17 @@ def candidate_search(store: PageStore, q: torch.Tensor, picks: np.ndarray,
     if not store.num_pages.shape[0] or k <= 0:
         return _nothing()
     _, keys, pad, _, version = store.search_views()
-    cand, n_cand = _union_of_picks(np.ascontiguousarray(picks, dtype=np.int64))
+    cand, n_cand = union_of_picks(np.ascontiguousarray(picks, dtype=np.int64))
     return _rescore(q.float().contiguous().numpy(), keys, pad, version, cand, n_cand, k, numba.get_num_threads())
+
+
+def merge_ranked_picks(ranked: np.ndarray, version: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each query head's pages already ranked exactly (elsewhere: on the compute device), ranked
+    [H, G, kk] page ids best first (-1: none), version [H, cap] -> (heads, pages, versions) as
+    :func:`centroid_search` returns them: the query heads' rankings interleaved into ``k`` pages."""
+    if ranked.shape[0] == 0 or k <= 0:
+        return _nothing()
+    return _interleave_heads(np.ascontiguousarray(ranked, dtype=np.int64), version, k)
 
 
 def _nothing() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -94,7 +103,7 @@ def _candidates(q, centroid, num_pages, candidates, parts):
 
 
 @_jit
-def _union_of_picks(picks):
+def union_of_picks(picks):
     """picks [H, G, c] page ids (-1: none) -> (cand [H, G * c], n_cand [H]): each head's distinct
     ids, ascending, in ``cand[h, :n_cand[h]]`` (the layout :func:`_candidates` returns)."""
     h_n = picks.shape[0]
@@ -125,6 +134,26 @@ def _rescore(q, keys, pad, version, cand, n_cand, k, parts):
     counts = np.zeros(h_n, dtype=np.int64)  # [H]
     for h in numba.prange(h_n):
         counts[h] = _merge(exact[h, :, : n_cand[h]], cand[h, : n_cand[h]], ids[h])
+    return _flatten(ids, counts, version)
+
+
+@_jit
+def _interleave_heads(ranked, version, k):
+    """ranked [H, G, kk] page ids best first (-1: none) -> (heads, pages, versions): each head's
+    query heads' rankings interleaved into up to ``k`` pages (see :func:`_interleave`)."""
+    h_n = ranked.shape[0]
+    ids = np.empty((h_n, k), dtype=np.int64)  # [H, k]
+    counts = np.zeros(h_n, dtype=np.int64)  # [H]
+    for h in range(h_n):
+        counts[h] = _interleave(ranked[h], ids[h])
+    return _flatten(ids, counts, version)
+
+
+@_jit
+def _flatten(ids, counts, version):
+    """ids [H, k] of which each head's first counts[h] are its pages -> (heads, pages, versions)
+    [n] each, grouped by head."""
+    h_n = ids.shape[0]
     heads = np.empty(counts.sum(), dtype=np.int64)  # [n]
     pages = np.empty(counts.sum(), dtype=np.int64)  # [n]
     versions = np.empty(counts.sum(), dtype=np.int64)  # [n]
@@ -192,23 +221,38 @@ def _union(estimate, cut, ties, out):
 
 @_jit
 def _merge(exact, cand, out):
-    """exact [G, n] scores of pages cand [n] -> out [k]: the query heads' rankings interleaved by
-    rank (every head's best, then every head's second, ...), duplicates and -inf dropped. Returns
-    how many it wrote."""
+    """exact [G, n] scores of pages cand [n] -> out [k]: each query head's ranking of the pages
+    (:func:`_ranked`), interleaved (:func:`_interleave`). Returns how many it wrote."""
     g_n, n = exact.shape
-    k = out.shape[0]
-    kk = min(k, n)
+    kk = min(out.shape[0], n)
     order = np.empty((g_n, kk), dtype=np.int64)  # [G, kk] best first; ties keep page order; -1: none
+    ranked = np.full((g_n, kk), -1, dtype=np.int64)  # [G, kk] the same as page ids
     for g in range(g_n):
         _ranked(exact[g], kk, order[g])
-    taken = np.zeros(n, dtype=np.bool_)  # [n]
+        for r in range(kk):
+            if order[g, r] >= 0:
+                ranked[g, r] = cand[order[g, r]]
+    return _interleave(ranked, out)
+
+
+@_jit
+def _interleave(ranked, out):
+    """ranked [G, kk] page ids best first (-1: none) -> out [k]: the query heads' rankings
+    interleaved by rank (every head's best, then every head's second, ...), duplicates dropped.
+    Returns how many it wrote."""
+    g_n, kk = ranked.shape
+    k = out.shape[0]
     count = 0
     for r in range(kk):
         for g in range(g_n):
-            i = order[g, r]
-            if count < k and i >= 0 and not taken[i]:
-                taken[i] = True
-                out[count] = cand[i]
+            page = ranked[g, r]
+            if count == k or page < 0:
+                continue
+            taken = False
+            for i in range(count):  # k is small: a scan beats a set
+                taken = taken or out[i] == page
+            if not taken:
+                out[count] = page
                 count += 1
     return count
 

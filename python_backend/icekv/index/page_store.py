@@ -15,7 +15,7 @@ import numba
 import numpy as np
 import torch
 
-from icekv.index.score_rows import computable, decode, encode, narrow, raw, row_width, widen
+from icekv.index.score_rows import SCALE_BYTES, computable, decode, encode, narrow, raw, row_width, widen
 
 NEG_INF = float("-inf")
 
@@ -39,6 +39,11 @@ class PageStore:
     @property
     def capacity(self) -> int:
         return self.keys.shape[1]
+
+    @property
+    def dim(self) -> int:
+        """Values per key (D)."""
+        return self.centroid.shape[-1] - (SCALE_BYTES if self.keys.dtype == torch.int8 else 0)
 
     @property
     def nbytes(self) -> int:

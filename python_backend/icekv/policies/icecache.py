@@ -34,14 +34,21 @@ def tree_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, trees_p
     return int(trees_per_kv_head * args.num_kv_heads * tokens * per_token)
 
 
-def centroid_copy_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, device_type: str, dtype_bytes: int,
-                        trees_per_kv_head: int) -> int:
-    """Compute-device bytes of the page centroids copy (index/device_centroids.py) over ``tokens``
-    tokens, where the centroids are ranked on that device; else 0."""
-    if not cfg.icecache.scores_centroids_on_device(device_type):
+def device_copy_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, device_type: str, dtype_bytes: int,
+                      trees_per_kv_head: int) -> int:
+    """Compute-device bytes of the index's copies there over ``tokens`` tokens: the page centroids
+    (index/device_centroids.py) where the centroids are ranked on that device, and the candidates'
+    keys (index/device_rescoring.py: at most a step's union of candidates per KV head) where they
+    are rescored there; else 0."""
+    ice = cfg.icecache
+    if not ice.scores_centroids_on_device(device_type):
         return 0
     pages = HEADROOM * tokens / cfg.page_size / PAGE_FILL
-    return int(trees_per_kv_head * args.num_kv_heads * pages * (args.head_dim * dtype_bytes + 8))  # row, live, id
+    per_kv_head = pages * (args.head_dim * dtype_bytes + 8)  # centroid row, live, id
+    if ice.rescores_on_device():
+        union = args.gqa_group * ice.candidates(cfg.selected_pages)
+        per_kv_head += min(union, pages) * cfg.page_size * args.head_dim * dtype_bytes
+    return int(trees_per_kv_head * args.num_kv_heads * per_kv_head)
 
 
 def _trees(cfg: SelectionConfig, args: ModelArgs, layer_reuse: bool) -> int:
@@ -53,7 +60,7 @@ def _trees(cfg: SelectionConfig, args: ModelArgs, layer_reuse: bool) -> int:
 def _sizers(layer_reuse: bool) -> dict:
     return {
         "index_bytes": lambda args, tokens, cfg: tree_index_bytes(args, tokens, cfg, _trees(cfg, args, layer_reuse)),
-        "device_index_bytes": lambda args, tokens, cfg, device_type, dtype_bytes: centroid_copy_bytes(
+        "device_index_bytes": lambda args, tokens, cfg, device_type, dtype_bytes: device_copy_bytes(
             args, tokens, cfg, device_type, dtype_bytes, _trees(cfg, args, layer_reuse)),
     }
 

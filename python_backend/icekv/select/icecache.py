@@ -7,7 +7,9 @@ selection.
 Where the centroids search scores the centroids is ``config.centroid_scoring``: on the compute
 device (the query's), a copy of each layer's centroids is kept there, made at the layer's first
 search and refreshed after each insert (:mod:`icekv.index.device_centroids`), and only the
-candidates' ids come back; on the host, with the rest of the index.
+candidates' ids come back; on the host, with the rest of the index. Where it rescores them is
+``config.rescoring``: on the host from the index, or on the compute device from a cache of the
+latest candidates' keys there (:mod:`icekv.index.device_rescoring`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, PageStore
 from icekv.index.device_centroids import DeviceCentroids
+from icekv.index.device_rescoring import DeviceRescoring
 from icekv.index.fused_search import candidate_search, centroid_search
 from icekv.select.base import Selection
 from icekv.select.gqa import merge_ranked, merge_ranked_heads
@@ -34,6 +37,7 @@ class IceCacheSelector:
     stores: dict = field(init=False, default_factory=dict)  # leader layer -> the trees' PageStore
     base: dict = field(init=False, default_factory=dict)  # layer -> position of local token 0
     device_centroids: dict = field(init=False, default_factory=dict)  # leader layer -> DeviceCentroids
+    device_rescoring: dict = field(init=False, default_factory=dict)  # leader layer -> DeviceRescoring
     _last: dict = field(init=False, default_factory=dict)  # leader layer -> its latest selection
 
     def leader(self, layer: int) -> int:
@@ -73,15 +77,20 @@ class IceCacheSelector:
 
     def _search(self, layer: int, q: torch.Tensor, k: int) -> Selection:
         """q [Hkv, G, D] -> per KV head up to ``k`` pages, by ``config.search``."""
-        store, search = self.stores[layer], self.config.search
-        if self.config.scores_centroids_on_device(q.device.type):  # candidates there, exact scores here
+        store, search, candidates = self.stores[layer], self.config.search, self.config.candidates(k)
+        if self.config.scores_centroids_on_device(q.device.type):  # candidates there
             if layer not in self.device_centroids:
                 self.device_centroids[layer] = DeviceCentroids(store, q.device, q.dtype)
-            picks = self.device_centroids[layer].candidates(q, self.config.candidates(k))  # [Hkv, G, c]
-            return Selection(*map(torch.from_numpy, candidate_search(store, q.cpu(), picks.cpu().numpy(), k)))
+            picks = self.device_centroids[layer].candidates(q, candidates).cpu().numpy()  # [Hkv, G, c]
+            if self.config.rescores_on_device():  # and their exact scores
+                if layer not in self.device_rescoring:
+                    slots = q.shape[1] * candidates  # the most a step's union can hold
+                    self.device_rescoring[layer] = DeviceRescoring(store, q.device, q.dtype, slots)
+                return Selection(*map(torch.from_numpy, self.device_rescoring[layer].search(q, picks, k)))
+            return Selection(*map(torch.from_numpy, candidate_search(store, q.cpu(), picks, k)))
         q = q.cpu()  # the rest of the index is on the host
         if search == "centroids":  # compiled, one call per layer
-            return Selection(*map(torch.from_numpy, centroid_search(store, q, self.config.candidates(k), k)))
+            return Selection(*map(torch.from_numpy, centroid_search(store, q, candidates, k)))
         versions = store.version.numpy()  # [Hkv, cap]
         if search == "walk":  # one walk per head: each visits different nodes
             trees = self.trees[layer]
@@ -96,4 +105,5 @@ class IceCacheSelector:
         return sum(s.nbytes for s in self.stores.values()) + sum(t.nbytes for ts in self.trees.values() for t in ts)
 
     def device_bytes(self) -> int:
-        return sum(c.nbytes for c in self.device_centroids.values())
+        copies = (*self.device_centroids.values(), *self.device_rescoring.values())
+        return sum(c.nbytes for c in copies)

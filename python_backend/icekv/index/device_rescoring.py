@@ -1,0 +1,147 @@
+"""The centroids search's exact rescoring on the compute device, from a cache of the candidates'
+page keys there.
+
+Consecutive decode steps nominate mostly the same candidates (with SmolLM2 over an essay, 87% of
+a step's candidates were candidates the step before: ``bench/candidate_reuse.py``), so the keys
+of the latest candidates stay on the device, in slots per KV head keyed by page and version like
+the selected pages' :class:`icekv.kv.DevicePageCache`, and only pages new to the candidates (or
+changed by an insert) cross from the host store, in one staged copy. The host then reads the keys
+of those pages only, where :func:`icekv.index.fused_search.candidate_search` reads every
+candidate's. Scoring is :func:`icekv.kernels.select_pages` with each query head its own row, as
+:class:`icekv.index.device_centroids.DeviceCentroids` ranks centroids: per query head, its best
+pages by max q.k over the page's tokens (ties to the lower page id), which the host interleaves
+as the host search does. The copy is in the compute dtype; the host store stays the source of truth.
+
+A page's holes (tokens moved to other pages) are filled with a copy of one of its own keys when
+loaded: a page's score is a max over its tokens, which duplicates do not change, so every slot
+is scored as a full page (or skipped, without members).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from icekv.index.fused_search import merge_ranked_picks, union_of_picks
+from icekv.index.page_store import PageStore
+from icekv.index.score_rows import decode
+from icekv.kernels import select_pages
+from icekv.kv.transfer import StagedTransfer
+
+
+class DeviceRescoring:
+    """Page keys of one layer's recent candidates (of ``store``) on ``device`` in ``dtype``: up to
+    ``max_slots`` pages per KV head (a step's most candidates per head)."""
+
+    def __init__(self, store: PageStore, device: torch.device, dtype: torch.dtype, max_slots: int):
+        self.store, self.max_slots = store, max_slots
+        heads, _, page_size = store.tokens.shape
+        self.transfer = StagedTransfer(device, dtype)  # host rows -> the slots
+        self.k = torch.zeros((heads, 0, page_size, store.dim), dtype=dtype, device=device)  # [H, S, P, D]
+        self.page = np.full((heads, 0), -1, dtype=np.int64)  # [H, S] the page in each slot, -1: none
+        self.version = np.full((heads, 0), -1, dtype=np.int64)  # [H, S]
+        self.length = np.zeros((heads, 0), dtype=np.int32)  # [H, S] P, or 0 for a page without members
+        self.slot_of = np.full((heads, 0), -1, dtype=np.int64)  # [H, store capacity] a page's slot, -1: none
+        self.bytes_moved = self.hits = self.lookups = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory of the copy."""
+        return self.k.nbytes
+
+    def search(self, q: torch.Tensor, picks: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q [H, G, D] on the device, each query head's candidates picks [H, G, c] (-1: none) ->
+        (heads, pages, versions) as :func:`icekv.index.fused_search.candidate_search` returns them."""
+        cand, n_cand = union_of_picks(np.ascontiguousarray(picks, dtype=np.int64))  # [H, G * c], [H]
+        most = int(n_cand.max(initial=0))
+        if k <= 0 or most == 0:
+            nothing = np.zeros(0, dtype=np.int64)
+            return nothing, nothing, nothing
+        slots = self._load(np.ascontiguousarray(cand[:, :most]), n_cand)  # [H, m] each candidate's slot, -1 past n_cand
+        return merge_ranked_picks(self._rank(q, slots, k), self.store.version.numpy(), k)
+
+    def _load(self, cand: np.ndarray, n_cand: np.ndarray) -> np.ndarray:
+        """Make every candidate resident; cand [H, m] ascending page ids, the first n_cand[h] of
+        each head -> their slots [H, m] (-1 past them)."""
+        if cand.shape[1] > self.max_slots:
+            raise ValueError(f"{cand.shape[1]} candidates for a KV head, room for {self.max_slots}")
+        self._grow(cand.shape[1], self.store.capacity)
+        slots, miss = _plan(self.slot_of, self.page, self.version, self.store.version.numpy(), cand, n_cand)
+        self.lookups += int(n_cand.sum())
+        self.hits += int(n_cand.sum()) - len(miss)
+        if len(miss):
+            h, p = torch.from_numpy(miss[:, 0]), torch.from_numpy(miss[:, 1])  # [n] each
+            keys = decode(self.store.keys[h, p])  # [n, P, D] fp32, 0 on holes
+            member = self.store.pad[h, p] == 0  # [n, P]
+            first = member.to(torch.uint8).argmax(-1, keepdim=True)  # [n, 1] a member's slot (0 if none)
+            own = torch.where(member, torch.arange(member.shape[1]), first)  # [n, P] each hole -> a member
+            staged = self.transfer.staging(keys.shape)  # [n, P, D]
+            staged.copy_(keys.gather(1, own[..., None].expand_as(keys)))
+            self.k[h.to(self.k.device), torch.from_numpy(miss[:, 2]).to(self.k.device)] = self.transfer.to_device(staged)
+            self.length[miss[:, 0], miss[:, 2]] = np.where(member.any(-1).numpy(), member.shape[1], 0)
+            self.bytes_moved += staged.nbytes
+        return slots
+
+    def _rank(self, q: torch.Tensor, slots: np.ndarray, k: int) -> np.ndarray:
+        """Each query head's best ``min(k, m)`` candidates by exact score -> ranked [H, G, kk] page ids."""
+        heads, group, _ = q.shape
+        m = slots.shape[1]
+        lens = np.where(slots >= 0, self.length[np.arange(heads)[:, None], slots], 0)  # [H, m]
+        device = self.k.device
+        ids = torch.from_numpy(slots.astype(np.int32)).to(device).expand(group, heads, m).contiguous()  # [G, H, m]
+        lens = torch.from_numpy(lens.astype(np.int32)).to(device).expand(group, heads, m).contiguous()  # [G, H, m]
+        rows = q.transpose(0, 1).to(self.k.dtype).contiguous()  # [G, H, D] a row of its own per query head
+        best, _, _ = select_pages(rows, self.k, ids, lens, min(k, m))  # [G, H, kk] slots
+        best = best.transpose(0, 1).cpu().numpy().astype(np.int64)  # [H, G, kk]
+        return np.where(best >= 0, self.page[np.arange(heads)[:, None, None], best], -1)
+
+    def _grow(self, n_slots: int, capacity: int) -> None:
+        """Slots for ``n_slots`` pages per head; a slot map for the store's ``capacity`` pages."""
+        heads = self.page.shape[0]
+        if capacity > self.slot_of.shape[1]:
+            self.slot_of = np.concatenate([self.slot_of, np.full((heads, capacity - self.slot_of.shape[1]), -1)], 1)
+        extra = n_slots - self.page.shape[1]
+        if extra <= 0:
+            return
+        self.k = torch.cat([self.k, self.k.new_zeros((heads, extra, *self.k.shape[2:]))], 1)
+        self.page = np.concatenate([self.page, np.full((heads, extra), -1)], 1)
+        self.version = np.concatenate([self.version, np.full((heads, extra), -1)], 1)
+        self.length = np.concatenate([self.length, np.zeros((heads, extra), dtype=np.int32)], 1)
+
+
+@numba.njit(cache=True, nogil=True)
+def _plan(slot_of, page, version, store_version, cand, n_cand):
+    """The slot of every candidate: its own where it is resident at the store's version, else a
+    slot no candidate of this step holds (its page, version and map entries updated here; the
+    caller copies the keys). -> (slots [H, m], misses [n, 3] as (head, page, slot))."""
+    h_n, m = cand.shape
+    slots = np.full((h_n, m), -1, dtype=np.int64)
+    used = np.zeros(page.shape, dtype=np.bool_)  # [H, S] held by this step's candidates
+    for h in range(h_n):
+        for i in range(n_cand[h]):
+            p = cand[h, i]
+            s = slot_of[h, p]
+            if s >= 0 and version[h, s] == store_version[h, p]:
+                slots[h, i] = s
+                used[h, s] = True
+            elif s >= 0:  # resident at an older version: free its slot
+                page[h, s], slot_of[h, p] = -1, -1
+    misses = np.empty((n_cand.sum(), 3), dtype=np.int64)
+    n = 0
+    for h in range(h_n):
+        free = 0
+        for i in range(n_cand[h]):
+            if slots[h, i] >= 0:
+                continue
+            while used[h, free]:
+                free += 1
+            p, s = cand[h, i], free
+            if page[h, s] >= 0:
+                slot_of[h, page[h, s]] = -1  # evicted
+            page[h, s], version[h, s], slot_of[h, p] = p, store_version[h, p], s
+            used[h, s] = True
+            slots[h, i] = s
+            misses[n, 0], misses[n, 1], misses[n, 2] = h, p, s
+            n += 1
+    return slots, misses[:n]
