@@ -1,13 +1,18 @@
-"""Time one layer's IceCache centroids search with the centroids ranked on the host (the compiled
-search reads every centroid) against ranked on the compute device (DeviceCentroids + select_pages;
-the host rescores only the candidates), and how often the two pick the same pages.
+"""Time one layer's IceCache centroids search three ways: all on the host (the compiled search
+reads every centroid and rescores the candidates); the centroids ranked on the compute device
+(DeviceCentroids + select_pages) and the candidates rescored on the host; and both on the device
+(DeviceRescoring: the candidates' keys cached there). How often each picks the host's pages.
 
 Llama-3.1-8B head shapes (8 KV heads, 4 query heads each, head_dim 128), pages of 16 full tokens,
 k pages per KV head, the served rule's candidates, the index's page keys in fp32 and int8; the
-device copy in --dtype. Random keys and queries: the time does not depend on their values, but the
-union of the query heads' candidates (what the host rescores) is near its largest, as it is for a
-random-weight model; the records say how many pages that was. The store is filled directly (no tree build): the search
-reads pages, not the tree. Multiply by the sparse layers (30 of 32) for a token's search time.
+device copies in --dtype. Random keys and queries: the time does not depend on their values, but the
+union of the query heads' candidates (what is rescored) is near its largest, as it is for a
+random-weight model; the records say how many pages that was. Rescoring on the device is timed
+warm (the same query again: every candidate's keys already there, the bound a steady decode
+approaches) and cold (a new query each call: nearly every candidate copied, as a random-weight
+model decodes); bench/candidate_reuse.py measures where a real model lies between the two. The
+store is filled directly (no tree build): the search reads pages, not the tree. Multiply by the
+sparse layers (30 of 32) for a token's search time.
 
     python bench/centroid_scoring.py --device cuda --contexts 32768,131072 --out FILE.json
 """
@@ -60,28 +65,40 @@ def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int,
                   heads: int = 8, group: int = 4, dim: int = 128, page: int = 16) -> dict:
     from icekv.config import IceCacheConfig
     from icekv.index.device_centroids import DeviceCentroids
-    from icekv.index.fused_search import union_of_picks, candidate_search, centroid_search
+    from icekv.index.device_rescoring import DeviceRescoring
+    from icekv.index.fused_search import candidate_search, centroid_search, union_of_picks
 
     store = store_of(tokens, heads, dim, page, getattr(torch, score_dtype))
     candidates = IceCacheConfig().candidates(k)
     t0 = time.perf_counter()
     centroids = DeviceCentroids(store, device, dtype)
     copy_s = time.perf_counter() - t0
-    q = torch.randn(heads, group, dim, generator=torch.Generator().manual_seed(1))  # [H, G, D]
-    q_dev = q.to(device, dtype)
+    g = torch.Generator().manual_seed(1)
+    q_dev, *others = [torch.randn(heads, group, dim, generator=g).to(device, dtype) for _ in range(repeats + 4)]  # [H, G, D]
+    rescoring = DeviceRescoring(store, device, dtype, group * candidates)
+    fresh = iter(range(len(others)))  # each cold call a query of its own
 
     host = lambda: centroid_search(store, q_dev.cpu().float(), candidates, k)  # noqa: E731
-    ranked = lambda: centroids.candidates(q_dev, candidates)  # noqa: E731
+    ranked = lambda q=q_dev: centroids.candidates(q, candidates)  # noqa: E731
     on_device = lambda: candidate_search(store, q_dev.cpu().float(), ranked().cpu().numpy(), k)  # noqa: E731
-    picks_host, picks_device = host(), on_device()
-    same = set(zip(*map(list, picks_host[:2]))) & set(zip(*map(list, picks_device[:2])))
-    _, rescored = union_of_picks(ranked().cpu().numpy().astype("int64"))  # [H] pages rescored per head
+    rescored = lambda q=q_dev: rescoring.search(q, ranked(q).cpu().numpy(), k)  # noqa: E731
+    cold = lambda: rescored(others[next(fresh)])  # noqa: E731
+    picks_host, picks_device, picks_rescored = host(), on_device(), rescored()
+    same = lambda picks: len(set(zip(*map(list, picks_host[:2]))) & set(zip(*map(list, picks[:2])))) / max(  # noqa: E731
+        len(picks_host[0]), 1)
+    _, n_rescored = union_of_picks(ranked().cpu().numpy().astype("int64"))  # [H] pages rescored per head
+    warm_s = median_s(rescored, device, repeats)
+    moved = rescoring.bytes_moved
+    cold_s = median_s(cold, device, repeats)
     return {
         "context": tokens, "score_dtype": score_dtype, "pages_per_head": tokens // page, "k": k,
-        "candidates": candidates, "rescored_per_head": float(rescored.mean()),
+        "candidates": candidates, "rescored_per_head": float(n_rescored.mean()),
         "host_s": median_s(host, device, repeats), "device_s": median_s(on_device, device, repeats),
         "device_ranking_s": median_s(ranked, device, repeats), "device_copy_bytes": centroids.nbytes,
-        "first_copy_s": copy_s, "same_pages": len(same) / max(len(picks_host[0]), 1),
+        "device_rescoring_warm_s": warm_s, "device_rescoring_cold_s": cold_s,
+        "device_rescoring_bytes": rescoring.nbytes,
+        "cold_bytes_copied_per_call": (rescoring.bytes_moved - moved) / (repeats + 3),
+        "first_copy_s": copy_s, "same_pages": same(picks_device), "same_pages_rescored": same(picks_rescored),
     }
 
 
@@ -105,8 +122,10 @@ def main() -> int:
             r = bench_context(tokens, device, dtype, args.k, args.repeats, score_dtype)
             records.append(r)
             print(f"{tokens:>7} tokens, {score_dtype} keys: host {r['host_s'] * 1e3:7.3f} ms, device+host "
-                  f"{r['device_s'] * 1e3:7.3f} ms (ranking {r['device_ranking_s'] * 1e3:.3f} ms), "
-                  f"{r['rescored_per_head']:.0f} pages rescored per head, same pages {r['same_pages']:.0%}", flush=True)
+                  f"{r['device_s'] * 1e3:7.3f} ms (ranking {r['device_ranking_s'] * 1e3:.3f} ms), device+device "
+                  f"warm {r['device_rescoring_warm_s'] * 1e3:.3f} ms, cold {r['device_rescoring_cold_s'] * 1e3:.3f} ms; "
+                  f"{r['rescored_per_head']:.0f} pages rescored per head, same pages {r['same_pages']:.0%} / "
+                  f"{r['same_pages_rescored']:.0%}", flush=True)
     meta = {"command": "python " + " ".join(sys.argv), "device": str(device), "dtype": str(dtype),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "machine": f"{platform.machine()}, torch threads {torch.get_num_threads()}"}

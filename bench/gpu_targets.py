@@ -46,6 +46,9 @@ def report(folder: Path) -> list[str]:
     lines = []
     ice32 = pick(decode, context=32768, policy="icecache")
     lines.append(verdict("icecache TPOT at 32k", ice32 and ice32["tpot_s"], TPOT_32K_S, " s"))
+    rescored32 = pick(records(folder, "decode_32k_rescoring.txt"), context=32768, policy="icecache")
+    lines.append(verdict("icecache TPOT at 32k, candidates rescored on the device", rescored32 and rescored32["tpot_s"],
+                         TPOT_32K_S, " s"))
     ice128, full128 = pick(decode, context=131072, policy="icecache"), pick(decode, context=131072, policy="full")
     hf128 = pick(decode, context=131072, policy="hf_transformers")
     lines.append(verdict("icecache / full TPOT at 128k", ice128 and full128 and ice128["tpot_s"] / full128["tpot_s"],
@@ -62,14 +65,17 @@ def report(folder: Path) -> list[str]:
         lines.append(f"icecache device memory growth during decode, 32k -> 128k: "
                      f"{growth[0] / 2**20:.1f} -> {growth[1] / 2**20:.1f} MiB" if None not in growth
                      else "icecache device memory growth: not recorded")
-    for row in (ice32, ice128):
+    for row, how in ((ice32, ""), (rescored32, ", rescoring on the device"), (ice128, "")):
         if row:
-            lines.append(f"icecache at {row['context']}: {row['tpot_s'] * 1e3:.2f} ms/token = {split(row)}")
+            lines.append(f"icecache at {row['context']}{how}: {row['tpot_s'] * 1e3:.2f} ms/token = {split(row)}")
     scoring = records(folder, "centroid_scoring.json")
     for r in scoring:
         lines.append(f"centroids search, one layer at {r['context']}, {r.get('score_dtype')} keys: host "
                      f"{r['host_s'] * 1e3:.3f} ms, device ranking + host rescoring {r['device_s'] * 1e3:.3f} ms "
                      f"({r.get('rescored_per_head', 0):.0f} pages rescored per head), same pages {r['same_pages']:.0%}")
+        if "device_rescoring_warm_s" in r:
+            lines.append(f"  + rescoring on the device: warm {r['device_rescoring_warm_s'] * 1e3:.3f} ms, cold "
+                         f"{r['device_rescoring_cold_s'] * 1e3:.3f} ms, same pages {r['same_pages_rescored']:.0%}")
     return lines
 
 

@@ -91,6 +91,9 @@ def test_centroids_scored_on_the_compute_device_select_what_the_host_does(tmp_pa
     assert rescored.device_bytes() > ranked.device_bytes()  # + the candidates' keys
     cache = next(iter(rescored.device_rescoring.values()))
     assert cache.hits > 0 and cache.bytes_moved > 0  # the candidates' keys came over once, then were reused
+    moved = {where: backend.kv_stats().index_bytes_moved for where, (_, backend) in runs.items()}
+    assert moved["host", "host"] == 0 < moved["device", "host"] < moved["device", "device"]
+    assert moved["device", "device"] == rescored.bytes_to_device()
 
 
 @pytest.mark.model

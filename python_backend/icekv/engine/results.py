@@ -22,6 +22,7 @@ class KVStats:
     pages_moved: int = 0  # (layer, KV head) pages copied host -> device
     slot_hit_rate: float = 0.0
     index_bytes: int = 0  # host memory of the page index (IceCache trees, Quest bounds)
+    index_bytes_moved: int = 0  # host -> device bytes of the selector's index copies (centroids, candidates' keys)
 
 
 @dataclass(frozen=True)

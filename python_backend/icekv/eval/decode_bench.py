@@ -132,6 +132,8 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
         "search": cfg.icecache.search if ice else None,
         "rerank": cfg.icecache.rerank if ice and cfg.icecache.search == "centroids" else None,
         "score_dtype": cfg.icecache.score_dtype if ice else None,
+        "centroid_scoring": cfg.icecache.centroid_scoring if ice else None,
+        "rescoring": cfg.icecache.rescoring if ice else None,
         "tpot_s": gen.tpot_s, "step_max_s": gen.step_max_s, "first_step_s": gen.first_step_s, **split,
         "other_s": max(gen.tpot_s - sum(split.values()), 0.0),
         "index_build_s": index_build_s,
@@ -142,6 +144,8 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
         "resident_kv_bytes": gen.kv.resident_bytes, "total_kv_bytes": gen.kv.total_bytes,
         "device_peak_growth_bytes": peak.growth,  # measured on a GPU: slots, mirrors, activations
         "index_bytes": gen.kv.index_bytes,
+        # host -> device over the decode (the first step fills empty slots): KV pages, index copies
+        "kv_bytes_moved": gen.kv.bytes_moved, "index_bytes_moved": gen.kv.index_bytes_moved,
         "steps": steps,
     }
 

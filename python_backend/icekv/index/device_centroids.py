@@ -28,6 +28,7 @@ class DeviceCentroids:
         self.live = torch.zeros(0, dtype=torch.int32, device=device)  # [H, cap] 1 on a page with members
         self.version = np.zeros((0, 0), dtype=np.int64)  # [H, cap] the store's versions at the last refresh
         self._ids = torch.zeros(0, dtype=torch.int32, device=device)  # [m] 0 .. m-1, the candidates' ids
+        self.bytes_moved = 0  # rows copied to the device
         self.refresh()
 
     @property
@@ -51,6 +52,7 @@ class DeviceCentroids:
             h, p = h.to(self.device), p.to(self.device)
             self.centroid[h, p, 0] = rows.to(self.device)
             self.live[h, p] = live.to(self.device)
+            self.bytes_moved += rows.nbytes + live.nbytes
         self.version = version.copy()
 
     def candidates(self, q: torch.Tensor, candidates: int) -> torch.Tensor:

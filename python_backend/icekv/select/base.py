@@ -62,6 +62,9 @@ class PageSelector(Protocol):
     def device_bytes(self) -> int:
         """Compute-device memory the selector holds (a copy of index summaries scored there)."""
 
+    def bytes_to_device(self) -> int:
+        """Bytes the selector has copied to the compute device for those copies, all layers."""
+
 
 class SequencePages:
     """Pages as contiguous, always-full runs of ``page_size`` tokens of the indexed region."""

@@ -105,5 +105,10 @@ class IceCacheSelector:
         return sum(s.nbytes for s in self.stores.values()) + sum(t.nbytes for ts in self.trees.values() for t in ts)
 
     def device_bytes(self) -> int:
-        copies = (*self.device_centroids.values(), *self.device_rescoring.values())
-        return sum(c.nbytes for c in copies)
+        return sum(c.nbytes for c in self._device_copies())
+
+    def bytes_to_device(self) -> int:
+        return sum(c.bytes_moved for c in self._device_copies())
+
+    def _device_copies(self) -> tuple:
+        return (*self.device_centroids.values(), *self.device_rescoring.values())

@@ -40,3 +40,6 @@ class StreamingSelector:
 
     def device_bytes(self) -> int:
         return 0
+
+    def bytes_to_device(self) -> int:
+        return 0

@@ -143,7 +143,8 @@ class SparseAttention(DenseAttention):
         pages = sum(d.bytes_moved // d.page_bytes for d in self.device.values())
         return self.source.kv_stats(self.resident_bytes(), bytes_moved=moved, pages_moved=pages,
                                     slot_hit_rate=hits / lookups if lookups else 0.0,
-                                    index_bytes=self.selector.index_bytes())
+                                    index_bytes=self.selector.index_bytes(),
+                                    index_bytes_moved=self.selector.bytes_to_device())
 
     def _measure(self, layer, q, out, selection, length):
         """Share of the full softmax mass on the attended tokens, and output cosine vs full (own
