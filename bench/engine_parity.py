@@ -1,6 +1,7 @@
 """Engine parity between the CPU and a device: the same random-weight Llama (llama-tiny) decodes
 the same greedy tokens in fp32 on both, under full attention and IceCache (the tree walk, and the
-centroids search, whose ranking by centroid runs on the device there), with the KV pool on the
+centroids search, whose ranking by centroid runs on the device there, and whose rescoring can
+too: those tokens must be the CPU's host-rescored ones), with the KV pool on the
 host and on the device, one request at a time and batched, and over a KV²-compressed context;
 in bf16 the device's logits stay close to the CPU's fp32 ones. Writes one json; exits 1 on a
 mismatch. ``--device cpu`` runs the same comparison against a second CPU engine (a dry run of
@@ -26,6 +27,9 @@ LENGTHS = (300, 1000, 2500)  # prompt tokens: under, near and well over the budg
 SELECTIONS = {"full": SelectionConfig(), "icecache": SelectionConfig(policy="icecache", budget=128),
               "icecache centroids": SelectionConfig(policy="icecache", budget=128,
                                                     icecache=IceCacheConfig(search="centroids"))}
+# the centroids search with its candidates rescored on the device too: the same pages as the
+# host's rescoring, so the CPU reference's tokens of "icecache centroids"
+RESCORED = SelectionConfig(policy="icecache", budget=128, icecache=IceCacheConfig(search="centroids", rescoring="device"))
 MIN_BF16_COSINE = 0.99
 
 
@@ -91,6 +95,11 @@ def main() -> int:
             check(f"fp32 {name} {'batched' if batched else 'one at a time'}, pool on {kv_pool}",
                   lambda dev=dev, name=name, batched=batched, want=want:
                   agreement(greedy(dev, ids, SELECTIONS[name], batched), want))
+        if kv_pool == "host":
+            for batched in (False, True):
+                check(f"fp32 icecache centroids rescored on the device {'batched' if batched else 'one at a time'}",
+                      lambda dev=dev, batched=batched: agreement(greedy(dev, ids, RESCORED, batched),
+                                                                 expected["icecache centroids", batched]))
         check(f"fp32 kv2-compressed context, pool on {kv_pool}",
               lambda dev=dev: agreement([compressed(dev, ids[2], ids[0][:20])], [compressed(ref, ids[2], ids[0][:20])]))
         del dev
