@@ -6,29 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from icekv.config import IceCacheConfig
-from icekv.index import DCITree, PageStore
+from icekv.index import PageStore
 from icekv.index.device_centroids import DeviceCentroids
 from icekv.index.fused_search import candidate_search, centroid_search
 from icekv.index.score_rows import decode
-from tests.kernels.conftest import NATIVE
-
-
-@pytest.fixture(params=["torch", "triton"])
-def device(request, monkeypatch) -> str:
-    if request.param == "torch":
-        monkeypatch.setenv("ICEKV_KERNELS", "torch")
-        return "cuda" if NATIVE else "cpu"
-    return request.getfixturevalue("kdev")
-
-
-def _layer(sizes, d=32, seed=2, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randn(d + 1, generator=g)
-    store = PageStore(len(sizes), 16, d, dtype)
-    cfg = IceCacheConfig(score_dtype=str(dtype).removeprefix("torch."))
-    trees = [DCITree(torch.randn(n, d, generator=g) * 2, 16, cfg, u / u.norm(), store, h) for h, n in enumerate(sizes)]
-    return store, trees
+from tests.kernels.conftest import NATIVE, SEARCH_SHAPES, index_layer
 
 
 def _both(store, centroids, q, candidates, k):
@@ -38,16 +20,11 @@ def _both(store, centroids, q, candidates, k):
     return host, candidate_search(store, q, picks.cpu().numpy(), k)
 
 
-@pytest.mark.parametrize("sizes, group, candidates, k", [
-    ([700, 90, 0], 3, 10, 4),  # uneven heads, one empty
-    ([1, 5, 17], 1, 8, 3),  # one-token and partial pages, one query head per KV head
-    ([400, 400], 4, 96, 12),  # candidates above the pages: every page exact
-    ([300, 200], 3, 6, 40),  # k above the candidates' union
-])
+@pytest.mark.parametrize("sizes, group, candidates, k", SEARCH_SHAPES)
 @pytest.mark.parametrize("score_dtype", [torch.float32, torch.int8])
-def test_scoring_the_centroids_on_the_device_selects_what_the_host_does(device, sizes, group, candidates, k, score_dtype):
-    store, trees = _layer(sizes, dtype=score_dtype)
-    centroids = DeviceCentroids(store, torch.device(device), torch.float32)
+def test_scoring_the_centroids_on_the_device_selects_what_the_host_does(backend_device, sizes, group, candidates, k, score_dtype):
+    store, trees = index_layer(sizes, dtype=score_dtype)
+    centroids = DeviceCentroids(store, torch.device(backend_device), torch.float32)
     g = torch.Generator().manual_seed(9)
     for step in range(3):  # inserts change pages, add pages and grow the store: refresh follows
         q = torch.randn(len(sizes), group, 32, generator=g)  # [H, G, D]
@@ -62,28 +39,28 @@ def test_scoring_the_centroids_on_the_device_selects_what_the_host_does(device, 
         assert torch.equal(centroids.centroid[:, :, 0].cpu()[live], decode(store.centroid)[live])
 
 
-def test_a_page_without_members_is_never_a_candidate(device):
-    store, _ = _layer([64])
+def test_a_page_without_members_is_never_a_candidate(backend_device):
+    store, _ = index_layer([64])
     store.write(0, torch.tensor([0]), torch.zeros(1, 16, 32), torch.zeros(1, 16, dtype=torch.bool))  # page 0 emptied
     store.version[0, 0] += 1
-    centroids = DeviceCentroids(store, torch.device(device), torch.float32)
-    picks = centroids.candidates(torch.randn(1, 2, 32, device=device), 100).cpu()  # [1, 2, pages]
+    centroids = DeviceCentroids(store, torch.device(backend_device), torch.float32)
+    picks = centroids.candidates(torch.randn(1, 2, 32, device=backend_device), 100).cpu()  # [1, 2, pages]
     found = picks[picks >= 0]
     assert 0 not in found.tolist() and len(found) == 2 * (store.num_pages.item() - 1)
 
 
-def test_nothing_to_select(device):
+def test_nothing_to_select(backend_device):
     empty = PageStore(2, 16, 32)
-    centroids = DeviceCentroids(empty, torch.device(device), torch.float32)
+    centroids = DeviceCentroids(empty, torch.device(backend_device), torch.float32)
     q = torch.randn(2, 3, 32)
-    picks = centroids.candidates(q.to(device), 8)
+    picks = centroids.candidates(q.to(backend_device), 8)
     assert picks.shape == (2, 3, 0)
     assert all(len(x) == 0 for x in candidate_search(empty, q, picks.cpu().numpy(), 4))
 
 
 @pytest.mark.skipif(not NATIVE, reason="bf16 tl.dot is wrong in triton's CPU interpreter")
 def test_a_bf16_copy_nominates_nearly_the_same_pages(kdev):
-    store, _ = _layer([4000, 3000], d=128)
+    store, _ = index_layer([4000, 3000], d=128)
     centroids = DeviceCentroids(store, torch.device(kdev), torch.bfloat16)
     q = torch.randn(2, 4, 128)
     host, device_scored = _both(store, centroids, q, 96, 12)

@@ -6,29 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from icekv.index import DCITree, PageStore
+from icekv.index import PageStore
 from icekv.index.device_centroids import DeviceCentroids
 from icekv.index.device_rescoring import DeviceRescoring
 from icekv.index.fused_search import candidate_search, union_of_picks
-from icekv.config import IceCacheConfig
-from tests.kernels.conftest import NATIVE
-
-
-@pytest.fixture(params=["torch", "triton"])
-def device(request, monkeypatch) -> str:
-    if request.param == "torch":
-        monkeypatch.setenv("ICEKV_KERNELS", "torch")
-        return "cuda" if NATIVE else "cpu"
-    return request.getfixturevalue("kdev")
-
-
-def _layer(sizes, d=32, seed=2, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randn(d + 1, generator=g)
-    store = PageStore(len(sizes), 16, d, dtype)
-    cfg = IceCacheConfig(score_dtype=str(dtype).removeprefix("torch."))
-    trees = [DCITree(torch.randn(n, d, generator=g) * 2, 16, cfg, u / u.norm(), store, h) for h, n in enumerate(sizes)]
-    return store, trees
+from tests.kernels.conftest import NATIVE, SEARCH_SHAPES, index_layer
 
 
 def _picks(store, q, candidates, device):
@@ -36,38 +18,33 @@ def _picks(store, q, candidates, device):
     return DeviceCentroids(store, torch.device(device), torch.float32).candidates(q.to(device), candidates).cpu().numpy()
 
 
-@pytest.mark.parametrize("sizes, group, candidates, k", [
-    ([700, 90, 0], 3, 10, 4),  # uneven heads, one empty
-    ([1, 5, 17], 1, 8, 3),  # one-token and partial pages, one query head per KV head
-    ([400, 400], 4, 96, 12),  # candidates above the pages: every page exact
-    ([300, 200], 3, 6, 40),  # k above the candidates' union
-])
+@pytest.mark.parametrize("sizes, group, candidates, k", SEARCH_SHAPES)
 @pytest.mark.parametrize("score_dtype", [torch.float32, torch.int8])
-def test_rescoring_on_the_device_selects_what_the_host_does(device, sizes, group, candidates, k, score_dtype):
-    store, trees = _layer(sizes, dtype=score_dtype)
-    rescoring = DeviceRescoring(store, torch.device(device), torch.float32, max_slots=group * candidates)
+def test_rescoring_on_the_device_selects_what_the_host_does(backend_device, sizes, group, candidates, k, score_dtype):
+    store, trees = index_layer(sizes, dtype=score_dtype)
+    rescoring = DeviceRescoring(store, torch.device(backend_device), torch.float32, max_slots=group * candidates)
     g = torch.Generator().manual_seed(9)
     for step in range(3):  # inserts change pages (new versions), add pages and grow the store
         q = torch.randn(len(sizes), group, 32, generator=g)  # [H, G, D]
-        picks = _picks(store, q, candidates, device)
+        picks = _picks(store, q, candidates, backend_device)
         host = candidate_search(store, q, picks, k)
-        on_device = rescoring.search(q.to(device), picks, k)
+        on_device = rescoring.search(q.to(backend_device), picks, k)
         for a, b in zip(host, on_device):
             assert a.tolist() == b.tolist()
         for tree in trees[:2]:
             tree.insert(torch.randn(16 * (1 + 20 * step), 32, generator=g) * 2)
 
 
-def test_only_pages_new_to_the_candidates_are_copied(device):
-    store, trees = _layer([900, 600])
-    rescoring = DeviceRescoring(store, torch.device(device), torch.float32, max_slots=2 * 12)
+def test_only_pages_new_to_the_candidates_are_copied(backend_device):
+    store, trees = index_layer([900, 600])
+    rescoring = DeviceRescoring(store, torch.device(backend_device), torch.float32, max_slots=2 * 12)
     q = torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(3))  # [H, G, D]
-    picks = _picks(store, q, 12, device)
+    picks = _picks(store, q, 12, backend_device)
     cand, n_cand = union_of_picks(picks)
     page_bytes = 16 * 32 * 4
-    rescoring.search(q.to(device), picks, 4)
+    rescoring.search(q.to(backend_device), picks, 4)
     assert rescoring.bytes_moved == n_cand.sum() * page_bytes and rescoring.hits == 0
-    rescoring.search(q.to(device), picks, 4)
+    rescoring.search(q.to(backend_device), picks, 4)
     assert rescoring.bytes_moved == n_cand.sum() * page_bytes  # the same candidates: nothing moved
     assert rescoring.hits == n_cand.sum() and rescoring.lookups == 2 * n_cand.sum()
 
@@ -75,14 +52,14 @@ def test_only_pages_new_to_the_candidates_are_copied(device):
     held = [(h, p) for h in range(2) for p in cand[h, : n_cand[h]]]
     changed = sum(store.version[h, p].item() != rescoring.version[h, rescoring.slot_of[h, p]] for h, p in held)
     moved = rescoring.bytes_moved
-    after = rescoring.search(q.to(device), picks, 4)
+    after = rescoring.search(q.to(backend_device), picks, 4)
     assert 0 < changed < len(held)
     assert rescoring.bytes_moved - moved == changed * page_bytes  # exactly the changed candidates reloaded
     assert all(a.tolist() == b.tolist() for a, b in zip(candidate_search(store, q, picks, 4), after))
 
 
-def test_holes_and_pages_without_members(device):
-    store, _ = _layer([64])
+def test_holes_and_pages_without_members(backend_device):
+    store, _ = index_layer([64])
     present = torch.ones(2, 16, dtype=torch.bool)
     present[0, 5:] = False  # page 0: 5 members, then holes
     present[1] = False  # page 1: no members
@@ -90,9 +67,9 @@ def test_holes_and_pages_without_members(device):
     store.version[0, :2] += 1
     q = torch.randn(1, 2, 32)  # [H, G, D]
     picks = np.arange(store.num_pages.item())[None, None].repeat(2, 1)  # every page a candidate
-    rescoring = DeviceRescoring(store, torch.device(device), torch.float32, max_slots=2 * picks.shape[-1])
+    rescoring = DeviceRescoring(store, torch.device(backend_device), torch.float32, max_slots=2 * picks.shape[-1])
     host = candidate_search(store, q, picks, 3)
-    on_device = rescoring.search(q.to(device), picks, 3)
+    on_device = rescoring.search(q.to(backend_device), picks, 3)
     assert [a.tolist() for a in host] == [b.tolist() for b in on_device]
     assert 1 not in on_device[1].tolist()
     slot = rescoring.slot_of[0, 0]
@@ -100,17 +77,17 @@ def test_holes_and_pages_without_members(device):
     assert rescoring.length[0, rescoring.slot_of[0, 1]] == 0
 
 
-def test_nothing_to_rescore(device):
+def test_nothing_to_rescore(backend_device):
     empty = PageStore(2, 16, 32)
-    rescoring = DeviceRescoring(empty, torch.device(device), torch.float32, max_slots=8)
+    rescoring = DeviceRescoring(empty, torch.device(backend_device), torch.float32, max_slots=8)
     picks = np.full((2, 3, 4), -1)
-    assert all(len(x) == 0 for x in rescoring.search(torch.randn(2, 3, 32, device=device), picks, 4))
+    assert all(len(x) == 0 for x in rescoring.search(torch.randn(2, 3, 32, device=backend_device), picks, 4))
     assert rescoring.nbytes == 0
 
 
 @pytest.mark.skipif(not NATIVE, reason="bf16 tl.dot is wrong in triton's CPU interpreter")
 def test_a_bf16_copy_selects_nearly_the_same_pages(kdev):
-    store, _ = _layer([4000, 3000], d=128)
+    store, _ = index_layer([4000, 3000], d=128)
     q = torch.randn(2, 4, 128)
     picks = _picks(store, q, 96, kdev)
     rescoring = DeviceRescoring(store, torch.device(kdev), torch.bfloat16, max_slots=4 * 96)
