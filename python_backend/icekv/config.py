@@ -109,10 +109,10 @@ class IceCacheConfig:
     ``auto``: device on a GPU, host on a CPU.
 
     ``rescoring``: where the centroids search rescores its candidates exactly. ``host``: from the
-    index's page keys (each step reads every candidate's); ``device``: from a copy of the latest
-    candidates' keys on the compute device (``G * candidates(k)`` pages per KV head and layer in
-    the compute dtype, flat in the context length), refilled only with pages new to the
-    candidates; the centroids are then scored there too.
+    index's page keys (each step reads every candidate's); ``device``: from a cache of recent
+    candidates' keys on the compute device (up to ``G * candidates(k)`` pages per KV head and
+    layer in the compute dtype, flat in the context length), refilled only with the pages it
+    lacks; the centroids are then scored there too.
     """
 
     ratio_1: float = 0.02

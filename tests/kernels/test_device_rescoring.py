@@ -58,6 +58,19 @@ def test_only_pages_new_to_the_candidates_are_copied(backend_device):
     assert all(a.tolist() == b.tolist() for a, b in zip(candidate_search(store, q, picks, 4), after))
 
 
+def test_the_least_recently_used_page_makes_room(backend_device):
+    store, _ = index_layer([200])  # one KV head, 13 pages
+    rescoring = DeviceRescoring(store, torch.device(backend_device), torch.float32, max_slots=4)
+    q = torch.randn(1, 1, 32, device=backend_device)  # [H, G, D]
+    resident = lambda: {int(p) for p in rescoring.page[0] if p >= 0}  # noqa: E731
+    for picks, hits, held in (([0, 1], 0, {0, 1}), ([2, 3], 0, {0, 1, 2, 3}),  # spare slots keep 0 and 1
+                              ([0, 4], 1, {0, 2, 3, 4}),  # 1 was read least recently: 4 replaces it
+                              ([2, 3], 2, {0, 2, 3, 4}), ([1, 5], 0, {1, 2, 3, 5})):  # 0 and 4, read before 2 and 3
+        before = rescoring.hits
+        rescoring.search(q, np.array([[picks]]), 1)
+        assert rescoring.hits - before == hits and resident() == held, (picks, resident())
+
+
 def test_holes_and_pages_without_members(backend_device):
     store, _ = index_layer([64])
     present = torch.ones(2, 16, dtype=torch.bool)

@@ -114,8 +114,8 @@ def _centroid_scoring_flag(parser, default: str | None) -> None:
 def _rescoring_flag(parser, default: str | None) -> None:
     parser.add_argument("--rescoring", choices=RESCORING, default=default,
                         help="icecache --search centroids: rescore the candidates exactly on the host (from the "
-                             "index) or on the compute device (from a copy of the latest candidates' keys there, "
-                             "refilled with new candidates only)")
+                             "index) or on the compute device (from a cache of recent candidates' keys there, "
+                             "refilled with the pages it lacks)")
 
 
 def _score_dtype_flag(parser, default: str | None) -> None:

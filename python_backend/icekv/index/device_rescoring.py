@@ -1,11 +1,11 @@
 """The centroids search's exact rescoring on the compute device, from a cache of the candidates'
 page keys there.
 
-Consecutive decode steps nominate mostly the same candidates (with SmolLM2 over an essay, 87% of
-a step's candidates were candidates the step before: ``bench/candidate_reuse.py``), so the keys
-of the latest candidates stay on the device, in slots per KV head keyed by page and version like
-the selected pages' :class:`icekv.kv.DevicePageCache`, and only pages new to the candidates (or
-changed by an insert) cross from the host store, in one staged copy. The host then reads the keys
+Consecutive decode steps of a real model nominate mostly the same candidates (how many:
+``bench/candidate_reuse.py``), so the keys of recent candidates stay on the device, in slots per
+KV head keyed by page and version like the selected pages' :class:`icekv.kv.DevicePageCache`,
+and only pages not resident (or changed by an insert) cross from the host store, in one staged
+copy. The host then reads the keys
 of those pages only, where :func:`icekv.index.fused_search.candidate_search` reads every
 candidate's. Scoring is :func:`icekv.kernels.select_pages` with each query head its own row, as
 :class:`icekv.index.device_centroids.DeviceCentroids` ranks centroids: per query head, its best
@@ -32,7 +32,9 @@ from icekv.kv.transfer import StagedTransfer
 
 class DeviceRescoring:
     """Page keys of one layer's recent candidates (of ``store``) on ``device`` in ``dtype``: up to
-    ``max_slots`` pages per KV head (a step's most candidates per head)."""
+    ``max_slots`` pages per KV head (at least a step's most candidates per head), the least
+    recently used replaced first: slots beyond one step's candidates keep pages that were
+    candidates recently, which often are again."""
 
     def __init__(self, store: PageStore, device: torch.device, dtype: torch.dtype, max_slots: int):
         self.store, self.max_slots = store, max_slots
@@ -43,6 +45,8 @@ class DeviceRescoring:
         self.version = np.full((heads, 0), -1, dtype=np.int64)  # [H, S]
         self.length = np.zeros((heads, 0), dtype=np.int32)  # [H, S] P, or 0 for a page without members
         self.slot_of = np.full((heads, 0), -1, dtype=np.int64)  # [H, store capacity] a page's slot, -1: none
+        self.used = np.full((heads, 0), -1, dtype=np.int64)  # [H, S] the last search that read each slot
+        self.searches = 0
         self.bytes_moved = self.hits = self.lookups = 0
 
     @property
@@ -66,8 +70,10 @@ class DeviceRescoring:
         each head -> their slots [H, m] (-1 past them)."""
         if cand.shape[1] > self.max_slots:
             raise ValueError(f"{cand.shape[1]} candidates for a KV head, room for {self.max_slots}")
-        self._grow(cand.shape[1], self.store.capacity)
-        slots, miss = _plan(self.slot_of, self.page, self.version, self.store.version.numpy(), cand, n_cand)
+        self._grow(min(int(self.store.num_pages.max()), self.max_slots), self.store.capacity)
+        self.searches += 1
+        slots, miss = _plan(self.slot_of, self.page, self.version, self.used, self.searches,
+                            self.store.version.numpy(), cand, n_cand)
         self.lookups += int(n_cand.sum())
         self.hits += int(n_cand.sum()) - len(miss)
         if len(miss):
@@ -97,50 +103,52 @@ class DeviceRescoring:
         return np.where(best >= 0, self.page[np.arange(heads)[:, None, None], best], -1)
 
     def _grow(self, n_slots: int, capacity: int) -> None:
-        """Slots for ``n_slots`` pages per head; a slot map for the store's ``capacity`` pages."""
+        """Slots for at least ``n_slots`` pages per head (doubling, up to ``max_slots``); a slot map
+        for the store's ``capacity`` pages."""
         heads = self.page.shape[0]
         if capacity > self.slot_of.shape[1]:
             self.slot_of = np.concatenate([self.slot_of, np.full((heads, capacity - self.slot_of.shape[1]), -1)], 1)
-        extra = n_slots - self.page.shape[1]
-        if extra <= 0:
+        if n_slots <= self.page.shape[1]:
             return
+        extra = min(max(n_slots, 2 * self.page.shape[1]), self.max_slots) - self.page.shape[1]
         self.k = torch.cat([self.k, self.k.new_zeros((heads, extra, *self.k.shape[2:]))], 1)
         self.page = np.concatenate([self.page, np.full((heads, extra), -1)], 1)
         self.version = np.concatenate([self.version, np.full((heads, extra), -1)], 1)
         self.length = np.concatenate([self.length, np.zeros((heads, extra), dtype=np.int32)], 1)
+        self.used = np.concatenate([self.used, np.full((heads, extra), -1)], 1)
 
 
 @numba.njit(cache=True, nogil=True)
-def _plan(slot_of, page, version, store_version, cand, n_cand):
-    """The slot of every candidate: its own where it is resident at the store's version, else a
-    slot no candidate of this step holds (its page, version and map entries updated here; the
-    caller copies the keys). -> (slots [H, m], misses [n, 3] as (head, page, slot))."""
+def _plan(slot_of, page, version, used, now, store_version, cand, n_cand):
+    """The slot of every candidate: its own where it is resident at the store's version, else the
+    least recently used slot no candidate of search ``now`` holds (its page, version, use and map
+    entries updated here; the caller copies the keys). -> (slots [H, m], misses [n, 3] as (head,
+    page, slot))."""
     h_n, m = cand.shape
     slots = np.full((h_n, m), -1, dtype=np.int64)
-    used = np.zeros(page.shape, dtype=np.bool_)  # [H, S] held by this step's candidates
     for h in range(h_n):
         for i in range(n_cand[h]):
             p = cand[h, i]
             s = slot_of[h, p]
             if s >= 0 and version[h, s] == store_version[h, p]:
                 slots[h, i] = s
-                used[h, s] = True
+                used[h, s] = now
             elif s >= 0:  # resident at an older version: free its slot
-                page[h, s], slot_of[h, p] = -1, -1
+                page[h, s], slot_of[h, p], used[h, s] = -1, -1, -1
     misses = np.empty((n_cand.sum(), 3), dtype=np.int64)
     n = 0
     for h in range(h_n):
+        order = np.argsort(used[h], kind="mergesort")  # [S] least recently used first, empty slots before all
         free = 0
         for i in range(n_cand[h]):
             if slots[h, i] >= 0:
                 continue
-            while used[h, free]:
+            while used[h, order[free]] == now:
                 free += 1
-            p, s = cand[h, i], free
+            p, s = cand[h, i], order[free]
             if page[h, s] >= 0:
                 slot_of[h, page[h, s]] = -1  # evicted
-            page[h, s], version[h, s], slot_of[h, p] = p, store_version[h, p], s
-            used[h, s] = True
+            page[h, s], version[h, s], slot_of[h, p], used[h, s] = p, store_version[h, p], s, now
             slots[h, i] = s
             misses[n, 0], misses[n, 1], misses[n, 2] = h, p, s
             n += 1

@@ -9,7 +9,7 @@ device (the query's), a copy of each layer's centroids is kept there, made at th
 search and refreshed after each insert (:mod:`icekv.index.device_centroids`), and only the
 candidates' ids come back; on the host, with the rest of the index. Where it rescores them is
 ``config.rescoring``: on the host from the index, or on the compute device from a cache of the
-latest candidates' keys there (:mod:`icekv.index.device_rescoring`).
+recent candidates' keys there (:mod:`icekv.index.device_rescoring`).
 """
 
 from __future__ import annotations
