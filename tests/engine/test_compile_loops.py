@@ -11,7 +11,7 @@ from icekv.kv import device_cache, paged_cache
 def _signatures() -> dict:
     loops = {"candidates": fused_search._candidates, "rescore": fused_search._rescore,
              "picks": fused_search.union_of_picks, "merge picks": fused_search._interleave_heads,
-             "rescoring plan": device_rescoring._plan,
+             "rescoring plan": device_rescoring._plan, "rescoring gather": device_rescoring._gather_keys,
              "placement": dci_tree.place_tokens, "parents": dci_tree.append_tokens, "rewrite": page_store._rewrite,
              "walk": tree_walk.walk_scores, "positions": page_store._positions,
              "plan": device_cache._plan_slots, "fill": device_cache._fill, "gather": paged_cache._copy_rows,

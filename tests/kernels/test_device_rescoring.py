@@ -10,6 +10,7 @@ from icekv.index import PageStore
 from icekv.index.device_centroids import DeviceCentroids
 from icekv.index.device_rescoring import DeviceRescoring
 from icekv.index.fused_search import candidate_search, union_of_picks
+from icekv.index.score_rows import decode
 from tests.kernels.conftest import NATIVE, SEARCH_SHAPES, index_layer
 
 
@@ -88,6 +89,22 @@ def test_holes_and_pages_without_members(backend_device):
     slot = rescoring.slot_of[0, 0]
     assert torch.equal(rescoring.k[0, slot, 5:].cpu(), rescoring.k[0, slot, :1].cpu().expand(11, 32))  # holes: a member's key
     assert rescoring.length[0, rescoring.slot_of[0, 1]] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # the compute dtype
+@pytest.mark.parametrize("score_dtype", [torch.float32, torch.bfloat16, torch.int8])  # the index's page keys
+def test_the_copied_keys_are_the_index_keys_in_the_compute_dtype(monkeypatch, dtype, score_dtype):
+    monkeypatch.setenv("ICEKV_KERNELS", "torch")
+    store, _ = index_layer([300, 150], dtype=score_dtype)
+    rescoring = DeviceRescoring(store, torch.device("cpu"), dtype, max_slots=64)
+    picks = np.stack([np.arange(16).reshape(2, 8)] * 2)  # [H, G, c]: 16 pages of each head
+    rescoring.search(torch.randn(2, 2, 32), picks, 4)
+    for h in range(2):
+        for p in range(16):
+            keys, member = decode(store.keys[h, p]), store.pad[h, p] == 0  # [P, D], [P]
+            first = keys[member][:1] if member.any() else 0.0  # holes: the first member's key (none: 0)
+            filled = torch.where(member[:, None], keys, first)  # [P, D]
+            assert torch.equal(rescoring.k[h, rescoring.slot_of[h, p]], filled.to(dtype))
 
 
 def test_nothing_to_rescore(backend_device):

@@ -32,7 +32,7 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
         centroid_search(tree.store, q, 4, 2)
         picks = np.zeros((1, 2, 4), dtype=np.int64)  # candidates scored on a GPU,
         candidate_search(tree.store, q, picks, 2)  # rescored on the host
-        DeviceRescoring(tree.store, torch.device("cpu"), torch.float32, 8).search(q, picks, 2)  # or there
+        DeviceRescoring(tree.store, torch.device("cpu"), kv_dtype, 8).search(q, picks, 2)  # or there
         tree.store.positions(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 0)  # selected pages' tokens
         tree.page_scores(q[0], 4)  # the walk
     cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype)

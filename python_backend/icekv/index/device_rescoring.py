@@ -25,7 +25,7 @@ import torch
 
 from icekv.index.fused_search import merge_ranked_picks, union_of_picks
 from icekv.index.page_store import PageStore
-from icekv.index.score_rows import decode
+from icekv.index.score_rows import narrow, raw, widen
 from icekv.kernels import select_pages
 from icekv.kv.transfer import StagedTransfer
 
@@ -77,15 +77,15 @@ class DeviceRescoring:
         self.lookups += int(n_cand.sum())
         self.hits += int(n_cand.sum()) - len(miss)
         if len(miss):
-            h, p = torch.from_numpy(miss[:, 0]), torch.from_numpy(miss[:, 1])  # [n] each
-            keys = decode(self.store.keys[h, p])  # [n, P, D] fp32, 0 on holes
-            member = self.store.pad[h, p] == 0  # [n, P]
-            first = member.to(torch.uint8).argmax(-1, keepdim=True)  # [n, 1] a member's slot (0 if none)
-            own = torch.where(member, torch.arange(member.shape[1]), first)  # [n, P] each hole -> a member
-            staged = self.transfer.staging(keys.shape)  # [n, P, D]
-            staged.copy_(keys.gather(1, own[..., None].expand_as(keys)))
-            self.k[h.to(self.k.device), torch.from_numpy(miss[:, 2]).to(self.k.device)] = self.transfer.to_device(staged)
-            self.length[miss[:, 0], miss[:, 2]] = np.where(member.any(-1).numpy(), member.shape[1], 0)
+            staged = self.transfer.staging((len(miss), *self.k.shape[2:]))  # [n, P, D]
+            direct = staged.dtype in (torch.float32, torch.bfloat16)  # what the compiled gather writes
+            rows = staged if direct else torch.empty(staged.shape)  # [n, P, D]
+            self.length[miss[:, 0], miss[:, 2]] = _gather_keys(raw(self.store.keys), self.store.pad.numpy(), miss,
+                                                               raw(rows))
+            if not direct:
+                staged.copy_(rows)
+            h, s = (torch.from_numpy(miss[:, i]).to(self.k.device) for i in (0, 2))  # [n] each
+            self.k[h, s] = self.transfer.to_device(staged)
             self.bytes_moved += staged.nbytes
         return slots
 
@@ -153,3 +153,27 @@ def _plan(slot_of, page, version, used, now, store_version, cand, n_cand):
             misses[n, 0], misses[n, 1], misses[n, 2] = h, p, s
             n += 1
     return slots, misses[:n]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _gather_keys(keys, pad, misses, out):
+    """keys [H, cap, P, W] rows of the score dtype, pad [H, cap, P] (0 on a member), misses [n, 3]
+    as (head, page, slot) -> out [n, P, D] (fp32, or bf16 as its bits) each missed page's keys,
+    every hole a copy of the page's first member; returns each page's length [n]: P, or 0
+    without members (its rows 0). One pass over the rows, pages in parallel."""
+    n, p = misses.shape[0], pad.shape[2]
+    lengths = np.zeros(n, dtype=np.int32)
+    for i in numba.prange(n):
+        h, page = misses[i, 0], misses[i, 1]
+        first = -1
+        for j in range(p):
+            if first < 0 and pad[h, page, j] == 0:
+                first = j
+        if first < 0:
+            out[i] = 0
+            continue
+        lengths[i] = p
+        buf = np.empty(out.shape[2], dtype=np.float32)  # [D]
+        for j in range(p):
+            narrow(widen(keys[h, page, j if pad[h, page, j] == 0 else first], buf), out[i, j])
+    return lengths
