@@ -84,8 +84,12 @@ def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int,
     rescored = lambda q=q_dev: rescoring.search(q, ranked(q).cpu().numpy(), k)  # noqa: E731
     cold = lambda: rescored(others[next(fresh)])  # noqa: E731
     picks_host, picks_device, picks_rescored = host(), on_device(), rescored()
-    same = lambda picks: len(set(zip(*map(list, picks_host[:2]))) & set(zip(*map(list, picks[:2])))) / max(  # noqa: E731
-        len(picks_host[0]), 1)
+
+    def same(picks) -> float:
+        """Share of the host search's (head, page) picks that ``picks`` has too."""
+        pairs = lambda p: set(zip(p[0].tolist(), p[1].tolist()))  # noqa: E731
+        return len(pairs(picks_host) & pairs(picks)) / max(len(picks_host[0]), 1)
+
     _, n_rescored = union_of_picks(ranked().cpu().numpy().astype("int64"))  # [H] pages rescored per head
     warm_s = median_s(rescored, device, repeats)
     moved = rescoring.bytes_moved
