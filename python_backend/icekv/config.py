@@ -112,7 +112,8 @@ class IceCacheConfig:
     index's page keys (each step reads every candidate's); ``device``: from a cache of recent
     candidates' keys on the compute device (up to ``G * candidates(k)`` pages per KV head and
     layer in the compute dtype, flat in the context length), refilled only with the pages it
-    lacks; the centroids are then scored there too.
+    lacks; the centroids are then scored there too. For a GPU: on a CPU the "device" scoring is
+    the kernels' torch reference, slower than the host's compiled search.
     """
 
     ratio_1: float = 0.02
