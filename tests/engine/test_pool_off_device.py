@@ -6,12 +6,14 @@ greedy tokens must equal those of the pool read in place."""
 import pytest
 import torch
 
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.backends.mirror import ComputeMirror
 from icekv.kv import PagedKVCache
 
-SELECTIONS = [SelectionConfig(), SelectionConfig(policy="icecache", budget=64)]
+SELECTIONS = [SelectionConfig(), SelectionConfig(policy="icecache", budget=64),
+              SelectionConfig(policy="icecache", budget=64,  # the search a GPU runs: centroids ranked and rescored there
+                              icecache=IceCacheConfig(search="centroids", centroid_scoring="device", rescoring="device"))]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,7 @@ def _tokens(engine, selection, context=None):
     return [engine.run(s).token_ids for s in seqs]
 
 
-@pytest.mark.parametrize("selection", SELECTIONS, ids=["full", "icecache"])
+@pytest.mark.parametrize("selection", SELECTIONS, ids=["full", "icecache", "icecache on the device"])
 def test_a_pool_off_the_compute_device_decodes_the_same_tokens(engine, selection, monkeypatch):
     context = engine.compress(list(range(5, 500)), "snapkv", 0.2)
     want = _tokens(engine, selection), _tokens(engine, selection, context)
