@@ -68,6 +68,9 @@ def report(folder: Path) -> list[str]:
     for row, how in ((ice32, ""), (rescored32, ", rescoring on the device"), (ice128, "")):
         if row:
             lines.append(f"icecache at {row['context']}{how}: {row['tpot_s'] * 1e3:.2f} ms/token = {split(row)}")
+    if ice8 and "mean_step_s" in ice8:  # the batch's requests select in turn: their selection times add up
+        lines.append(f"icecache at 8 x 32k: {ice8['mean_step_s'] * 1e3:.2f} ms/step = "
+                     f"{split({**ice8, 'other_s': ice8.get('dense_other_s', 0)})} (summed over the 8 requests)")
     scoring = records(folder, "centroid_scoring.json")
     for r in scoring:
         lines.append(f"centroids search, one layer at {r['context']}, {r.get('score_dtype')} keys: host "
