@@ -71,7 +71,8 @@ def measure(engine: Engine, length: int, steps: int, budget: int) -> dict:
     steady = [t - f for t, f in zip(total, after_first)]
     return {"prompt_tokens": len(ids), "k_pages": sel.selected_pages,
             "candidates_per_query_head": sel.icecache.candidates(sel.selected_pages),
-            "kv_heads": a.num_kv_heads, "query_heads_per_kv_head": a.gqa_group, "sparse_layers": len(backend.sparse_layers),
+            "kv_heads": a.num_kv_heads, "query_heads_per_kv_head": a.gqa_group,
+            "sparse_layers": len(backend.sparse_layers),
             "first_step": part(*after_first, 1), "steady": part(*steady, steps - 1)}
 
 
@@ -88,8 +89,8 @@ def main() -> int:
         r = measure(engine, length, args.steps, args.budget)
         records.append(r)
         s = r["steady"]
-        print(f"{r['prompt_tokens']:>6} tokens: {s['candidates_per_layer_step']:.0f} candidate pages per layer and step "
-              f"({r['kv_heads']} KV heads), "
+        print(f"{r['prompt_tokens']:>6} tokens: {s['candidates_per_layer_step']:.0f} candidate pages per layer "
+              f"and step ({r['kv_heads']} KV heads), "
               f"{s['hit_rate']:.1%} already on the device, {s['pages_copied_per_layer_step']:.1f} pages copied "
               f"(first step: {r['first_step']['pages_copied_per_layer_step']:.0f})", flush=True)
     meta = {"command": "python " + " ".join(sys.argv), "model": engine.model_id,

@@ -74,7 +74,8 @@ def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int,
     centroids = DeviceCentroids(store, device, dtype)
     copy_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1)
-    q_dev, *others = [torch.randn(heads, group, dim, generator=g).to(device, dtype) for _ in range(repeats + 4)]  # [H, G, D]
+    queries = [torch.randn(heads, group, dim, generator=g).to(device, dtype) for _ in range(repeats + 4)]  # [H, G, D]
+    q_dev, *others = queries
     rescoring = DeviceRescoring(store, device, dtype, group * candidates)
     fresh = iter(range(len(others)))  # each cold call a query of its own
 
@@ -127,7 +128,8 @@ def main() -> int:
             records.append(r)
             print(f"{tokens:>7} tokens, {score_dtype} keys: host {r['host_s'] * 1e3:7.3f} ms, device+host "
                   f"{r['device_s'] * 1e3:7.3f} ms (ranking {r['device_ranking_s'] * 1e3:.3f} ms), device+device "
-                  f"warm {r['device_rescoring_warm_s'] * 1e3:.3f} ms, cold {r['device_rescoring_cold_s'] * 1e3:.3f} ms; "
+                  f"warm {r['device_rescoring_warm_s'] * 1e3:.3f} ms, "
+                  f"cold {r['device_rescoring_cold_s'] * 1e3:.3f} ms; "
                   f"{r['rescored_per_head']:.0f} pages rescored per head, same pages {r['same_pages']:.0%} / "
                   f"{r['same_pages_rescored']:.0%}", flush=True)
     meta = {"command": "python " + " ".join(sys.argv), "device": str(device), "dtype": str(dtype),

@@ -29,7 +29,8 @@ SELECTIONS = {"full": SelectionConfig(), "icecache": SelectionConfig(policy="ice
                                                     icecache=IceCacheConfig(search="centroids"))}
 # the centroids search with its candidates rescored on the device too: the same pages as the
 # host's rescoring, so the CPU reference's tokens of "icecache centroids"
-RESCORED = SelectionConfig(policy="icecache", budget=128, icecache=IceCacheConfig(search="centroids", rescoring="device"))
+RESCORED = SelectionConfig(policy="icecache", budget=128,
+                           icecache=IceCacheConfig(search="centroids", rescoring="device"))
 MIN_BF16_COSINE = 0.99
 
 

@@ -53,7 +53,8 @@ def test_centroid_copy_estimate_is_close_to_the_copies_made(tmp_path):
     n = 3000
     for policy, rescoring in (("icecache", "host"), ("icecache_r", "host"), ("icecache", "device")):
         sel = SelectionConfig(policy=policy, budget=64, n_unlimited_layers=1,
-                              icecache=IceCacheConfig(search="centroids", centroid_scoring="device", rescoring=rescoring))
+                              icecache=IceCacheConfig(search="centroids", centroid_scoring="device",
+                                                      rescoring=rescoring))
         selector = make_selector(sel)
         g = torch.Generator().manual_seed(0)
         for layer in range(1, a.num_layers):

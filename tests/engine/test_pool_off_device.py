@@ -12,8 +12,9 @@ from icekv.engine.backends.mirror import ComputeMirror
 from icekv.kv import PagedKVCache
 
 SELECTIONS = [SelectionConfig(), SelectionConfig(policy="icecache", budget=64),
-              SelectionConfig(policy="icecache", budget=64,  # the search a GPU runs: centroids ranked and rescored there
-                              icecache=IceCacheConfig(search="centroids", centroid_scoring="device", rescoring="device"))]
+              SelectionConfig(policy="icecache", budget=64,  # the search a GPU runs: ranked and rescored there
+                              icecache=IceCacheConfig(search="centroids", centroid_scoring="device",
+                                                      rescoring="device"))]
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,8 @@ def test_centroids_scored_on_the_compute_device_select_what_the_host_does(tmp_pa
     runs = {}
     for where in (("host", "host"), ("device", "host"), ("device", "device")):
         sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1,
-                              icecache=IceCacheConfig(search="centroids", centroid_scoring=where[0], rescoring=where[1]))
+                              icecache=IceCacheConfig(search="centroids", centroid_scoring=where[0],
+                                                      rescoring=where[1]))
         runs[where] = _decode_logits(model, ids, new, sel)
     host, on_host = runs["host", "host"]
     for where in (("device", "host"), ("device", "device")):
@@ -87,7 +88,8 @@ def test_centroids_scored_on_the_compute_device_select_what_the_host_does(tmp_pa
         assert set(on_device.selector.device_centroids) == set(on_device.sparse_layers)
     assert on_host.selector.device_bytes() == 0
     ranked, rescored = runs["device", "host"][1].selector, runs["device", "device"][1].selector
-    assert not ranked.device_rescoring and set(rescored.device_rescoring) == set(runs["device", "device"][1].sparse_layers)
+    assert not ranked.device_rescoring
+    assert set(rescored.device_rescoring) == set(runs["device", "device"][1].sparse_layers)
     assert rescored.device_bytes() > ranked.device_bytes()  # + the candidates' keys
     cache = next(iter(rescored.device_rescoring.values()))
     assert cache.hits > 0 and cache.bytes_moved > 0  # the candidates' keys came over once, then were reused

@@ -22,7 +22,8 @@ def _both(store, centroids, q, candidates, k):
 
 @pytest.mark.parametrize("sizes, group, candidates, k", SEARCH_SHAPES)
 @pytest.mark.parametrize("score_dtype", [torch.float32, torch.int8])
-def test_scoring_the_centroids_on_the_device_selects_what_the_host_does(backend_device, sizes, group, candidates, k, score_dtype):
+def test_scoring_the_centroids_on_the_device_selects_what_the_host_does(backend_device, sizes, group, candidates, k,
+                                                                        score_dtype):
     store, trees = index_layer(sizes, dtype=score_dtype)
     centroids = DeviceCentroids(store, torch.device(backend_device), torch.float32)
     g = torch.Generator().manual_seed(9)

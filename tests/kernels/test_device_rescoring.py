@@ -16,7 +16,8 @@ from tests.kernels.conftest import NATIVE, SEARCH_SHAPES, index_layer
 
 def _picks(store, q, candidates, device):
     """Each query head's candidates as the device ranks them [H, G, c]."""
-    return DeviceCentroids(store, torch.device(device), torch.float32).candidates(q.to(device), candidates).cpu().numpy()
+    centroids = DeviceCentroids(store, torch.device(device), torch.float32)
+    return centroids.candidates(q.to(device), candidates).cpu().numpy()
 
 
 @pytest.mark.parametrize("sizes, group, candidates, k", SEARCH_SHAPES)
@@ -87,7 +88,8 @@ def test_holes_and_pages_without_members(backend_device):
     assert [a.tolist() for a in host] == [b.tolist() for b in on_device]
     assert 1 not in on_device[1].tolist()
     slot = rescoring.slot_of[0, 0]
-    assert torch.equal(rescoring.k[0, slot, 5:].cpu(), rescoring.k[0, slot, :1].cpu().expand(11, 32))  # holes: a member's key
+    holes, first = rescoring.k[0, slot, 5:].cpu(), rescoring.k[0, slot, :1].cpu()  # [11, D], [1, D]
+    assert torch.equal(holes, first.expand(11, 32))  # each hole holds a member's key
     assert rescoring.length[0, rescoring.slot_of[0, 1]] == 0
 
 

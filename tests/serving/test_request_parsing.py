@@ -94,9 +94,10 @@ def test_serving_config_from_triton_parameters():
         ServingConfig.from_triton_parameters({"centroid_scoring": "gpu"})
     with pytest.raises(Exception, match="centroid_scoring 'device' applies to search 'centroids'"):
         ServingConfig.from_triton_parameters({"centroid_scoring": "device", "search": "walk"})
-    rescored = ServingConfig.from_triton_parameters({"search": "centroids", "rescoring": "device"}).engine.selection.icecache
+    icecache = lambda params: ServingConfig.from_triton_parameters(params).engine.selection.icecache  # noqa: E731
+    rescored = icecache({"search": "centroids", "rescoring": "device"})
     assert rescored.rescores_on_device() and rescored.scores_centroids_on_device("cpu")  # ranked there too
-    assert not ServingConfig.from_triton_parameters({"search": "centroids"}).engine.selection.icecache.rescores_on_device()
+    assert not icecache({"search": "centroids"}).rescores_on_device()
     with pytest.raises(Exception, match="rescoring must be one of host, device, got 'gpu'"):
         ServingConfig.from_triton_parameters({"rescoring": "gpu"})
     with pytest.raises(Exception, match="rescoring 'device' applies to search 'centroids'"):

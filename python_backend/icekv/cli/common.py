@@ -115,7 +115,8 @@ def _rescoring_flag(parser, default: str | None) -> None:
     parser.add_argument("--rescoring", choices=RESCORING, default=default,
                         help="icecache --search centroids: rescore the candidates exactly on the host (from the "
                              "index) or on the compute device (from a cache of recent candidates' keys there, "
-                             "refilled with the pages it lacks; for a GPU: on a CPU the host's compiled search is faster)")
+                             "refilled with the pages it lacks; for a GPU: on a CPU the host's compiled search "
+                             "is faster)")
 
 
 def _score_dtype_flag(parser, default: str | None) -> None:
