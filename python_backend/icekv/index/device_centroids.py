@@ -59,12 +59,22 @@ class DeviceCentroids:
         """q [H, G, D] on the device -> picks [H, G, c] int32 on the device: each query head's
         best ``c = min(candidates, pages)`` pages by q.centroid, best first, -1 past the pages
         with members."""
-        heads, group, _ = q.shape
-        m = int(self.store.num_pages.max()) if heads else 0
+        m = int(self.store.num_pages.max()) if q.shape[0] else 0
         if len(self._ids) < m:
             self._ids = torch.arange(self.centroid.shape[1], dtype=torch.int32, device=self.device)
-        rows = q.transpose(0, 1).to(self.dtype).contiguous()  # [G, H, D]: a row of its own per query head
-        ids = self._ids[:m].expand(group, heads, m).contiguous()  # [G, H, m]
-        lens = self.live[:, :m].expand(group, heads, m).contiguous()  # [G, H, m] 1 token or none
-        picks, _, _ = select_pages(rows, self.centroid, ids, lens, min(candidates, m))  # [G, H, c]
-        return picks.transpose(0, 1)  # [H, G, c]
+        return best_per_query_head(q, self.centroid, self._ids[:m], self.live[:, :m], min(candidates, m))
+
+
+def best_per_query_head(q: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor,
+                        k: int) -> torch.Tensor:
+    """q [H, G, D], pages [H, S, P, D], each KV head's candidates: slots ids [H, m] (or [m], the
+    same for every head) and their valid tokens lens [H, m], int32 on the device -> [H, G, k]
+    int32: each query head's best ``k`` candidates by max q.k over their tokens, best first (ties:
+    the earlier candidate), -1 past those with tokens. ``select_pages`` with each query head a row
+    of its own (batch G, group 1): grouped, it would rank by the GQA group's shared score."""
+    heads, group, _ = q.shape
+    m = ids.shape[-1]
+    rows = q.transpose(0, 1).to(pages.dtype).contiguous()  # [G, H, D]
+    ids, lens = (t.expand(group, heads, m).contiguous() for t in (ids, lens))  # [G, H, m] each
+    best, _, _ = select_pages(rows, pages, ids, lens, k)  # [G, H, k]
+    return best.transpose(0, 1)

@@ -7,8 +7,8 @@ KV head keyed by page and version like the selected pages' :class:`icekv.kv.Devi
 and only pages not resident (or changed by an insert) cross from the host store, in one staged
 copy. The host then reads the keys
 of those pages only, where :func:`icekv.index.fused_search.candidate_search` reads every
-candidate's. Scoring is :func:`icekv.kernels.select_pages` with each query head its own row, as
-:class:`icekv.index.device_centroids.DeviceCentroids` ranks centroids: per query head, its best
+candidate's. Scoring is :func:`icekv.index.device_centroids.best_per_query_head`, as the
+centroids are ranked (``select_pages`` with each query head a row): per query head, its best
 pages by max q.k over the page's tokens (ties to the lower page id), which the host interleaves
 as the host search does. The copy is in the compute dtype; the host store stays the source of truth.
 
@@ -23,10 +23,10 @@ import numba
 import numpy as np
 import torch
 
+from icekv.index.device_centroids import best_per_query_head
 from icekv.index.fused_search import merge_ranked_picks, union_of_picks
 from icekv.index.page_store import PageStore
 from icekv.index.score_rows import narrow, raw, widen
-from icekv.kernels import select_pages
 from icekv.kv.transfer import StagedTransfer
 
 
@@ -91,16 +91,11 @@ class DeviceRescoring:
 
     def _rank(self, q: torch.Tensor, slots: np.ndarray, k: int) -> np.ndarray:
         """Each query head's best ``min(k, m)`` candidates by exact score -> ranked [H, G, kk] page ids."""
-        heads, group, _ = q.shape
-        m = slots.shape[1]
-        lens = np.where(slots >= 0, self.length[np.arange(heads)[:, None], slots], 0)  # [H, m]
-        device = self.k.device
-        ids = torch.from_numpy(slots.astype(np.int32)).to(device).expand(group, heads, m).contiguous()  # [G, H, m]
-        lens = torch.from_numpy(lens.astype(np.int32)).to(device).expand(group, heads, m).contiguous()  # [G, H, m]
-        rows = q.transpose(0, 1).to(self.k.dtype).contiguous()  # [G, H, D] a row of its own per query head
-        best, _, _ = select_pages(rows, self.k, ids, lens, min(k, m))  # [G, H, kk] slots
-        best = best.transpose(0, 1).cpu().numpy().astype(np.int64)  # [H, G, kk]
-        return np.where(best >= 0, self.page[np.arange(heads)[:, None, None], best], -1)
+        heads = np.arange(q.shape[0])
+        lens = np.where(slots >= 0, self.length[heads[:, None], slots], 0)  # [H, m]
+        ids, lens = (torch.from_numpy(t.astype(np.int32)).to(self.k.device) for t in (slots, lens))  # [H, m] each
+        best = best_per_query_head(q, self.k, ids, lens, min(k, slots.shape[1])).cpu().numpy()  # [H, G, kk] slots
+        return np.where(best >= 0, self.page[heads[:, None, None], best], -1)
 
     def _grow(self, n_slots: int, capacity: int) -> None:
         """Slots for at least ``n_slots`` pages per head (doubling, up to ``max_slots``); a slot map
