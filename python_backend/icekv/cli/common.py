@@ -7,6 +7,7 @@ from pathlib import Path
 
 from icekv.config import CENTROID_SCORING, DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES, IceCacheConfig
 from icekv.errors import IcekvError
+from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
 
 
 def _positive_int(flag: str, least: int = 1):
@@ -52,8 +53,13 @@ def _device_settings(args) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
+def _model_flag(parser, what: str = "") -> None:
+    parser.add_argument("--model", help=f"a known model ({', '.join(KNOWN_MODELS)}: fetched on first use) or a "
+                        f"Hugging Face model folder{' ' + what if what else ''} (default {DEFAULT_MODEL})")
+
+
 def _serving_flags(parser) -> None:
-    parser.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
+    _model_flag(parser)
     _device_flags(parser)
     parser.add_argument("--policy", default=None, help="default page selection policy (config: icecache)")
     parser.add_argument("--budget", type=_positive_int("--budget"), default=None)
@@ -135,7 +141,7 @@ def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
     (``served_here``: also that this machine has the device they name)."""
     from icekv.config import ServingConfig
 
-    params = {"model_dir": args.model and str(Path(args.model).resolve()), "device": args.device,
+    params = {"model_dir": args.model and _model_location(args.model), "device": args.device,
               "kv_pool": args.kv_pool, "dtype": args.dtype, "policy": args.policy,
               "budget": args.budget, "search": args.search, "score_dtype": args.score_dtype,
               "centroid_scoring": args.centroid_scoring, "rescoring": args.rescoring,
@@ -152,6 +158,11 @@ def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
 
         resolve_device(config.engine.device)
     return params
+
+
+def _model_location(model: str) -> str:
+    """A known model's name as is (the server resolves it), a folder as an absolute path."""
+    return model if model in KNOWN_MODELS else str(Path(model).resolve())
 
 
 def _open_store(location: str | None, engine):

@@ -14,14 +14,28 @@ def _cmd_fetch(args) -> int:
     from icekv.assets import Assets
 
     assets = Assets()
-    getters = {"model": assets.model_dir, "essays": assets.essays_dir, "kjv": lambda: assets.kjv_path().parent}
+    getters = {"model": lambda: assets.model_dir(args.model), "essays": assets.essays_dir,
+               "kjv": lambda: assets.kjv_path().parent}
     for name, get in getters.items():
-        if args.what in ("all", name):
+        if not args.list and args.what in ("all", name):
             path = get()
             if args.verify:
                 assets.verify(path)
             print(f"{name}: {path}")
+    print(_known_models_table(assets))
     return 0
+
+
+def _known_models_table(assets) -> str:
+    from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
+
+    rows = [("name", "fetched", "context", "license", "chat template", "what")]
+    rows += [(m.name + (" (default)" if m.name == DEFAULT_MODEL else ""), "yes" if assets.is_fetched(m.name) else "no",
+              f"{m.trained_context:,}", m.license, m.chat_template, m.architecture) for m in KNOWN_MODELS.values()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["known models (--model NAME; icekv fetch --model NAME fetches one):"]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    return "\n".join(lines)
 
 
 def _cmd_generate(args) -> int:
@@ -87,6 +101,7 @@ def _cmd_generate(args) -> int:
 def _cmd_demo(args) -> int:
     from icekv.assets import Assets
     from icekv.config import OpenAIConfig
+    from icekv.engine.engine import resolve_model_dir
     from icekv.eval.tasks import HaystackSampler
     from icekv.model import Tokenizer
     from icekv.serving.client import Final, stream_generate
@@ -95,7 +110,7 @@ def _cmd_demo(args) -> int:
 
     params = _serving_parameters(args, served_here=True)
     assets = Assets()
-    model_dir = Path(args.model) if args.model else assets.model_dir()
+    model_dir = resolve_model_dir(args.model)
     sample = HaystackSampler(assets.haystack_text("essays"), Tokenizer(model_dir)).make(
         "niah_single", args.length, seed=args.seed
     )

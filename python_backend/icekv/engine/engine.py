@@ -26,11 +26,12 @@ from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
 from icekv.engine.sequence import OnProgress, OnText, Phase, Sequence
 from icekv.engine.step import StepRunner
-from icekv.errors import CacheFullError, ConfigError
+from icekv.errors import CacheFullError, ConfigError, ModelLoadError
 from icekv.kv import PagedKVCache
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import get_policy
+from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
 from icekv.sizing import device_need
 
 FULL = SelectionConfig(policy="full")
@@ -45,13 +46,18 @@ def model_identity(model_dir: Path, dtype: str) -> str:
     return f"{digest.hexdigest()[:24]}:{dtype}"
 
 
-def resolve_model_dir(model_dir: str | None) -> Path:
-    """The given directory, or the embedded default model (fetched on first use)."""
-    if model_dir is not None:
-        return Path(model_dir)
-    from icekv.assets import Assets
+def resolve_model_dir(model: str | None) -> Path:
+    """A model folder, or a known model's name (:mod:`icekv.registry`: fetched and converted on
+    first use); None is the default model."""
+    if model is None or model in KNOWN_MODELS:
+        from icekv.assets import Assets
 
-    return Assets().model_dir()
+        return Assets().model_dir(model or DEFAULT_MODEL)
+    path = Path(model)
+    if not path.is_dir():
+        raise ModelLoadError(f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a "
+                             "model folder")
+    return path
 
 
 class Engine:
@@ -134,6 +140,10 @@ class Engine:
         self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
         seq = Sequence(seq_id, ids, sampling, selection, context, on_text, on_progress, prefilled, prefill_only, probe)
+        if prefilled is not None:
+            if ids[:len(prefilled.prompt_ids)] != prefilled.prompt_ids:
+                raise ConfigError("a decode over a prefilled prompt must continue that prompt")
+            seq.prefill_done = len(prefilled.prompt_ids)
         held = len(ids) + (0 if prefill_only else sampling.max_tokens)
         seq.pages = math.ceil(held / self.cache.page_size)
         if not prefill_only and seq.selects:
@@ -182,7 +192,7 @@ class Engine:
             seq.error = e
         finally:
             if seq.prefilled is not None:  # leave the prompt's KV as it was, for the next decode
-                self.cache.truncate(seq.seq_id, len(seq.prompt_ids))
+                self.cache.truncate(seq.seq_id, len(seq.prefilled.prompt_ids))
             elif seq.error is not None or not seq.prefill_only:
                 if seq.index is not None:
                     seq.index.cancel()
@@ -232,9 +242,11 @@ class Engine:
 
     def decode(self, req: Prefilled, sampling: SamplingConfig = SamplingConfig(),
                selection: SelectionConfig | None = None, on_text: OnText | None = None,
-               probe: bool = False) -> Generation:
-        """Decode after a prefilled prompt under ``selection``; leaves the prompt's KV as it was."""
-        return self.run(self.submit(req.prompt_ids, sampling, selection, on_text=on_text, prefilled=req, probe=probe))
+               probe: bool = False, suffix: list[int] = ()) -> Generation:
+        """Decode after a prefilled prompt under ``selection``, after prefilling ``suffix`` over it
+        (a question asked of a prefilled context); leaves the prompt's KV as it was."""
+        return self.run(self.submit(req.prompt_ids + list(suffix), sampling, selection, on_text=on_text,
+                                    prefilled=req, probe=probe))
 
     def release(self, req: Prefilled) -> None:
         if req.index is not None:

@@ -37,8 +37,9 @@ class Cancelled(IcekvError):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request's state. ``prefilled``: decode over an existing prompt's KV (its pages stay, the
-    decoded tokens are truncated afterwards); ``prefill_only``: stop after prefill and keep the
+    """A request's state. ``prefilled``: decode over an existing prompt's KV, after prefilling the
+    rest of ``prompt_ids`` if they continue it (its pages stay: what this request adds is truncated
+    afterwards); ``prefill_only``: stop after prefill and keep the
     pages (the result is then a :class:`Prefilled`)."""
 
     seq_id: int
@@ -117,7 +118,8 @@ class Sequence:
     @property
     def decoding(self) -> bool:
         """Its next step feeds one token (the prompt is in the cache, its own or ``prefilled``)."""
-        return self.phase is Phase.DECODE or (self.phase is Phase.WAITING and self.prefilled is not None)
+        return self.phase is Phase.DECODE or (self.phase is Phase.WAITING and self.prefilled is not None
+                                              and not self.remaining_prompt)
 
     def start_decode(self, tokenizer, eos: set[int], logits: torch.Tensor) -> None:
         """The prompt is in the cache: sample the first token from ``logits`` [V]."""

@@ -70,9 +70,12 @@ class StepRunner:
 
     def _prepare(self, seq: Sequence, n: int) -> list[int] | None:
         """The token ids ``seq`` feeds this step (its backend set up); None: nothing to feed."""
-        if seq.phase is Phase.WAITING and seq.prefilled is not None:  # decode over an existing prompt
+        if seq.decoding and seq.phase is Phase.WAITING:  # decode over an existing prompt
             seq.prefill_s = seq.prefilled.prefill_s
             seq.start_decode(self.tokenizer, self.eos, seq.prefilled.logits)
+        elif seq.phase is Phase.WAITING and seq.prefilled is not None:  # its suffix, over the prompt's KV
+            seq.phase, seq.t_prefill = Phase.PREFILL, time.perf_counter()
+            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads)
         elif seq.phase is Phase.WAITING:
             if seq.context is not None:
                 check_context(seq.context, self.cache, self.model.args)

@@ -31,7 +31,8 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
     policy = get_policy(seq.selection.policy)
     # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
     selects = seq.selects or (policy.sparse and seq.prefill_only)
-    if seq.context is not None or not selects or index_threads == 0:
+    # an index built here would miss the tokens already cached (a prefilled prompt's suffix)
+    if seq.context is not None or not selects or index_threads == 0 or seq.prefilled is not None:
         return DenseAttention(token_source(cache, seq.seq_id, seq.context, len(seq.prompt_ids)))
     seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads, cache.compute)
     return IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
@@ -42,6 +43,8 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
     here, or takes the one prefill built for this selection)."""
     selection, prefilled = seq.selection, seq.prefilled
     index = seq.index if prefilled is None else prefilled.prebuilt_index(selection)  # built for this selection
+    if prefilled is not None and len(seq.prompt_ids) > len(prefilled.prompt_ids):
+        index = None  # it lacks the suffix: this decode builds its own (prefilled keeps it for another)
     if prefilled is not None and index is not None:
         prefilled.index = None  # decoding changes the index: it serves this one decode
     seq.index = None
