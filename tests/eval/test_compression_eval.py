@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from icekv.eval.compression import wilson_interval
+from icekv.eval.stats import wilson_interval
 from tests.test_cli import icekv
 
 

@@ -41,3 +41,35 @@ def test_bad_eval_flags(tmp_path, args, message):
     proc = icekv("eval", "--out", str(tmp_path), "--policies", "full,icecache", *args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.model
+def test_a_long_run_logs_each_context_and_resumes(tmp_path, smollm2_dir):
+    """Each context's runs are one log line written as it finishes; --resume keeps them and runs
+    only what is missing (here the grid grew by a sample), a cut last line runs again, and a
+    different grid is refused."""
+    out = tmp_path / "run"
+    grid = ["--task", "niah_multikey", "--lengths", "600", "--policies", "full,icecache", "--budgets", "64",
+            "--questions", "2", "--num-needles", "3", "--out", str(out)]
+    proc = icekv("eval", *grid, "--samples", "1")
+    assert proc.returncode == 0, proc.stderr
+    log = out / "runs.jsonl"
+    first = log.read_text().splitlines()
+    assert len(first) == 2 and "config" in json.loads(first[0])
+    entry = json.loads(first[1])
+    assert entry["context"] == "niah_multikey/600/0" and len(entry["runs"]) == 4  # 2 questions x 2 selections
+    assert {r["question"] for r in entry["runs"]} == {0, 1}
+
+    log.write_text("\n".join(first) + "\n" + first[1][:50])  # an interrupted write of a second context
+    proc = icekv("eval", *grid, "--samples", "2", "--resume")
+    assert proc.returncode == 0, proc.stderr
+    lines = log.read_text().splitlines()
+    assert lines[:2] == first  # kept as it was, not run again
+    assert [json.loads(line)["context"] for line in lines[3:]] == ["niah_multikey/600/1"]
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert {r["n"] for r in records} == {4} and all(0 <= r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] for r in records)
+
+    proc = icekv("eval", *grid[:-2], "--budgets", "128", "--out", str(out), "--resume")
+    assert proc.returncode == 2 and "different evaluation grid" in proc.stderr, proc.stderr
+    proc = icekv("eval", *grid[:-1], str(tmp_path / "none"), "--resume")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr

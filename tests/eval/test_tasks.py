@@ -1,5 +1,7 @@
 """Task generation from real text: exact lengths, needles where asked, determinism."""
 
+import re
+
 import pytest
 
 from icekv.errors import ConfigError
@@ -63,3 +65,31 @@ def test_a_template_without_the_user_content_is_refused():
 
     with pytest.raises(ConfigError, match="exactly once"):
         PromptFormat.from_chat_template(lambda messages: "no content here")
+
+
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"])
+def test_a_context_asks_each_of_its_needles_once(sampler, task):
+    c = sampler.make_context(task, 2000, seed=4, questions=3, num_needles=5, num_values=2, num_hops=3)
+    assert len(c.questions) == 3 and len({q.text for q in c.questions}) == 3
+    answers = [a for q in c.questions for a in q.answers]
+    assert len(answers) == len(set(answers)) and all(a in c.context for a in answers)
+    length = len(sampler.tokenizer.encode(c.context + c.questions[0].text))
+    assert 2000 - 40 <= length <= 2005
+    needles = {"niah_single": 3, "niah_multikey": 5, "niah_multivalue": 6, "variable_tracking": 12}[task]
+    pattern = r"VAR [A-Z]{5} = " if task == "variable_tracking" else r"One of the special magic numbers for "
+    assert len(re.findall(pattern, c.context)) == needles
+    assert len(c.depths) == needles
+    for q in c.questions:
+        assert q.score(" ".join(q.answers)) == 1.0 and q.score("none") == 0.0
+        if task == "variable_tracking":  # the chain's statements come in order, from its value on
+            value = q.text.split("the value ")[1].split(" ")[0]
+            at = [c.context.index(f"VAR {q.answers[0]} = {value}.")]
+            at += [c.context.index(f"VAR {b} = VAR {a}.") for a, b in zip(q.answers, q.answers[1:])]
+            assert at == sorted(at) and q.stop == ()
+
+
+def test_a_context_refuses_what_it_cannot_ask(sampler):
+    with pytest.raises(ConfigError, match="unknown context task"):
+        sampler.make_context("passkey", 1000, seed=0, questions=2)
+    with pytest.raises(ConfigError, match="questions must be >= 1"):
+        sampler.make_context("niah_single", 1000, seed=0, questions=0)

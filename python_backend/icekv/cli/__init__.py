@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--json", action="store_true")
 
     ev = sub.add_parser("eval", help="RULER-style accuracy across lengths, policies and budgets")
-    ev.add_argument("--task", default="niah_single", help="comma list: niah_single, niah_multikey, niah_multivalue, passkey")
+    ev.add_argument("--task", default="niah_single",
+                    help="comma list: niah_single, niah_multikey, niah_multivalue, variable_tracking, passkey")
     ev.add_argument("--haystack", default="essays", help="essays | kjv | PATH to a text file")
     ev.add_argument("--lengths", default="2000", help="comma list of prompt lengths in tokens")
     ev.add_argument("--depths", default=None, help="comma list of needle depths in 0..1 (default: spread)")
@@ -71,11 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--budgets", default="256")
     ev.add_argument("--samples", type=_positive_int("--samples"), default=10)
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--num-needles", type=_positive_int("--num-needles"), default=2)
+    ev.add_argument("--num-needles", type=_positive_int("--num-needles"), default=2,
+                    help="niah_multikey: needles in all, the asked ones and distractors")
+    ev.add_argument("--num-values", type=_positive_int("--num-values"), default=2,
+                    help="niah_multivalue: values of each asked key")
+    ev.add_argument("--num-hops", type=_positive_int("--num-hops"), default=4,
+                    help="variable_tracking: assignments after the first in each chain")
+    ev.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=None,
+                    help="tokens decoded per answer (default 12; variable_tracking needs more)")
+    ev.add_argument("--resume", action="store_true",
+                    help="keep the contexts --out/runs.jsonl already holds (same grid) and run the rest")
     ev.add_argument("--compress", default=None,
                     help="reusable-context mode: comma list of kv2, kvzip, snapkv, keydiff, streaming")
     ev.add_argument("--kv-budgets", default="0.02,0.05,0.1,0.25", help="with --compress: shares of the KV kept")
-    ev.add_argument("--questions", type=_positive_int("--questions"), default=4, help="with --compress: per context")
+    ev.add_argument("--questions", type=_positive_int("--questions"), default=None,
+                    help="asked of each prefilled context, each of its own needle, key or chain (default 1; with "
+                         "--compress: 4)")
     _kv2_flag(ev, "with --compress kv2, its settings")
     ev.add_argument("--chat-template", action="store_true",
                     help="ask each question as a user turn of the model's chat template (answer prefix after it)")

@@ -17,16 +17,25 @@ def _cmd_eval(args) -> int:
 
     if args.compress:
         return _cmd_eval_compression(args)
+    if args.resume and not (args.out / "runs.jsonl").is_file():
+        raise IcekvError(f"--resume: {args.out / 'runs.jsonl'} does not exist")
     depths = _csv("--depths", args.depths, float) if args.depths else None
     if depths and not all(0 <= d <= 1 for d in depths):
         raise IcekvError("--depths must lie in 0..1")
+    optional = {name: getattr(args, name) for name in ("questions", "max_tokens") if getattr(args, name) is not None}
     cfg = EvalConfig(
         tasks=_csv("--task", args.task, str), haystack=args.haystack,
         lengths=_csv("--lengths", args.lengths, int), policies=_csv("--policies", args.policies, str),
         budgets=_csv("--budgets", args.budgets, int), samples=args.samples, seed=args.seed,
-        depths=depths, num_needles=args.num_needles, icecache=_icecache_config(args), chat_template=args.chat_template,
+        depths=depths, num_needles=args.num_needles, num_values=args.num_values, num_hops=args.num_hops,
+        icecache=_icecache_config(args), chat_template=args.chat_template, **optional,
     )
-    return _run_and_report(args, lambda engine, text, progress: run_eval(engine, cfg, text, progress), write_report, "decode")
+
+    def run(engine, text, progress, meta):
+        return run_eval(engine, cfg, text, progress, log=args.out / "runs.jsonl", resume=args.resume,
+                        on_context=lambda records: write_report(records, args.out, meta))
+
+    return _run_and_report(args, run, write_report, "decode")
 
 
 def _cmd_eval_compression(args) -> int:
@@ -45,9 +54,9 @@ def _cmd_eval_compression(args) -> int:
         variants=tuple(Variant(m, m, settings.get(m, {})) for m in methods),
         kv_budgets=_csv("--kv-budgets", args.kv_budgets, float), tasks=_csv("--task", args.task, str),
         haystack=args.haystack, lengths=_csv("--lengths", args.lengths, int), samples=args.samples,
-        questions=args.questions, seed=args.seed, chat_template=args.chat_template,
+        questions=args.questions or 4, seed=args.seed, chat_template=args.chat_template,
     )
-    return _run_and_report(args, lambda engine, text, progress: run_compression_eval(engine, cfg, text, progress),
+    return _run_and_report(args, lambda engine, text, progress, meta: run_compression_eval(engine, cfg, text, progress),
                            write_compression_report, "compression")
 
 
@@ -67,7 +76,7 @@ def _run_and_report(args, run, write, unit: str) -> int:
         bar.total = total
         bar.update(done - bar.n)
 
-    records, meta = _timed(engine, lambda: run(engine, text, progress))
+    records, meta = _timed(engine, lambda meta: run(engine, text, progress, meta))
     bar.close()
     write(records, args.out, meta)
     print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
@@ -123,7 +132,7 @@ def _cmd_bench(args) -> int:
     for pool_settings, group in _pool_groups(policies, settings, device_type):
         engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler, **pool_settings))
         part = replace(cfg, policies=group, **(peer_once if records else {}))  # the peer runs with the first group
-        more, part_meta = _timed(engine, lambda: run(engine, part, seed_text, lambda m: print(m, file=sys.stderr)))
+        more, part_meta = _timed(engine, lambda _: run(engine, part, seed_text, lambda m: print(m, file=sys.stderr)))
         records += more
         meta = {**part_meta, "wall_s": round(meta.get("wall_s", 0) + part_meta["wall_s"], 1)}
         del engine  # before the next group's engine loads
@@ -147,21 +156,27 @@ def _pool_groups(policies: tuple[str, ...], settings: dict, device_type: str) ->
     return [({**settings, "kv_pool": pool}, tuple(group)) for pool, group in groups.items()]
 
 
-def _timed(engine, run) -> tuple[list[dict], dict]:
-    """A benchmark's records and what they were measured with (command, model, machine, wall time)."""
+def _meta(engine) -> dict:
+    """What a benchmark is measured with: command, model, machine."""
     import platform
-    import time
 
     import torch
 
-    t0 = time.perf_counter()
-    records = run()
-    meta = {"command": "icekv " + " ".join(sys.argv[1:]), "model": engine.model_name,
+    return {"command": "icekv " + " ".join(sys.argv[1:]), "model": engine.model_name,
             "device": str(engine.device), "kv_pool": str(engine.cache.pool.device),
             "dtype": str(engine.cache.pool.dtype),
             "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-            "wall_s": round(time.perf_counter() - t0, 1)}
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"}
+
+
+def _timed(engine, run) -> tuple[list[dict], dict]:
+    """A benchmark's records and its :func:`_meta`, with its wall time; ``run`` gets the meta."""
+    import time
+
+    t0 = time.perf_counter()
+    meta = _meta(engine)
+    records = run(meta)
+    meta["wall_s"] = round(time.perf_counter() - t0, 1)
     return records, meta
 
 

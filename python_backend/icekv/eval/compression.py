@@ -25,6 +25,7 @@ from icekv.compress.scoring import run_steps
 from icekv.config import SamplingConfig, check_kv_budget
 from icekv.engine import Engine
 from icekv.errors import ConfigError
+from icekv.eval.stats import wilson_interval
 from icekv.eval.tasks import REUSABLE_TASKS, HaystackSampler, PromptFormat, make_reusable
 
 FULL = "full"
@@ -99,16 +100,6 @@ class PeakRSS:
     @property
     def growth(self) -> int:
         return self.peak - self.base
-
-
-def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson score interval of a proportion (sound at 0% and 100%, unlike p +- 1.96 se)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def compress_prefilled(engine: Engine, prefilled, ids: list[int], variant: Variant, budgets) -> dict:

@@ -27,7 +27,8 @@ def render_markdown(records: list[dict], meta: dict) -> str:
     for (task, hay), rs in sorted(by_task.items()):
         lengths = sorted({r["length"] for r in rs})
         rows = sorted({(r["policy"], r["budget"] or 0) for r in rs}, key=lambda x: (x[0] != "full", x[0], x[1]))
-        lines += [f"## {task} on {hay}", "", "accuracy (ratio to full cache) | attention recall | output cosine", ""]
+        lines += [f"## {task} on {hay}", "",
+                  "accuracy [95% interval] (ratio to full cache), n questions | attention recall | output cosine", ""]
         lines.append("| policy | budget | " + " | ".join(f"{n} tokens" for n in lengths) + " | recall | cosine |")
         lines.append("|---|---|" + "---|" * len(lengths) + "---|---|")
         for pol, bud in rows:
@@ -38,7 +39,8 @@ def render_markdown(records: list[dict], meta: dict) -> str:
                     cells.append("-")
                     continue
                 ratio = "" if r["ratio_to_full"] is None or pol == "full" else f" ({_fmt(r['ratio_to_full'])})"
-                cells.append(f"{_fmt(r['accuracy'])}{ratio} n={r['n']}")
+                low, high = r["ci95"]
+                cells.append(f"{_fmt(r['accuracy'])} [{_fmt(low)}-{_fmt(high)}]{ratio} n={r['n']}")
                 if r["recall"] is not None:
                     rec.append(r["recall"])
                     cos.append(r["cosine"])

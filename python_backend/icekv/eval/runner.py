@@ -1,33 +1,45 @@
-"""Run RULER-style tasks across lengths, policies and budgets; one prefill per sample, shared."""
+"""Run RULER-style tasks across lengths, policies and budgets: each context is prefilled once, and
+every question asked of it is decoded from that one prefill under every (policy, budget).
+
+At length the prefill is the cost (minutes per 16k-token context on a CPU), so a context carries
+several questions (one per needle, or per key, or per variable chain) and a run appends one line
+per finished context to a log (``runs.jsonl``): a run of hours can be read while it runs, and
+resumed after an interruption (``resume``) without redoing a finished context.
+"""
 
 from __future__ import annotations
 
+import json
 import zlib
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
+from icekv.eval.stats import aggregate
 from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """One evaluation grid. ``depths`` None spreads needle depths evenly over 0..1 per sample."""
+    """One evaluation grid. ``depths`` None spreads a lone needle's depth evenly over 0..1 per
+    sample; ``questions`` are asked of each context (each its own needle, key or chain)."""
 
     tasks: tuple[str, ...] = ("niah_single",)
     haystack: str = "essays"
     lengths: tuple[int, ...] = (2000,)
     policies: tuple[str, ...] = ("full", "icecache")
     budgets: tuple[int, ...] = (256,)
-    samples: int = 10
+    samples: int = 10  # contexts per task and length
+    questions: int = 1  # per context
     seed: int = 0
     depths: tuple[float, ...] | None = None
     max_tokens: int = 12
-    num_needles: int = 2  # niah_multikey: needles with distinct keys, one asked
-    num_values: int = 2  # niah_multivalue: values of the one key, all asked
+    num_needles: int = 2  # niah_multikey: needles with distinct keys in all (the asked ones, then distractors)
+    num_values: int = 2  # niah_multivalue: values of each asked key, all expected
+    num_hops: int = 4  # variable_tracking: assignments after the first in each chain
     probe: bool = True  # per-layer attention recall and output cosine vs full attention
     icecache: IceCacheConfig = IceCacheConfig()  # e.g. search="exhaustive"
     chat_template: bool = False  # ask each question as a user turn of the model's chat template
@@ -36,8 +48,13 @@ class EvalConfig:
         for t in self.tasks:
             if t not in TASKS:
                 raise ConfigError(f"--task: unknown task {t!r}; choose from {', '.join(TASKS)}")
-        if self.samples < 1:
-            raise ConfigError(f"--samples must be >= 1, got {self.samples}")
+        if self.samples < 1 or self.questions < 1:
+            raise ConfigError(f"--samples and --questions must be >= 1, got {self.samples} and {self.questions}")
+        if "passkey" in self.tasks and self.questions > 1:
+            raise ConfigError("--task passkey holds one key: it takes --questions 1")
+        if "niah_multikey" in self.tasks and self.num_needles <= self.questions:
+            raise ConfigError(f"niah_multikey needs distractors: --num-needles ({self.num_needles}) must exceed "
+                              f"--questions ({self.questions})")
         for pol in self.policies:  # validates policy names and budgets early, with their messages
             for b in self.budgets:
                 SelectionConfig(policy=pol, budget=b)
@@ -47,64 +64,102 @@ class EvalConfig:
         return out + [SelectionConfig(policy=p, budget=b, icecache=self.icecache)
                       for p in self.policies if p != "full" for b in self.budgets]
 
+    def contexts(self) -> list[tuple[str, int, int]]:
+        """Every (task, length, sample) of the grid, in the order they run."""
+        return [(t, n, i) for t in self.tasks for n in self.lengths for i in range(self.samples)]
+
 
 def _sample_seed(cfg: EvalConfig, task: str, length: int, i: int) -> int:
     return zlib.crc32(f"{cfg.seed}/{cfg.haystack}/{task}/{length}/{i}".encode())
 
 
 def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
-             progress: Callable[[int, int], None] | None = None) -> list[dict]:
-    """Returns one record per (task, length, policy, budget) with accuracy over ``samples``."""
+             progress: Callable[[int, int], None] | None = None, log: Path | None = None,
+             resume: bool = False, on_context: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Returns one record per (task, length, policy, budget) with accuracy over every question.
+    With ``log``, each finished context's runs are appended there as one JSON line (flushed);
+    ``resume`` keeps the contexts the log already holds (it must come from the same grid);
+    ``on_context`` gets the records so far after each context run here."""
+    finished = _read_log(log, cfg) if resume and log is not None and log.exists() else {}
+    if log is not None and not finished:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(json.dumps({"config": _grid(cfg)}) + "\n")
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
     form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
     selections = cfg.selections()
-    sampling = SamplingConfig(max_tokens=cfg.max_tokens, stop=("\n",))
-    acc: dict[tuple, list] = defaultdict(list)
-    total, done = len(cfg.tasks) * len(cfg.lengths) * cfg.samples * len(selections), 0
-    for task in cfg.tasks:
-        for length in cfg.lengths:
-            for i in range(cfg.samples):
-                depth = cfg.depths[i % len(cfg.depths)] if cfg.depths else (i + 0.5) / cfg.samples
-                sample = sampler.make(task, length, _sample_seed(cfg, task, length, i), depth=depth,
-                                      num_needles=cfg.num_needles, num_values=cfg.num_values)
-                req = engine.prefill(engine.tokenizer.encode(form.prompt(sample.prompt)))
-                try:
-                    for sel in selections:
-                        gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full")
-                        key = (task, length, sel.policy, sel.attended_budget)
-                        acc[key].append((sample.score(gen.text), gen))
-                        done += 1
-                        if progress:
-                            progress(done, total)
-                finally:
-                    engine.release(req)
-    return _records(cfg, acc)
+    total = len(cfg.contexts()) * cfg.questions * len(selections)
+    count = {"done": 0}
+
+    def on_run() -> None:
+        count["done"] += 1
+        if progress:
+            progress(count["done"], total)
+
+    runs = []
+    for task, length, i in cfg.contexts():
+        key = f"{task}/{length}/{i}"
+        if key in finished:
+            count["done"] += len(finished[key]["runs"]) - 1
+            on_run()
+        else:
+            finished[key] = _run_context(engine, cfg, sampler, form, selections, task, length, i, on_run)
+            if log is not None:
+                with open(log, "a") as f:
+                    f.write(json.dumps(finished[key]) + "\n")
+            if on_context:
+                on_context(aggregate(runs + finished[key]["runs"], cfg.haystack, cfg.chat_template))
+        runs += finished[key]["runs"]
+    return aggregate(runs, cfg.haystack, cfg.chat_template)
 
 
-def _records(cfg: EvalConfig, acc: dict) -> list[dict]:
-    full = {(t, n): sum(s for s, _ in v) / len(v) for (t, n, p, _), v in acc.items() if p == "full"}
-    records = []
-    for (task, length, policy, budget), runs in acc.items():
-        scores = [s for s, _ in runs]
-        accuracy = sum(scores) / len(scores)
-        layers: dict[int, list] = defaultdict(list)
-        for _, gen in runs:
-            for layer, st in gen.layer_stats.items():
-                layers[layer].append(st)
-        per_layer = {
-            layer: {k: sum(s[k] for s in v) / len(v) for k in ("recall", "cosine")} for layer, v in sorted(layers.items())
-        }
-        base = full.get((task, length))
-        records.append({
-            "task": task, "haystack": cfg.haystack, "length": length, "policy": policy, "budget": budget,
-            "chat_template": cfg.chat_template,
-            "accuracy": accuracy, "n": len(scores),
-            "ratio_to_full": accuracy / base if base else None,
-            "recall": sum(v["recall"] for v in per_layer.values()) / len(per_layer) if per_layer else None,
-            "cosine": sum(v["cosine"] for v in per_layer.values()) / len(per_layer) if per_layer else None,
-            "tpot_s": sum(g.tpot_s for _, g in runs) / len(runs),
-            "resident_bytes": max(g.kv.resident_bytes for _, g in runs),
-            "total_bytes": max(g.kv.total_bytes for _, g in runs),
-            "layers": per_layer,
-        })
-    return records
+def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form: PromptFormat,
+                 selections: list[SelectionConfig], task: str, length: int, i: int,
+                 on_run: Callable[[], None]) -> dict:
+    """Prefill one context, ask each of its questions under every selection; the context's log entry."""
+    depth = cfg.depths[i % len(cfg.depths)] if cfg.depths else (i + 0.5) / cfg.samples
+    seed = _sample_seed(cfg, task, length, i)
+    sample = sampler.make_context(task, length, seed, cfg.questions, depth if cfg.questions == 1 else None,
+                                  cfg.num_needles, cfg.num_values, cfg.num_hops)
+    context_ids = engine.tokenizer.encode(form.context(sample.context))
+    req = engine.prefill(context_ids)
+    runs = []
+    try:
+        for q, question in enumerate(sample.questions):
+            suffix = engine.tokenizer.encode(form.question(question.text))
+            sampling = SamplingConfig(max_tokens=cfg.max_tokens, stop=question.stop)
+            for sel in selections:
+                gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full", suffix=suffix)
+                runs.append({"task": task, "length": length, "sample": i, "question": q,
+                             "policy": sel.policy, "budget": sel.attended_budget,
+                             "score": question.score(gen.text), "output": gen.text,
+                             "expected": list(question.answers), "prompt_tokens": gen.prompt_tokens,
+                             "tpot_s": gen.tpot_s, "timings": gen.timings, "layers": gen.layer_stats,
+                             "resident_bytes": gen.kv.resident_bytes, "total_bytes": gen.kv.total_bytes})
+                on_run()
+    finally:
+        engine.release(req)
+    return {"context": f"{task}/{length}/{i}", "seed": seed, "context_tokens": len(context_ids),
+            "depths": list(sample.depths), "prefill_s": req.prefill_s, "runs": runs}
+
+
+def _grid(cfg: EvalConfig) -> dict:
+    """What a log's contexts depend on: a resumed run must match it."""
+    grid = asdict(cfg)
+    for name in ("tasks", "lengths", "samples"):  # a resumed run may grow the grid
+        grid.pop(name)
+    return json.loads(json.dumps(grid))
+
+
+def _read_log(log: Path, cfg: EvalConfig) -> dict[str, dict]:
+    lines = log.read_text().splitlines()
+    head = json.loads(lines[0]) if lines else {}
+    if head.get("config") != _grid(cfg):
+        raise ConfigError(f"--resume: {log} was written by a different evaluation grid; use another --out")
+    entries = {}
+    for line in lines[1:]:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by an interruption: that context runs again
+            continue
+        entries[entry["context"]] = entry
+    return entries

@@ -31,7 +31,12 @@ PASSKEY_PREAMBLE = (
 PASSKEY_FILLER = "The river runs to the sea. The hills are quiet. The day is long. On we go. "
 PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key. "
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "passkey")
+VAR_NEEDLE = "VAR {name} = {value}."
+VAR_QUESTION = (
+    "\nWhich variables are assigned the value {value} in the text above? According to the chain of "
+    "variables assigned in the text above, {n} variables are assigned the value {value}, they are:"
+)
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "passkey")
 # Our own small vocabulary for needle keys ("word-word"), so keys are ordinary tokens.
 KEY_WORDS = (
     "amber anchor apple arrow autumn badge basket beacon berry blanket bottle breeze bridge "
@@ -45,7 +50,33 @@ KEY_WORDS = (
 
 
 @dataclass(frozen=True)
+class Question:
+    """One question asked of a context, and the answers it expects."""
+
+    text: str  # follows the context: the question, then its answer prefix
+    answers: tuple[str, ...]  # every one must appear in the output
+    stop: tuple[str, ...] = ("\n",)  # where the answer ends (a list of names may span lines)
+
+    def score(self, output: str) -> float:
+        """1.0 when every expected answer appears in the output, else the share that did."""
+        return sum(a in output for a in self.answers) / len(self.answers)
+
+
+@dataclass(frozen=True)
+class ContextSample:
+    """A context (preamble and haystack with its needles) and the questions asked of it, each
+    answered from the same prefilled context."""
+
+    task: str
+    context: str
+    questions: tuple[Question, ...]
+    depths: tuple[float, ...]  # of every needle, in 0..1
+
+
+@dataclass(frozen=True)
 class Sample:
+    """A context with one question, as one prompt."""
+
     task: str
     prompt: str
     answers: tuple[str, ...]  # every one must appear in the output
@@ -53,8 +84,7 @@ class Sample:
     prompt_tokens: int
 
     def score(self, output: str) -> float:
-        """1.0 when every expected answer appears in the output, else the share that did."""
-        return sum(a in output for a in self.answers) / len(self.answers)
+        return Question(self.prompt, self.answers).score(output)
 
 
 def _key(rng: random.Random, used: set[str]) -> str:
@@ -81,43 +111,47 @@ class HaystackSampler:
         self.text = re.sub(r"[ \t]+", " ", text)
         self.ids = tokenizer.encode(self.text)
 
-    def make(
-        self,
-        task: str,
-        length: int,
-        seed: int,
-        depth: float | None = None,
-        num_needles: int = 1,
-        num_values: int = 1,
-    ) -> Sample:
-        """Build one sample of about ``length`` prompt tokens.
-
-        ``niah_single``: one needle; ``niah_multikey``: ``num_needles`` needles with distinct
-        keys, one asked; ``niah_multivalue``: one key with ``num_values`` values, all asked.
-        """
+    def make(self, task: str, length: int, seed: int, depth: float | None = None, num_needles: int = 1,
+             num_values: int = 1) -> Sample:
+        """One prompt of about ``length`` tokens asking one question (:meth:`make_context`'s first)."""
         if task not in TASKS:
             raise ConfigError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-        rng = random.Random(seed)
         if task == "passkey":
-            return self._passkey(length, rng, depth)
-        keys_used: set[str] = set()
-        values_used: set[str] = set()
-        query = _key(rng, keys_used)
-        if task == "niah_multivalue":
-            needles = [(query, _value(rng, values_used)) for _ in range(num_values)]
-            answers = tuple(v for _, v in needles)
+            return self._passkey(length, random.Random(seed), depth)
+        c = self.make_context(task, length, seed, 1, depth, num_needles, num_values)
+        prompt = c.context + c.questions[0].text
+        return Sample(task, prompt, c.questions[0].answers, c.depths, len(self.tokenizer.encode(prompt)))
+
+    def make_context(self, task: str, length: int, seed: int, questions: int = 1, depth: float | None = None,
+                     num_needles: int = 1, num_values: int = 1, num_hops: int = 4) -> ContextSample:
+        """A context of about ``length`` tokens (with a question) and ``questions`` questions of it.
+
+        ``niah_single``: one needle per question, each with its own key; ``niah_multikey``: as
+        many, plus distractor needles up to ``num_needles`` in all, never asked;
+        ``niah_multivalue``: per question one key with ``num_values`` values, all asked;
+        ``variable_tracking``: per question a chain of ``num_hops`` + 1 variables
+        (``VAR A = 12345.``, ``VAR B = VAR A.``, ...) in order through the text, every name asked.
+        ``depth`` places a lone needle; otherwise depths are drawn from the seed.
+        """
+        if task not in TASKS or task == "passkey":
+            choices = ", ".join(t for t in TASKS if t != "passkey")
+            raise ConfigError(f"unknown context task {task!r}; choose from {choices}")
+        if questions < 1:
+            raise ConfigError(f"questions must be >= 1, got {questions}")
+        rng = random.Random(seed)
+        if task == "variable_tracking":
+            needles, asked = _chains(rng, questions, num_hops)
         else:
-            needles = [(query, _value(rng, values_used))]
-            answers = (needles[0][1],)
-            if task == "niah_multikey":
-                needles += [(_key(rng, keys_used), _value(rng, values_used)) for _ in range(num_needles - 1)]
+            needles, asked = _needles(rng, task, questions, num_needles, num_values)
         n_needles = len(needles)
-        depths = [depth if depth is not None else rng.random()] if n_needles == 1 else [rng.random() for _ in needles]
-        if n_needles > 1:
-            rng.shuffle(needles)
-        needle_texts = [NEEDLE.format(key=k, value=v) for k, v in needles]
-        question = QUESTION.format(key=query)
-        overhead = len(self.tokenizer.encode(PREAMBLE + " ".join(needle_texts) + question)) + 2
+        if task == "variable_tracking":  # each chain's statements in order through the text
+            drawn, size = [rng.random() for _ in needles], num_hops + 1
+            depths = [d for j in range(0, n_needles, size) for d in sorted(drawn[j : j + size])]
+        else:
+            depths = [depth if depth is not None else rng.random()] if n_needles == 1 else [rng.random() for _ in needles]
+            if n_needles > 1:
+                rng.shuffle(needles)
+        overhead = len(self.tokenizer.encode(PREAMBLE + " ".join(needles) + asked[0].text)) + 2
         budget = length - overhead
         if budget < 64:
             raise ConfigError(f"length {length} is too short for the task ({overhead} tokens of needles and question)")
@@ -125,11 +159,9 @@ class HaystackSampler:
             raise ConfigError(f"length {length} exceeds the haystack ({len(self.ids)} tokens)")
         start = rng.randrange(0, len(self.ids) - budget + 1)
         context = self.tokenizer.decode(self.ids[start : start + budget])
-        for needle, d in sorted(zip(needle_texts, depths), key=lambda x: -x[1]):
+        for needle, d in sorted(zip(needles, depths), key=lambda x: -x[1]):
             context = _insert_at_sentence(context, needle, d)
-        prompt = PREAMBLE + context + question
-        return Sample(task, prompt, answers, tuple(depths), len(self.tokenizer.encode(prompt)))
-
+        return ContextSample(task, PREAMBLE + context, tuple(asked), tuple(depths))
 
     def _passkey(self, length: int, rng: random.Random, depth: float | None) -> Sample:
         value = str(rng.randrange(10_000, 100_000))
@@ -209,6 +241,44 @@ class PromptFormat:
     def prompt(self, text: str) -> str:
         """A whole task prompt (context and question)."""
         return self.head + self.question(text) if self.chat else text
+
+
+def _needles(rng: random.Random, task: str, questions: int, num_needles: int,
+             num_values: int) -> tuple[list[str], list[Question]]:
+    """The needles' texts (asked ones first, then distractors) and one question per asked key."""
+    keys_used: set[str] = set()
+    values_used: set[str] = set()
+    pairs, asked = [], []
+    for _ in range(questions):
+        key = _key(rng, keys_used)
+        values = [_value(rng, values_used) for _ in range(num_values if task == "niah_multivalue" else 1)]
+        pairs += [(key, v) for v in values]
+        asked.append(Question(QUESTION.format(key=key), tuple(values)))
+    if task == "niah_multikey":
+        pairs += [(_key(rng, keys_used), _value(rng, values_used)) for _ in range(num_needles - questions)]
+    return [NEEDLE.format(key=k, value=v) for k, v in pairs], asked
+
+
+def _chains(rng: random.Random, questions: int, num_hops: int) -> tuple[list[str], list[Question]]:
+    """Per question a chain of variable assignments from one value; asked: every name in it."""
+    names: set[str] = set()
+    values_used: set[str] = set()
+    needles, asked = [], []
+    for _ in range(questions):
+        value = str(rng.randrange(10_000, 100_000))
+        while value in values_used:
+            value = str(rng.randrange(10_000, 100_000))
+        values_used.add(value)
+        chain = []
+        while len(chain) < num_hops + 1:
+            name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+            if name not in names:
+                names.add(name)
+                chain.append(name)
+        needles.append(VAR_NEEDLE.format(name=chain[0], value=value))
+        needles += [VAR_NEEDLE.format(name=b, value=f"VAR {a}") for a, b in zip(chain, chain[1:])]
+        asked.append(Question(VAR_QUESTION.format(value=value, n=len(chain)), tuple(chain), stop=()))
+    return needles, asked
 
 
 def _insert_at_sentence(text: str, needle: str, depth: float) -> str:
