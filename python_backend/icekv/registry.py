@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from icekv.errors import ConfigError
+from icekv.errors import ConfigError, ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,8 @@ def known_model(name: str) -> KnownModel:
     except KeyError:
         raise ConfigError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)} "
                           "(or give a model folder)") from None
+
+
+def not_a_model(model: str) -> ModelLoadError:
+    """The error for a --model that is neither a known name nor a model folder."""
+    return ModelLoadError(f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a model folder")

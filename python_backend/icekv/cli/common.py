@@ -7,7 +7,7 @@ from pathlib import Path
 
 from icekv.config import CENTROID_SCORING, DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES, IceCacheConfig
 from icekv.errors import IcekvError
-from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
+from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
 
 
 def _positive_int(flag: str, least: int = 1):
@@ -162,7 +162,11 @@ def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
 
 def _model_location(model: str) -> str:
     """A known model's name as is (the server resolves it), a folder as an absolute path."""
-    return model if model in KNOWN_MODELS else str(Path(model).resolve())
+    if model in KNOWN_MODELS:
+        return model
+    if not Path(model).is_dir():
+        raise not_a_model(model)
+    return str(Path(model).resolve())
 
 
 def _open_store(location: str | None, engine):

@@ -26,12 +26,12 @@ from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
 from icekv.engine.sequence import OnProgress, OnText, Phase, Sequence
 from icekv.engine.step import StepRunner
-from icekv.errors import CacheFullError, ConfigError, ModelLoadError
+from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import get_policy
-from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
+from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
 from icekv.sizing import device_need
 
 FULL = SelectionConfig(policy="full")
@@ -55,8 +55,7 @@ def resolve_model_dir(model: str | None) -> Path:
         return Assets().model_dir(model or DEFAULT_MODEL)
     path = Path(model)
     if not path.is_dir():
-        raise ModelLoadError(f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a "
-                             "model folder")
+        raise not_a_model(model)
     return path
 
 
