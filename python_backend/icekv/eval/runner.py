@@ -145,7 +145,8 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
 def _grid(cfg: EvalConfig) -> dict:
     """What a log's contexts depend on: a resumed run must match it."""
     grid = asdict(cfg)
-    for name in ("tasks", "lengths", "samples"):  # a resumed run may grow the grid
+    grown = ("tasks", "lengths") + (("samples",) if cfg.questions > 1 or cfg.depths else ())
+    for name in grown:  # a resumed run may grow the grid (samples: unless they spread a lone needle's depth)
         grid.pop(name)
     return json.loads(json.dumps(grid))
 
