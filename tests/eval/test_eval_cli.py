@@ -73,3 +73,18 @@ def test_a_long_run_logs_each_context_and_resumes(tmp_path, smollm2_dir):
     assert proc.returncode == 2 and "different evaluation grid" in proc.stderr, proc.stderr
     proc = icekv("eval", *grid[:-1], str(tmp_path / "none"), "--resume")
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+
+
+@pytest.mark.model
+def test_a_context_the_pool_cannot_hold_is_refused_before_its_prefill(smollm2_dir, essays_text):
+    from icekv.config import EngineConfig, PagingConfig
+    from icekv.engine import Engine
+    from icekv.errors import CacheFullError
+    from icekv.eval.runner import EvalConfig, run_eval
+
+    cfg = EvalConfig(lengths=(600,), policies=("full",), samples=1)
+    assert cfg.pool_tokens >= 600 + cfg.max_tokens  # what `icekv eval` sizes its pool to
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(max_context_tokens=608)))
+    with pytest.raises(CacheFullError, match="exceeds the KV cache capacity"):
+        run_eval(engine, cfg, essays_text[:20000])
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_pages  # nothing was prefilled

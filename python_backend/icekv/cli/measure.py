@@ -35,7 +35,7 @@ def _cmd_eval(args) -> int:
         return run_eval(engine, cfg, text, progress, log=args.out / "runs.jsonl", resume=args.resume,
                         on_context=lambda records: write_report(records, args.out, meta))
 
-    return _run_and_report(args, run, write_report, "decode")
+    return _run_and_report(args, run, write_report, "decode", pool_tokens=cfg.pool_tokens)
 
 
 def _cmd_eval_compression(args) -> int:
@@ -60,16 +60,18 @@ def _cmd_eval_compression(args) -> int:
                            write_compression_report, "compression")
 
 
-def _run_and_report(args, run, write, unit: str) -> int:
-    """Load the model and the haystack, run an evaluation with a progress bar on stderr, save it."""
+def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
+    """Load the model (its KV pool holding at least ``pool_tokens``) and the haystack, run an
+    evaluation with a progress bar on stderr, save it."""
     from tqdm import tqdm
 
     from icekv.assets import Assets
-    from icekv.config import EngineConfig
+    from icekv.config import EngineConfig, PagingConfig
     from icekv.engine import Engine
 
     text = Assets().haystack_text(args.haystack)
-    engine = Engine(EngineConfig(model_dir=args.model))
+    paging = PagingConfig(max_context_tokens=max(PagingConfig.max_context_tokens, pool_tokens))
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
     bar = tqdm(desc="eval", unit=unit, file=sys.stderr)
 
     def progress(done: int, total: int) -> None:

@@ -21,6 +21,8 @@ from icekv.errors import ConfigError
 from icekv.eval.stats import aggregate
 from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
 
+QUESTION_ROOM = 512  # tokens a context's prompt may run past its length (a question, a chat template's tail)
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -63,6 +65,11 @@ class EvalConfig:
         out = [SelectionConfig(policy="full")] if "full" in self.policies else []
         return out + [SelectionConfig(policy=p, budget=b, icecache=self.icecache)
                       for p in self.policies if p != "full" for b in self.budgets]
+
+    @property
+    def pool_tokens(self) -> int:
+        """KV pool capacity one context needs: its length, a question's overshoot and the answer."""
+        return max(self.lengths) + QUESTION_ROOM + self.max_tokens
 
     def contexts(self) -> list[tuple[str, int, int]]:
         """Every (task, length, sample) of the grid, in the order they run."""
@@ -121,11 +128,12 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
     sample = sampler.make_context(task, length, seed, cfg.questions, depth if cfg.questions == 1 else None,
                                   cfg.num_needles, cfg.num_values, cfg.num_hops)
     context_ids = engine.tokenizer.encode(form.context(sample.context))
+    suffixes = [engine.tokenizer.encode(form.question(q.text)) for q in sample.questions]
+    engine.check_fits(len(context_ids) + max(map(len, suffixes)), cfg.max_tokens)  # before a long prefill
     req = engine.prefill(context_ids)
     runs = []
     try:
-        for q, question in enumerate(sample.questions):
-            suffix = engine.tokenizer.encode(form.question(question.text))
+        for q, (question, suffix) in enumerate(zip(sample.questions, suffixes)):
             sampling = SamplingConfig(max_tokens=cfg.max_tokens, stop=question.stop)
             for sel in selections:
                 gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full", suffix=suffix)
