@@ -65,6 +65,9 @@ def test_size_matches_the_model_shape(smollm2_dir):
     assert 0 < out["index_host_bytes"] < out["host_pool_bytes"]  # per request: about 1.6x its indexed keys
     small = json.loads(icekv("size", "--context", "4096", "--score-dtype", "int8", "--json").stdout)
     assert 0.3 * out["index_host_bytes"] < small["index_host_bytes"] < 0.5 * out["index_host_bytes"]  # keys 68 B, not 256
+    assert out["index_share"] == pytest.approx(2 * out["index_host_bytes"] / out["host_pool_bytes"])
+    bf16 = json.loads(icekv("size", "--context", "4096", "--dtype", "bfloat16", "--json").stdout)
+    assert bf16["index_share"] < 1  # bf16 page keys under a bf16 cache: the index is lighter than the KV
     bad = icekv("size", "--score-dtype", "float16")
     assert bad.returncode != 0 and "--score-dtype" in bad.stderr
 

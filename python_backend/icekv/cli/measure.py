@@ -183,5 +183,7 @@ def _cmd_size(args) -> int:
           f"(--host-pool-tokens {args.concurrent * args.context})")
     print(f"device KV per request: full attention {mib(plan.device_bytes_full)}; "
           f"icecache budget {args.budget}: at most {mib(plan.device_bytes_budget)} ({plan.device_saving:.1f}x less)")
-    print(f"host memory of the icecache index per request ({args.score_dtype} page keys): about {mib(plan.index_host_bytes)}")
+    keys = selection.icecache.page_keys(args.dtype)
+    print(f"host memory of the icecache index per request ({keys} page keys): about {mib(plan.index_host_bytes)} "
+          f"({plan.index_share:.0%} of its pages of the pool)")
     return 0
