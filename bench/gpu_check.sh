@@ -70,8 +70,8 @@ bench_part() {  # bench_part NAME SECONDS: an `icekv bench` part, its arguments 
   mapfile -t args < <("$PY" bench/gpu_parts.py "$name" ${DRY_FLAG:-})
   part "$name" "$limit" "${ICEKV[@]}" "${args[@]}"
 }
-limit() {  # limit REAL_SECONDS: a part's limit (the dry run's CPU gets its own, looser ones)
-  if [ "$MODE" = dry ]; then echo $(( $1 * 2 > 120 ? $1 * 2 : 120 )); else echo "$1"; fi
+limit() {  # limit REAL_SECONDS [DRY_SECONDS]: a part's limit (the dry run's CPU gets looser ones)
+  if [ "$MODE" = dry ]; then echo "${2:-$(( $1 * 2 > 120 ? $1 * 2 : 120 ))}"; else echo "$1"; fi
 }
 [ "$MODE" = dry ] && DRY_FLAG=--dry-run
 { if [ "$MODE" = real ]; then nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; fi
@@ -96,7 +96,7 @@ cat "$OUT_DIR/device.txt"
 # First the compiled CPU loops (numba, cached on disk for the later parts: about a minute cold)
 part warmup "$(limit 60)" "$PY" -c "from icekv.engine.compile_loops import compile_loops; import torch; \
 [compile_loops(d) for d in (torch.float32, torch.bfloat16)]"
-part engine_parity "$(limit 60)" "$PY" bench/engine_parity.py --device "$DEVICE" --out "$OUT_DIR/engine_parity.json"
+part engine_parity "$(limit 60 240)" "$PY" bench/engine_parity.py --device "$DEVICE" --out "$OUT_DIR/engine_parity.json"
 bench_part decode_32k "$(limit 55)"
 if [ "$MODE" = real ]; then KERNEL_ENV=(env ICEKV_TEST_DEVICE=cuda); else KERNEL_ENV=(env); fi
 part kernel_tests "$(limit 90)" "${KERNEL_ENV[@]}" "$PY" -m pytest tests/kernels -v -p no:cacheprovider \
