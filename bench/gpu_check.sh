@@ -96,7 +96,9 @@ cat "$OUT_DIR/device.txt"
 # First the compiled CPU loops (numba, cached on disk for the later parts: about a minute cold)
 part warmup "$(limit 60)" "$PY" -c "from icekv.engine.compile_loops import compile_loops; import torch; \
 [compile_loops(d) for d in (torch.float32, torch.bfloat16)]"
-part engine_parity "$(limit 60 240)" "$PY" bench/engine_parity.py --device "$DEVICE" --out "$OUT_DIR/engine_parity.json"
+if [ "$MODE" = real ]; then PARITY=(); else PARITY=(--lengths 100,400,800); fi
+part engine_parity "$(limit 60 180)" "$PY" bench/engine_parity.py --device "$DEVICE" "${PARITY[@]}" \
+    --out "$OUT_DIR/engine_parity.json"
 bench_part decode_32k "$(limit 55)"
 if [ "$MODE" = real ]; then KERNEL_ENV=(env ICEKV_TEST_DEVICE=cuda); else KERNEL_ENV=(env); fi
 part kernel_tests "$(limit 90)" "${KERNEL_ENV[@]}" "$PY" -m pytest tests/kernels -v -p no:cacheprovider \

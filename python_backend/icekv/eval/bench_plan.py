@@ -114,7 +114,7 @@ class BenchPlan:
 
     def lines(self) -> list[str]:
         """The plan for people: each wave, each group's memory against the machine."""
-        gib = lambda b: f"{b / GIB:,.1f} GiB"  # noqa: E731
+        gib = lambda b: f"{b / GIB:,.1f} GiB" if b >= GIB / 4 else f"{b / 2**20:,.1f} MiB"  # noqa: E731
         device = "" if self.machine.device_bytes is None else f", device {gib(self.machine.device_bytes)}"
         out = [f"pool {self.paging.max_context_tokens:,} tokens ({gib(self.pool_bytes)}), weights "
                f"{gib(self.weights_bytes)}, max_running {self.scheduler.max_running}, max_device_bytes "
