@@ -4,7 +4,8 @@ centroids search, whose ranking by centroid runs on the device there, and whose 
 too: those tokens must be the CPU's host-rescored ones), with the KV pool on the
 host and on the device, one request at a time and batched, and over a KV²-compressed context;
 in bf16 the device's logits stay close to the CPU's fp32 ones. Writes one json; exits 1 on a
-mismatch. ``--device cpu`` runs the same comparison against a second CPU engine (a dry run of
+mismatch; the json is rewritten after every check, so a run cut short keeps the checks it made.
+``--device cpu`` runs the same comparison against a second CPU engine (a dry run of
 this script where no GPU is present).
 """
 
@@ -42,9 +43,9 @@ def engine(device: str, dtype: str, kv_pool: str, weights: Engine | None = None)
     return e
 
 
-def prompts(vocab: int) -> list[list[int]]:
+def prompts(vocab: int, lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def greedy(e: Engine, ids: list[list[int]], selection: SelectionConfig, batched: bool) -> list[list[int]]:
@@ -70,11 +71,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                        help="three prompt lengths: under, near and well over the budget (the dry run's are shorter)")
     args = parser.parse_args()
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    if len(lengths) != 3:
+        parser.error(f"--lengths needs three lengths, got {args.lengths!r}")
     t0 = time.perf_counter()
     ref = engine("cpu", "float32", "host")
-    ids = prompts(ref.model.args.vocab_size)
+    ids = prompts(ref.model.args.vocab_size, lengths)
     checks, ok = [], True
+
+    def write() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": args.device, "shape": SHAPE, "prompt_tokens": lengths, "passed": ok,
+                                        "wall_s": round(time.perf_counter() - t0, 1), "checks": checks}, indent=1))
 
     def check(name: str, run) -> None:
         nonlocal ok
@@ -84,6 +95,7 @@ def main() -> int:
             passed, detail = False, traceback.format_exc(limit=6)
         ok &= passed
         checks.append({"check": name, "passed": passed, "detail": detail})
+        write()
         print(f"{'ok  ' if passed else 'FAIL'} {name}: {detail if passed else detail.splitlines()[-1]}", flush=True)
 
     expected = {(name, batched): greedy(ref, ids, sel, batched) for name, sel in SELECTIONS.items()
@@ -115,9 +127,7 @@ def main() -> int:
         return min(cosines) >= MIN_BF16_COSINE, f"last-token logits cosine vs fp32 CPU: {rounded}"
 
     check(f"bf16 prefill logits (cosine >= {MIN_BF16_COSINE})", bf16_logits)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": args.device, "shape": SHAPE, "prompt_tokens": LENGTHS, "passed": ok,
-                                    "wall_s": round(time.perf_counter() - t0, 1), "checks": checks}, indent=1))
+    write()
     return 0 if ok else 1
 
 

@@ -9,19 +9,36 @@ Per context it times, as medians of CUDA-event timings after warm-up:
   sparse_attn_1k  the single-launch form (the TensorRT plugin's)
   scatter         moving 12 pages (the selected ones) from a staging buffer into slots
   sparse_torch    the torch reference of sparse attention, for scale
-Random weights and keys: latency does not depend on values. Writes one json.
+Random weights and keys: latency does not depend on values. Writes one json, rewritten after every
+timing (a run cut short keeps what it timed). ``--device cpu`` runs the same kernels in triton's
+interpreter with wall-clock timing and few repeats: a dry run of this script, whose times mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 from pathlib import Path
 
 import torch
+
+
+def cpu_time(fn, warmup: int = 1, iters: int = 2) -> float:
+    """Median wall seconds of ``fn()`` (the interpreter's dry run)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def cuda_time(fn, warmup: int = 10, iters: int = 50) -> float:
@@ -40,10 +57,12 @@ def cuda_time(fn, warmup: int = 10, iters: int = 50) -> float:
     return statistics.median(times)
 
 
-def bench_context(tokens: int, hq=32, hkv=8, d=128, page=16, budget=256, dtype=torch.bfloat16) -> dict:
+def bench_context(tokens: int, dev: str, on_timing, hq=32, hkv=8, d=128, page=16, budget=256,
+                  dtype=torch.bfloat16) -> dict:
+    """Every kernel's median time at ``tokens``; ``on_timing(partial record)`` after each."""
     from icekv.kernels import reference, scatter_pages, select_pages, sparse_decode_attention
 
-    dev = "cuda"
+    timer = cuda_time if dev == "cuda" else cpu_time
     n_pages = tokens // page
     q = torch.randn(1, hq, d, device=dev, dtype=dtype)
     k_all = torch.randn(1, hkv, tokens, d, device=dev, dtype=dtype)
@@ -69,15 +88,19 @@ def bench_context(tokens: int, hq=32, hkv=8, d=128, page=16, budget=256, dtype=t
     heads = torch.arange(top_k, device=dev) % hkv
     slots = torch.arange(top_k, device=dev) // hkv
 
-    seconds = {
-        "full_sdpa": cuda_time(full),
-        "select_all": cuda_time(lambda: select_pages(q, k_pages, all_ids, all_lens, top_k)),
-        "select_index": cuda_time(lambda: select_pages(q, k_pages, idx_ids, idx_lens, top_k)),
-        "sparse_attn": cuda_time(lambda: sparse_decode_attention(q, slot_k, slot_v, slot_ids, slot_lens)),
-        "sparse_attn_1k": cuda_time(lambda: sparse_decode_attention(q, slot_k, slot_v, slot_ids, slot_lens, max_splits=1)),
-        "scatter": cuda_time(lambda: scatter_pages(slot_k, slot_v, stage_k, stage_v, heads, slots)),
-        "sparse_torch": cuda_time(lambda: reference.sparse_decode_reference(q, slot_k, slot_v, slot_ids, slot_lens)),
+    kernels = {
+        "full_sdpa": full,
+        "select_all": lambda: select_pages(q, k_pages, all_ids, all_lens, top_k),
+        "select_index": lambda: select_pages(q, k_pages, idx_ids, idx_lens, top_k),
+        "sparse_attn": lambda: sparse_decode_attention(q, slot_k, slot_v, slot_ids, slot_lens),
+        "sparse_attn_1k": lambda: sparse_decode_attention(q, slot_k, slot_v, slot_ids, slot_lens, max_splits=1),
+        "scatter": lambda: scatter_pages(slot_k, slot_v, stage_k, stage_v, heads, slots),
+        "sparse_torch": lambda: reference.sparse_decode_reference(q, slot_k, slot_v, slot_ids, slot_lens),
     }
+    seconds = {}
+    for name, fn in kernels.items():
+        seconds[name] = timer(fn)
+        on_timing({"context": tokens, "budget": budget, "dtype": str(dtype), "seconds": seconds})
     sparse_total = seconds["select_index"] + seconds["sparse_attn"] + seconds["scatter"]
     return {"context": tokens, "budget": budget, "dtype": str(dtype), "seconds": seconds,
             "sparse_total_s": sparse_total, "sparse_vs_full": sparse_total / seconds["full_sdpa"]}
@@ -86,18 +109,31 @@ def bench_context(tokens: int, hq=32, hkv=8, d=128, page=16, budget=256, dtype=t
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", default="32768,131072")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: the kernels in triton's interpreter (a dry run; fp32, times mean nothing)")
     parser.add_argument("--out", type=Path, required=True, help="json file to write")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cpu":  # before triton is first imported
+        os.environ.update(TRITON_INTERPRET="1", ICEKV_KERNELS="triton")
+    elif not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device", file=sys.stderr)
         return 2
     import triton
 
-    records = [bench_context(int(c)) for c in args.contexts.split(",")]
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (triton interpreter)",
+            "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "shapes": "Llama-3.1-8B: 32 q / 8 kv heads, head_dim 128"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
+    records = []
+
+    def write(partial: dict | None = None) -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        rows = records + ([partial] if partial else [])
+        args.out.write_text(json.dumps({"meta": meta, "records": rows}, indent=2) + "\n")
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # bf16 tl.dot is wrong in the interpreter
+    for c in args.contexts.split(","):
+        records.append(bench_context(int(c), args.device, write, dtype=dtype))
+        write()
     for r in records:
         s = r["seconds"]
         print(f"{r['context']:>7} tokens: full {s['full_sdpa'] * 1e6:8.1f} us | select(index) {s['select_index'] * 1e6:7.1f}"

@@ -65,6 +65,9 @@ def test_size_matches_the_model_shape(smollm2_dir):
     assert 0 < out["index_host_bytes"] < out["host_pool_bytes"]  # per request: about 1.6x its indexed keys
     small = json.loads(icekv("size", "--context", "4096", "--score-dtype", "int8", "--json").stdout)
     assert 0.3 * out["index_host_bytes"] < small["index_host_bytes"] < 0.5 * out["index_host_bytes"]  # keys 68 B, not 256
+    assert out["index_share"] == pytest.approx(2 * out["index_host_bytes"] / out["host_pool_bytes"])
+    bf16 = json.loads(icekv("size", "--context", "4096", "--dtype", "bfloat16", "--json").stdout)
+    assert bf16["index_share"] < 1  # bf16 page keys under a bf16 cache: the index is lighter than the KV
     bad = icekv("size", "--score-dtype", "float16")
     assert bad.returncode != 0 and "--score-dtype" in bad.stderr
 
@@ -74,16 +77,17 @@ def test_bench_decode_times_stages_and_first_token(smollm2_dir):
     proc = icekv("bench", "decode", "--contexts", "600", "--policies", "full,icecache", "--budget", "64",
                    "--steps", "3", "--repeats", "2", "--ttft-contexts", "600", "--model", str(smollm2_dir), "--json")
     assert proc.returncode == 0, proc.stderr
-    full, ice = json.loads(proc.stdout)["records"]
+    plan, full, ice, meta = map(json.loads, proc.stdout.splitlines())  # one JSON line each, as measured
+    assert plan["plan"]["admitted"] and "meta" in meta
     assert full["policy"] == "full" and ice["policy"] == "icecache"
     assert full["prefill_s"] > 0 and full["ttft_s"] == full["prefill_s"]  # no index for full attention
     assert ice["ttft_s"] == ice["prefill_s"] + ice["index_build_s"] and ice["index_build_s"] > 0
     assert ice["select_s"] > 0 and ice["resident_kv_bytes"] < ice["total_kv_bytes"]
     assert full["index_bytes"] == 0 and 0 < ice["index_bytes"] < ice["total_kv_bytes"]
     assert full["repeats"] == ice["repeats"] == 2  # times are medians of two interleaved decodes
-    for r in (full, ice):  # the slowest and the first step are among the timed steps
-        assert 0 < r["step_max_s"] <= r["tpot_s"] * r["steps"]
-        assert 0 < r["first_step_s"] <= r["step_max_s"]
+    for r in (full, ice):  # the slowest is among the timed steps; the first is the warm-up's
+        assert 0 < r["step_max_s"] <= r["tpot_s"] * r["steps"] and r["steps"] == 3 and r["warmup_steps"] == 2
+        assert 0 < r["first_step_s"] and 0 < r["tpot_median_s"] <= r["step_max_s"]
     bad = icekv("bench", "decode", "--contexts", "600", "--ttft-contexts", "700", "--model", str(smollm2_dir))
     assert bad.returncode == 2 and "--ttft-contexts" in bad.stderr
 
@@ -93,7 +97,7 @@ def test_bench_batch_reports_throughput_and_the_step_split(smollm2_dir, tmp_path
     proc = icekv("bench", "batch", "--contexts", "400", "--batch", "1,3", "--policies", "full,icecache", "--budget", "64",
                  "--steps", "4", "--model", str(smollm2_dir), "--out", str(tmp_path), "--json")
     assert proc.returncode == 0, proc.stderr
-    records = json.loads(proc.stdout)["records"]
+    records = [x for x in map(json.loads, proc.stdout.splitlines()) if "policy" in x]
     assert [(r["batch"], r["policy"]) for r in records] == [(1, "full"), (1, "icecache"), (3, "full"), (3, "icecache")]
     for r in records:
         assert r["steps"] == 4 and r["tokens_per_s"] > 0

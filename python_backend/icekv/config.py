@@ -17,7 +17,7 @@ from icekv.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 KV_POOLS = ("auto", "host", "device")  # where the KV page pool lives, see EngineConfig
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
-SCORE_DTYPES = ("float32", "bfloat16", "int8")  # the IceCache index's page keys, see icekv.index.score_rows
+SCORE_DTYPES = ("auto", "float32", "bfloat16", "int8")  # the IceCache index's page keys, see icekv.index.score_rows
 
 
 def default_cache_dir() -> Path:
@@ -94,12 +94,15 @@ class IceCacheConfig:
       best ``candidates(k)`` pages rescored exactly. Higher recall than the walk for a fraction
       of the reads (bench/selection_recall.py); the served model's default.
 
-    ``score_dtype="bfloat16"`` keeps the index's page keys (its only copy of them) and centroids in
-    bf16: half the index memory and search bytes; the compiled walk and centroids searches widen
-    the keys to fp32, the exhaustive search (torch) rounds q to bf16. Accuracy was unchanged in
-    our evals, speed about the same on our CPU, so it is off. ``score_dtype="int8"`` stores each
-    key as int8 values with its own fp32 scale (max |value| / 127: nothing clips), about a quarter
-    of fp32's bytes; every search scores with the decoded keys (:mod:`icekv.index.score_rows`).
+    ``score_dtype``: the dtype of the index's page keys (its only copy of them) and centroids.
+    ``auto`` (the default, :meth:`page_keys`) follows the KV: bf16 keys under a bf16 or fp16 KV
+    cache, fp32 under fp32, so the index never holds its keys wider than the KV it indexes (fp32
+    keys over a bf16 pool make the index about 1.4x the pool on Llama-3.1-8B's shape). bf16 keys
+    halve the index memory and search bytes; the compiled walk and centroids searches widen them to
+    fp32, the exhaustive search (torch) rounds q to bf16; selection recall at 8k was 94.7% against
+    fp32's 95.2% (bench/selection_recall.py). ``int8`` stores each key as int8 values with its own
+    fp32 scale (max |value| / 127: nothing clips), about a quarter of fp32's bytes; every search
+    scores with the decoded keys (:mod:`icekv.index.score_rows`).
 
     ``centroid_scoring``: where the centroids search ranks the pages by centroid. ``device``: a
     copy of the centroids in the compute dtype on the compute device (1 / (2 * page_size) of the
@@ -126,7 +129,8 @@ class IceCacheConfig:
     search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (every page exactly) | "centroids"
     rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k,
     min_candidates: int = 96  # and at least this many (small k needs a floor: 2 x 8 misses pages)
-    score_dtype: str = "float32"  # the index's page keys: "bfloat16" half the memory, "int8" about a quarter
+    score_dtype: str = "auto"  # the index's page keys: "auto" (the KV's width, see page_keys) | "float32" |
+    # "bfloat16" (half fp32's memory) | "int8" (about a quarter)
     centroid_scoring: str = "auto"  # centroids search: "auto" | "host" | "device" (see above)
     rescoring: str = "host"  # centroids search: "host" | "device" (see above)
 
@@ -155,6 +159,14 @@ class IceCacheConfig:
             raise ConfigError(f"ratio_2 must be in (0, 0.5], got {self.ratio_2}")
         if self.max_level < 1 or self.fov_min < 1 or self.layer_group < 1:
             raise ConfigError("max_level, fov_min and layer_group must be >= 1")
+
+    def page_keys(self, kv_dtype) -> str:
+        """The page keys' dtype over a KV cache of ``kv_dtype`` (a torch dtype or its name):
+        ``score_dtype``, with ``auto`` bfloat16 for a bf16 or fp16 KV (fp16 keys have no format
+        of their own: bf16's are as wide) and float32 for an fp32 one."""
+        if self.score_dtype != "auto":
+            return self.score_dtype
+        return "bfloat16" if str(kv_dtype).removeprefix("torch.") in ("bfloat16", "float16") else "float32"
 
     def candidates(self, k: int) -> int:
         """Pages per query head the centroids search rescores exactly, to select ``k``."""

@@ -20,6 +20,7 @@ class SizingPlan:
     device_bytes_budget: int  # per request under the selection budget (an upper bound)
     device_saving: float  # full / budget
     index_host_bytes: int  # per request: host memory of the page index (estimate, see icekv.policies)
+    index_share: float  # a request's index over its pages of the pool: above 1, the index outweighs the KV
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -31,8 +32,9 @@ def size(args: ModelArgs, context_tokens: int, concurrent: int, selection: Selec
     per_token = per_layer_token * args.num_layers
     pages = -(-context_tokens // selection.page_size) * selection.page_size  # page-granular
     budget = budgeted_tokens(args, pages, selection) * per_layer_token
+    index = index_bytes(args, context_tokens, selection, dtype)
     return SizingPlan(per_token, concurrent * pages * per_token, pages * per_token, budget, pages * per_token / budget,
-                      index_bytes(args, context_tokens, selection))
+                      index, index / (pages * per_token))
 
 
 def budgeted_tokens(args: ModelArgs, tokens: int, selection: SelectionConfig, slack: int = 0) -> int:
@@ -71,6 +73,7 @@ def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, selection:
     return DeviceNeed(prefill, kv + index + context_bytes)
 
 
-def index_bytes(args: ModelArgs, context_tokens: int, selection: SelectionConfig) -> int:
-    """Host bytes of one request's page index under its policy (IceCache trees, Quest's bounds)."""
-    return get_policy(selection.policy).index_bytes(args, context_tokens, selection)
+def index_bytes(args: ModelArgs, context_tokens: int, selection: SelectionConfig, kv_dtype: str) -> int:
+    """Host bytes of one request's page index under its policy (IceCache trees, Quest's bounds)
+    over a KV cache of ``kv_dtype`` (a torch dtype or its name)."""
+    return get_policy(selection.policy).index_bytes(args, context_tokens, selection, str(kv_dtype).removeprefix("torch."))

@@ -37,14 +37,22 @@ def test_index_estimate_is_close_to_a_built_index(tmp_path):
     make_tiny_hf_model("llama", tmp_path)
     a = load_model(tmp_path).args
     n = 3000
-    for policy, score_dtype in (("icecache", "float32"), ("icecache", "int8"), ("icecache_r", "float32"), ("quest", "float32")):
+    cases = (("icecache", "float32", "float32"), ("icecache", "int8", "float32"), ("icecache_r", "float32", "float32"),
+             ("quest", "float32", "float32"), ("icecache", "auto", "bfloat16"), ("icecache", "auto", "float32"))
+    sizes = {}
+    for policy, score_dtype, kv_dtype in cases:
         sel = SelectionConfig(policy=policy, budget=64, n_unlimited_layers=1, icecache=IceCacheConfig(score_dtype=score_dtype))
         selector = make_selector(sel)
         g = torch.Generator().manual_seed(0)
         for layer in range(1, a.num_layers):
-            selector.build(layer, torch.randn(a.num_kv_heads, n, a.head_dim, generator=g), base=0)
-        estimate, real = size(a, n, 1, sel).index_host_bytes, selector.index_bytes()
-        assert 0.85 * real < estimate < 1.2 * real, (policy, estimate, real)
+            keys = torch.randn(a.num_kv_heads, n, a.head_dim, generator=g).to(getattr(torch, kv_dtype))
+            selector.build(layer, keys, base=0)
+        estimate, real = size(a, n, 1, sel, kv_dtype).index_host_bytes, selector.index_bytes()
+        assert 0.85 * real < estimate < 1.2 * real, (policy, score_dtype, kv_dtype, estimate, real)
+        sizes[policy, score_dtype, kv_dtype] = real
+    # the default follows the KV: bf16 page keys under a bf16 cache (a smaller index), fp32 under fp32
+    assert sizes["icecache", "auto", "float32"] == sizes["icecache", "float32", "float32"]
+    assert sizes["icecache", "auto", "bfloat16"] < 0.75 * sizes["icecache", "float32", "float32"]
 
 
 def test_centroid_copy_estimate_is_close_to_the_copies_made(tmp_path):

@@ -170,6 +170,15 @@ def test_narrow_page_keys_score_within_their_rounding_and_keep_the_tree(score_dt
         IceCacheConfig(score_dtype="float16")
 
 
+@pytest.mark.parametrize("kv_dtype, want", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float16, torch.bfloat16)])
+def test_the_default_page_keys_are_as_wide_as_the_kv_they_index(kv_dtype, want):
+    tree = _tree(_keys(300).to(kv_dtype))  # score_dtype "auto"
+    assert tree.page_keys.dtype == want
+    assert IceCacheConfig().page_keys(kv_dtype) == str(want).removeprefix("torch.")
+    assert IceCacheConfig(score_dtype="int8").page_keys(torch.bfloat16) == "int8"  # an explicit choice stays
+
+
 @pytest.mark.parametrize("n, group, fov, score_dtype", [(900, 3, 10, "float32"), (900, 1, 1, "float32"),
                                                        (300, 4, 30, "float32"), (2000, 3, 200, "float32"),
                                                        (40, 2, 10**9, "float32"), (900, 3, 10, "int8")])

@@ -149,3 +149,38 @@ def test_bad_inputs_are_named():
         select_pages(q, k, ids[:, :1], lens[:, :1], 2)
     with pytest.raises(ValueError, match="do not fit"):
         scatter_pages(k, v, k[0, :2, :8], v[0, :2, :8], torch.tensor([0, 1]), torch.tensor([0, 1]))
+
+
+def _unspecialised(kernel) -> set[str]:
+    """The parameters a kernel declares ``do_not_specialize`` (compiled or interpreted)."""
+    if hasattr(kernel, "params"):  # triton.JITFunction
+        return {p.name for p in kernel.params if p.do_not_specialize}
+    return set(kernel.kwargs.get("do_not_specialize") or ())  # the interpreter's function
+
+
+def test_length_arguments_do_not_specialise_the_kernels():
+    """Integer arguments that change as a decode grows (pages selected, candidates, slots, k)
+    would otherwise compile a new variant whenever they become 1 or a multiple of 16."""
+    from icekv.kernels.page_scatter import page_scatter_kernel
+    from icekv.kernels.page_select import page_score_kernel, page_select_kernel, topk_kernel
+    from icekv.kernels.sparse_decode import sparse_decode_kernel
+
+    assert _unspecialised(sparse_decode_kernel) >= {"n_sel", "n_slots"}
+    assert _unspecialised(page_score_kernel) >= {"n_cand", "n_slots"}
+    assert _unspecialised(topk_kernel) >= {"n_cand", "k"}
+    assert _unspecialised(page_select_kernel) >= {"n_cand", "n_slots", "k"}
+    assert _unspecialised(page_scatter_kernel) >= {"n_slots"}
+
+
+@pytest.mark.parametrize("n_sel", [1, 15, 16, 17, 33])  # 1 and multiples of 16 were specialised on
+def test_sparse_decode_over_changing_lengths_matches_reference(kdev, n_sel):
+    g = torch.Generator().manual_seed(n_sel)
+    q = torch.randn(1, 8, 64, generator=g).to(kdev)
+    k = torch.randn(2, 40, 16, 64, generator=g).to(kdev)
+    v = torch.randn(2, 40, 16, 64, generator=g).to(kdev)
+    ids = torch.randperm(40, generator=g)[:n_sel].int().expand(1, 2, n_sel).contiguous().to(kdev)
+    lens = torch.randint(1, 17, (1, 2, n_sel), generator=g).int().to(kdev)
+    out, lse = sparse_decode_attention(q, k, v, ids, lens)
+    want, want_lse = reference.sparse_decode_reference(q.cpu(), k.cpu(), v.cpu(), ids.cpu(), lens.cpu(), 64 ** -0.5)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-4, atol=1e-4)

@@ -20,7 +20,7 @@ def _request(essays_text, policy: str, words: int = 250, max_tokens: int = 6) ->
 
 def _estimate(engine, request) -> int:
     tokens = len(engine.tokenizer.encode(request.text)) + request.sampling.max_tokens
-    return index_bytes(engine.model.args, tokens, request.selection)
+    return index_bytes(engine.model.args, tokens, request.selection, engine.cache.pool.dtype)
 
 
 @pytest.fixture

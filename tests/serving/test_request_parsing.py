@@ -67,7 +67,7 @@ def test_serving_config_from_triton_parameters():
         ServingConfig.from_triton_parameters({"max_step_tokens": "4"})
     for narrow in ("bfloat16", "int8"):  # half, about a quarter of the index memory
         assert ServingConfig.from_triton_parameters({"score_dtype": narrow}).engine.selection.icecache.score_dtype == narrow
-    with pytest.raises(Exception, match="score_dtype must be one of float32, bfloat16, int8"):
+    with pytest.raises(Exception, match="score_dtype must be one of auto, float32, bfloat16, int8"):
         ServingConfig.from_triton_parameters({"score_dtype": "float16"})
     with pytest.raises(Exception, match="max_index_bytes must be >= 0"):
         ServingConfig.from_triton_parameters({"max_index_bytes": "-1"})

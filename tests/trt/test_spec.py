@@ -60,7 +60,7 @@ def test_plugin_shapes_and_grid():
 def test_decode_launch_fills_the_gpu_without_empty_splits():
     cfg = launch.decode_launch(1, 8, 4, n_pages=16, page_size=16, head_dim=128)
     assert cfg.grid == (8, 16) and cfg.num_splits == 16  # 8 programs alone would idle 124 SMs
-    assert launch.decode_launch(1, 8, 4, 3, 16, 128).num_splits == 3  # never a split without a page
+    assert launch.decode_launch(1, 8, 4, 3, 16, 128).num_splits == 2  # never a split without a page
     assert launch.decode_launch(64, 8, 4, 16, 16, 128).num_splits == 1  # batch already fills it
     assert launch.decode_launch(1, 8, 4, 16, 16, 128, max_splits=1).grid == (8, 1)
     assert launch.decode_launch(1, 8, 9, 16, 8, 64).block_g == 16 and launch.decode_launch(1, 1, 20, 4, 8, 64).block_g == 32
@@ -116,3 +116,12 @@ def test_engines_build_where_tensorrt_and_a_gpu_exist(tmp_path):
     spec = DecodeStepSpec(**LLAMA_8B, page_size=16, top_k=12, max_candidates=2048, max_slots=16, max_batch=2)
     paths = build_engines(spec, tmp_path)
     assert all(p.stat().st_size > 0 for p in paths.values())
+
+
+def test_the_split_count_takes_few_values_as_the_pages_grow():
+    """NUM_SPLITS is a compile-time constant: a full-attention decode whose pages grow one by one
+    must not compile a kernel per page count."""
+    splits = [launch.decode_launch(1, 8, 4, n, 16, 128).num_splits for n in range(1, 5000)]
+    assert set(splits) == {1, 2, 4, 8, 16, 32}
+    assert set(splits[31:]) == {32}  # past 32 pages: one variant for every length
+    assert all(s <= n for n, s in enumerate(splits, start=1))  # never a split without a page

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_int,
                               _score_dtype_flag, _serving_flags, _serving_parameters)
+from icekv.cli.common import _bench_run_flags
 from icekv.config import CompressionConfig, IceCacheConfig, SelectionConfig
 from icekv.errors import IcekvError
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     _device_flags(bd, random_weights=True)
     bd.add_argument("--out", type=Path, default=None, help="write results.json + report.md + tpot.png here")
     bd.add_argument("--json", action="store_true")
+    _bench_run_flags(bd)
 
     bb = bench_sub.add_parser("batch", help="aggregate decode throughput of requests batched together")
     bb.add_argument("--contexts", default="4096,16384")
@@ -126,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _device_flags(bb, random_weights=True)
     bb.add_argument("--out", type=Path, default=None, help="write results.json + report.md + throughput.png here")
     bb.add_argument("--json", action="store_true")
+    _bench_run_flags(bb)
 
     sz = sub.add_parser("size", help="host pool and device memory for a model, context length and budget")
     _model_flag(sz)

@@ -47,6 +47,19 @@ def _device_flags(parser, random_weights: bool = False) -> None:
                                  "random weights drawn on the device, instead of --model (benchmarks)")
 
 
+def _bench_run_flags(parser) -> None:
+    """What ``bench decode | batch`` share: the warm-up, and the admission and memory plan."""
+    parser.add_argument("--warmup-steps", type=_positive_int("--warmup-steps", least=0), default=None,
+                        help="untimed decode steps at the measured shape before the timed ones (default 2)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the admission and memory plan and exit (nothing is loaded); exit 1 when "
+                             "a wave would not be admitted at once or the memory does not fit")
+    parser.add_argument("--host-memory-gib", type=float, default=None,
+                        help="host memory the plan checks against (default: this machine's)")
+    parser.add_argument("--device-memory-gib", type=float, default=None,
+                        help="compute-device memory the plan checks against (default: the GPU's)")
+
+
 def _device_settings(args) -> dict:
     """The EngineConfig fields the device flags set (absent ones keep their defaults)."""
     names = ("device", "kv_pool", "dtype", "random_weights")

@@ -1,13 +1,13 @@
-"""`icekv eval`, `bench decode | batch`, `size`: measuring accuracy, speed and memory."""
+"""`icekv eval`, `size` (and `bench decode | batch`, from icekv.cli.bench): measuring accuracy, speed and memory."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-from dataclasses import replace
 
-from icekv.cli.common import _csv, _device_settings, _icecache_config
+from icekv.cli.bench import _cmd_bench, _pool_groups  # noqa: F401 (the bench command lives there)
+from icekv.cli.common import _csv, _icecache_config
 from icekv.errors import IcekvError
 
 
@@ -85,79 +85,6 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     return 0
 
 
-def _cmd_bench(args) -> int:
-    from icekv.assets import Assets
-    from icekv.config import EngineConfig, PagingConfig, SchedulerConfig, SelectionConfig
-    from icekv.devices import resolve_device
-    from icekv.engine import Engine
-
-    contexts = _csv("--contexts", args.contexts, int)
-    policies = _csv("--policies", args.policies, str)
-    if args.bench_command == "batch":
-        from icekv.eval.batch_bench import BatchBenchConfig, run_batch_bench
-        from icekv.eval.batch_report import write_batch_report as write_report
-
-        batches = _csv("--batch", args.batch, int)
-        if min(batches) < 1 or min(contexts) < 2:
-            raise IcekvError("--batch values must be >= 1 and --contexts >= 2 tokens")
-        for policy in policies:
-            SelectionConfig(policy=policy, budget=args.budget)  # errors early
-        cfg = BatchBenchConfig(contexts, batches, policies, args.budget, args.steps, icecache=_icecache_config(args))
-        paging = PagingConfig(max_context_tokens=max(batches) * (max(contexts) + args.steps + 32) + 2048)
-        scheduler = SchedulerConfig(max_running=max(batches), max_step_tokens=max(batches) + 512)
-        run = run_batch_bench
-        line = lambda r: f"{r['context']:>6} x{r['batch']:<3} {r['policy']:<12} {r['tokens_per_s']:8.1f} tokens/s"
-    else:
-        from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench
-        from icekv.eval.report import write_decode_report as write_report
-
-        for policy in policies:
-            SelectionConfig(policy=policy, budget=args.budget, n_unlimited_layers=args.unlimited_layers)  # errors early
-        ttft = _csv("--ttft-contexts", args.ttft_contexts, int) if args.ttft_contexts else ()
-        if set(ttft) - set(contexts):
-            raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
-        cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf",
-                                ttft_contexts=ttft, icecache=_icecache_config(args),
-                                unlimited_layers=args.unlimited_layers, repeats=args.repeats)
-        paging = PagingConfig(max_context_tokens=max(contexts) + 2048 + args.steps + 16)
-        scheduler = SchedulerConfig()
-        run = run_decode_bench
-        line = lambda r: f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token"
-    # the text whose prefill is tiled into each context; a random-weight model has no vocabulary
-    # (and where it runs, no texts are fetched): any bytes will do
-    printable = bytes(range(32, 127)).decode()
-    seed_text = Assets().haystack_text("essays") if args.random_weights is None else printable * 64
-    settings = _device_settings(args)
-    device_type = resolve_device(settings.get("device", EngineConfig.device)).type
-    records, meta = [], {}
-    peer_once = {"peer_hf": False} if args.bench_command == "decode" else {}
-    for pool_settings, group in _pool_groups(policies, settings, device_type):
-        engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler, **pool_settings))
-        part = replace(cfg, policies=group, **(peer_once if records else {}))  # the peer runs with the first group
-        more, part_meta = _timed(engine, lambda _: run(engine, part, seed_text, lambda m: print(m, file=sys.stderr)))
-        records += more
-        meta = {**part_meta, "wall_s": round(meta.get("wall_s", 0) + part_meta["wall_s"], 1)}
-        del engine  # before the next group's engine loads
-    if args.out:
-        write_report(records, args.out, meta)
-    print(json.dumps({"meta": meta, "records": records}) if args.json else "\n".join(map(line, records)))
-    return 0
-
-
-def _pool_groups(policies: tuple[str, ...], settings: dict, device_type: str) -> list[tuple[dict, tuple[str, ...]]]:
-    """Engine settings and the policies to time under them. On a GPU with ``kv_pool`` left to
-    auto, each policy runs where it would in serving (full attention with its pool on the device,
-    a sparse policy with a host pool): one engine per placement. On a CPU the two are one."""
-    from icekv.config import EngineConfig, SelectionConfig
-
-    if "kv_pool" in settings or device_type == "cpu":
-        return [(settings, policies)]
-    groups: dict[str, list[str]] = {}
-    for policy in policies:
-        groups.setdefault(EngineConfig(selection=SelectionConfig(policy=policy)).pool_placement(), []).append(policy)
-    return [({**settings, "kv_pool": pool}, tuple(group)) for pool, group in groups.items()]
-
-
 def _meta(engine) -> dict:
     """What a benchmark is measured with: command, model, machine."""
     import platform
@@ -200,5 +127,7 @@ def _cmd_size(args) -> int:
           f"(--host-pool-tokens {args.concurrent * args.context})")
     print(f"device KV per request: full attention {mib(plan.device_bytes_full)}; "
           f"icecache budget {args.budget}: at most {mib(plan.device_bytes_budget)} ({plan.device_saving:.1f}x less)")
-    print(f"host memory of the icecache index per request ({args.score_dtype} page keys): about {mib(plan.index_host_bytes)}")
+    keys = selection.icecache.page_keys(args.dtype)
+    print(f"host memory of the icecache index per request ({keys} page keys): about {mib(plan.index_host_bytes)} "
+          f"({plan.index_share:.0%} of its pages of the pool)")
     return 0

@@ -25,7 +25,7 @@ from icekv.kv import DevicePageCache, PagedKVCache
 def compile_loops(kv_dtype: torch.dtype) -> None:
     """Run every compiled loop once; ``kv_dtype``: the KV pool's dtype (rows are copied by width)."""
     g = torch.Generator().manual_seed(0)
-    for score_dtype in SCORE_DTYPES:  # the index's page keys
+    for score_dtype in (d for d in SCORE_DTYPES if d != "auto"):  # every format of the index's page keys
         tree = DCITree(torch.randn(40, 8, generator=g), 4, IceCacheConfig(score_dtype=score_dtype), torch.ones(9) / 3)
         tree.insert(torch.randn(4, 8, generator=g))  # parents, placement, page rows
         q = torch.randn(1, 2, 8, generator=g)

@@ -32,7 +32,7 @@ from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import get_policy
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
-from icekv.sizing import device_need
+from icekv.sizing import device_need, index_bytes
 
 FULL = SelectionConfig(policy="full")
 DEVICE_SHARE = 0.9  # of the device memory free once loaded, for requests (the rest: a step's activations)
@@ -147,7 +147,7 @@ class Engine:
         seq.pages = math.ceil(held / self.cache.page_size)
         if not prefill_only and seq.selects:
             kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
-            seq.index_bytes = get_policy(selection.policy).index_bytes(self.model.args, held + kept, selection)
+            seq.index_bytes = index_bytes(self.model.args, held + kept, selection, self.cache.pool.dtype)
         seq.context_bytes = context.nbytes if context is not None else 0
         if not self.cache.pool_on_compute:
             args = self.model.args

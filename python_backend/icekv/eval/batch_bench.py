@@ -5,7 +5,9 @@ the length, copied per request); the B requests decode ``steps`` tokens together
 engine's scheduler, one engine step per token. Per (context, batch, policy): aggregate decode
 tokens/s, each step's latency (median, p99) and its split (dense layers and everything else
 outside attention, page selection, transfer, attention, index insertion), summed over the batch's
-backends. The first step (index build, slots filled from empty) is reported on its own.
+backends. The first step (index build, slots filled from empty) is reported on its own; it and
+the next ``warmup_steps - 1`` are untimed (kernels compile at the measured shape there). Each
+record goes to ``emit`` as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ class BatchBenchConfig:
     steps: int = 32
     seed_tokens: int = 1024
     icecache: IceCacheConfig = IceCacheConfig()
+    warmup_steps: int = 2  # untimed steps (the first included) before the timed ones
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens each request generates: the first from the prefill's logits, the warm-up, the timed steps."""
+        return 1 + max(self.warmup_steps, 1) + self.steps
+
+
+def selection_for(cfg: BatchBenchConfig, policy: str) -> SelectionConfig:
+    return SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache)
 
 
 def copy_prefilled(engine: Engine, source: Prefilled) -> Prefilled:
@@ -45,20 +57,23 @@ def copy_prefilled(engine: Engine, source: Prefilled) -> Prefilled:
     return Prefilled(req.seq_id, list(source.prompt_ids), source.logits, 0.0)
 
 
-def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig, steps: int) -> dict:
+def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig, steps: int,
+               warmup_steps: int = BatchBenchConfig.warmup_steps) -> dict:
     """Every request in ``reqs`` decodes together: a first step (index build, slots filled from
-    empty), then ``steps`` timed ones; the first token comes from the prefill's logits."""
-    sampling = SamplingConfig(max_tokens=steps + 2, ignore_eos=True)
+    empty) and the rest of ``warmup_steps`` untimed, then ``steps`` timed ones; the first token
+    comes from the prefill's logits."""
+    sampling = SamplingConfig(max_tokens=1 + max(warmup_steps, 1) + steps, ignore_eos=True)
     seqs = [engine.submit(r.prompt_ids, sampling, selection, prefilled=r) for r in reqs]
-    step_s, splits, first_s = [], [], None
+    step_s, splits, first_s, untimed = [], [], None, 0
     with DevicePeak(engine.device) as peak:
         while not all(s.done for s in seqs):
             before = _split(seqs)
             t0 = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - t0
-            if first_s is None:  # not a steady-state step
-                first_s = elapsed
+            if untimed < max(warmup_steps, 1):  # not a steady-state step
+                first_s = elapsed if first_s is None else first_s
+                untimed += 1
                 continue
             after = _split(seqs)
             step_s.append(elapsed)
@@ -73,7 +88,7 @@ def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig
         "step_median_s": statistics.median(step_s),
         "step_p99_s": sorted(step_s)[min(len(step_s) - 1, round(0.99 * (len(step_s) - 1)))],
         "mean_step_s": total / len(step_s),
-        "first_step_s": first_s,
+        "first_step_s": first_s, "warmup_steps": untimed,
         **split,
         "dense_other_s": max(total / len(step_s) - sum(split.values()), 0.0),
         "steps": len(step_s),
@@ -96,7 +111,9 @@ def _split(seqs) -> dict:
 
 
 def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
-                    progress: Callable[[str], None] | None = None) -> list[dict]:
+                    progress: Callable[[str], None] | None = None,
+                    emit: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every record, each handed to ``emit`` as soon as it is measured."""
     seed_ids = engine.tokenizer.encode(seed_text)[: cfg.seed_tokens]
     records = []
     for length in cfg.contexts:
@@ -106,12 +123,14 @@ def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
                 while len(reqs) < batch:
                     reqs.append(copy_prefilled(engine, reqs[0]))
                 for policy in cfg.policies:
-                    selection = SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache)
+                    selection = selection_for(cfg, policy)
                     record = {"context": length, "batch": batch, "policy": policy,
                               "budget": selection.attended_budget,
                               "search": cfg.icecache.search if policy.startswith("icecache") else None,
-                              **time_batch(engine, reqs[:batch], selection, cfg.steps)}
+                              **time_batch(engine, reqs[:batch], selection, cfg.steps, cfg.warmup_steps)}
                     records.append(record)
+                    if emit:
+                        emit(record)
                     if progress:
                         progress(f"{length} x{batch} {policy}: {record['tokens_per_s']:.1f} tokens/s, "
                                  f"step {record['step_median_s'] * 1000:.1f} ms")

@@ -8,6 +8,11 @@ index threads, that prefill builds the first sparse policy's index layer by laye
 serving does), so that policy's first decode waits only for what is left of the build
 (``index_prebuilt``); the other policies build theirs after prefill. The same cache serves every
 policy and, with ``peer_hf``, Hugging Face transformers' own full-cache decoding on the same model.
+
+Each timed decode starts with ``warmup_steps`` untimed steps at the measured shape (the same
+request, context and policy: kernels compile and caches fill there, not in the timed steps);
+``tpot_s`` is the mean of the timed steps, ``tpot_median_s`` their median (the steady state) and
+the stage split covers the timed steps only. Each record goes to ``emit`` as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+from icekv.engine.sequence import Sequence
 
 import torch
 
@@ -38,6 +45,13 @@ class DecodeBenchConfig:
     icecache: IceCacheConfig = IceCacheConfig()  # e.g. search="exhaustive"
     unlimited_layers: int = SelectionConfig.n_unlimited_layers  # first layers kept whole
     repeats: int = 1  # timed decodes per policy, interleaved; records carry the medians
+    warmup_steps: int = 2  # untimed decode steps before the timed ones, at the measured shape
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens each decode generates: the first comes from the prefill's logits, then the
+        warm-up steps, then the timed ones."""
+        return 1 + self.warmup_steps + self.steps
 
 
 def synthesize(engine: Engine, seed_ids: list[int], length: int) -> Prefilled:
@@ -80,7 +94,10 @@ def hf_decode_tpot(engine: Engine, req: Prefilled, steps: int) -> float:
 
 
 def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
-                     progress: Callable[[str], None] | None = None) -> list[dict]:
+                     progress: Callable[[str], None] | None = None,
+                     emit: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every record, each handed to ``emit`` as soon as it is measured."""
+    emit = emit or (lambda record: None)
     seed_ids = engine.tokenizer.encode(seed_text)[: cfg.seed_tokens]
     records = []
     for length in cfg.contexts:
@@ -98,11 +115,14 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
                     runs[policy].append(time_policy(engine, req, cfg, policy, prefill_s))
                     if progress:
                         progress(f"{length} {policy}: {runs[policy][-1]['tpot_s'] * 1000:.1f} ms/token")
-            records += [median_record(runs[policy]) for policy in cfg.policies]
+            for policy in cfg.policies:
+                records.append(median_record(runs[policy]))
+                emit(records[-1])
             if cfg.peer_hf:
                 tpot = hf_decode_tpot(engine, req, cfg.steps)
                 records.append({"context": length, "policy": "hf_transformers", "budget": None, "tpot_s": tpot,
                                 "steps": cfg.steps})
+                emit(records[-1])
                 if progress:
                     progress(f"{length} hf_transformers: {tpot * 1000:.1f} ms/token")
         finally:
@@ -116,26 +136,31 @@ def selection_for(cfg: DecodeBenchConfig, policy: str) -> SelectionConfig:
 
 
 def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: str, prefill_s: float | None) -> dict:
-    """One timed decode of ``cfg.steps`` tokens with ``policy`` from the request's cache: a record."""
-    sampling = SamplingConfig(max_tokens=cfg.steps + 1, ignore_eos=True)
+    """One decode with ``policy`` from the request's cache, ``cfg.warmup_steps`` untimed steps
+    then ``cfg.steps`` timed ones: a record."""
+    sampling = SamplingConfig(max_tokens=cfg.max_tokens, ignore_eos=True)
     sel = selection_for(cfg, policy)
     prebuilt = req.prebuilt_index(sel) is not None  # this decode takes prefill's index
     with DevicePeak(engine.device) as peak:
-        gen = engine.decode(req, sampling, sel)
-    steps = max(gen.new_tokens - 1, 1)
-    t = {k: v / steps for k, v in gen.timings.items() if k not in ("index_build_s",)}
-    split = {k: t.get(k, 0.0) for k in ("select_s", "transfer_s", "attention_s", "insert_s")}
+        seq = engine.submit(req.prompt_ids, sampling, sel, prefilled=req)
+        warm = _step_until(engine, seq, cfg.warmup_steps)  # stage times after the warm-up
+        gen = engine.run(seq)
+    timed = seq.step_s[cfg.warmup_steps:] or seq.step_s[-1:]  # each timed step's wall time
+    steps = len(timed)
+    split = {k: (gen.timings.get(k, 0.0) - warm.get(k, 0.0)) / steps for k in SPLIT}
+    tpot = sum(timed) / steps
     ice = policy.startswith("icecache")
     index_build_s = gen.timings.get("index_build_s", 0.0)
     return {
         "context": len(req.prompt_ids), "policy": policy, "budget": sel.attended_budget,
         "search": cfg.icecache.search if ice else None,
         "rerank": cfg.icecache.rerank if ice and cfg.icecache.search == "centroids" else None,
-        "score_dtype": cfg.icecache.score_dtype if ice else None,
+        "score_dtype": cfg.icecache.page_keys(engine.cache.pool.dtype) if ice else None,
         "centroid_scoring": cfg.icecache.centroid_scoring if ice else None,
         "rescoring": cfg.icecache.rescoring if ice else None,
-        "tpot_s": gen.tpot_s, "step_max_s": gen.step_max_s, "first_step_s": gen.first_step_s, **split,
-        "other_s": max(gen.tpot_s - sum(split.values()), 0.0),
+        "tpot_s": tpot, "tpot_median_s": statistics.median(timed), "step_max_s": max(timed),
+        "first_step_s": gen.first_step_s, "warmup_steps": len(seq.step_s) - steps, **split,
+        "other_s": max(tpot - sum(split.values()), 0.0),
         "index_build_s": index_build_s,
         "index_prebuilt": prebuilt,
         # the index is built before the second token; counted in TTFT to be conservative
@@ -150,8 +175,16 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
     }
 
 
+def _step_until(engine: Engine, seq: Sequence, steps: int) -> dict:
+    """Step the engine until ``seq`` has decoded ``steps`` steps (or is done); its stage times then."""
+    while not seq.done and len(seq.step_s) < steps:
+        engine.step()
+    return dict(seq.backend.timings) if not seq.done and seq.decoder_ready else {}
+
+
+SPLIT = ("select_s", "transfer_s", "attention_s", "insert_s")
 FIRST_TOKEN = ("index_build_s", "ttft_s")
-TIMES = ("tpot_s", "step_max_s", "first_step_s", "select_s", "transfer_s", "attention_s", "insert_s", "other_s",
+TIMES = ("tpot_s", "tpot_median_s", "step_max_s", "first_step_s", "select_s", "transfer_s", "attention_s", "insert_s", "other_s",
          "index_build_s", "ttft_s")
 
 

@@ -103,7 +103,7 @@ class DCITree:
         store of this tree alone.
         """
         self.cfg, self.page_size = cfg, page_size
-        self.store = store or PageStore(1, page_size, keys.shape[1], getattr(torch, cfg.score_dtype))
+        self.store = store or PageStore(1, page_size, keys.shape[1], getattr(torch, cfg.page_keys(keys.dtype)))
         self.head = head
         self.u = projection.to(torch.float32)  # [D + 1]
         self.step = promotion_step(cfg)

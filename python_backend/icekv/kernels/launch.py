@@ -46,15 +46,24 @@ class DecodeLaunch:
     num_warps: int
 
 
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= ``n`` (1 for n < 2)."""
+    return 1 << max(0, max(n, 1).bit_length() - 1)
+
+
 def decode_launch(batch: int, num_kv_heads: int, group: int, n_pages: int, page_size: int,
                   head_dim: int, num_sms: int = H200_SMS, max_splits: int | None = None) -> DecodeLaunch:
     """Enough splits along the selected pages to give every SM about two programs, never a split
-    without a page; ``max_splits=1`` gives the single-kernel form (the TensorRT plugin's)."""
+    without a page; ``max_splits=1`` gives the single-kernel form (the TensorRT plugin's). The
+    split count (a compile-time constant of the kernel) is a power of two, so a decode whose page
+    count grows step by step compiles at most one variant per power of two (none once the pages
+    outnumber the splits the GPU wants), not one per length."""
     check_head_dim(head_dim)
     programs = max(batch * num_kv_heads, 1)
     splits = max(1, min(n_pages, math.ceil(2 * num_sms / programs), 64))
     if max_splits is not None:
         splits = max(1, min(splits, max_splits))
+    splits = prev_pow2(splits)
     return DecodeLaunch(
         grid=(programs, splits), num_splits=splits, block_g=max(MIN_DOT, next_pow2(group)),
         block_p=max(MIN_DOT, next_pow2(page_size)), block_s=next_pow2(splits),

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots"])
 def page_scatter_kernel(
     src_k_ptr, src_v_ptr, heads_ptr, slots_ptr,
     n_slots,

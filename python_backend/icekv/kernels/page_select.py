@@ -62,7 +62,7 @@ def _topk_row(scores_ptr, ids_ptr, lens_ptr, row_base, n_cand, k, out_ids_ptr, o
         x = tl.where(offs_c == idx, float("-inf"), x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_cand", "n_slots"])  # lengths: one compile whatever their value
 def page_score_kernel(
     q_ptr, k_ptr, ids_ptr, lens_ptr,
     n_cand, n_slots,
@@ -77,7 +77,7 @@ def page_score_kernel(
                       PAGE_SIZE, BLOCK_G, BLOCK_P)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_cand", "k"])
 def topk_kernel(
     scores_ptr, ids_ptr, lens_ptr,
     n_cand, k,
@@ -89,7 +89,7 @@ def topk_kernel(
     _topk_row(scores_ptr, ids_ptr, lens_ptr, row * n_cand, n_cand, k, out_ids_ptr, out_lens_ptr, row * k, BLOCK_C)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_cand", "n_slots", "k"])
 def page_select_kernel(
     q_ptr, k_ptr, ids_ptr, lens_ptr,
     n_cand, n_slots, k,

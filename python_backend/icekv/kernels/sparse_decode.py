@@ -13,7 +13,7 @@ import triton.language as tl
 from icekv.kernels.group_queries import load_group_queries
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_sel", "n_slots"])  # lengths: one compile whatever their value
 def sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, ids_ptr, lens_ptr,
     n_sel, n_slots,

@@ -3,17 +3,17 @@
 torch's pinned allocator (``pin_memory=True``) rounds every block up to a power of two, so a
 17 GiB pool would lock 32 GiB of host memory. This locks a plain host tensor in place instead
 (``cudaHostRegister``), and unlocks it when its owner goes away. CUDA-only; where registering
-fails, torch's allocator is used.
+fails, the pool is refused with the reason (torch's allocator would lock up to twice the memory
+asked for, which a pool sized for the host's memory does not have).
 """
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
 
-log = logging.getLogger("icekv")
+from icekv.errors import ConfigError
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> torch.Tensor:
@@ -28,7 +28,12 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> t
     except Exception as e:  # an API this torch build lacks
         failed = e
     if failed:
-        log.warning("icekv: cudaHostRegister of %d bytes failed (%s); pinning through torch instead", nbytes, failed)
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        raise ConfigError(f"cannot page-lock the host page pool: cudaHostRegister of {nbytes / 2**30:,.1f} GiB failed "
+                          f"({failed}); lower host_pool_tokens (torch's pinned allocator would round it up to "
+                          f"{_pow2(nbytes) / 2**30:,.0f} GiB)")
     weakref.finalize(owner, cudart.cudaHostUnregister, tensor.data_ptr())
     return tensor
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

@@ -17,11 +17,11 @@ from icekv.model import ModelArgs
 from icekv.select.base import PageSelector
 
 SelectorFactory = Callable[[SelectionConfig], PageSelector]
-IndexSizer = Callable[[ModelArgs, int, SelectionConfig], int]
+IndexSizer = Callable[[ModelArgs, int, SelectionConfig, str], int]
 DeviceIndexSizer = Callable[[ModelArgs, int, SelectionConfig, str, int], int]
 
 
-def no_index(args: ModelArgs, tokens: int, cfg: SelectionConfig) -> int:
+def no_index(args: ModelArgs, tokens: int, cfg: SelectionConfig, kv_dtype: str) -> int:
     """Policies that keep no page index beside the KV pool."""
     return 0
 
@@ -37,7 +37,7 @@ class Policy:
 
     name: str
     selector: SelectorFactory | None
-    index_bytes: IndexSizer = no_index  # (model, tokens held, selection) -> host bytes of the index
+    index_bytes: IndexSizer = no_index  # (model, tokens held, selection, KV dtype) -> host bytes of the index
     # (model, tokens held, selection, compute device type, its dtype's bytes) -> device bytes of the index
     device_index_bytes: DeviceIndexSizer = no_device_index
     compressed_context: bool = False  # can it select over a compressed context's per-head pages?

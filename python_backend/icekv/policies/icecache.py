@@ -23,10 +23,12 @@ PAGE_FILL, HEADROOM, TOKEN_ARRAYS = 7 / 8, 9 / 8, 32
 SCORE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 
-def tree_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, trees_per_kv_head: int) -> int:
-    """Host bytes of ``trees_per_kv_head`` trees per KV head over ``tokens`` tokens each."""
+def tree_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, kv_dtype: str, trees_per_kv_head: int) -> int:
+    """Host bytes of ``trees_per_kv_head`` trees per KV head over ``tokens`` tokens each, over a KV
+    cache of ``kv_dtype`` (which sets the page keys' dtype under ``score_dtype="auto"``)."""
     d, p, ice = args.head_dim, cfg.page_size, cfg.icecache
-    key_bytes = row_width(d, getattr(torch, ice.score_dtype)) * SCORE_BYTES[ice.score_dtype]
+    keys = ice.page_keys(kv_dtype)
+    key_bytes = row_width(d, getattr(torch, keys)) * SCORE_BYTES[keys]
     per_slot = key_bytes + 4 + 8  # key, pad, member id
     per_page = key_bytes + 8 + 16  # centroid (in the score dtype), version, length and owner
     promoted_key = d * 4 / promotion_step(ice)
@@ -59,7 +61,8 @@ def _trees(cfg: SelectionConfig, args: ModelArgs, layer_reuse: bool) -> int:
 
 def _sizers(layer_reuse: bool) -> dict:
     return {
-        "index_bytes": lambda args, tokens, cfg: tree_index_bytes(args, tokens, cfg, _trees(cfg, args, layer_reuse)),
+        "index_bytes": lambda args, tokens, cfg, kv_dtype: tree_index_bytes(args, tokens, cfg, kv_dtype,
+                                                                            _trees(cfg, args, layer_reuse)),
         "device_index_bytes": lambda args, tokens, cfg, device_type, dtype_bytes: device_copy_bytes(
             args, tokens, cfg, device_type, dtype_bytes, _trees(cfg, args, layer_reuse)),
     }

@@ -57,7 +57,7 @@ class IceCacheSelector:
             return
         dim = keys[0].shape[-1]  # keys: [Hkv, n, D] or per-head [n_h, D]
         u = self._projection(dim)
-        store = self.stores[layer] = PageStore(len(keys), self.page_size, dim, getattr(torch, self.config.score_dtype))
+        store = self.stores[layer] = PageStore(len(keys), self.page_size, dim, getattr(torch, self.config.page_keys(keys[0].dtype)))
         self.trees[layer] = [DCITree(k, self.page_size, self.config, u, store, h) for h, k in enumerate(keys)]
 
     def insert(self, layer, keys):

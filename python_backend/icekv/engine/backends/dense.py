@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 import torch
 
 from icekv.engine.backends.sources import RequestPages
+from icekv.engine.backends.stage_clock import StageClock
 from icekv.engine.results import KVStats
 
 
@@ -23,6 +23,7 @@ class DenseAttention:
         self.start = 0  # own position of this step's first token
         self.positions = torch.zeros(0, dtype=torch.long)  # RoPE positions of this step's tokens
         self.timings: dict[str, float] = defaultdict(float)  # attention_s: gather + attend, all layers
+        self.clock = StageClock(self.cache.compute)  # stage times, settled at end_step
         self.layer_stats: dict[int, list[tuple[float, float]]] = {}  # probe: layer -> [(recall, cosine)]
 
     def begin_step(self, n_tokens: int) -> torch.Tensor:
@@ -36,13 +37,14 @@ class DenseAttention:
         return True
 
     def end_step(self) -> None:
-        """Called after every layer has run the step; full attention has nothing to do."""
+        """Called after every layer has run the step: the step's stage times are added up."""
+        self.clock.settle(self.timings)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.source.write(layer, self.start, k, v)
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         out = self.source.attend_all(layer, q, self.positions - self.source.offset)
-        self.timings["attention_s"] += time.perf_counter() - t0
+        self.clock.add(self.timings, "attention_s", t0, self.clock.mark())
         return out
 
     def kv_stats(self) -> KVStats:

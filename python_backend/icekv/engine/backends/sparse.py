@@ -80,9 +80,10 @@ class SparseAttention(DenseAttention):
         if layer in self.tails:
             self.tails[layer].append(self.start, k[0], v[0])
         length = self.start + 1
-        t0 = time.perf_counter()
+        clock = self.clock
+        t0 = clock.mark()
         selection = self.selector.select(layer, q[0], self.cfg.selected_pages)
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         dev = self.device[layer]
         rows = self.source.pool_rows(layer)
         if rows is not None:  # pool and slots in CPU memory: one compiled pass, straight from the pool
@@ -95,23 +96,25 @@ class SparseAttention(DenseAttention):
                 lengths = torch.from_numpy(np.count_nonzero(positions.numpy() >= 0, axis=1))  # [m]
                 staging = dev.transfer.staging((2, *positions.shape, dev.k.shape[-1]))  # [2, m, P, D]
                 dev.load(plan, self.source.gather_pages(layer, plan.heads, positions, staging), lengths)
-        t2 = time.perf_counter()
+        t2 = clock.mark()
         if self.tail_from_pool:
             tail = self.source.tail_ranges(self.sink_end, self.win_start, length)
             out = sparse_decode_pool_cpu(q[0], *rows, tail, dev.k, dev.v, dev.attended_lengths())
         else:
             sink_k, sink_v, win_k, win_v = self.tails[layer].views()
             out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)
-        t3 = time.perf_counter()
-        self.timings["select_s"] += t1 - t0
-        self.timings["transfer_s"] += t2 - t1
-        self.timings["attention_s"] += t3 - t2
+        t3 = clock.mark()
+        clock.add(self.timings, "select_s", t0, t1)
+        clock.add(self.timings, "transfer_s", t1, t2)
+        clock.add(self.timings, "attention_s", t2, t3)
         if self.probe:
             self._measure(layer, q[0], out, selection, length)
         return out[None]
 
     def end_step(self) -> None:
-        """After every layer has run: flush window pages that fell out of the window."""
+        """After every layer has run: the step's stage times are added up, window pages that fell
+        out of the window flushed."""
+        self.clock.settle(self.timings)
         length = self.start + self.positions.numel()
         target = window_start(self.cfg, self.sink_end, length)
         while self.win_start < target:

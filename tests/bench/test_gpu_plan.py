@@ -1,0 +1,50 @@
+"""The real GPU run's admission and memory plan (bench/gpu_check.sh at Llama-3.1-8B's shape, bf16,
+32k, 128k and 8 x 32k), computed on the CPU with the engine's own sizing: every part's every
+(policy, context, batch) is admitted in one wave, and each engine's peak host and device memory fits
+the lent machine (128 GiB host, 141 GB device)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from icekv.cli import main as icekv
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+spec = importlib.util.spec_from_file_location("gpu_parts", BENCH / "gpu_parts.py")
+gpu_parts = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_parts)
+
+
+def _plan(name: str, capsys) -> dict:
+    rc = icekv(gpu_parts.plan_args(name))
+    out, err = capsys.readouterr()
+    assert rc == 0, err  # refusals name their numbers
+    return json.loads(out.splitlines()[0])["plan"]
+
+
+@pytest.mark.parametrize("name", list(gpu_parts.PARTS))
+def test_every_part_of_the_real_run_is_admitted_in_one_wave_and_fits_the_machine(name, capsys):
+    plan = _plan(name, capsys)
+    assert plan["admitted"] and plan["waves"]
+    for wave in plan["waves"]:
+        assert wave["refusals"] == [] and wave["index_share"] < 1  # the index never outweighs the KV
+    for group in plan["groups"]:
+        assert group["host_bytes"] <= gpu_parts.HOST_GIB * 2**30
+        assert group["device_bytes"] <= 141e9
+
+
+def test_the_batch_of_eight_runs_as_one_wave_with_its_limits_sized_for_it(capsys):
+    plan = _plan("batch_32k", capsys)
+    eight = [w for w in plan["waves"] if w["batch"] == 8]
+    assert {w["policy"] for w in eight} == {"full", "icecache"}
+    assert plan["scheduler"]["max_running"] == 8
+    assert plan["paging"]["max_context_tokens"] >= 8 * (32768 + 16)  # every request's pages at once
+    ice = next(w for w in eight if w["policy"] == "icecache")
+    assert ice["device_charge"] <= plan["scheduler"]["max_device_bytes"]
+
+
+def test_wide_page_keys_over_a_bf16_cache_are_refused_before_anything_loads(capsys):
+    rc = icekv([*gpu_parts.plan_args("batch_32k"), "--score-dtype", "float32"])
+    assert rc == 2 and "index outweighs the KV" in capsys.readouterr().err
