@@ -154,7 +154,7 @@ def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
     (``served_here``: also that this machine has the device they name)."""
     from icekv.config import ServingConfig
 
-    params = {"model_dir": args.model and _model_location(args.model), "device": args.device,
+    params = {"model_dir": args.model and _model_location(args.model, served_here), "device": args.device,
               "kv_pool": args.kv_pool, "dtype": args.dtype, "policy": args.policy,
               "budget": args.budget, "search": args.search, "score_dtype": args.score_dtype,
               "centroid_scoring": args.centroid_scoring, "rescoring": args.rescoring,
@@ -173,11 +173,12 @@ def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
     return params
 
 
-def _model_location(model: str) -> str:
-    """A known model's name as is (the server resolves it), a folder as an absolute path."""
+def _model_location(model: str, served_here: bool) -> str:
+    """A known model's name as is (the server resolves it), a folder as an absolute path (which
+    must exist where it is ``served_here``)."""
     if model in KNOWN_MODELS:
         return model
-    if not Path(model).is_dir():
+    if served_here and not Path(model).is_dir():
         raise not_a_model(model)
     return str(Path(model).resolve())
 
