@@ -77,4 +77,6 @@ def known_model(name: str) -> KnownModel:
 
 def not_a_model(model: str) -> ModelLoadError:
     """The error for a --model that is neither a known name nor a model folder."""
+    if "/" in model:  # meant as a folder
+        return ModelLoadError(f"model folder {model} does not exist (or name a known model: {', '.join(KNOWN_MODELS)})")
     return ModelLoadError(f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a model folder")

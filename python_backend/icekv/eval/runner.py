@@ -88,9 +88,9 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
     ``resume`` keeps the contexts the log already holds (it must come from the same grid);
     ``on_context`` gets the records so far after each context run here."""
     finished = _read_log(log, cfg) if resume and log is not None and log.exists() else {}
-    if log is not None and not finished:
+    if log is not None:  # rewritten whole: a line an interruption cut is dropped, not appended to
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(json.dumps({"config": _grid(cfg)}) + "\n")
+        log.write_text("".join(json.dumps(e) + "\n" for e in [{"config": _grid(cfg)}, *finished.values()]))
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
     form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
     selections = cfg.selections()
