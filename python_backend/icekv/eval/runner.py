@@ -97,8 +97,8 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
     total = len(cfg.contexts()) * cfg.questions * len(selections)
     count = {"done": 0}
 
-    def on_run() -> None:
-        count["done"] += 1
+    def on_run(n: int = 1) -> None:
+        count["done"] += n
         if progress:
             progress(count["done"], total)
 
@@ -106,8 +106,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
     for task, length, i in cfg.contexts():
         key = f"{task}/{length}/{i}"
         if key in finished:
-            count["done"] += len(finished[key]["runs"]) - 1
-            on_run()
+            on_run(len(finished[key]["runs"]))
         else:
             finished[key] = _run_context(engine, cfg, sampler, form, selections, task, length, i, on_run)
             if log is not None:
