@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from icekv.errors import ConfigError
+from icekv.method_settings import ArkValeConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig, SnapKVConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_POOLS = ("auto", "host", "device")  # where the KV page pool lives, see EngineConfig
@@ -204,6 +205,12 @@ class SelectionConfig:
     n_win_pages: int | None = None
     n_unlimited_layers: int = 2
     icecache: IceCacheConfig = field(default_factory=IceCacheConfig)
+    # the baselines' own settings (icekv.method_settings)
+    arkvale: ArkValeConfig = field(default_factory=ArkValeConfig)
+    pqcache: PQCacheConfig = field(default_factory=PQCacheConfig)
+    magicpig: MagicPIGConfig = field(default_factory=MagicPIGConfig)
+    omnikv: OmniKVConfig = field(default_factory=OmniKVConfig)
+    snapkv: SnapKVConfig = field(default_factory=SnapKVConfig)
 
     def __post_init__(self) -> None:
         default_pages = max(1, min(2, self.budget // self.page_size // 4))

@@ -182,7 +182,8 @@ class Engine:
         result = None
         try:
             if seq.error is None and seq.prefill_only:
-                result = Prefilled(seq.seq_id, seq.prompt_ids, seq.logits, seq.prefill_s, seq.context, seq.index)
+                result = Prefilled(seq.seq_id, seq.prompt_ids, seq.logits, seq.prefill_s, seq.context, seq.index,
+                                   seq.window_queries)
             elif seq.error is None:
                 backend = seq.backend or DenseAttention(token_source(self.cache, seq.seq_id, seq.context))
                 kv = backend.kv_stats()

@@ -57,6 +57,7 @@ class Prefilled:
     prefill_s: float
     context: CompressedContext | None = None  # a compressed context the prompt continues
     index: object = None  # a PrefillIndex: a sparse policy's index built during prefill, for the first decode
+    window_queries: dict | None = None  # layer -> the prompt's last queries [W, Hq, D] (SnapKV's window)
 
     def prebuilt_index(self, selection: SelectionConfig):
         """The index prefill built, if it was built for ``selection`` and no decode has taken it."""

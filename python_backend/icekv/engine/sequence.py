@@ -63,6 +63,7 @@ class Sequence:
     backend: object = None  # this phase's attention backend
     decoder_ready: bool = False  # backend is the decode one (set up at the first decode step)
     index: object = None  # a PrefillIndex built during prefill
+    window_queries: dict | None = None  # layer -> the prompt's last queries [W, Hq, D], kept by its prefill
     next_token: int | None = None  # sampled, to be fed by the next decode step
     stream: TextStream | None = None
     eos: set[int] = field(default_factory=set)

@@ -103,6 +103,7 @@ class StepRunner:
         if seq.remaining_prompt:
             return
         seq.prefill_s, seq.logits = time.perf_counter() - seq.t_prefill, logits
+        seq.window_queries = seq.backend.kept_queries or None
         if seq.prefill_only:
             seq.phase = Phase.DONE
             return

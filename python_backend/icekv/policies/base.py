@@ -10,13 +10,14 @@ each KV head attends its sink, ``k`` selected pages of the indexed region, and i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from icekv.config import SelectionConfig
 from icekv.model import ModelArgs
 from icekv.select.base import PageSelector
 
 SelectorFactory = Callable[[SelectionConfig], PageSelector]
+LayerRule = Callable[[SelectionConfig, int], Sequence[int]]  # (selection, model depth) -> layer ids
 IndexSizer = Callable[[ModelArgs, int, SelectionConfig, str], int]
 DeviceIndexSizer = Callable[[ModelArgs, int, SelectionConfig, str, int], int]
 
@@ -41,6 +42,16 @@ class Policy:
     # (model, tokens held, selection, compute device type, its dtype's bytes) -> device bytes of the index
     device_index_bytes: DeviceIndexSizer = no_device_index
     compressed_context: bool = False  # can it select over a compressed context's per-head pages?
+    # the layers attended under the budget (default: all but the first n_unlimited_layers)
+    budgeted_layers: LayerRule | None = None
+    # the layers whose keys the selector indexes (default: the budgeted ones); a dense one among
+    # them also shows the selector its decode query (``observe``), as OmniKV's filter layers do
+    indexed_layers: LayerRule | None = None
+    # the prompt's last queries per indexed layer the selector needs before it builds (SnapKV's
+    # observation window); 0: none
+    window_queries: Callable[[SelectionConfig], int] = lambda cfg: 0
+    # attention estimated from weighted samples (MagicPIG), not exact over the selected pages
+    sampled: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -55,9 +66,17 @@ class Policy:
         """A fresh selector for one request; None for full attention."""
         return self.selector(cfg) if self.selector is not None else None
 
-    def sparse_layers(self, cfg: SelectionConfig, num_layers: int) -> range:
+    def sparse_layers(self, cfg: SelectionConfig, num_layers: int) -> Sequence[int]:
         """The layers that attend under the budget."""
-        return sparse_layers(cfg, num_layers) if self.sparse else range(0)
+        if not self.sparse:
+            return range(0)
+        return (self.budgeted_layers or sparse_layers)(cfg, num_layers)
+
+    def index_layers(self, cfg: SelectionConfig, num_layers: int) -> Sequence[int]:
+        """The layers whose keys the selector indexes (built after prefill, or during it)."""
+        if not self.sparse:
+            return range(0)
+        return (self.indexed_layers or self.sparse_layers)(cfg, num_layers)
 
 
 def sparse_layers(cfg: SelectionConfig, num_layers: int) -> range:

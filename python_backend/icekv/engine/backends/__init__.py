@@ -17,7 +17,7 @@ from icekv.engine.sequence import Sequence
 from icekv.errors import ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
-from icekv.policies import get_policy
+from icekv.policies import get_policy, window_queries_kept
 
 
 def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelArgs) -> None:
@@ -31,11 +31,18 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
     policy = get_policy(seq.selection.policy)
     # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
     selects = seq.selects or (policy.sparse and seq.prefill_only)
-    # an index built here would miss the tokens already cached (a prefilled prompt's suffix)
-    if seq.context is not None or not selects or index_threads == 0 or seq.prefilled is not None:
-        return DenseAttention(token_source(cache, seq.seq_id, seq.context, len(seq.prompt_ids)))
-    seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads, cache.compute)
-    return IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
+    # an index built here would miss the tokens already cached (a prefilled prompt's suffix), and
+    # one built from the prompt's last queries waits for them
+    if (seq.context is not None or not selects or index_threads == 0 or seq.prefilled is not None
+            or policy.window_queries(seq.selection)):
+        backend = DenseAttention(token_source(cache, seq.seq_id, seq.context, len(seq.prompt_ids)))
+    else:
+        seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads, cache.compute)
+        backend = IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
+    backend.keep_queries = window_queries_kept(seq.selection, seq.prefill_only)
+    if backend.keep_queries and seq.prefilled is not None:  # the window may reach back into the prefilled prompt
+        backend.kept_queries = dict(seq.prefilled.window_queries or {})
+    return backend
 
 
 def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
@@ -54,8 +61,9 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
             index.cancel()
         return DenseAttention(source)
     selector = index.selector if index is not None else get_policy(selection.policy).make_selector(selection)
+    queries = seq.window_queries or (prefilled.window_queries if prefilled is not None else None)
     return SparseAttention(source, args, selection, selector, seq.probe,
-                           prebuilt=index.wait if index is not None else None)
+                           prebuilt=index.wait if index is not None else None, window_queries=queries)
 
 
 __all__ = ["ContextPages", "DenseAttention", "RequestPages", "SparseAttention", "check_context", "decode_backend",

@@ -25,6 +25,8 @@ class DenseAttention:
         self.timings: dict[str, float] = defaultdict(float)  # attention_s: gather + attend, all layers
         self.clock = StageClock(self.cache.compute)  # stage times, settled at end_step
         self.layer_stats: dict[int, list[tuple[float, float]]] = {}  # probe: layer -> [(recall, cosine)]
+        self.keep_queries = 0  # the prompt's last queries kept per layer (a selector's observation window)
+        self.kept_queries: dict[int, torch.Tensor] = {}  # layer -> [<= keep_queries, Hq, D]
 
     def begin_step(self, n_tokens: int) -> torch.Tensor:
         """Reserve room for ``n_tokens`` new tokens; returns their positions [n_tokens]."""
@@ -41,6 +43,10 @@ class DenseAttention:
         self.clock.settle(self.timings)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.keep_queries:
+            earlier = self.kept_queries.get(layer)
+            queries = q if earlier is None else torch.cat([earlier, q])  # [n, Hq, D]
+            self.kept_queries[layer] = queries[-self.keep_queries:].clone()
         self.source.write(layer, self.start, k, v)
         t0 = self.clock.mark()
         out = self.source.attend_all(layer, q, self.positions - self.source.offset)

@@ -25,7 +25,7 @@ from icekv.config import SelectionConfig
 from icekv.engine.backends.dense import DenseAttention
 from icekv.engine.backends.sources import RequestPages
 from icekv.kv import PagedKVCache
-from icekv.policies import sink_tokens, sparse_layers, window_start
+from icekv.policies import get_policy, sink_tokens, window_start
 from icekv.select import PageSelector
 
 
@@ -75,7 +75,7 @@ class IndexingPrefillAttention(DenseAttention):
         super().__init__(RequestPages(cache, seq_id, prompt_tokens))
         self.index = index
         cfg = index.selection
-        self.layers = sparse_layers(cfg, num_layers)
+        self.layers = get_policy(cfg.policy).index_layers(cfg, num_layers)
         self.sink_end = sink_tokens(cfg)
         self.region_end = window_start(cfg, self.sink_end, prompt_tokens)
         self.final_at = min(self.region_end, prompt_tokens)  # written up to here, the region is final

@@ -29,28 +29,41 @@ from icekv.kernels.cpu_decode import sparse_decode_pool_cpu
 from icekv.kernels.dispatch import kernel_backend
 from icekv.kv import DevicePageCache
 from icekv.model import ModelArgs
-from icekv.policies import sparse_layers, window_start
+from icekv.policies import get_policy, window_start
 from icekv.select import PageSelector
 
 
 class SparseAttention(DenseAttention):
     """Built after prefill, from the request's cache; decodes one token per step. ``prebuilt``
-    waits for the layers whose index prefill built and names them."""
+    waits for the layers whose index prefill built and names them; ``window_queries`` (layer ->
+    [W, Hq, D]) are the prompt's last queries, for a selector that needs them before it builds."""
 
     def __init__(self, source: RequestPages, args: ModelArgs, cfg: SelectionConfig, selector: PageSelector,
-                 probe: bool = False, prebuilt: Callable[[], set[int]] | None = None):
+                 probe: bool = False, prebuilt: Callable[[], set[int]] | None = None,
+                 window_queries: dict[int, torch.Tensor] | None = None):
         super().__init__(source)
         self.cfg, self.selector, self.probe = cfg, selector, probe
-        self.sparse_layers = sparse_layers(cfg, args.num_layers)
+        policy = get_policy(cfg.policy)
+        self.sparse_layers = policy.sparse_layers(cfg, args.num_layers)
+        self.index_layers = policy.index_layers(cfg, args.num_layers)
+        self.watched = frozenset(self.index_layers) - frozenset(self.sparse_layers)  # dense, their query observed
         self.sink_end = source.sink_end(cfg)
         self.win_start = window_start(cfg, self.sink_end, source.length())
         self.timings.update(select_s=0.0, transfer_s=0.0, index_build_s=0.0, insert_s=0.0)
         self.layer_stats = defaultdict(list)  # probe: layer -> [(recall, cosine)] of its decode steps
         t0 = time.perf_counter()  # index_build_s: what the build adds to time to first token
         built = prebuilt() if prebuilt else set()
-        for layer in self.sparse_layers:
-            if layer not in built:
-                selector.build(layer, source.region_keys(layer, self.sink_end, self.win_start), self.sink_end)
+        length = source.length()
+        for layer in self.index_layers:
+            if layer in built:
+                continue
+            if policy.window_queries(cfg):
+                queries = (window_queries or {}).get(layer)
+                if queries is None:
+                    raise ValueError(f"the {cfg.policy} policy needs the prompt's last queries: decode with a suffix "
+                                     "or over a prompt prefilled for later decodes")
+                selector.observe_prompt(layer, queries, source.region_keys(layer, 0, length), length)
+            selector.build(layer, source.region_keys(layer, self.sink_end, self.win_start), self.sink_end)
         self.timings["index_build_s"] = time.perf_counter() - t0
         self.device = {
             layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, cfg.page_size, args.head_dim,
@@ -62,17 +75,19 @@ class SparseAttention(DenseAttention):
         pool = self.cache.pool
         compiled_fp32 = pool.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
         self.tail_from_pool = compiled_fp32 and all(source.pool_rows(layer) is not None for layer in self.sparse_layers)
-        length, window = source.length(), (cfg.n_win_pages + 1) * cfg.page_size
+        window = (cfg.n_win_pages + 1) * cfg.page_size
         self.tails = {} if self.tail_from_pool else {
             layer: DeviceTail(*source.sink_window(layer, self.sink_end, self.win_start, length), self.win_start, window)
             for layer in self.sparse_layers
         }
 
     def attends_all(self, layer: int) -> bool:
-        return layer not in self.device  # the unlimited layers
+        return layer not in self.device and layer not in self.watched  # the unlimited layers (a watched one observes)
 
     def attend(self, layer, q, k, v):
         if layer not in self.device:
+            if layer in self.watched:
+                self.selector.observe(layer, q[-1])
             return super().attend(layer, q, k, v)
         if q.shape[0] != 1:
             raise ValueError("sparse attention decodes one token per step")
@@ -119,7 +134,7 @@ class SparseAttention(DenseAttention):
         target = window_start(self.cfg, self.sink_end, length)
         while self.win_start < target:
             t0 = time.perf_counter()
-            for layer in self.sparse_layers:
+            for layer in self.index_layers:
                 keys, _ = self.cache.gather_range(layer, self.seq_id, self.win_start, self.win_start + self.cfg.page_size)
                 self.selector.insert(layer, keys.cpu())
             self.timings["insert_s"] += time.perf_counter() - t0
