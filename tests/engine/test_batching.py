@@ -10,6 +10,7 @@ import pytest
 from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
 from icekv.engine import BusyError, Cancelled, Engine
 from icekv.errors import IcekvError
+from icekv.policies import policy_names
 
 pytestmark = pytest.mark.model
 
@@ -52,6 +53,32 @@ def test_batched_greedy_output_equals_each_request_alone(engine, essays_text, co
         assert seq.error is None, seq.error
         assert seq.result.token_ids == expected, r["selection"].policy
     assert engine.cache.allocator.num_free == free  # every request gave its pages back
+
+
+def test_every_baseline_batched_equals_alone_and_cancelling_frees_its_memory(engine, essays_text):
+    """Each decode policy beyond the five above, several at once in one batch: their greedy tokens
+    are what each gives alone; a request cancelled mid-decode gives back every page."""
+    policies = [p for p in policy_names() if p not in POLICIES]
+    prompts = _prompts(essays_text, [260 + 40 * i for i in range(len(policies))])
+    selections = [SelectionConfig(policy=p, budget=64) for p in policies]
+    alone = [engine.generate(p, GREEDY, selection=s).token_ids for p, s in zip(prompts, selections)]
+    free = engine.cache.allocator.num_free
+    seqs = [engine.submit(p, GREEDY, s) for p, s in zip(prompts, selections)]
+    _drain(engine, seqs)
+    for seq, expected, s in zip(seqs, alone, selections):
+        assert seq.error is None, seq.error
+        assert seq.result.token_ids == expected, s.policy
+        assert seq.result.kv.resident_bytes < seq.result.kv.total_bytes, s.policy  # it attended a budget
+    assert engine.cache.allocator.num_free == free
+    for p, s in zip(prompts, selections):
+        seq = engine.submit(p, replace(GREEDY, max_tokens=40), s)
+        while not seq.decoder_ready:
+            engine.step()
+        engine.step()
+        seq.cancel()
+        _drain(engine, [seq])
+        assert isinstance(seq.error, Cancelled), s.policy
+        assert engine.cache.allocator.num_free == free, s.policy
 
 
 def test_requests_of_different_lengths_leave_mid_run(engine, essays_text):

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from icekv.config import IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
-from icekv.engine.backends import DenseAttention, RequestPages, SparseAttention
+from icekv.engine.backends import DenseAttention, RequestPages, SampledAttention, SparseAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
-from icekv.method_settings import OmniKVConfig
-from icekv.policies import make_selector, policy_names, window_queries_kept
+from icekv.method_settings import MagicPIGConfig, OmniKVConfig
+from icekv.policies import get_policy, make_selector, policy_names, window_queries_kept
 from tests.conftest import make_tiny_hf_model
 
 POLICIES = [p for p in policy_names() if p != "full"]
@@ -28,8 +28,8 @@ def _decode_logits(model, ids, new_tokens, selection=None):
     backend.keep_queries = window_queries_kept(selection or SelectionConfig(), False)
     model(torch.tensor(ids), backend.begin_step(len(ids)), backend)
     if selection is not None:
-        backend = SparseAttention(RequestPages(cache, 0), a, selection, make_selector(selection),
-                                  window_queries=backend.kept_queries)
+        kind = SampledAttention if get_policy(selection.policy).sampled else SparseAttention
+        backend = kind(RequestPages(cache, 0), a, selection, make_selector(selection), window_queries=backend.kept_queries)
     out = []
     for t in new_tokens:
         out.append(model(torch.tensor([t]), backend.begin_step(1), backend)[-1])
@@ -37,7 +37,7 @@ def _decode_logits(model, ids, new_tokens, selection=None):
     return torch.stack(out), backend
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [p for p in POLICIES if not get_policy(p).sampled])
 def test_budget_covering_the_context_equals_full_attention(policy, tmp_path):
     make_tiny_hf_model("qwen3", tmp_path)
     model = load_model(tmp_path)
@@ -50,6 +50,24 @@ def test_budget_covering_the_context_equals_full_attention(policy, tmp_path):
     assert len(backend.device) > 0  # some layer attended under the budget
     torch.testing.assert_close(sparse, full, rtol=1e-4, atol=1e-4)
     assert backend.win_start > 300 - 32  # the window moved: flushed pages went into the index
+
+
+def test_magicpig_sampling_every_token_estimates_full_attention(tmp_path):
+    """One-bit tables, 64 of them, one collision enough: every token is sampled with probability
+    about 1, so the estimate is full attention; the default tables sample a few and differ."""
+    make_tiny_hf_model("qwen3", tmp_path)
+    model = load_model(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (300,), generator=g).tolist()
+    new = torch.randint(0, 512, (40,), generator=g).tolist()
+    full, _ = _decode_logits(model, ids, new)
+    every = MagicPIGConfig(bits=1, tables=64, min_collisions=1)
+    sampled, backend = _decode_logits(model, ids, new, selection_for("magicpig", budget=1024, magicpig=every))
+    torch.testing.assert_close(sampled, full, rtol=1e-3, atol=1e-3)
+    assert min(backend.selector.sampled) > 0.95 * (300 - 64)  # (nearly) every indexed token, every step
+    few, backend = _decode_logits(model, ids, new, selection_for("magicpig", budget=1024))
+    assert not torch.allclose(few, full, atol=1e-3)
+    assert max(backend.selector.sampled) < 300 - 64
 
 
 @pytest.mark.parametrize("policy", POLICIES)

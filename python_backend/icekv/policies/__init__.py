@@ -6,11 +6,11 @@ Adding a policy: a file here that makes a :class:`Policy`, and its line in :data
 from __future__ import annotations
 
 from icekv.errors import ConfigError
-from icekv.policies import arkvale, full, icecache, omnikv, pqcache, quest, snapkv, streaming
+from icekv.policies import arkvale, full, icecache, magicpig, omnikv, pqcache, quest, snapkv, streaming
 from icekv.policies.base import Policy, sink_tokens, sparse_layers, window_start
 
 _REGISTERED = (full.POLICY, streaming.POLICY, quest.POLICY, icecache.ICECACHE, icecache.ICECACHE_R, arkvale.POLICY,
-               pqcache.POLICY, omnikv.POLICY, snapkv.POLICY)
+               pqcache.POLICY, omnikv.POLICY, snapkv.POLICY, magicpig.POLICY)
 
 
 def policy_names() -> tuple[str, ...]:

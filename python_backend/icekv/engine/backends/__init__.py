@@ -11,6 +11,7 @@ from __future__ import annotations
 from icekv.compress import CompressedContext
 from icekv.engine.backends.dense import DenseAttention
 from icekv.engine.backends.sources import ContextPages, RequestPages, token_source
+from icekv.engine.backends.sampled import SampledAttention
 from icekv.engine.backends.sparse import SparseAttention
 from icekv.engine.backends.prefill_index import IndexingPrefillAttention, PrefillIndex
 from icekv.engine.sequence import Sequence
@@ -62,9 +63,10 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
         return DenseAttention(source)
     selector = index.selector if index is not None else get_policy(selection.policy).make_selector(selection)
     queries = seq.window_queries or (prefilled.window_queries if prefilled is not None else None)
-    return SparseAttention(source, args, selection, selector, seq.probe,
-                           prebuilt=index.wait if index is not None else None, window_queries=queries)
+    backend = SampledAttention if get_policy(selection.policy).sampled else SparseAttention
+    return backend(source, args, selection, selector, seq.probe,
+                   prebuilt=index.wait if index is not None else None, window_queries=queries)
 
 
-__all__ = ["ContextPages", "DenseAttention", "RequestPages", "SparseAttention", "check_context", "decode_backend",
+__all__ = ["ContextPages", "DenseAttention", "RequestPages", "SampledAttention", "SparseAttention", "check_context", "decode_backend",
            "prefill_backend", "token_source"]

@@ -1,0 +1,69 @@
+"""Decoding under MagicPIG: exact attention over sink and window, an importance-weighted estimate
+over the tokens the query's LSH buckets sample from the indexed region, merged by log-sum-exp.
+
+The sampled part runs where the pool is (host memory), as in MagicPIG, where the CPU computes it
+and only its output and log-sum-exp join the device's exact part; no page moves to device slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from icekv.attention.sampled import attention_lse, merge_lse
+from icekv.engine.backends.sparse import SparseAttention
+from icekv.select.magicpig import sampling_probability
+
+
+class SampledAttention(SparseAttention):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tails = {}  # the exact part reads sink and window from the pool each step
+
+    def attend(self, layer, q, k, v):
+        if layer not in self.device:
+            return super().attend(layer, q, k, v)
+        self.source.write(layer, self.start, k, v)
+        clock = self.clock
+        t0 = clock.mark()
+        query = q[0]  # [Hq, D]
+        hq, hkv = query.shape[0], k.shape[1]
+        samples = self.selector.sample(layer, query, self.cfg.selected_pages * self.cfg.page_size)
+        t1 = clock.mark()
+        heads = torch.arange(hq) // (hq // hkv)  # [Hq] each query head's KV head
+        kv = self.source.gather_pages(layer, heads, samples.positions)  # [2, Hq, M, D] where the pool is
+        t2 = clock.mark()
+        host_q = query.to(kv.device).float()
+        valid = samples.positions >= 0  # [Hq, M]
+        centred_dot = torch.einsum("hd,hmd->hm", host_q, kv[0].float()) - (host_q * samples.mean).sum(-1, keepdim=True)
+        cos = centred_dot / (host_q.norm(dim=-1, keepdim=True) * samples.norms).clamp_min(1e-12)
+        chance = sampling_probability(cos, self.selector.config) * samples.kept_share[:, None]  # [Hq, M]
+        out_s, lse_s = attention_lse(host_q, kv[0], kv[1], bias=-torch.log(chance + 1e-4), valid=valid)
+        sink_k, sink_v, win_k, win_v = self.source.sink_window(layer, self.sink_end, self.win_start, self.start + 1)
+        exact = [torch.cat(pair, 1).repeat_interleave(hq // hkv, 0) for pair in ((sink_k, win_k), (sink_v, win_v))]
+        out_e, lse_e = attention_lse(query, *exact)  # [Hq, D], [Hq]
+        out = merge_lse(out_e, lse_e, out_s.to(out_e.device), lse_s.to(lse_e.device)).to(query.dtype)
+        t3 = clock.mark()
+        clock.add(self.timings, "select_s", t0, t1)
+        clock.add(self.timings, "transfer_s", t1, t2)
+        clock.add(self.timings, "attention_s", t2, t3)
+        if self.probe:
+            self._measure_samples(layer, query, out, samples.positions, self.start + 1)
+        return out[None]
+
+    def _measure_samples(self, layer, q, out, positions, length):
+        """Share of the full softmax mass on the tokens each query head attends (sink, window and
+        its samples), and output cosine vs full attention."""
+        keys, values = (self.cache.to_compute(t) for t in self.cache.gather_range(layer, self.seq_id, 0, length))
+        hkv, group = keys.shape[0], q.shape[0] // keys.shape[0]
+        scores = torch.einsum("hgd,htd->hgt", q.view(hkv, group, -1), keys) / keys.shape[-1] ** 0.5
+        probs = scores.softmax(-1).reshape(q.shape[0], length)  # [Hq, T]
+        full_out = torch.einsum("hgt,htd->hgd", probs.view(hkv, group, length), values).reshape(q.shape)
+        attended = torch.zeros(q.shape[0], length, dtype=torch.bool, device=q.device)
+        attended[:, : min(self.sink_end, length)] = True
+        attended[:, min(self.win_start, length):] = True
+        rows, cols = (positions >= 0).nonzero(as_tuple=True)
+        attended[rows.to(q.device), positions[rows, cols].to(q.device)] = True
+        recall = (probs * attended).sum(-1).mean().item()
+        cosine = F.cosine_similarity(out.float(), full_out.float(), dim=-1).mean().item()
+        self.layer_stats[layer].append((recall, cosine))

@@ -1,0 +1,120 @@
+"""MagicPIG: SimHash tables over mean-centred keys; the tokens a query collides with are sampled.
+
+At build, per layer and KV head, the region keys (post-RoPE) are centred by their mean and hashed
+by one set of random hyperplanes shared by every layer and head (the authors' code): ``tables``
+tables of ``bits`` bits each. Each step a query (not centred: only its signs matter) is hashed
+the same way, and a token is sampled when its bucket equals the query's in at least
+``min_collisions`` tables. Each sampled token carries its sampling probability (from the angle
+between the query and its centred key), so its attention is estimated with importance weights
+(:func:`icekv.attention.sampled.sampled_attention`). Beyond the budget's selected tokens, a
+uniform share of the collided ones is kept and their probability scaled by that share, which
+keeps the estimate unbiased. Tokens flushed out of the window are hashed as they join (in the
+authors' code decode tokens stay in the exact local part: that part is a fixed window here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from icekv.method_settings import MagicPIGConfig
+
+
+def hyperplanes(dim: int, cfg: MagicPIGConfig) -> torch.Tensor:
+    """[D, tables * bits] Gaussian hyperplanes."""
+    return torch.randn(dim, cfg.tables * cfg.bits, generator=torch.Generator().manual_seed(cfg.seed))
+
+
+def simhash(x: torch.Tensor, planes: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [..., D] -> bucket per table [..., tables] (int16): table j's bits are the signs of x on
+    hyperplanes j*bits .. j*bits + bits - 1."""
+    signs = (x.float() @ planes > 0).view(*x.shape[:-1], planes.shape[1] // bits, bits)  # [..., L, K]
+    weights = 2 ** torch.arange(bits, dtype=torch.int32)
+    return (signs.to(torch.int32) * weights).sum(-1).to(torch.int16)
+
+
+def sampling_probability(cos: torch.Tensor, cfg: MagicPIGConfig) -> torch.Tensor:
+    """The chance that a key at cosine ``cos`` to the query shares its bucket in at least
+    ``min_collisions`` of the tables: one table collides with p = (1 - theta/pi)^bits, and the
+    count over the tables is binomial (for 2 this is the authors' 1 - (1-p)^L - L p (1-p)^(L-1))."""
+    p = (1 - torch.arccos(cos.clamp(-1, 1)) / math.pi) ** cfg.bits
+    n = cfg.tables
+    below = torch.zeros_like(p)
+    for i in range(cfg.min_collisions):  # P(count = i), i < min_collisions
+        log_choose = math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+        below = below + torch.exp(log_choose + i * torch.log(p.clamp_min(1e-30)) + (n - i) * torch.log1p(-p.clamp_max(1 - 1e-7)))
+    return (1 - below).clamp_min(0)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """One layer's sampled tokens per query head: positions [Hq, M] (-1: padding), and what their
+    weights need: the centred keys' norms [Hq, M], the key mean [Hq, D] and the share of the
+    collided tokens the cap kept [Hq]."""
+
+    positions: torch.Tensor
+    norms: torch.Tensor
+    mean: torch.Tensor
+    kept_share: torch.Tensor
+
+
+@dataclass
+class MagicPIGSelector:
+    page_size: int = 16
+    config: MagicPIGConfig = field(default_factory=MagicPIGConfig)
+    planes: torch.Tensor | None = field(init=False, default=None)  # [D, L*K]
+    base: dict = field(init=False, default_factory=dict)
+    mean: dict = field(init=False, default_factory=dict)  # layer -> [Hkv, D]
+    codes: dict = field(init=False, default_factory=dict)  # layer -> [Hkv, n, L] int16
+    norms: dict = field(init=False, default_factory=dict)  # layer -> centred key norms [Hkv, n]
+    sampled: list = field(init=False, default_factory=list)  # tokens sampled per query head, every call
+    _rng: torch.Generator = field(init=False, default_factory=lambda: torch.Generator().manual_seed(0))
+
+    def build(self, layer, keys, base):
+        keys = keys.cpu().float()  # the tables are kept and searched on the host
+        if self.planes is None:
+            self.planes = hyperplanes(keys.shape[-1], self.config)
+        self.base[layer] = base
+        self.mean[layer] = keys.mean(1) if keys.shape[1] else torch.zeros(keys.shape[0], keys.shape[-1])
+        self.codes[layer], self.norms[layer] = self._hash(layer, keys)
+
+    def _hash(self, layer, keys):
+        centred = keys - self.mean[layer][:, None]  # [Hkv, n, D]
+        return simhash(centred, self.planes, self.config.bits), centred.norm(dim=-1)
+
+    def insert(self, layer, keys):
+        codes, norms = self._hash(layer, keys.cpu().float())
+        self.codes[layer] = torch.cat([self.codes[layer], codes], 1)
+        self.norms[layer] = torch.cat([self.norms[layer], norms], 1)
+
+    def sample(self, layer: int, q: torch.Tensor, cap: int) -> Samples:
+        """q [Hq, D] -> the tokens each query head samples, at most ``cap`` per head."""
+        codes = self.codes[layer]  # [Hkv, n, L]
+        hkv, n, _ = codes.shape
+        hq = q.shape[0]
+        q_codes = simhash(q.cpu(), self.planes, self.config.bits).view(hkv, hq // hkv, 1, -1)  # [Hkv, G, 1, L]
+        hits = (codes[:, None] == q_codes).sum(-1, dtype=torch.int16).view(hq, n) >= self.config.min_collisions  # [Hq, n]
+        width = min(cap, n)
+        positions = torch.full((hq, width), -1, dtype=torch.long)
+        share = torch.ones(hq)
+        for h in range(hq):  # at most a few dozen heads
+            ids = hits[h].nonzero()[:, 0]
+            self.sampled.append(len(ids))
+            if len(ids) > cap:  # a uniform share of them, their probability scaled by it
+                share[h] = cap / len(ids)
+                ids = ids[torch.randperm(len(ids), generator=self._rng)[:cap]].sort().values
+            positions[h, : len(ids)] = self.base[layer] + ids
+        kv = torch.arange(hq) // (hq // hkv)
+        local = (positions - self.base[layer]).clamp_min(0)
+        return Samples(positions, self.norms[layer][kv[:, None], local], self.mean[layer][kv], share)
+
+    def index_bytes(self) -> int:
+        return sum(t.nbytes for d in (self.codes, self.norms, self.mean) for t in d.values())
+
+    def device_bytes(self) -> int:
+        return 0  # tables, search and the sampled attention stay on the host
+
+    def bytes_to_device(self) -> int:
+        return 0
