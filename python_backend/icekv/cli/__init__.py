@@ -15,6 +15,7 @@ from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_
 from icekv.cli.common import _bench_run_flags
 from icekv.config import CompressionConfig, IceCacheConfig, SelectionConfig
 from icekv.errors import IcekvError
+from icekv.policies import policy_names
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
 
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=_positive_int("--page-size"), default=None)
     gen.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
                      help="KV pool capacity in tokens")
-    gen.add_argument("--policy", default="full", help="full | streaming | quest | icecache | icecache_r")
+    gen.add_argument("--policy", default="full", help=" | ".join(policy_names()))
     gen.add_argument("--budget", type=_positive_int("--budget"), default=256,
                      help="tokens attended per layer per KV head (sink and window included)")
     gen.add_argument("--context-key", default=None, help="answer over a stored compressed context (icekv compress)")
