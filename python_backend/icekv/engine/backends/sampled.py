@@ -33,11 +33,13 @@ class SampledAttention(SparseAttention):
         heads = torch.arange(hq) // (hq // hkv)  # [Hq] each query head's KV head
         kv = self.source.gather_pages(layer, heads, samples.positions)  # [2, Hq, M, D] where the pool is
         t2 = clock.mark()
-        host_q = query.to(kv.device).float()
-        valid = samples.positions >= 0  # [Hq, M]
-        centred_dot = torch.einsum("hd,hmd->hm", host_q, kv[0].float()) - (host_q * samples.mean).sum(-1, keepdim=True)
-        cos = centred_dot / (host_q.norm(dim=-1, keepdim=True) * samples.norms).clamp_min(1e-12)
-        chance = sampling_probability(cos, self.selector.config) * samples.kept_share[:, None]  # [Hq, M]
+        where = kv.device  # the sampled part is computed where the pool is
+        host_q = query.to(where).float()
+        valid, norms, mean, share = (t.to(where) for t in (samples.positions >= 0, samples.norms, samples.mean,
+                                                              samples.kept_share))  # [Hq, M], [Hq, M], [Hq, D], [Hq]
+        centred_dot = torch.einsum("hd,hmd->hm", host_q, kv[0].float()) - (host_q * mean).sum(-1, keepdim=True)
+        cos = centred_dot / (host_q.norm(dim=-1, keepdim=True) * norms).clamp_min(1e-12)
+        chance = sampling_probability(cos, self.selector.config) * share[:, None]  # [Hq, M]
         out_s, lse_s = attention_lse(host_q, kv[0], kv[1], bias=-torch.log(chance + 1e-4), valid=valid)
         sink_k, sink_v, win_k, win_v = self.source.sink_window(layer, self.sink_end, self.win_start, self.start + 1)
         exact = [torch.cat(pair, 1).repeat_interleave(hq // hkv, 0) for pair in ((sink_k, win_k), (sink_v, win_v))]
