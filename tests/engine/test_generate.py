@@ -48,10 +48,11 @@ def test_bad_requests_are_refused_and_pages_returned(engine):
     assert engine.cache.allocator.num_free == free
 
 
-@pytest.mark.parametrize("policy", ["full", "icecache", "quest"])
+@pytest.mark.parametrize("policy", ["full", "icecache", "quest", "snapkv"])
 def test_question_over_a_prefilled_context_equals_the_whole_prompt(engine, essays_text, policy):
     """A suffix decoded over a prefilled context (the long-context eval's several questions per
-    prefill) gives the tokens of the same text sent whole, and leaves the context as it was."""
+    prefill) gives the tokens of the same text sent whole, and leaves the context as it was.
+    SnapKV's observation window (32 queries) spans the context's end and the shorter question."""
     context = engine.tokenizer.encode(essays_text[:6000])[:900]
     questions = [engine.tokenizer.encode(" Question: who is the author? Answer:"),
                  engine.tokenizer.encode(" In one word, the topic is")]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from icekv.attention.sampled import attention_lse, merge_lse
 from icekv.method_settings import ArkValeConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig, SnapKVConfig
 from icekv.select.arkvale import ArkValeSelector, digest_scores, digest_scores_reference, page_digests
-from icekv.select.magicpig import MagicPIGSelector, hyperplanes, sampling_probability, simhash
+from icekv.select.magicpig import MagicPIGSelector, Samples, hyperplanes, sample_log_weights, sampling_probability, simhash
 from icekv.select.omnikv import OmniKVSelector, filter_scores
 from icekv.select.pqcache import PQCacheSelector, estimate, estimate_reference, kmeans, nearest
 from icekv.select.snapkv import window_votes
@@ -22,14 +22,17 @@ def _rand(*shape, seed=0):
 
 
 # ---- token selections as virtual pages
-def test_token_pages_cut_each_head_in_order_and_version_by_content():
+def test_token_pages_cut_each_head_in_order_and_name_pages_by_content():
     pages = TokenPages(4)
     sel = pages.select(0, [np.array([3, 5, 9, 10, 11]), np.zeros(0, np.int64), np.array([1, 2])])
-    assert sel.heads.tolist() == [0, 0, 2] and sel.pages.tolist() == [0, 1, 0]
+    assert sel.heads.tolist() == [0, 0, 2] and torch.equal(sel.pages, sel.versions)
     assert pages.positions(0, sel.heads, sel.pages).tolist() == [[3, 5, 9, 10], [11, -1, -1, -1], [1, 2, -1, -1]]
-    again = pages.select(1, [np.array([3, 5, 9, 10, 12]), np.zeros(0, np.int64), np.array([1, 2])])
-    assert again.versions[0] == sel.versions[0] and again.versions[2] == sel.versions[2]  # same tokens: reused
-    assert again.versions[1] != sel.versions[1]  # other tokens: reloaded
+    again = pages.select(1, [np.array([1, 2]), np.array([3, 5, 9, 10, 12]), np.zeros(0, np.int64)])
+    assert again.pages[0] == sel.pages[2] and again.pages[1] == sel.pages[0]  # same tokens, same page
+    assert again.pages[2] not in sel.pages.tolist()  # other tokens: another page
+    assert pages.positions(1, again.heads, again.pages).tolist() == [[1, 2, -1, -1], [3, 5, 9, 10], [12, -1, -1, -1]]
+    empty = pages.select(2, [np.zeros(0, np.int64)] * 2)
+    assert len(empty.pages) == 0 and pages.positions(2, empty.heads, empty.pages).shape == (0, 4)
 
 
 def test_top_tokens_keeps_the_best_in_sequence_order_and_never_a_minus_inf():
@@ -68,8 +71,13 @@ def test_arkvale_keeps_the_best_resident_pages_and_finds_the_hot_one():
     assert len(first.per_head(2)[0]) == 4
     q2 = torch.zeros(4, 8)
     q2[:, 1] = 1.0
-    second = sel.select(0, q2, 4).per_head(2)[0]
-    assert len(set(second.tolist()) & set(first.per_head(2)[0].tolist())) >= 2  # half the slots stay resident
+    resident = first.per_head(2)[0]
+    second = sel.select(0, q2, 4).per_head(2)[0]  # 2 from the ranking, then the 2 best residents
+    scores = digest_scores(q2, sel.upper[0], sel.lower[0], 1)[0]
+    fresh = scores.topk(2).indices
+    assert second[:2].tolist() == fresh.tolist()
+    rest = resident[~torch.isin(resident, fresh)]
+    assert second[2:].tolist() == rest[scores[rest].argsort(descending=True)][:2].tolist()
 
 
 # ---- PQCache
@@ -86,13 +94,11 @@ def test_pq_estimate_equals_q_dot_the_decoded_keys(hkv, group, n, m):
         torch.testing.assert_close(est, exact, rtol=1e-5, atol=1e-5)
 
 
-def test_kmeans_lowers_the_distortion_of_its_first_rows():
+def test_kmeans_finds_the_clumps():
     x = torch.cat([_rand(1, 200, 4, seed=4) + c for c in (-5.0, 0.0, 5.0)], 1)  # three clumps
-    start = kmeans(x, 3, iters=0 + 1, seed=0)
     done = kmeans(x, 3, iters=20, seed=0)
-    dist = lambda c: ((x - c[0][nearest(x, c)[0]]) ** 2).sum().item()
-    assert dist(done) <= dist(start)
-    assert sorted(done[0, :, 0].round().tolist()) == [-5.0, 0.0, 5.0]
+    assert sorted(done[0, :, 0].round().tolist()) == [-5.0, 0.0, 5.0]  # one centroid per clump
+    assert torch.equal(nearest(x, done)[0].view(3, 200), nearest(x, done)[0].view(3, 200)[:, :1].expand(3, 200))
 
 
 def test_pqcache_recent_share_is_always_selected():
@@ -125,6 +131,22 @@ def test_omnikv_budgeted_layers_attend_the_latest_filters_tokens():
     assert all(16 + 7 in row.tolist() for row in positions)  # one set, every KV head
     assert OmniKVConfig().filters(32) == (2, 8, 18) and OmniKVConfig().filters(24) == (2, 6, 14)
     assert sorted(OmniKVConfig().dense_layers(32)) == [0, 1, 2, 3, 8, 9, 18, 19]
+
+
+def test_omnikv_each_filter_resets_the_choice_and_none_before_the_first_raises():
+    sel = OmniKVSelector(page_size=4)
+    with pytest.raises(ValueError, match="no filter layer"):
+        sel.select(2, torch.zeros(4, 8), 1)
+    for layer, hot in ((1, 3), (4, 30)):
+        keys = _rand(2, 40, 8, seed=layer) * 0.1
+        keys[0, hot, 0] = 9.0
+        sel.build(layer, keys, base=0)
+    q = torch.zeros(4, 8)
+    q[:, 0] = 1.0
+    for layer, hot in ((1, 3), (4, 30)):  # one step: filter 1, its layers, filter 4, its layers
+        sel.observe(layer, q)
+        chosen = sel.select(layer + 1, q, 1)
+        assert hot in sel.page_positions(layer + 1, chosen.heads, chosen.pages)[0].tolist()
 
 
 # ---- SnapKV
@@ -184,9 +206,32 @@ def test_split_softmax_merged_by_lse_equals_the_whole():
 
 
 def test_magicpig_caps_the_samples_and_scales_their_share():
-    sel = MagicPIGSelector(config=MagicPIGConfig(bits=1, tables=32, min_collisions=1))
-    sel.build(0, _rand(2, 100, 8, seed=16), base=10)
-    samples = sel.sample(0, _rand(4, 8, seed=17), cap=20)
-    assert samples.positions.shape == (4, 20)
-    assert bool((samples.positions >= 10).all()) and bool((samples.positions < 110).all())
-    assert all(share == pytest.approx(20 / n) for share, n in zip(samples.kept_share.tolist(), sel.sampled))
+    cfg = MagicPIGConfig(bits=2, tables=8, min_collisions=2)
+    sel = MagicPIGSelector(config=cfg)
+    keys, q = _rand(2, 100, 8, seed=16), _rand(4, 8, seed=17)
+    sel.build(0, keys, base=10)
+    centred = keys - keys.mean(1, keepdim=True)
+    collided = [int(((simhash(centred[h // 2], sel.planes, 2) == simhash(q[h], sel.planes, 2)).sum(-1) >= 2).sum())
+                for h in range(4)]  # the reference count per query head
+    wide = sel.sample(0, q, cap=1000)
+    assert (wide.positions >= 0).sum(1).tolist() == collided and wide.kept_share.tolist() == [1.0] * 4
+    assert bool((wide.positions[wide.positions >= 0] >= 10).all()) and int(wide.positions.max()) < 110
+    cap = min(collided) - 1
+    narrow = sel.sample(0, q, cap=cap)
+    assert narrow.positions.shape == (4, cap) and bool((narrow.positions >= 0).all())
+    assert narrow.kept_share.tolist() == pytest.approx([cap / n for n in collided])
+    assert set(narrow.positions[0].tolist()) <= set(wide.positions[0].tolist())  # a subset of the collided
+
+
+def test_magicpig_weights_follow_the_angle_to_the_centred_key():
+    cfg = MagicPIGConfig()
+    q, keys, mean = _rand(2, 4, seed=18), _rand(2, 3, 4, seed=19), _rand(2, 4, seed=20)
+    centred = keys - mean[:, None]
+    samples = Samples(torch.zeros(2, 3, dtype=torch.long), centred.norm(dim=-1), mean, torch.tensor([1.0, 0.5]))
+    got = sample_log_weights(q, keys, samples, cfg)
+    for h in range(2):
+        for m in range(3):
+            cos = float(q[h] @ centred[h, m] / (q[h].norm() * centred[h, m].norm()))
+            p = (1 - math.acos(cos) / math.pi) ** 10
+            w = 1 - (1 - p) ** 150 - 150 * p * (1 - p) ** 149
+            assert got[h, m].item() == pytest.approx(math.log(w * [1.0, 0.5][h] + 1e-4), rel=1e-4, abs=1e-5)

@@ -32,15 +32,3 @@ def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse
     lse = torch.logaddexp(lse_a, lse_b)  # [Hq]
     wa, wb = torch.exp(lse_a - lse).nan_to_num(0.0), torch.exp(lse_b - lse).nan_to_num(0.0)
     return wa[:, None] * out_a + wb[:, None] * out_b
-
-
-def sampled_attention(q: torch.Tensor, exact_k: torch.Tensor, exact_v: torch.Tensor, sampled_k: torch.Tensor,
-                      sampled_v: torch.Tensor, log_weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """q [Hq, D]; exact_k/v [Hkv, E, D] attended exactly (query head h reads KV head h // G);
-    sampled_k/v [Hq, M, D] drawn per query head with log probabilities ``log_weights`` [Hq, M]
-    (``valid`` [Hq, M]) -> the estimated attention over both [Hq, D]."""
-    hq, hkv = q.shape[0], exact_k.shape[0]
-    exact = [t.repeat_interleave(hq // hkv, 0) for t in (exact_k, exact_v)]  # [Hq, E, D] each
-    out_e, lse_e = attention_lse(q, *exact)
-    out_s, lse_s = attention_lse(q, sampled_k, sampled_v, bias=-log_weights, valid=valid)
-    return merge_lse(out_e, lse_e, out_s, lse_s).to(q.dtype)

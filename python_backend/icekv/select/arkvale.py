@@ -76,7 +76,7 @@ class ArkValeSelector:
         scores = digest_scores(q.cpu(), self.upper[layer], self.lower[layer], self.config.groups)  # [groups, n]
         n = scores.shape[1]
         k = min(k, n)
-        fresh = max(1, round(self.config.topk_share * k)) if k else 0
+        fresh = max(1, int(self.config.topk_share * k)) if k else 0
         picks = []
         for g, row in enumerate(scores):
             top = row.topk(fresh).indices  # [fresh] best first

@@ -6,7 +6,7 @@ tables of ``bits`` bits each. Each step a query (not centred: only its signs mat
 the same way, and a token is sampled when its bucket equals the query's in at least
 ``min_collisions`` tables. Each sampled token carries its sampling probability (from the angle
 between the query and its centred key), so its attention is estimated with importance weights
-(:func:`icekv.attention.sampled.sampled_attention`). Beyond the budget's selected tokens, a
+(:class:`icekv.engine.backends.sampled.SampledAttention`). Beyond the budget's selected tokens, a
 uniform share of the collided ones is kept and their probability scaled by that share, which
 keeps the estimate unbiased. Tokens flushed out of the window are hashed as they join (in the
 authors' code decode tokens stay in the exact local part: that part is a fixed window here).
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from icekv.method_settings import MagicPIGConfig
+
+COMPARE_CHUNK = 4096  # tokens whose buckets are compared with the query's at once
 
 
 def hyperplanes(dim: int, cfg: MagicPIGConfig) -> torch.Tensor:
@@ -48,6 +50,16 @@ def sampling_probability(cos: torch.Tensor, cfg: MagicPIGConfig) -> torch.Tensor
     return (1 - below).clamp_min(0)
 
 
+def sample_log_weights(q: torch.Tensor, keys: torch.Tensor, samples: "Samples", cfg: MagicPIGConfig) -> torch.Tensor:
+    """q [Hq, D], the sampled tokens' keys [Hq, M, D] -> the log of each one's sampling
+    probability [Hq, M] (times the share the cap kept; + 1e-4 inside the log, as the authors'),
+    from the cosine between q and the centred key."""
+    q = q.float()
+    centred_dot = torch.einsum("hd,hmd->hm", q, keys.float()) - (q * samples.mean).sum(-1, keepdim=True)  # q.(k - mean)
+    cos = centred_dot / (q.norm(dim=-1, keepdim=True) * samples.norms).clamp_min(1e-12)
+    return torch.log(sampling_probability(cos, cfg) * samples.kept_share[:, None] + 1e-4)
+
+
 @dataclass(frozen=True)
 class Samples:
     """One layer's sampled tokens per query head: positions [Hq, M] (-1: padding), and what their
@@ -69,7 +81,7 @@ class MagicPIGSelector:
     mean: dict = field(init=False, default_factory=dict)  # layer -> [Hkv, D]
     codes: dict = field(init=False, default_factory=dict)  # layer -> [Hkv, n, L] int16
     norms: dict = field(init=False, default_factory=dict)  # layer -> centred key norms [Hkv, n]
-    sampled: list = field(init=False, default_factory=list)  # tokens sampled per query head, every call
+    sampled: list = field(init=False, default_factory=lambda: [0, 0, None, None])  # calls, total, fewest, most
     _rng: torch.Generator = field(init=False, default_factory=lambda: torch.Generator().manual_seed(0))
 
     def build(self, layer, keys, base):
@@ -85,7 +97,10 @@ class MagicPIGSelector:
         return simhash(centred, self.planes, self.config.bits), centred.norm(dim=-1)
 
     def insert(self, layer, keys):
-        codes, norms = self._hash(layer, keys.cpu().float())
+        keys = keys.cpu().float()
+        if self.codes[layer].shape[1] == 0:  # nothing was indexed at build: the first page sets the mean
+            self.mean[layer] = keys.mean(1)
+        codes, norms = self._hash(layer, keys)
         self.codes[layer] = torch.cat([self.codes[layer], codes], 1)
         self.norms[layer] = torch.cat([self.norms[layer], norms], 1)
 
@@ -95,13 +110,16 @@ class MagicPIGSelector:
         hkv, n, _ = codes.shape
         hq = q.shape[0]
         q_codes = simhash(q.cpu(), self.planes, self.config.bits).view(hkv, hq // hkv, 1, -1)  # [Hkv, G, 1, L]
-        hits = (codes[:, None] == q_codes).sum(-1, dtype=torch.int16).view(hq, n) >= self.config.min_collisions  # [Hq, n]
+        counts = torch.empty(hkv, hq // hkv, n, dtype=torch.int16)
+        for a in range(0, n, COMPARE_CHUNK):  # the comparison is [Hq, chunk, L] at a time
+            counts[:, :, a: a + COMPARE_CHUNK] = (codes[:, None, a: a + COMPARE_CHUNK] == q_codes).sum(-1, dtype=torch.int16)
+        hits = counts.view(hq, n) >= self.config.min_collisions  # [Hq, n]
         width = min(cap, n)
         positions = torch.full((hq, width), -1, dtype=torch.long)
         share = torch.ones(hq)
         for h in range(hq):  # at most a few dozen heads
             ids = hits[h].nonzero()[:, 0]
-            self.sampled.append(len(ids))
+            self._count(len(ids))
             if len(ids) > cap:  # a uniform share of them, their probability scaled by it
                 share[h] = cap / len(ids)
                 ids = ids[torch.randperm(len(ids), generator=self._rng)[:cap]].sort().values
@@ -109,6 +127,10 @@ class MagicPIGSelector:
         kv = torch.arange(hq) // (hq // hkv)
         local = (positions - self.base[layer]).clamp_min(0)
         return Samples(positions, self.norms[layer][kv[:, None], local], self.mean[layer][kv], share)
+
+    def _count(self, n: int) -> None:
+        calls, total, fewest, most = self.sampled
+        self.sampled = [calls + 1, total + n, n if fewest is None else min(fewest, n), max(most or 0, n)]
 
     def index_bytes(self) -> int:
         return sum(t.nbytes for d in (self.codes, self.norms, self.mean) for t in d.values())

@@ -47,8 +47,9 @@ class SnapKVSelector:
     def __post_init__(self) -> None:
         self.tokens = TokenPages(self.page_size)
 
-    def observe_prompt(self, layer, queries, keys, length):
-        """The prompt's last queries [W, Hq, D] and its keys [Hkv, T, D] (T = ``length``)."""
+    def observe_prompt(self, layer, queries, keys):
+        """The prompt's last queries [W, Hq, D] (up to the window the prefill kept) and its keys
+        [Hkv, T, D]."""
         self._prompt_votes[layer] = window_votes(queries.cpu(), keys.cpu(), self.config.kernel)
 
     def build(self, layer, keys, base):
@@ -58,7 +59,10 @@ class SnapKVSelector:
 
     def insert(self, layer, keys):
         hkv, p, _ = keys.shape
-        self.votes[layer] = torch.cat([self.votes[layer], torch.full((hkv, p), float("inf"))], 1)
+        n = self.votes[layer].shape[1]
+        # above any prompt vote (a sum of at most ``window`` probabilities), the newest highest
+        flushed = self.config.window + 1.0 + torch.arange(n, n + p, dtype=torch.float32)
+        self.votes[layer] = torch.cat([self.votes[layer], flushed.expand(hkv, p)], 1)
 
     def select(self, layer, q, k):
         n = self.votes[layer].shape[1]

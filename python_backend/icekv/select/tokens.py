@@ -2,10 +2,10 @@
 
 PQCache, SnapKV, OmniKV and MagicPIG choose single tokens of the indexed region. The decode path
 moves and attends pages of ``page_size`` slots, so each step a KV head's chosen tokens, in
-sequence order, are cut into *virtual pages* (the last one partial, padded with -1). A virtual
-page's version is a hash of the positions it holds: a device slot is reused only when the same
-tokens land in the same page again, and reloaded otherwise, so the bytes moved are the tokens'
-own.
+sequence order, are cut into *virtual pages* (the last one partial, padded with -1), named by a
+hash of the positions they hold: a device slot is reused when the same tokens form a page again,
+and reloaded otherwise. As every page of a policy, a reloaded virtual page moves (and counts) a
+whole page's bytes.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ def top_tokens(scores: torch.Tensor, n: int) -> list[np.ndarray]:
 
 
 class TokenPages:
-    """Per layer, the current step's virtual pages of each KV head."""
+    """Per layer, the current step's virtual pages of each KV head. A virtual page's id and
+    version are both the hash of its positions, so a slot already holding the same tokens is
+    reused wherever that page falls in this step's list."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self._table: dict[int, torch.Tensor] = {}  # layer -> positions [n, P] of the step's pages (-1: empty)
-        self._first: dict[int, torch.Tensor] = {}  # layer -> row of each KV head's page 0 [Hkv]
+        self._table: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # layer -> (sorted ids, positions [n, P])
 
     def select(self, layer: int, per_head: list[np.ndarray]) -> Selection:
         """Per KV head its chosen token positions [n_h] (sequence order) -> this step's selection."""
@@ -44,14 +45,16 @@ class TokenPages:
         first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)  # [Hkv]
         for h, positions in enumerate(per_head):
             table[first[h]: first[h] + counts[h]].reshape(-1)[: len(positions)] = positions
-        self._table[layer], self._first[layer] = torch.from_numpy(table), torch.from_numpy(first)
-        heads = np.repeat(np.arange(len(per_head)), counts)  # [n]
-        pages = np.arange(len(table)) - first[heads]  # [n]
-        return Selection(*(torch.from_numpy(x.astype(np.int64)) for x in (heads, pages, _row_hashes(table))))
+        ids = _row_hashes(table)  # [n]
+        order = np.argsort(ids, kind="stable")
+        self._table[layer] = (ids[order], torch.from_numpy(table[order]))
+        heads = torch.from_numpy(np.repeat(np.arange(len(per_head)), counts))  # [n]
+        return Selection(heads, torch.from_numpy(ids), torch.from_numpy(ids))
 
     def positions(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """Virtual page ``pages[i]`` of KV head ``heads[i]`` this step -> its positions [m, P]."""
-        return self._table[layer][self._first[layer][heads] + pages]
+        """Virtual page ``pages[i]`` (its id) this step -> its positions [m, P] (the same for any head)."""
+        ids, table = self._table[layer]
+        return table[torch.from_numpy(np.searchsorted(ids, pages.numpy()))]
 
 
 def _row_hashes(table: np.ndarray) -> np.ndarray:

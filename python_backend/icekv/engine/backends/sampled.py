@@ -12,18 +12,19 @@ import torch.nn.functional as F
 
 from icekv.attention.sampled import attention_lse, merge_lse
 from icekv.engine.backends.sparse import SparseAttention
-from icekv.select.magicpig import sampling_probability
+from icekv.select.magicpig import Samples, sample_log_weights
 
 
 class SampledAttention(SparseAttention):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tails = {}  # the exact part reads sink and window from the pool each step
-
     def attend(self, layer, q, k, v):
         if layer not in self.device:
             return super().attend(layer, q, k, v)
         self.source.write(layer, self.start, k, v)
+        if layer in self.tails:  # sink and window kept on the device
+            self.tails[layer].append(self.start, k[0], v[0])
+            sink_k, sink_v, win_k, win_v = self.tails[layer].views()
+        else:  # the pool is where attention runs: read in place
+            sink_k, sink_v, win_k, win_v = self.source.sink_window(layer, self.sink_end, self.win_start, self.start + 1)
         clock = self.clock
         t0 = clock.mark()
         query = q[0]  # [Hq, D]
@@ -34,14 +35,10 @@ class SampledAttention(SparseAttention):
         kv = self.source.gather_pages(layer, heads, samples.positions)  # [2, Hq, M, D] where the pool is
         t2 = clock.mark()
         where = kv.device  # the sampled part is computed where the pool is
-        host_q = query.to(where).float()
-        valid, norms, mean, share = (t.to(where) for t in (samples.positions >= 0, samples.norms, samples.mean,
-                                                              samples.kept_share))  # [Hq, M], [Hq, M], [Hq, D], [Hq]
-        centred_dot = torch.einsum("hd,hmd->hm", host_q, kv[0].float()) - (host_q * mean).sum(-1, keepdim=True)
-        cos = centred_dot / (host_q.norm(dim=-1, keepdim=True) * norms).clamp_min(1e-12)
-        chance = sampling_probability(cos, self.selector.config) * share[:, None]  # [Hq, M]
-        out_s, lse_s = attention_lse(host_q, kv[0], kv[1], bias=-torch.log(chance + 1e-4), valid=valid)
-        sink_k, sink_v, win_k, win_v = self.source.sink_window(layer, self.sink_end, self.win_start, self.start + 1)
+        on_pool = Samples(*(t.to(where) for t in (samples.positions, samples.norms, samples.mean, samples.kept_share)))
+        host_q = query.to(where)
+        log_w = sample_log_weights(host_q, kv[0], on_pool, self.selector.config)  # [Hq, M]
+        out_s, lse_s = attention_lse(host_q, kv[0], kv[1], bias=-log_w, valid=on_pool.positions >= 0)
         exact = [torch.cat(pair, 1).repeat_interleave(hq // hkv, 0) for pair in ((sink_k, win_k), (sink_v, win_v))]
         out_e, lse_e = attention_lse(query, *exact)  # [Hq, D], [Hq]
         out = merge_lse(out_e, lse_e, out_s.to(out_e.device), lse_s.to(lse_e.device)).to(query.dtype)

@@ -62,7 +62,7 @@ class SparseAttention(DenseAttention):
                 if queries is None:
                     raise ValueError(f"the {cfg.policy} policy needs the prompt's last queries: decode with a suffix "
                                      "or over a prompt prefilled for later decodes")
-                selector.observe_prompt(layer, queries, source.region_keys(layer, 0, length), length)
+                selector.observe_prompt(layer, queries, source.region_keys(layer, 0, length))
             selector.build(layer, source.region_keys(layer, self.sink_end, self.win_start), self.sink_end)
         self.timings["index_build_s"] = time.perf_counter() - t0
         self.device = {
