@@ -84,6 +84,11 @@ def sparse_layers(cfg: SelectionConfig, num_layers: int) -> range:
     return range(min(cfg.n_unlimited_layers, num_layers), num_layers)
 
 
+def layers_outside(dense: frozenset[int], num_layers: int) -> tuple[int, ...]:
+    """Every layer of a ``num_layers``-deep model not in ``dense`` (a method's own dense layers)."""
+    return tuple(layer for layer in range(num_layers) if layer not in dense)
+
+
 def sink_tokens(cfg: SelectionConfig) -> int:
     """Sink tokens at the start of a request's own pages."""
     return cfg.n_sink_pages * cfg.page_size

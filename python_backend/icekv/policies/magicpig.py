@@ -7,13 +7,12 @@ budget's selected tokens sampled per query head.
 
 from icekv.config import SelectionConfig
 from icekv.model import ModelArgs
-from icekv.policies.base import Policy
+from icekv.policies.base import Policy, layers_outside
 from icekv.select.magicpig import MagicPIGSelector
 
 
 def budgeted(cfg: SelectionConfig, num_layers: int) -> tuple[int, ...]:
-    dense = cfg.magicpig.dense_layers(num_layers)
-    return tuple(layer for layer in range(num_layers) if layer not in dense)
+    return layers_outside(cfg.magicpig.dense_layers(num_layers), num_layers)
 
 
 def magicpig_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, kv_dtype: str) -> int:

@@ -6,13 +6,12 @@ Dense: the layers before the first filter, each filter and its wait layers
 
 from icekv.config import SelectionConfig
 from icekv.model import ModelArgs
-from icekv.policies.base import Policy
+from icekv.policies.base import Policy, layers_outside
 from icekv.select.omnikv import OmniKVSelector
 
 
 def budgeted(cfg: SelectionConfig, num_layers: int) -> tuple[int, ...]:
-    dense = cfg.omnikv.dense_layers(num_layers)
-    return tuple(layer for layer in range(num_layers) if layer not in dense)
+    return layers_outside(cfg.omnikv.dense_layers(num_layers), num_layers)
 
 
 def filters(cfg: SelectionConfig, num_layers: int) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from icekv.select.tokens import TokenPages, top_tokens
+from icekv.select.tokens import TokenPages, TokenSelection, top_tokens
 
 
 def filter_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def filter_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class OmniKVSelector:
+class OmniKVSelector(TokenSelection):
     page_size: int = 16
     tokens: TokenPages = field(init=False)
     keys: dict = field(init=False, default_factory=dict)  # filter layer -> its indexed keys [Hkv, n, D]
@@ -57,15 +57,9 @@ class OmniKVSelector:
         hkv = self.keys[self._filter].shape[0]
         return self.tokens.select(layer, [self._chosen[1]] * hkv)
 
-    def page_positions(self, layer, heads, pages):
-        return self.tokens.positions(layer, heads, pages)
 
     def index_bytes(self) -> int:
         return 0
 
     def device_bytes(self) -> int:
         return sum(t.nbytes for t in self.keys.values())  # the filter layers' keys
-
-    def bytes_to_device(self) -> int:
-        return 0
-

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from icekv.method_settings import PQCacheConfig
-from icekv.select.tokens import TokenPages, top_tokens
+from icekv.select.tokens import TokenPages, TokenSelection, top_tokens
 
 
 def kmeans(x: torch.Tensor, clusters: int, iters: int, seed: int) -> torch.Tensor:
@@ -65,7 +65,7 @@ def estimate_reference(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Te
 
 
 @dataclass
-class PQCacheSelector:
+class PQCacheSelector(TokenSelection):
     page_size: int = 16
     config: PQCacheConfig = field(default_factory=PQCacheConfig)
     tokens: TokenPages = field(init=False)
@@ -123,14 +123,6 @@ class PQCacheSelector:
         per_head = [base + np.concatenate([ids, tail]) for ids in top_tokens(votes, want - recent)]
         return self.tokens.select(layer, per_head)
 
-    def page_positions(self, layer, heads, pages):
-        return self.tokens.positions(layer, heads, pages)
 
     def index_bytes(self) -> int:
         return sum(t.nbytes for t in (*self.centroids.values(), *self.codes.values()))
-
-    def device_bytes(self) -> int:
-        return 0  # the codebooks are scored on the host
-
-    def bytes_to_device(self) -> int:
-        return 0

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from icekv.method_settings import SnapKVConfig
-from icekv.select.tokens import TokenPages, top_tokens
+from icekv.select.tokens import TokenPages, TokenSelection, top_tokens
 
 
 def window_votes(queries: torch.Tensor, keys: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -35,7 +35,7 @@ def window_votes(queries: torch.Tensor, keys: torch.Tensor, kernel: int) -> torc
 
 
 @dataclass
-class SnapKVSelector:
+class SnapKVSelector(TokenSelection):
     page_size: int = 16
     config: SnapKVConfig = field(default_factory=SnapKVConfig)
     tokens: TokenPages = field(init=False)
@@ -72,14 +72,6 @@ class SnapKVSelector:
             chosen = self._chosen[layer] = (k, n, per_head)
         return self.tokens.select(layer, chosen[2])
 
-    def page_positions(self, layer, heads, pages):
-        return self.tokens.positions(layer, heads, pages)
 
     def index_bytes(self) -> int:
         return sum(t.nbytes for t in self.votes.values())
-
-    def device_bytes(self) -> int:
-        return 0
-
-    def bytes_to_device(self) -> int:
-        return 0

@@ -28,6 +28,22 @@ def top_tokens(scores: torch.Tensor, n: int) -> list[np.ndarray]:
     return [np.sort(ids[row[ids] > -np.inf]).astype(np.int64) for ids, row in zip(top, s)]
 
 
+class TokenSelection:
+    """What the token-level selectors share: their virtual pages (``self.tokens``) give the
+    positions, and nothing of theirs is kept on or copied to the compute device."""
+
+    tokens: TokenPages
+
+    def page_positions(self, layer, heads, pages):
+        return self.tokens.positions(layer, heads, pages)
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def bytes_to_device(self) -> int:
+        return 0
+
+
 class TokenPages:
     """Per layer, the current step's virtual pages of each KV head. A virtual page's id and
     version are both the hash of its positions, so a slot already holding the same tokens is
