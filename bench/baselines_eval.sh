@@ -3,8 +3,8 @@
 # icecache_r and the full cache) at budgets 128-1024, each (policy, budget) decoded from one prefill
 # of each context. Resumable like bench/longctx_eval.sh (rerun the same command).
 #   bash bench/baselines_eval.sh MODEL LENGTH [SAMPLES]
-#   bash bench/baselines_eval.sh smollm2-135m 4096 10        -> bench/results/baselines_smollm2-135m_4k_essays_niah_single/
-#   bash bench/baselines_eval.sh qwen2.5-coder-0.5b 16384 5  -> bench/results/baselines_qwen2.5-coder-0.5b_16k_essays_niah_multikey/
+#   bash bench/baselines_eval.sh smollm2-135m 4096 10        -> bench/results/baselines_smollm2-135m_4k_essays_niah_single_b128-256-512-1024/
+#   bash bench/baselines_eval.sh qwen2.5-coder-0.5b 16384 5  -> bench/results/baselines_qwen2.5-coder-0.5b_16k_essays_niah_multikey_b128-256-512-1024/
 # Environment: TASK (niah_single on smollm2-135m, niah_multikey otherwise), HAYSTACK (essays),
 # BUDGETS (128,256,512,1024), QUESTIONS (4 on smollm2-135m, 8 otherwise: keyed needles asked per context).
 set -euo pipefail
@@ -17,7 +17,7 @@ else TASK=${TASK:-niah_multikey}; QUESTIONS=${QUESTIONS:-8}; fi
 HAYSTACK=${HAYSTACK:-essays}
 BUDGETS=${BUDGETS:-128,256,512,1024}
 POLICIES=full,icecache,icecache_r,quest,streaming,snapkv,arkvale,pqcache,omnikv,magicpig
-OUT="bench/results/baselines_${MODEL}_$((LENGTH / 1024))k_${HAYSTACK}_${TASK}"
+OUT="bench/results/baselines_${MODEL}_$((LENGTH / 1024))k_${HAYSTACK}_${TASK}_b${BUDGETS//,/-}"
 RESUME=()
 [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
 .venv/bin/icekv eval --model "$MODEL" --task "$TASK" --haystack "$HAYSTACK" --lengths "$LENGTH" \

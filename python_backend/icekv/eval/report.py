@@ -46,8 +46,27 @@ def render_markdown(records: list[dict], meta: dict) -> str:
                     cos.append(r["cosine"])
             mean = lambda xs: sum(xs) / len(xs) if xs else None
             lines.append(f"| {pol} | {bud or 'all'} | " + " | ".join(cells) + f" | {_fmt(mean(rec), False)} | {_fmt(mean(cos), False)} |")
-        lines.append("")
+        lines += ["", *_cost_table(rs, rows, lengths)]
     return "\n".join(lines)
+
+
+def _cost_table(rs: list[dict], rows: list[tuple], lengths: list[int]) -> list[str]:
+    """Time per token, its split (seconds per decode: summed over its steps, so they compare across
+    policies at one length), the index build the first token waits for, and device residency."""
+    out = ["time per token and its split (mean per decode; a probed run: its recall measurement adds to each step)", "",
+           "| policy | budget | tokens | TPOT ms | select s | transfer s | attention s | index build s | device / total KV |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for pol, bud in rows:
+        for n in lengths:
+            r = next((r for r in rs if r["policy"] == pol and (r["budget"] or 0) == bud and r["length"] == n), None)
+            if r is None:
+                continue
+            t = r["timings"]
+            stage = lambda k: f"{t[k]:.3f}" if k in t else "-"
+            share = r["resident_bytes"] / r["total_bytes"] if r["total_bytes"] else 0.0
+            out.append(f"| {pol} | {bud or 'all'} | {n} | {r['tpot_s'] * 1e3:.0f} | {stage('select_s')} | "
+                       f"{stage('transfer_s')} | {stage('attention_s')} | {stage('index_build_s')} | {share:.1%} |")
+    return out + [""]
 
 
 def plot_accuracy(records: list[dict], path: Path) -> None:
