@@ -3,7 +3,7 @@
 # icecache_r and the full cache) at budgets 128-1024, each (policy, budget) decoded from one prefill
 # of each context. Resumable like bench/longctx_eval.sh (rerun the same command).
 #   bash bench/baselines_eval.sh MODEL LENGTH [SAMPLES]
-#   bash bench/baselines_eval.sh smollm2-135m 4096 10        -> bench/results/baselines_smollm2-135m_4k_essays_niah_single_b128-256-512-1024/
+#   bash bench/baselines_eval.sh smollm2-135m 4096 40        -> bench/results/baselines_smollm2-135m_4k_essays_niah_single_b128-256-512-1024/
 #   bash bench/baselines_eval.sh qwen2.5-coder-0.5b 16384 5  -> bench/results/baselines_qwen2.5-coder-0.5b_16k_essays_niah_multikey_b128-256-512-1024/
 # Environment: TASK (niah_single on smollm2-135m, niah_multikey otherwise), HAYSTACK (essays),
 # BUDGETS (128,256,512,1024), QUESTIONS (1 on smollm2-135m: with 4 keyed needles at 4k its full cache
