@@ -8,7 +8,6 @@ and only its output and log-sum-exp join the device's exact part; no page moves 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from icekv.attention.sampled import attention_lse, merge_lse
 from icekv.engine.backends.sparse import SparseAttention
@@ -51,18 +50,8 @@ class SampledAttention(SparseAttention):
         return out[None]
 
     def _measure_samples(self, layer, q, out, positions, length):
-        """Share of the full softmax mass on the tokens each query head attends (sink, window and
-        its samples), and output cosine vs full attention."""
-        keys, values = (self.cache.to_compute(t) for t in self.cache.gather_range(layer, self.seq_id, 0, length))
-        hkv, group = keys.shape[0], q.shape[0] // keys.shape[0]
-        scores = torch.einsum("hgd,htd->hgt", q.view(hkv, group, -1), keys) / keys.shape[-1] ** 0.5
-        probs = scores.softmax(-1).reshape(q.shape[0], length)  # [Hq, T]
-        full_out = torch.einsum("hgt,htd->hgd", probs.view(hkv, group, length), values).reshape(q.shape)
-        attended = torch.zeros(q.shape[0], length, dtype=torch.bool, device=q.device)
-        attended[:, : min(self.sink_end, length)] = True
-        attended[:, min(self.win_start, length):] = True
+        """The probe of a step that attended sink, window and each query head's samples."""
+        attended = self._sink_and_window(length, q.shape[0])  # [Hq, T]
         rows, cols = (positions >= 0).nonzero(as_tuple=True)
-        attended[rows.to(q.device), positions[rows, cols].to(q.device)] = True
-        recall = (probs * attended).sum(-1).mean().item()
-        cosine = F.cosine_similarity(out.float(), full_out.float(), dim=-1).mean().item()
-        self.layer_stats[layer].append((recall, cosine))
+        attended[rows, positions[rows, cols]] = True
+        self._record_probe(layer, q, out, attended, length)

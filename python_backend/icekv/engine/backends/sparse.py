@@ -165,8 +165,24 @@ class SparseAttention(DenseAttention):
                                     index_bytes_moved=self.selector.bytes_to_device())
 
     def _measure(self, layer, q, out, selection, length):
-        """Share of the full softmax mass on the attended tokens, and output cosine vs full (own
-        tokens only: the probe runs without a compressed context)."""
+        """The probe of a step that attended sink, window and the selected pages of each KV head."""
+        attended = self._sink_and_window(length, len(self.device[layer].k))  # [Hkv, T]
+        pos = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P]
+        attended[selection.heads[:, None].expand_as(pos)[pos >= 0], pos[pos >= 0]] = True
+        group = q.shape[0] // attended.shape[0]
+        self._record_probe(layer, q, out, attended.repeat_interleave(group, 0), length)
+
+    def _sink_and_window(self, length: int, rows: int) -> torch.Tensor:
+        """[rows, T]: True on the sink and the window (attended by every head)."""
+        attended = torch.zeros(rows, length, dtype=torch.bool)
+        attended[:, : min(self.sink_end, length)] = True
+        attended[:, min(self.win_start, length):] = True
+        return attended
+
+    def _record_probe(self, layer, q, out, attended, length):
+        """Share of the full softmax mass on the tokens each query head attended (``attended``
+        [Hq, T]), and output cosine vs full attention (own tokens only: the probe runs without a
+        compressed context)."""
         keys, values = self.cache.gather_range(layer, self.seq_id, 0, length)  # [Hkv, T, D]
         keys, values = self.cache.to_compute(keys), self.cache.to_compute(values)
         hkv = keys.shape[0]
@@ -174,11 +190,6 @@ class SparseAttention(DenseAttention):
         scores = torch.einsum("hgd,htd->hgt", q.view(hkv, group, -1), keys) / keys.shape[-1] ** 0.5
         probs = scores.softmax(-1)  # [Hkv, G, T]
         full_out = torch.einsum("hgt,htd->hgd", probs, values).reshape(q.shape)  # [Hq, D]
-        attended = torch.zeros(hkv, length, dtype=torch.bool, device=q.device)
-        attended[:, : min(self.sink_end, length)] = True
-        attended[:, min(self.win_start, length):] = True
-        pos = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P]
-        attended[selection.heads[:, None].expand_as(pos)[pos >= 0], pos[pos >= 0]] = True
-        recall = (probs * attended[:, None, :]).sum(-1).mean().item()
+        recall = (probs.reshape(q.shape[0], length) * attended.to(q.device)).sum(-1).mean().item()
         cosine = F.cosine_similarity(out.float(), full_out.float(), dim=-1).mean().item()
         self.layer_stats[layer].append((recall, cosine))
