@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from icekv.method_settings import ArkValeConfig
-from icekv.select.base import Selection, SequencePages
+from icekv.select.base import Selection, SequencePages, SequenceSelection
 
 
 def page_digests(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +45,7 @@ def digest_scores_reference(q: torch.Tensor, upper: torch.Tensor, lower: torch.T
 
 
 @dataclass
-class ArkValeSelector:
+class ArkValeSelector(SequenceSelection):
     page_size: int = 16
     config: ArkValeConfig = field(default_factory=ArkValeConfig)
     pages: SequencePages = field(init=False)
@@ -93,14 +93,5 @@ class ArkValeSelector:
         per_kv_head = len(self.upper[layer]) // self.config.groups
         return Selection.ranked([picks[h // per_kv_head] for h in range(len(self.upper[layer]))])
 
-    def page_positions(self, layer, heads, pages):
-        return self.pages.positions(layer, pages)
-
     def index_bytes(self) -> int:
         return sum(t.nbytes for t in (*self.upper.values(), *self.lower.values()))
-
-    def device_bytes(self) -> int:
-        return 0  # the digests are scored on the host
-
-    def bytes_to_device(self) -> int:
-        return 0

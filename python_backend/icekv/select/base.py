@@ -66,6 +66,23 @@ class PageSelector(Protocol):
         """Bytes the selector has copied to the compute device for those copies, all layers."""
 
 
+class SequenceSelection:
+    """What the selectors of contiguous pages share: positions from their :class:`SequencePages`
+    (``self.pages``), and nothing of theirs on or copied to the compute device (they score on the
+    host)."""
+
+    pages: SequencePages
+
+    def page_positions(self, layer, heads, pages):
+        return self.pages.positions(layer, pages)
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def bytes_to_device(self) -> int:
+        return 0
+
+
 class SequencePages:
     """Pages as contiguous, always-full runs of ``page_size`` tokens of the indexed region."""
 

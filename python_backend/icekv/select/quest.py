@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from icekv.select.base import Selection, SequencePages
+from icekv.select.base import Selection, SequencePages, SequenceSelection
 from icekv.select.gqa import merge_ranked
 
 
 @dataclass
-class QuestSelector:
+class QuestSelector(SequenceSelection):
     """Page score = sum over dims of max(q_d * min_d, q_d * max_d) >= q.k of any key in the page."""
 
     page_size: int = 16
@@ -47,14 +47,5 @@ class QuestSelector:
         hkv = self.key_min[layer].shape[0]
         return Selection.ranked([merge_ranked(g, k) for g in bounds.chunk(hkv, dim=0)])  # pages never change
 
-    def page_positions(self, layer, heads, pages):
-        return self.pages.positions(layer, pages)
-
     def index_bytes(self) -> int:
         return sum(t.nbytes for t in (*self.key_min.values(), *self.key_max.values()))
-
-    def device_bytes(self) -> int:
-        return 0  # the bounds are scored on the host
-
-    def bytes_to_device(self) -> int:
-        return 0

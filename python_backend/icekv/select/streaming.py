@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from icekv.select.base import Selection, SequencePages
+from icekv.select.base import Selection, SequencePages, SequenceSelection
 
 
 @dataclass
-class StreamingSelector:
+class StreamingSelector(SequenceSelection):
     """Attends the sink and the newest ``k`` pages before the window (a longer window)."""
 
     page_size: int = 16
@@ -32,14 +32,5 @@ class StreamingSelector:
         recent = torch.arange(max(n - k, 0), n).flip(0)  # newest first
         return Selection.ranked([recent] * self.num_kv_heads)  # contiguous pages never change once full
 
-    def page_positions(self, layer, heads, pages):
-        return self.pages.positions(layer, pages)
-
     def index_bytes(self) -> int:
         return 0  # pages are positions: nothing stored
-
-    def device_bytes(self) -> int:
-        return 0
-
-    def bytes_to_device(self) -> int:
-        return 0
