@@ -28,7 +28,7 @@ from icekv.config import EngineConfig, IceCacheConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.backends import RequestPages, SparseAttention
 from icekv.eval.tasks import HaystackSampler
-from icekv.policies import make_selector
+from icekv.policies import make_selector, resolve
 
 
 def counters(selector) -> tuple[int, int, int]:
@@ -45,7 +45,7 @@ def measure(engine: Engine, length: int, steps: int, budget: int) -> dict:
     req = engine.prefill(ids)
     try:
         selector = make_selector(sel)
-        backend = SparseAttention(RequestPages(engine.cache, req.seq_id), engine.model.args, sel, selector)
+        backend = SparseAttention(RequestPages(engine.cache, req.seq_id), engine.model.args, resolve(sel), sel, selector)
         logits, after_first = req.logits, None
         for step in range(steps):
             logits = engine.model(torch.tensor([int(logits.argmax())]), backend.begin_step(1), backend)[-1]

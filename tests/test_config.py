@@ -1,3 +1,4 @@
+from icekv.settings import serving_config
 import pytest
 
 import torch
@@ -40,9 +41,9 @@ def test_dtype_defaults_by_device_and_an_explicit_one_wins():
 
 
 def test_pool_placement_follows_the_default_policy_unless_set():
-    assert EngineConfig().pool_placement() == "device"  # full attention reads the pool in place
-    assert EngineConfig(selection=SelectionConfig(policy="icecache")).pool_placement() == "host"
-    assert EngineConfig(kv_pool="device", selection=SelectionConfig(policy="icecache")).pool_placement() == "device"
+    assert EngineConfig().pool_placement(sparse_default=False) == "device"  # full attention reads the pool in place
+    assert EngineConfig().pool_placement(sparse_default=True) == "host"
+    assert EngineConfig(kv_pool="device").pool_placement(sparse_default=True) == "device"
     assert pool_device("host", torch.device("cpu")) == pool_device("device", torch.device("cpu")) == torch.device("cpu")
 
 
@@ -55,7 +56,7 @@ def test_cuda_without_a_gpu_is_a_clear_error(spec):
 
 
 def test_device_and_kv_pool_are_model_parameters():
-    engine = ServingConfig.from_triton_parameters({"device": "cpu", "kv_pool": "host"}).engine
+    engine = serving_config({"device": "cpu", "kv_pool": "host"}).engine
     assert (engine.device, engine.kv_pool) == ("cpu", "host")
     with pytest.raises(ConfigError, match="device"):
-        ServingConfig.from_triton_parameters({"device": "tpu"})
+        serving_config({"device": "tpu"})

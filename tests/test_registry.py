@@ -1,3 +1,4 @@
+from icekv.settings import serving_config
 """Models by name: the registry, joining a model's GGUF from its wheels, and --model NAME."""
 
 import hashlib
@@ -67,7 +68,7 @@ def test_a_name_reaches_the_server_as_a_name(smollm2_dir):
     args = build_parser().parse_args(["serve", "--model", DEFAULT_MODEL])
     params = _serving_parameters(args)
     assert params["model_dir"] == DEFAULT_MODEL  # resolved where the model loads, not to a local path
-    assert ServingConfig.from_triton_parameters(params).engine.model_dir == DEFAULT_MODEL
+    assert serving_config(params).engine.model_dir == DEFAULT_MODEL
 
 
 def test_fetch_lists_the_registry_and_generate_takes_a_name(smollm2_dir):

@@ -9,16 +9,16 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from icekv.errors import ConfigError
-from icekv.method_settings import ArkValeConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig, SnapKVConfig
+from icekv.method_settings import (CENTROID_SCORING, RESCORING, SCORE_DTYPES, SEARCHES, ArkValeConfig,  # noqa: F401
+                                   IceCacheConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig, SnapKVConfig)
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_POOLS = ("auto", "host", "device")  # where the KV page pool lives, see EngineConfig
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
-SCORE_DTYPES = ("auto", "float32", "bfloat16", "int8")  # the IceCache index's page keys, see icekv.index.score_rows
 
 
 def default_cache_dir() -> Path:
@@ -76,118 +76,6 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
-SEARCHES = ("walk", "exhaustive", "centroids")  # IceCache page searches
-CENTROID_SCORING = ("auto", "host", "device")  # where the centroids search scores the centroids
-RESCORING = ("host", "device")  # where the centroids search rescores its candidates
-
-
-@dataclass(frozen=True)
-class IceCacheConfig:
-    """DCI-tree settings (IceCache paper defaults) and how a decode step searches the tree.
-
-    About ``ratio_1`` of indexed tokens are promoted to level 1 and ``ratio_2`` of each level one
-    level higher, deterministically in sequence order. The page search (``search``):
-
-    - ``walk``: the paper's top-down walk, keeping the best ``max(fov_fraction * seq_len, fov_min)``
-      nodes per level; reads about a quarter of the keys at any length with these defaults.
-    - ``exhaustive``: every page scored exactly (the walk with an unlimited field of view).
-    - ``centroids``: every page ranked by ``q.centroid`` (one vector per page), each query head's
-      best ``candidates(k)`` pages rescored exactly. Higher recall than the walk for a fraction
-      of the reads (bench/selection_recall.py); the served model's default.
-
-    ``score_dtype``: the dtype of the index's page keys (its only copy of them) and centroids.
-    ``auto`` (the default, :meth:`page_keys`) follows the KV: bf16 keys under a bf16 or fp16 KV
-    cache, fp32 under fp32, so the index never holds its keys wider than the KV it indexes (fp32
-    keys over a bf16 pool make the index about 1.4x the pool on Llama-3.1-8B's shape). bf16 keys
-    halve the index memory and search bytes; the compiled walk and centroids searches widen them to
-    fp32, the exhaustive search (torch) rounds q to bf16; selection recall at 8k was 94.7% against
-    fp32's 95.2% (bench/selection_recall.py). ``int8`` stores each key as int8 values with its own
-    fp32 scale (max |value| / 127: nothing clips), about a quarter of fp32's bytes; every search
-    scores with the decoded keys (:mod:`icekv.index.score_rows`).
-
-    ``centroid_scoring``: where the centroids search ranks the pages by centroid. ``device``: a
-    copy of the centroids in the compute dtype on the compute device (1 / (2 * page_size) of the
-    full KV's bytes) is scored there and only the candidates' ids come to the host, which rescores
-    them exactly (the host no longer reads every centroid each step: that read grows with the
-    context); ``host``: the host reads them, and device memory stays flat in the context length;
-    ``auto``: device on a GPU, host on a CPU.
-
-    ``rescoring``: where the centroids search rescores its candidates exactly. ``host``: from the
-    index's page keys (each step reads every candidate's); ``device``: from a cache of recent
-    candidates' keys on the compute device (up to ``G * candidates(k)`` pages per KV head and
-    layer in the compute dtype, flat in the context length), refilled only with the pages it
-    lacks; the centroids are then scored there too. For a GPU: on a CPU the "device" scoring is
-    the kernels' torch reference, slower than the host's compiled search.
-    """
-
-    ratio_1: float = 0.02
-    ratio_2: float = 0.2
-    max_level: int = 4
-    fov_min: int = 30
-    fov_fraction: float = 1.5e-3
-    layer_group: int = 3  # icecache_r: layers per group sharing one index
-    seed: int = 0  # the random projection that orders a node's children
-    search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (every page exactly) | "centroids"
-    rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k,
-    min_candidates: int = 96  # and at least this many (small k needs a floor: 2 x 8 misses pages)
-    score_dtype: str = "auto"  # the index's page keys: "auto" (the KV's width, see page_keys) | "float32" |
-    # "bfloat16" (half fp32's memory) | "int8" (about a quarter)
-    centroid_scoring: str = "auto"  # centroids search: "auto" | "host" | "device" (see above)
-    rescoring: str = "host"  # centroids search: "host" | "device" (see above)
-
-    def __post_init__(self) -> None:
-        if self.search not in SEARCHES:
-            raise ConfigError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
-        if self.centroid_scoring not in CENTROID_SCORING:
-            raise ConfigError(f"centroid_scoring must be one of {', '.join(CENTROID_SCORING)}, "
-                              f"got {self.centroid_scoring!r}")
-        if self.rescoring not in RESCORING:
-            raise ConfigError(f"rescoring must be one of {', '.join(RESCORING)}, got {self.rescoring!r}")
-        if self.rescoring == "device" and self.centroid_scoring == "host":
-            raise ConfigError("rescoring 'device' needs the centroids scored on the device too: "
-                              "centroid_scoring 'host' contradicts it")
-        for name in ("centroid_scoring", "rescoring"):
-            if getattr(self, name) == "device" and self.search != "centroids":
-                raise ConfigError(f"{name} 'device' applies to search 'centroids' only; the {self.search!r} "
-                                  "search scores on the host")
-        if self.rerank < 1 or self.min_candidates < 1:
-            raise ConfigError(f"rerank and min_candidates must be >= 1, got {self.rerank}, {self.min_candidates}")
-        if self.score_dtype not in SCORE_DTYPES:
-            raise ConfigError(f"score_dtype must be one of {', '.join(SCORE_DTYPES)}, got {self.score_dtype!r}")
-        if not (0 < self.ratio_1 <= 0.5):
-            raise ConfigError(f"ratio_1 must be in (0, 0.5], got {self.ratio_1}")
-        if not (0 < self.ratio_2 <= 0.5):
-            raise ConfigError(f"ratio_2 must be in (0, 0.5], got {self.ratio_2}")
-        if self.max_level < 1 or self.fov_min < 1 or self.layer_group < 1:
-            raise ConfigError("max_level, fov_min and layer_group must be >= 1")
-
-    def page_keys(self, kv_dtype) -> str:
-        """The page keys' dtype over a KV cache of ``kv_dtype`` (a torch dtype or its name):
-        ``score_dtype``, with ``auto`` bfloat16 for a bf16 or fp16 KV (fp16 keys have no format
-        of their own: bf16's are as wide) and float32 for an fp32 one."""
-        if self.score_dtype != "auto":
-            return self.score_dtype
-        return "bfloat16" if str(kv_dtype).removeprefix("torch.") in ("bfloat16", "float16") else "float32"
-
-    def candidates(self, k: int) -> int:
-        """Pages per query head the centroids search rescores exactly, to select ``k``."""
-        return max(self.rerank * k, self.min_candidates)
-
-    def scores_centroids_on_device(self, device_type: str) -> bool:
-        """Does the search rank pages by centroid on the compute device (of type ``device_type``)?"""
-        if self.search != "centroids":
-            return False
-        return (self.centroid_scoring == "device" or self.rescoring == "device"
-                or (self.centroid_scoring == "auto" and device_type == "cuda"))
-
-    def rescores_on_device(self) -> bool:
-        """Does the search rescore its candidates on the compute device?"""
-        return self.search == "centroids" and self.rescoring == "device"
-
-    def field_of_view(self, seq_len: int) -> int:
-        return max(int(self.fov_fraction * seq_len), self.fov_min)
-
-
 @dataclass(frozen=True)
 class SelectionConfig:
     """Which tokens each decode step attends to.
@@ -198,7 +86,7 @@ class SelectionConfig:
     each for small budgets (64 tokens: 1 + 1 pages, 2 selected) so selection always has room.
     """
 
-    policy: str = "full"  # the engine default; the Triton model repository defaults to icecache
+    policy: str = "full"  # a name in icekv.policies; the server's profile (serving_engine) picks icecache
     budget: int = 256
     page_size: int = 16
     n_sink_pages: int | None = None
@@ -218,13 +106,14 @@ class SelectionConfig:
             object.__setattr__(self, "n_sink_pages", default_pages)
         if self.n_win_pages is None:
             object.__setattr__(self, "n_win_pages", default_pages)
-        policy = self._policy()  # an unknown name is a ConfigError naming the known ones
         if self.budget < 1:
             raise ConfigError(f"budget must be >= 1 token, got {self.budget}")
         if self.n_sink_pages < 0 or self.n_win_pages < 1 or self.n_unlimited_layers < 0:
             raise ConfigError("n_sink_pages must be >= 0, n_win_pages >= 1, n_unlimited_layers >= 0")
-        if not policy.sparse:
-            return
+
+    def check_paged_budget(self) -> None:
+        """A policy that selects pages needs a budget of whole pages with room past its sink and
+        window (the registry calls this for the sparse policies: :func:`icekv.policies.resolve`)."""
         if self.budget % self.page_size:
             raise ConfigError(f"budget {self.budget} is not a multiple of the page size {self.page_size}")
         fixed = (self.n_sink_pages + self.n_win_pages) * self.page_size
@@ -233,16 +122,6 @@ class SelectionConfig:
                 f"budget {self.budget} must exceed sink + window = {fixed} tokens "
                 f"({self.n_sink_pages} + {self.n_win_pages} pages of {self.page_size})"
             )
-
-    def _policy(self):
-        from icekv.policies import get_policy  # the registry; imported here because it imports this module
-
-        return get_policy(self.policy)
-
-    @property
-    def attended_budget(self) -> int | None:
-        """The budget, or None under a policy that attends every token (``full``)."""
-        return self.budget if self._policy().sparse else None
 
     @property
     def selected_pages(self) -> int:
@@ -345,11 +224,44 @@ class EngineConfig:
         """The dtype setting, or its default on this kind of device."""
         return self.dtype or ("bfloat16" if device_type == "cuda" else "float32")
 
-    def pool_placement(self) -> str:
-        """``host`` or ``device``: the ``kv_pool`` setting with ``auto`` decided by the default policy."""
+    def pool_placement(self, sparse_default: bool) -> str:
+        """``host`` or ``device``: the ``kv_pool`` setting, ``auto`` decided by whether the default
+        policy is sparse (``sparse_default``)."""
         if self.kv_pool != "auto":
             return self.kv_pool
-        return "host" if self.selection.attended_budget is not None else "device"
+        return "host" if sparse_default else "device"
+
+
+# The server's profile: what it changes of the engine's defaults (EngineConfig field paths). A served
+# model is there for long contexts: IceCache is its default policy, searched by centroid (higher
+# recall than the paper's walk for fewer reads: bench/selection_recall.py); the library and the eval
+# default to the full cache, so nothing is approximated unless asked.
+SERVING_PROFILE = {"selection.policy": "icecache", "selection.icecache.search": "centroids"}
+
+
+def serving_engine() -> EngineConfig:
+    """The engine under the server's profile (:data:`SERVING_PROFILE`)."""
+    return build_config(EngineConfig, SERVING_PROFILE)
+
+
+def build_config(cls, values: dict[str, object]):
+    """A ``cls`` config with ``values`` (dotted field paths -> values) and every other field its
+    default; each nested config is built, and so validated, once, with all of its values."""
+    kwargs = {}
+    for f in fields(cls):
+        nested = {path.removeprefix(f.name + "."): v for path, v in values.items() if path.startswith(f.name + ".")}
+        if nested:
+            kwargs[f.name] = build_config(type(getattr(cls(), f.name)), nested)
+        elif f.name in values:
+            kwargs[f.name] = values[f.name]
+    return cls(**kwargs)
+
+
+def field_value(config, path: str):
+    """The value at a dotted field path of a config."""
+    for name in path.split("."):
+        config = getattr(config, name)
+    return config
 
 
 def check_kv_budget(value: float, name: str = "kv_budget") -> None:
@@ -371,23 +283,16 @@ class CompressionConfig:
         check_kv_budget(self.kv_budget)
         if self.max_tokens < 1:
             raise ConfigError(f"max_compress_tokens must be >= 1, got {self.max_tokens}")
-        self.method_settings()  # a bad settings string fails here
-
-    def method_settings(self) -> dict[str, dict]:
-        """method -> its settings (only kv2 has server-wide ones)."""
-        from icekv.compress import parse_settings
-
-        return {"kv2": parse_settings("kv2", self.kv2)}
 
 
 @dataclass(frozen=True)
 class ServingConfig:
     """The Triton model's settings: the engine plus request admission limits.
 
-    Filled from the ``parameters`` of ``config.pbtxt`` by :meth:`from_triton_parameters`.
+    Filled from the ``parameters`` of ``config.pbtxt`` by :func:`icekv.settings.serving_config`.
     """
 
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=serving_engine)
     default_max_tokens: int = 128
     max_tokens_limit: int = 4096
     store: str | None = None  # context store: a directory or redis://host:port; None: no store
@@ -400,73 +305,6 @@ class ServingConfig:
     def __post_init__(self) -> None:
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
             raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")
-
-    @classmethod
-    def from_triton_parameters(cls, params: dict) -> "ServingConfig":
-        """``params``: config.pbtxt parameters, ``{key: {"string_value": ...}}`` or plain strings."""
-        values = {k: (v.get("string_value") if isinstance(v, dict) else v) for k, v in params.items()}
-        values = {k: v for k, v in values.items() if v not in (None, "")}
-        known = {"model_dir", "dtype", "policy", "budget", "search", "score_dtype", "page_size", "host_pool_tokens",
-                 "prefill_chunk_tokens", "num_threads", "index_threads", "max_active_requests", "max_queued_requests",
-                 "max_step_tokens", "default_max_tokens", "max_tokens_limit", "store", "store_max_bytes",
-                 "max_index_bytes", "max_context_bytes", "max_device_bytes", "max_compress_tokens",
-                 "max_queue_wait_s", "kv2", "device", "kv_pool", "centroid_scoring", "rescoring"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown model parameters {unknown}; known: {sorted(known)}")
-
-        def number(key: str, default, kind=int):
-            if key not in values:
-                return default
-            try:
-                return kind(values[key])
-            except ValueError:
-                raise ConfigError(f"parameter {key} must be {'an integer' if kind is int else 'a number'}, "
-                                  f"got {values[key]!r}") from None
-
-        paging = PagingConfig(
-            page_size=number("page_size", PagingConfig.page_size),
-            max_context_tokens=number("host_pool_tokens", PagingConfig.max_context_tokens),
-        )
-        selection = SelectionConfig(
-            policy=values.get("policy", SelectionConfig.policy),
-            budget=number("budget", SelectionConfig.budget),
-            page_size=paging.page_size,
-            icecache=IceCacheConfig(search=values.get("search", IceCacheConfig.search),
-                                    score_dtype=values.get("score_dtype", IceCacheConfig.score_dtype),
-                                    centroid_scoring=values.get("centroid_scoring", IceCacheConfig.centroid_scoring),
-                                    rescoring=values.get("rescoring", IceCacheConfig.rescoring)),
-        )
-        scheduler = SchedulerConfig(
-            max_running=number("max_active_requests", SchedulerConfig.max_running),
-            max_waiting=number("max_queued_requests", SchedulerConfig.max_waiting),
-            max_step_tokens=number("max_step_tokens", SchedulerConfig.max_step_tokens),
-            max_index_bytes=number("max_index_bytes", SchedulerConfig.max_index_bytes),
-            max_context_bytes=number("max_context_bytes", SchedulerConfig.max_context_bytes),
-            max_device_bytes=number("max_device_bytes", SchedulerConfig.max_device_bytes),
-            max_queue_wait_s=number("max_queue_wait_s", SchedulerConfig.max_queue_wait_s, float),
-        )
-        engine = EngineConfig(
-            model_dir=values.get("model_dir"),
-            device=values.get("device", EngineConfig.device),
-            dtype=values.get("dtype", EngineConfig.dtype),
-            kv_pool=values.get("kv_pool", EngineConfig.kv_pool),
-            paging=paging,
-            selection=selection,
-            scheduler=scheduler,
-            prefill_chunk_tokens=number("prefill_chunk_tokens", EngineConfig.prefill_chunk_tokens),
-            num_threads=number("num_threads", None),
-            index_threads=number("index_threads", None),
-        )
-        return cls(
-            engine=engine,
-            default_max_tokens=number("default_max_tokens", cls.default_max_tokens),
-            max_tokens_limit=number("max_tokens_limit", cls.max_tokens_limit),
-            store=values.get("store"),
-            store_max_bytes=number("store_max_bytes", cls.store_max_bytes),
-            compression=CompressionConfig(max_tokens=number("max_compress_tokens", CompressionConfig.max_tokens),
-                                          kv2=values.get("kv2", CompressionConfig.kv2)),
-        )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Settings of the baseline decode policies, with their authors' defaults.
+"""The decode methods' own settings: IceCache's tree and search, and the baselines' with their
+authors' defaults.
 
 Each method keeps what is its own here (PQ codebooks, LSH tables, filter layers, the observation
 window). What every sparse policy shares (page size, budget, sink and window pages) is
@@ -12,6 +13,119 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from icekv.errors import ConfigError
+
+
+SCORE_DTYPES = ("auto", "float32", "bfloat16", "int8")  # the IceCache index's page keys, see icekv.index.score_rows
+SEARCHES = ("walk", "exhaustive", "centroids")  # IceCache page searches
+CENTROID_SCORING = ("auto", "host", "device")  # where the centroids search scores the centroids
+RESCORING = ("host", "device")  # where the centroids search rescores its candidates
+
+
+@dataclass(frozen=True)
+class IceCacheConfig:
+    """DCI-tree settings (IceCache paper defaults) and how a decode step searches the tree.
+
+    About ``ratio_1`` of indexed tokens are promoted to level 1 and ``ratio_2`` of each level one
+    level higher, deterministically in sequence order. The page search (``search``):
+
+    - ``walk``: the paper's top-down walk, keeping the best ``max(fov_fraction * seq_len, fov_min)``
+      nodes per level; reads about a quarter of the keys at any length with these defaults.
+    - ``exhaustive``: every page scored exactly (the walk with an unlimited field of view).
+    - ``centroids``: every page ranked by ``q.centroid`` (one vector per page), each query head's
+      best ``candidates(k)`` pages rescored exactly. Higher recall than the walk for a fraction
+      of the reads (bench/selection_recall.py); the served model's default.
+
+    ``score_dtype``: the dtype of the index's page keys (its only copy of them) and centroids.
+    ``auto`` (the default, :meth:`page_keys`) follows the KV: bf16 keys under a bf16 or fp16 KV
+    cache, fp32 under fp32, so the index never holds its keys wider than the KV it indexes (fp32
+    keys over a bf16 pool make the index about 1.4x the pool on Llama-3.1-8B's shape). bf16 keys
+    halve the index memory and search bytes; the compiled walk and centroids searches widen them to
+    fp32, the exhaustive search (torch) rounds q to bf16; selection recall at 8k was 94.7% against
+    fp32's 95.2% (bench/selection_recall.py). ``int8`` stores each key as int8 values with its own
+    fp32 scale (max |value| / 127: nothing clips), about a quarter of fp32's bytes; every search
+    scores with the decoded keys (:mod:`icekv.index.score_rows`).
+
+    ``centroid_scoring``: where the centroids search ranks the pages by centroid. ``device``: a
+    copy of the centroids in the compute dtype on the compute device (1 / (2 * page_size) of the
+    full KV's bytes) is scored there and only the candidates' ids come to the host, which rescores
+    them exactly (the host no longer reads every centroid each step: that read grows with the
+    context); ``host``: the host reads them, and device memory stays flat in the context length;
+    ``auto``: device on a GPU, host on a CPU.
+
+    ``rescoring``: where the centroids search rescores its candidates exactly. ``host``: from the
+    index's page keys (each step reads every candidate's); ``device``: from a cache of recent
+    candidates' keys on the compute device (up to ``G * candidates(k)`` pages per KV head and
+    layer in the compute dtype, flat in the context length), refilled only with the pages it
+    lacks; the centroids are then scored there too. For a GPU: on a CPU the "device" scoring is
+    the kernels' torch reference, slower than the host's compiled search.
+    """
+
+    ratio_1: float = 0.02
+    ratio_2: float = 0.2
+    max_level: int = 4
+    fov_min: int = 30
+    fov_fraction: float = 1.5e-3
+    layer_group: int = 3  # icecache_r: layers per group sharing one index
+    seed: int = 0  # the random projection that orders a node's children
+    search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (every page exactly) | "centroids"
+    rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k,
+    min_candidates: int = 96  # and at least this many (small k needs a floor: 2 x 8 misses pages)
+    score_dtype: str = "auto"  # the index's page keys: "auto" (the KV's width, see page_keys) | "float32" |
+    # "bfloat16" (half fp32's memory) | "int8" (about a quarter)
+    centroid_scoring: str = "auto"  # centroids search: "auto" | "host" | "device" (see above)
+    rescoring: str = "host"  # centroids search: "host" | "device" (see above)
+
+    def __post_init__(self) -> None:
+        if self.search not in SEARCHES:
+            raise ConfigError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
+        if self.centroid_scoring not in CENTROID_SCORING:
+            raise ConfigError(f"centroid_scoring must be one of {', '.join(CENTROID_SCORING)}, "
+                              f"got {self.centroid_scoring!r}")
+        if self.rescoring not in RESCORING:
+            raise ConfigError(f"rescoring must be one of {', '.join(RESCORING)}, got {self.rescoring!r}")
+        if self.rescoring == "device" and self.centroid_scoring == "host":
+            raise ConfigError("rescoring 'device' needs the centroids scored on the device too: "
+                              "centroid_scoring 'host' contradicts it")
+        for name in ("centroid_scoring", "rescoring"):
+            if getattr(self, name) == "device" and self.search != "centroids":
+                raise ConfigError(f"{name} 'device' applies to search 'centroids' only; the {self.search!r} "
+                                  "search scores on the host")
+        if self.rerank < 1 or self.min_candidates < 1:
+            raise ConfigError(f"rerank and min_candidates must be >= 1, got {self.rerank}, {self.min_candidates}")
+        if self.score_dtype not in SCORE_DTYPES:
+            raise ConfigError(f"score_dtype must be one of {', '.join(SCORE_DTYPES)}, got {self.score_dtype!r}")
+        if not (0 < self.ratio_1 <= 0.5):
+            raise ConfigError(f"ratio_1 must be in (0, 0.5], got {self.ratio_1}")
+        if not (0 < self.ratio_2 <= 0.5):
+            raise ConfigError(f"ratio_2 must be in (0, 0.5], got {self.ratio_2}")
+        if self.max_level < 1 or self.fov_min < 1 or self.layer_group < 1:
+            raise ConfigError("max_level, fov_min and layer_group must be >= 1")
+
+    def page_keys(self, kv_dtype) -> str:
+        """The page keys' dtype over a KV cache of ``kv_dtype`` (a torch dtype or its name):
+        ``score_dtype``, with ``auto`` bfloat16 for a bf16 or fp16 KV (fp16 keys have no format
+        of their own: bf16's are as wide) and float32 for an fp32 one."""
+        if self.score_dtype != "auto":
+            return self.score_dtype
+        return "bfloat16" if str(kv_dtype).removeprefix("torch.") in ("bfloat16", "float16") else "float32"
+
+    def candidates(self, k: int) -> int:
+        """Pages per query head the centroids search rescores exactly, to select ``k``."""
+        return max(self.rerank * k, self.min_candidates)
+
+    def scores_centroids_on_device(self, device_type: str) -> bool:
+        """Does the search rank pages by centroid on the compute device (of type ``device_type``)?"""
+        if self.search != "centroids":
+            return False
+        return (self.centroid_scoring == "device" or self.rescoring == "device"
+                or (self.centroid_scoring == "auto" and device_type == "cuda"))
+
+    def rescores_on_device(self) -> bool:
+        """Does the search rescore its candidates on the compute device?"""
+        return self.search == "centroids" and self.rescoring == "device"
+
+    def field_of_view(self, seq_len: int) -> int:
+        return max(int(self.fov_fraction * seq_len), self.fov_min)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from icekv.config import SelectionConfig
 from icekv.model import ModelArgs
-from icekv.policies import get_policy
+from icekv.policies import Policy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -26,21 +26,21 @@ class SizingPlan:
         return asdict(self)
 
 
-def size(args: ModelArgs, context_tokens: int, concurrent: int, selection: SelectionConfig,
+def size(args: ModelArgs, context_tokens: int, concurrent: int, policy: Policy, selection: SelectionConfig,
          dtype: str = "float32") -> SizingPlan:
     per_layer_token = 2 * args.num_kv_heads * args.head_dim * DTYPE_BYTES[dtype]
     per_token = per_layer_token * args.num_layers
     pages = -(-context_tokens // selection.page_size) * selection.page_size  # page-granular
-    budget = budgeted_tokens(args, pages, selection) * per_layer_token
-    index = index_bytes(args, context_tokens, selection, dtype)
+    budget = budgeted_tokens(args, pages, policy, selection) * per_layer_token
+    index = index_bytes(args, context_tokens, policy, selection, dtype)
     return SizingPlan(per_token, concurrent * pages * per_token, pages * per_token, budget, pages * per_token / budget,
                       index, index / (pages * per_token))
 
 
-def budgeted_tokens(args: ModelArgs, tokens: int, selection: SelectionConfig, slack: int = 0) -> int:
+def budgeted_tokens(args: ModelArgs, tokens: int, policy: Policy, selection: SelectionConfig, slack: int = 0) -> int:
     """Token-layers of K/V a request of ``tokens`` tokens attends on the compute device: every
     token in the layers attended whole, the budget (plus ``slack``) in the budgeted ones."""
-    sparse = len(get_policy(selection.policy).sparse_layers(selection, args.num_layers))
+    sparse = len(policy.sparse_layers(selection, args.num_layers))
     return (args.num_layers - sparse) * tokens + sparse * min(selection.budget + slack, tokens)
 
 
@@ -56,7 +56,7 @@ class DeviceNeed:
         return max(self.prefill, self.decode)
 
 
-def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, selection: SelectionConfig | None,
+def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, policy: Policy, selection: SelectionConfig | None,
                 layer_token_bytes: int, context_bytes: int = 0, device_type: str = "cuda") -> DeviceNeed:
     """What a request holds on the compute device. ``selection`` None: it only prefills;
     ``layer_token_bytes``: one token's K and V in one layer; ``context_bytes``: a compressed
@@ -68,12 +68,12 @@ def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, selection:
         return DeviceNeed(prefill, 0)
     tokens = prompt_tokens + max_tokens
     dtype_bytes = layer_token_bytes // (2 * args.num_kv_heads * args.head_dim)
-    index = get_policy(selection.policy).device_index_bytes(args, tokens, selection, device_type, dtype_bytes)
-    kv = budgeted_tokens(args, tokens, selection, slack=selection.page_size) * layer_token_bytes
+    index = policy.device_index_bytes(args, tokens, selection, device_type, dtype_bytes)
+    kv = budgeted_tokens(args, tokens, policy, selection, slack=selection.page_size) * layer_token_bytes
     return DeviceNeed(prefill, kv + index + context_bytes)
 
 
-def index_bytes(args: ModelArgs, context_tokens: int, selection: SelectionConfig, kv_dtype: str) -> int:
+def index_bytes(args: ModelArgs, context_tokens: int, policy: Policy, selection: SelectionConfig, kv_dtype: str) -> int:
     """Host bytes of one request's page index under its policy (IceCache trees, Quest's bounds)
     over a KV cache of ``kv_dtype`` (a torch dtype or its name)."""
-    return get_policy(selection.policy).index_bytes(args, context_tokens, selection, str(kv_dtype).removeprefix("torch."))
+    return policy.index_bytes(args, context_tokens, selection, str(kv_dtype).removeprefix("torch."))

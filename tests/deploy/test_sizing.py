@@ -9,7 +9,7 @@ from icekv.engine.backends import DenseAttention, RequestPages, SparseAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
 from icekv.model.random import shape_args
-from icekv.policies import get_policy, make_selector
+from icekv.policies import get_policy, make_selector, resolve
 from icekv.sizing import device_need, size
 from tests.conftest import make_tiny_hf_model
 
@@ -23,11 +23,11 @@ def test_plan_bounds_the_real_resident_bytes(tmp_path):
     cache.add(0)
     backend = DenseAttention(RequestPages(cache, 0))
     model(torch.arange(500) % 512, backend.begin_step(500), backend)
-    sparse = SparseAttention(RequestPages(cache, 0), a, sel, make_selector(sel))
+    sparse = SparseAttention(RequestPages(cache, 0), a, resolve(sel), sel, make_selector(sel))
     for t in range(20):
         model(torch.tensor([t]), sparse.begin_step(1), sparse)
         sparse.end_step()
-    plan = size(a, 520, 1, sel)
+    plan = size(a, 520, 1, resolve(sel), sel)
     assert plan.kv_bytes_per_token == cache.bytes_per_token
     assert plan.device_bytes_full == cache.sequence_bytes(0)
     assert sparse.resident_bytes() <= plan.device_bytes_budget
@@ -47,7 +47,7 @@ def test_index_estimate_is_close_to_a_built_index(tmp_path):
         for layer in range(1, a.num_layers):
             keys = torch.randn(a.num_kv_heads, n, a.head_dim, generator=g).to(getattr(torch, kv_dtype))
             selector.build(layer, keys, base=0)
-        estimate, real = size(a, n, 1, sel, kv_dtype).index_host_bytes, selector.index_bytes()
+        estimate, real = size(a, n, 1, resolve(sel), sel, kv_dtype).index_host_bytes, selector.index_bytes()
         assert 0.85 * real < estimate < 1.2 * real, (policy, score_dtype, kv_dtype, estimate, real)
         sizes[policy, score_dtype, kv_dtype] = real
     # the default follows the KV: bf16 page keys under a bf16 cache (a smaller index), fp32 under fp32
@@ -79,12 +79,12 @@ def test_device_need_of_a_prefill_and_of_decodes():
     a = shape_args("llama-3.1-8b")
     per = 2 * a.num_kv_heads * a.head_dim * 2  # bf16 K and V of one token in one layer
     sparse = SelectionConfig(policy="icecache", budget=256, icecache=IceCacheConfig(search="centroids"))
-    need = device_need(a, 32768, 100, sparse, per, device_type="cuda")
+    need = device_need(a, 32768, 100, resolve(sparse), sparse, per, device_type="cuda")
     assert need.prefill == a.num_layers * 32768 * per  # every layer's K/V of the prompt
     unlimited = sparse.n_unlimited_layers * 32868 * per
     slots = (a.num_layers - sparse.n_unlimited_layers) * (256 + 16) * per
     assert unlimited + slots < need.decode < unlimited + slots + 0.05 * need.prefill  # + the centroid copy
     assert need.most == need.prefill
-    full = device_need(a, 32768, 100, SelectionConfig(policy="full"), per)
+    full = device_need(a, 32768, 100, get_policy("full"), SelectionConfig(policy="full"), per)
     assert full.decode == a.num_layers * 32868 * per and full.most == full.decode
-    assert device_need(a, 32768, 100, None, per, context_bytes=5).decode == 0  # prefill only
+    assert device_need(a, 32768, 100, get_policy("full"), None, per, context_bytes=5).decode == 0  # prefill only

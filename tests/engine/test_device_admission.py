@@ -8,6 +8,7 @@ from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SchedulerCo
 from icekv.engine import Engine
 from icekv.errors import IcekvError
 from icekv.kv import PagedKVCache
+from icekv.policies import resolve
 from icekv.sizing import device_need
 
 SPARSE = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1)
@@ -23,7 +24,7 @@ def _engine(monkeypatch, limit: int | None) -> Engine:
 
 def _need(engine: Engine, selection=SPARSE):
     args = engine.model.args
-    return device_need(args, len(PROMPT), SAMPLING.max_tokens, selection,
+    return device_need(args, len(PROMPT), SAMPLING.max_tokens, resolve(selection), selection,
                        engine.cache.bytes_per_token // args.num_layers, device_type="cpu")
 
 

@@ -9,7 +9,7 @@ from icekv.config import EngineConfig, IceCacheConfig, SamplingConfig, Selection
 from icekv.engine import Engine
 from icekv.engine.backends.prefill_index import IndexingPrefillAttention, PrefillIndex
 from icekv.policies import sink_tokens, window_start
-from icekv.policies import make_selector
+from icekv.policies import make_selector, resolve
 
 pytestmark = pytest.mark.model
 
@@ -67,7 +67,7 @@ def test_prefill_built_trees_equal_trees_built_after(engine):
 def test_builds_start_as_soon_as_each_layer_has_its_region(engine):
     ids = _prompt(engine, 330)  # window from 304: final after the chunk ending at 320, one before the last
     sel = SelectionConfig(policy="icecache", budget=128)
-    index = PrefillIndex(sel, make_selector(sel))
+    index = PrefillIndex(resolve(sel), sel, make_selector(sel))
     seq_id = -1
     engine.cache.add(seq_id)
     try:

@@ -8,7 +8,7 @@ from icekv.engine.backends import DenseAttention, RequestPages, SampledAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
 from icekv.method_settings import MagicPIGConfig, OmniKVConfig
-from icekv.policies import get_policy, make_selector, policy_names, window_queries_kept
+from icekv.policies import get_policy, make_selector, policy_names, resolve, window_queries_kept
 from tests.conftest import make_tiny_hf_model
 
 POLICIES = [p for p in policy_names() if p != "full"]
@@ -25,11 +25,12 @@ def _decode_logits(model, ids, new_tokens, selection=None):
     cache = PagedKVCache(a.num_layers, a.num_kv_heads, a.head_dim, PagingConfig(16, 1024))
     cache.add(0)
     backend = DenseAttention(RequestPages(cache, 0))
-    backend.keep_queries = window_queries_kept(selection or SelectionConfig(), False)
+    backend.keep_queries = window_queries_kept(resolve(selection or SelectionConfig()), selection or SelectionConfig(), False)
     model(torch.tensor(ids), backend.begin_step(len(ids)), backend)
     if selection is not None:
         kind = SampledAttention if get_policy(selection.policy).sampled else SparseAttention
-        backend = kind(RequestPages(cache, 0), a, selection, make_selector(selection), window_queries=backend.kept_queries)
+        backend = kind(RequestPages(cache, 0), a, resolve(selection), selection, make_selector(selection),
+                       window_queries=backend.kept_queries)
     out = []
     for t in new_tokens:
         out.append(model(torch.tensor([t]), backend.begin_step(1), backend)[-1])

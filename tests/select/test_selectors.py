@@ -5,7 +5,7 @@ import torch
 
 from icekv.config import SelectionConfig
 from icekv.errors import ConfigError
-from icekv.policies import make_selector
+from icekv.policies import make_selector, resolve
 from icekv.select import QuestSelector, StreamingSelector
 from icekv.select.gqa import merge_ranked, merge_ranked_heads
 
@@ -69,7 +69,7 @@ def test_quest_bound_is_an_upper_bound_and_finds_the_hot_page():
 )
 def test_bad_selection_settings(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        SelectionConfig(**kwargs)
+        resolve(SelectionConfig(**kwargs))
 
 
 def test_small_budgets_shrink_sink_and_window():

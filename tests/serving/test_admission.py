@@ -8,6 +8,7 @@ from icekv.engine import Engine
 from icekv.errors import IcekvError
 from icekv.serving.engine_loop import EngineLoop
 from icekv.serving.request import GenerateRequest
+from icekv.policies import resolve
 from icekv.sizing import index_bytes
 from tests.serving.sinks import RecordingSink
 
@@ -20,7 +21,7 @@ def _request(essays_text, policy: str, words: int = 250, max_tokens: int = 6) ->
 
 def _estimate(engine, request) -> int:
     tokens = len(engine.tokenizer.encode(request.text)) + request.sampling.max_tokens
-    return index_bytes(engine.model.args, tokens, request.selection, engine.cache.pool.dtype)
+    return index_bytes(engine.model.args, tokens, resolve(request.selection), request.selection, engine.cache.pool.dtype)
 
 
 @pytest.fixture

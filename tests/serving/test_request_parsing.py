@@ -1,3 +1,4 @@
+from icekv.settings import serving_config
 """Request validation without a server: tensors and parameters, types and ranges."""
 
 import numpy as np
@@ -54,7 +55,7 @@ def test_invalid_utf8_is_refused():
 
 
 def test_serving_config_from_triton_parameters():
-    cfg = ServingConfig.from_triton_parameters({
+    cfg = serving_config({
         "policy": {"string_value": "quest"}, "budget": {"string_value": "128"},
         "host_pool_tokens": {"string_value": "4096"}, "max_active_requests": {"string_value": "2"},
         "max_index_bytes": {"string_value": "1048576"}, "max_step_tokens": {"string_value": "256"},
@@ -62,48 +63,48 @@ def test_serving_config_from_triton_parameters():
     assert cfg.engine.selection.policy == "quest" and cfg.engine.paging.max_context_tokens == 4096
     scheduler = cfg.engine.scheduler
     assert scheduler.max_running == 2 and scheduler.max_index_bytes == 1 << 20 and scheduler.max_step_tokens == 256
-    assert ServingConfig.from_triton_parameters({}).engine.scheduler.max_index_bytes is None  # default: the pool's size
+    assert serving_config({}).engine.scheduler.max_index_bytes is None  # default: the pool's size
     with pytest.raises(Exception, match="max_step_tokens .4. must exceed max_running .8."):
-        ServingConfig.from_triton_parameters({"max_step_tokens": "4"})
+        serving_config({"max_step_tokens": "4"})
     for narrow in ("bfloat16", "int8"):  # half, about a quarter of the index memory
-        assert ServingConfig.from_triton_parameters({"score_dtype": narrow}).engine.selection.icecache.score_dtype == narrow
+        assert serving_config({"score_dtype": narrow}).engine.selection.icecache.score_dtype == narrow
     with pytest.raises(Exception, match="score_dtype must be one of auto, float32, bfloat16, int8"):
-        ServingConfig.from_triton_parameters({"score_dtype": "float16"})
+        serving_config({"score_dtype": "float16"})
     with pytest.raises(Exception, match="max_index_bytes must be >= 0"):
-        ServingConfig.from_triton_parameters({"max_index_bytes": "-1"})
-    assert ServingConfig.from_triton_parameters({"max_device_bytes": "4096"}).engine.scheduler.max_device_bytes == 4096
+        serving_config({"max_index_bytes": "-1"})
+    assert serving_config({"max_device_bytes": "4096"}).engine.scheduler.max_device_bytes == 4096
     with pytest.raises(Exception, match="max_device_bytes must be >= 0"):
-        ServingConfig.from_triton_parameters({"max_device_bytes": "-1"})
-    assert ServingConfig.from_triton_parameters({"index_threads": "2"}).engine.index_threads == 2
-    assert ServingConfig.from_triton_parameters({}).engine.index_threads is None  # the cores prefill leaves free
+        serving_config({"max_device_bytes": "-1"})
+    assert serving_config({"index_threads": "2"}).engine.index_threads == 2
+    assert serving_config({}).engine.index_threads is None  # the cores prefill leaves free
     with pytest.raises(Exception, match="index_threads must be >= 0"):
-        ServingConfig.from_triton_parameters({"index_threads": "-2"})
+        serving_config({"index_threads": "-2"})
     with pytest.raises(Exception, match="unknown model parameters"):
-        ServingConfig.from_triton_parameters({"polcy": {"string_value": "quest"}})
+        serving_config({"polcy": {"string_value": "quest"}})
     with pytest.raises(Exception, match="budget must be an integer"):
-        ServingConfig.from_triton_parameters({"budget": {"string_value": "lots"}})
-    assert cfg.engine.selection.icecache.search == "walk"  # the engine's default: the paper's walk
-    fast = ServingConfig.from_triton_parameters({"search": "centroids"})
+        serving_config({"budget": {"string_value": "lots"}})
+    assert cfg.engine.selection.icecache.search == "centroids"  # the server's profile (the engine: the walk)
+    fast = serving_config({"search": "centroids"})
     assert fast.engine.selection.icecache.search == "centroids"
     with pytest.raises(Exception, match="search must be one of walk, exhaustive, centroids"):
-        ServingConfig.from_triton_parameters({"search": "beam"})
-    assert ServingConfig.from_triton_parameters({}).engine.selection.icecache.centroid_scoring == "auto"
-    host = ServingConfig.from_triton_parameters({"centroid_scoring": "host"}).engine.selection.icecache
+        serving_config({"search": "beam"})
+    assert serving_config({}).engine.selection.icecache.centroid_scoring == "auto"
+    host = serving_config({"centroid_scoring": "host"}).engine.selection.icecache
     assert host.centroid_scoring == "host" and not host.scores_centroids_on_device("cuda")
     with pytest.raises(Exception, match="centroid_scoring must be one of auto, host, device, got 'gpu'"):
-        ServingConfig.from_triton_parameters({"centroid_scoring": "gpu"})
+        serving_config({"centroid_scoring": "gpu"})
     with pytest.raises(Exception, match="centroid_scoring 'device' applies to search 'centroids'"):
-        ServingConfig.from_triton_parameters({"centroid_scoring": "device", "search": "walk"})
-    icecache = lambda params: ServingConfig.from_triton_parameters(params).engine.selection.icecache  # noqa: E731
+        serving_config({"centroid_scoring": "device", "search": "walk"})
+    icecache = lambda params: serving_config(params).engine.selection.icecache  # noqa: E731
     rescored = icecache({"search": "centroids", "rescoring": "device"})
     assert rescored.rescores_on_device() and rescored.scores_centroids_on_device("cpu")  # ranked there too
     assert not icecache({"search": "centroids"}).rescores_on_device()
     with pytest.raises(Exception, match="rescoring must be one of host, device, got 'gpu'"):
-        ServingConfig.from_triton_parameters({"rescoring": "gpu"})
+        serving_config({"rescoring": "gpu"})
     with pytest.raises(Exception, match="rescoring 'device' applies to search 'centroids'"):
-        ServingConfig.from_triton_parameters({"rescoring": "device", "search": "walk"})
+        serving_config({"rescoring": "device", "search": "walk"})
     with pytest.raises(Exception, match="centroid_scoring 'host' contradicts it"):
-        ServingConfig.from_triton_parameters({"search": "centroids", "rescoring": "device", "centroid_scoring": "host"})
+        serving_config({"search": "centroids", "rescoring": "device", "centroid_scoring": "host"})
 
 
 def _template():

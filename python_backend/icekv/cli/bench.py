@@ -23,6 +23,7 @@ from icekv.errors import IcekvError
 
 def _cmd_bench(args) -> int:
     from icekv.config import EngineConfig, SelectionConfig
+    from icekv.policies import resolve
 
     contexts = _csv("--contexts", args.contexts, int)
     policies = _csv("--policies", args.policies, str)
@@ -35,7 +36,7 @@ def _cmd_bench(args) -> int:
         if min(batches) < 1 or min(contexts) < 2:
             raise IcekvError("--batch values must be >= 1 and --contexts >= 2 tokens")
         for policy in policies:
-            SelectionConfig(policy=policy, budget=args.budget)  # errors early
+            resolve(SelectionConfig(policy=policy, budget=args.budget))  # errors early
         cfg = BatchBenchConfig(contexts, batches, policies, args.budget, args.steps, icecache=_icecache_config(args),
                                **warmup)
         run, peer = run_batch_bench, False
@@ -45,7 +46,7 @@ def _cmd_bench(args) -> int:
         from icekv.eval.report import write_decode_report as write_report
 
         for policy in policies:
-            SelectionConfig(policy=policy, budget=args.budget, n_unlimited_layers=args.unlimited_layers)  # errors early
+            resolve(SelectionConfig(policy=policy, budget=args.budget, n_unlimited_layers=args.unlimited_layers))  # errors early
         ttft = _csv("--ttft-contexts", args.ttft_contexts, int) if args.ttft_contexts else ()
         if set(ttft) - set(contexts):
             raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
@@ -115,10 +116,10 @@ def _plan(args, settings: dict, device_type: str, groups, cfg, batches, peer: bo
 
 
 def _placement(pool_settings: dict, group: tuple[str, ...]) -> str:
-    from icekv.config import EngineConfig, SelectionConfig
+    from icekv.config import EngineConfig
+    from icekv.policies import get_policy
 
-    cfg = EngineConfig(kv_pool=pool_settings.get("kv_pool", "auto"), selection=SelectionConfig(policy=group[0]))
-    return cfg.pool_placement()
+    return EngineConfig(kv_pool=pool_settings.get("kv_pool", "auto")).pool_placement(get_policy(group[0]).sparse)
 
 
 def _model_args(args):
@@ -179,13 +180,14 @@ def _pool_groups(policies: tuple[str, ...], settings: dict, device_type: str) ->
     """Engine settings and the policies to time under them. On a GPU with ``kv_pool`` left to
     auto, each policy runs where it would in serving (full attention with its pool on the device,
     a sparse policy with a host pool): one engine per placement. On a CPU the two are one."""
-    from icekv.config import EngineConfig, SelectionConfig
+    from icekv.config import EngineConfig
+    from icekv.policies import get_policy
 
     if "kv_pool" in settings or device_type == "cpu":
         return [(settings, policies)]
     groups: dict[str, list[str]] = {}
     for policy in policies:
-        groups.setdefault(EngineConfig(selection=SelectionConfig(policy=policy)).pool_placement(), []).append(policy)
+        groups.setdefault(EngineConfig().pool_placement(get_policy(policy).sparse), []).append(policy)
     return [({**settings, "kv_pool": pool}, tuple(group)) for pool, group in groups.items()]
 
 

@@ -72,33 +72,24 @@ def _model_flag(parser, what: str = "") -> None:
 
 
 def _serving_flags(parser) -> None:
-    _model_flag(parser)
-    _device_flags(parser)
-    parser.add_argument("--policy", default=None, help="default page selection policy (config: icecache)")
-    parser.add_argument("--budget", type=_positive_int("--budget"), default=None)
-    _search_flag(parser, default=None, hint=" (config: centroids)")
-    _score_dtype_flag(parser, default=None)
-    _centroid_scoring_flag(parser, default=None)
-    _rescoring_flag(parser, default=None)
-    parser.add_argument("--host-pool-tokens", type=_positive_int("--host-pool-tokens"), default=None,
-                        help="KV page pool capacity in tokens, shared by all requests")
-    parser.add_argument("--max-active-requests", type=_positive_int("--max-active-requests"), default=None,
-                        help="requests batched together (in prefill or decode) at once (default 8)")
-    parser.add_argument("--max-step-tokens", type=_positive_int("--max-step-tokens"), default=None,
-                        help="tokens per engine step: every running decode plus prompt chunks (default 512)")
-    parser.add_argument("--max-index-bytes", type=_positive_int("--max-index-bytes"), default=None,
-                        help="host memory for the active requests' page indexes (default: the KV pool's size)")
-    parser.add_argument("--max-device-bytes", type=_positive_int("--max-device-bytes"), default=None,
-                        help="device memory the running requests may hold beside the model when the KV pool "
-                             "is in host memory (default: 90%% of what is free after loading)")
-    parser.add_argument("--index-threads", type=_positive_int("--index-threads", least=0), default=None,
-                        help="threads that build a request's page index during its prefill; 0: after it "
-                             "(default: the cores the forward pass leaves free)")
-    parser.add_argument("--store", default=None,
-                        help="store of compressed contexts (shared by replicas): a directory or redis://")
-    parser.add_argument("--max-compress-tokens", type=_positive_int("--max-compress-tokens"), default=None,
-                        help="the longest context a request may ask the server to compress (default 32768)")
-    _kv2_flag(parser, "the server's kv2 settings for the contexts requests bring")
+    """One flag per server setting (:data:`icekv.settings.SETTINGS`); unset ones keep the server's defaults."""
+    from icekv.settings import SETTINGS, choices
+
+    for setting in SETTINGS:
+        default = setting.default_doc or setting.default()
+        parser.add_argument(setting.cli_flag, dest=setting.dest, default=None, choices=choices(setting) or None,
+                            type=_setting_type(setting), help=f"{setting.meaning} (default {default})".replace("%", "%%"))
+
+
+def _setting_type(setting):
+    """The flag's argparse type: the setting's own parsing, its error shown as argparse's."""
+    def parse(text: str):
+        try:
+            return setting.parse(text)
+        except IcekvError as e:
+            raise argparse.ArgumentTypeError(str(e).replace(setting.name, setting.cli_flag, 1)) from None
+
+    return parse
 
 
 def _kv2_flag(parser, what: str) -> None:
@@ -152,20 +143,13 @@ def _icecache_config(args):
 def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
     """CLI flags -> config.pbtxt parameters, validated here so a typo fails before the server starts
     (``served_here``: also that this machine has the device they name)."""
-    from icekv.config import ServingConfig
+    from icekv.settings import SETTINGS, serving_config
 
-    params = {"model_dir": args.model and _model_location(args.model, served_here), "device": args.device,
-              "kv_pool": args.kv_pool, "dtype": args.dtype, "policy": args.policy,
-              "budget": args.budget, "search": args.search, "score_dtype": args.score_dtype,
-              "centroid_scoring": args.centroid_scoring, "rescoring": args.rescoring,
-              "host_pool_tokens": args.host_pool_tokens,
-              "max_active_requests": args.max_active_requests,
-              "max_step_tokens": args.max_step_tokens, "max_index_bytes": args.max_index_bytes,
-              "max_device_bytes": args.max_device_bytes,
-              "index_threads": args.index_threads, "store": args.store,
-              "max_compress_tokens": args.max_compress_tokens, "kv2": args.kv2}
-    params = {k: str(v) for k, v in params.items() if v is not None}
-    config = ServingConfig.from_triton_parameters(params)
+    params = {s.name: getattr(args, s.dest) for s in SETTINGS if getattr(args, s.dest, None) is not None}
+    if "model_dir" in params:
+        params["model_dir"] = _model_location(params["model_dir"], served_here)
+    params = {k: str(v) for k, v in params.items()}
+    config = serving_config(params)
     if served_here and config.engine.device.startswith("cuda"):  # a clear error now, not a model load failure
         from icekv.devices import resolve_device
 

@@ -113,11 +113,12 @@ def _cmd_size(args) -> int:
     from icekv.config import IceCacheConfig, SelectionConfig
     from icekv.engine.engine import resolve_model_dir
     from icekv.model import ModelArgs
+    from icekv.policies import resolve
     from icekv.sizing import size
 
     model_args = ModelArgs.from_dir(resolve_model_dir(args.model))
     selection = SelectionConfig(policy="icecache", budget=args.budget, icecache=IceCacheConfig(score_dtype=args.score_dtype))
-    plan = size(model_args, args.context, args.concurrent, selection, args.dtype)
+    plan = size(model_args, args.context, args.concurrent, resolve(selection), selection, args.dtype)
     if args.json:
         print(json.dumps(plan.to_dict()))
         return 0

@@ -30,7 +30,7 @@ from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
-from icekv.policies import get_policy
+from icekv.policies import Policy, resolve
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
 from icekv.sizing import device_need, index_bytes
 
@@ -62,6 +62,7 @@ def resolve_model_dir(model: str | None) -> Path:
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
+        default_policy = resolve(config.selection)  # the registry checks the default selection first
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         free_cores = max((os.cpu_count() or 1) - torch.get_num_threads(), 0)
@@ -82,7 +83,7 @@ class Engine:
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)
         args = self.model.args
-        pool = pool_device(config.pool_placement(), self.device)
+        pool = pool_device(config.pool_placement(default_policy.sparse), self.device)
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
                                   device=pool, compute=self.device)
         self.scheduler = Scheduler(config.scheduler, self.cache, config.prefill_chunk_tokens, self._device_limit())
@@ -119,13 +120,16 @@ class Engine:
             )
 
     def check_request(self, prompt_tokens: int, max_tokens: int, selection: SelectionConfig,
-                      with_context: bool) -> None:
-        """Refuse up front a request that could never run: empty, too long for the pool, or a
-        policy that cannot select over a compressed context."""
+                      with_context: bool) -> Policy:
+        """The request's policy, resolved; refuses up front a request that could never run: empty,
+        too long for the pool, a policy unknown or without room in its budget, or one that cannot
+        select over a compressed context."""
         self.check_fits(prompt_tokens, max_tokens)
-        if with_context and not get_policy(selection.policy).compressed_context:
+        policy = resolve(selection)
+        if with_context and not policy.compressed_context:
             raise ConfigError(f"policy {selection.policy!r} cannot select over a compressed context; "
                               "use 'full' or 'icecache'")
+        return policy
 
     def submit(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(),
                selection: SelectionConfig | None = None, context: CompressedContext | None = None,
@@ -136,9 +140,10 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         selection = selection or self.config.selection
         context = prefilled.context if prefilled is not None else context
-        self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
+        policy = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
-        seq = Sequence(seq_id, ids, sampling, selection, context, on_text, on_progress, prefilled, prefill_only, probe)
+        seq = Sequence(seq_id, ids, sampling, selection, policy, context, on_text, on_progress, prefilled, prefill_only,
+                       probe)
         if prefilled is not None:
             if ids[:len(prefilled.prompt_ids)] != prefilled.prompt_ids:
                 raise ConfigError("a decode over a prefilled prompt must continue that prompt")
@@ -147,11 +152,11 @@ class Engine:
         seq.pages = math.ceil(held / self.cache.page_size)
         if not prefill_only and seq.selects:
             kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
-            seq.index_bytes = index_bytes(self.model.args, held + kept, selection, self.cache.pool.dtype)
+            seq.index_bytes = index_bytes(self.model.args, held + kept, policy, selection, self.cache.pool.dtype)
         seq.context_bytes = context.nbytes if context is not None else 0
         if not self.cache.pool_on_compute:
             args = self.model.args
-            seq.device_need = device_need(args, len(ids), sampling.max_tokens, None if prefill_only else selection,
+            seq.device_need = device_need(args, len(ids), sampling.max_tokens, policy, None if prefill_only else selection,
                                           self.cache.bytes_per_token // args.num_layers, seq.context_bytes,
                                           self.device.type)
         self.scheduler.add(seq)

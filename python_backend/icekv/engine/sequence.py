@@ -17,7 +17,7 @@ from icekv.engine.results import Generation, Prefilled
 from icekv.engine.sampling import sample_next
 from icekv.engine.text_stream import TextStream
 from icekv.errors import IcekvError
-from icekv.policies import get_policy
+from icekv.policies import Policy
 from icekv.sizing import DeviceNeed
 
 OnText = Callable[[str], None]
@@ -46,6 +46,7 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingConfig
     selection: SelectionConfig
+    policy: Policy  # the one ``selection`` names, resolved once at submit
     context: CompressedContext | None = None
     on_text: OnText | None = None
     on_progress: OnProgress | None = None
@@ -109,7 +110,7 @@ class Sequence:
     def selects(self) -> bool:
         """Does its decode select pages? Under a sparse policy, over a compressed context or when
         its tokens may outgrow the budget (within it, it attends every token: ``Policy.selects``)."""
-        policy = get_policy(self.selection.policy)
+        policy = self.policy
         return policy.sparse and (self.context is not None or policy.selects(self.selection, self.tokens_held))
 
     @property
@@ -175,7 +176,7 @@ class Sequence:
             finish_reason=self.finish_reason, prefill_s=self.prefill_s, decode_s=decode_s,
             tpot_s=decode_s / max(len(new) - 1, 1),  # n tokens take n-1 decode steps
             kv=kv, policy=self.selection.policy,
-            budget=self.selection.attended_budget,
+            budget=self.selection.budget if self.policy.sparse else None,
             timings=dict(backend.timings) if backend else {},
             step_max_s=max(self.step_s, default=0.0), first_step_s=self.step_s[0] if self.step_s else 0.0,
             layer_stats={layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}

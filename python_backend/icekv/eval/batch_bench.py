@@ -92,6 +92,7 @@ def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig
         **split,
         "dense_other_s": max(total / len(step_s) - sum(split.values()), 0.0),
         "steps": len(step_s),
+        "budget": seqs[0].result.budget,  # None under full attention
         "index_bytes": sum(s.result.kv.index_bytes for s in seqs),
         "resident_kv_bytes": sum(s.result.kv.resident_bytes for s in seqs),
         "device_peak_growth_bytes": peak.growth,  # measured on a GPU: slots, mirrors, activations
@@ -125,7 +126,6 @@ def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
                 for policy in cfg.policies:
                     selection = selection_for(cfg, policy)
                     record = {"context": length, "batch": batch, "policy": policy,
-                              "budget": selection.attended_budget,
                               "search": cfg.icecache.search if policy.startswith("icecache") else None,
                               **time_batch(engine, reqs[:batch], selection, cfg.steps, cfg.warmup_steps)}
                     records.append(record)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from icekv.config import PagingConfig, SchedulerConfig, SelectionConfig
 from icekv.model import ModelArgs
-from icekv.policies import get_policy
+from icekv.policies import resolve
 from icekv.sizing import DTYPE_BYTES, device_need, index_bytes
 
 # allowances, not measurements: what the process holds besides the plan's tensors
@@ -186,9 +186,10 @@ def _wave(args: ModelArgs, dtype: str, run: BenchRun, policy: str, context: int,
     sel = run.selections[policy]
     held = context + run.max_tokens
     pages = batch * pages_of(held)
-    selects = get_policy(policy).selects(sel, held)
-    one_index = index_bytes(args, held, sel, dtype) if selects else 0
-    need = device_need(args, context, run.max_tokens, sel, token_bytes, 0, device_type)
+    resolved = resolve(sel)
+    selects = resolved.selects(sel, held)
+    one_index = index_bytes(args, held, resolved, sel, dtype) if selects else 0
+    need = device_need(args, context, run.max_tokens, resolved, sel, token_bytes, 0, device_type)
     off_device = pool == "host" and device_type != "cpu"
     # a prefilled request decodes at once: each running one is charged its decode, the newest its most
     charge = (batch - 1) * need.decode + need.most if off_device else 0

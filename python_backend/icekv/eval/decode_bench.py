@@ -152,7 +152,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
     ice = policy.startswith("icecache")
     index_build_s = gen.timings.get("index_build_s", 0.0)
     return {
-        "context": len(req.prompt_ids), "policy": policy, "budget": sel.attended_budget,
+        "context": len(req.prompt_ids), "policy": policy, "budget": gen.budget,
         "search": cfg.icecache.search if ice else None,
         "rerank": cfg.icecache.rerank if ice and cfg.icecache.search == "centroids" else None,
         "score_dtype": cfg.icecache.page_keys(engine.cache.pool.dtype) if ice else None,

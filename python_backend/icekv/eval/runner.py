@@ -20,6 +20,7 @@ from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.eval.stats import aggregate
 from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
+from icekv.policies import resolve
 
 QUESTION_ROOM = 512  # tokens a context's prompt may run past its length (a question, a chat template's tail)
 
@@ -59,7 +60,7 @@ class EvalConfig:
                               f"--questions ({self.questions})")
         for pol in self.policies:  # validates policy names and budgets early, with their messages
             for b in self.budgets:
-                SelectionConfig(policy=pol, budget=b)
+                resolve(SelectionConfig(policy=pol, budget=b))
 
     def selections(self) -> list[SelectionConfig]:
         out = [SelectionConfig(policy="full")] if "full" in self.policies else []
@@ -137,7 +138,7 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
             for sel in selections:
                 gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full", suffix=suffix)
                 runs.append({"task": task, "length": length, "sample": i, "question": q,
-                             "policy": sel.policy, "budget": sel.attended_budget,
+                             "policy": sel.policy, "budget": gen.budget,
                              "score": question.score(gen.text), "output": gen.text,
                              "expected": list(question.answers), "prompt_tokens": gen.prompt_tokens,
                              "tpot_s": gen.tpot_s, "timings": gen.timings, "layers": gen.layer_stats,

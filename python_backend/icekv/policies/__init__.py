@@ -24,17 +24,28 @@ def get_policy(name: str) -> Policy:
     raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())}")
 
 
-def window_queries_kept(cfg, for_later_decodes: bool) -> int:
-    """The prompt's last queries per layer a prefill keeps: its policy's observation window, or,
-    for a prompt prefilled for later decodes under any policy, the widest one."""
-    policies = _REGISTERED if for_later_decodes else (get_policy(cfg.policy),)
-    return max(p.window_queries(cfg) for p in policies)
+def resolve(cfg) -> Policy:
+    """The policy ``cfg`` (a SelectionConfig) names, once its settings are checked against it: a
+    sparse policy needs a budget of whole pages past its sink and window. The one lookup a request's
+    policy gets (at submit); ConfigError for an unknown name or a budget it cannot use."""
+    policy = get_policy(cfg.policy)
+    if policy.sparse:
+        cfg.check_paged_budget()
+    return policy
 
 
 def make_selector(cfg):
-    """A fresh selector (per request) for ``cfg.policy``; None for full attention."""
-    return get_policy(cfg.policy).make_selector(cfg)
+    """A fresh selector for ``cfg``'s policy (resolved here: for callers outside the engine, whose
+    requests carry theirs); None for full attention."""
+    return resolve(cfg).make_selector(cfg)
 
 
-__all__ = ["Policy", "get_policy", "make_selector", "policy_names", "sink_tokens", "sparse_layers", "window_queries_kept",
+def window_queries_kept(policy: Policy, cfg, for_later_decodes: bool) -> int:
+    """The prompt's last queries per layer a prefill keeps: its policy's observation window, or,
+    for a prompt prefilled for later decodes under any policy, the widest one."""
+    policies = _REGISTERED if for_later_decodes else (policy,)
+    return max(p.window_queries(cfg) for p in policies)
+
+
+__all__ = ["Policy", "get_policy", "make_selector", "policy_names", "resolve", "sink_tokens", "sparse_layers", "window_queries_kept",
            "window_start"]

@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from icekv.config import ServingConfig
+from icekv.compress import parse_settings
+from icekv.settings import serving_config
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
 from icekv.serving.error_kinds import tag
@@ -176,7 +177,7 @@ class TritonModel:
         model_config = json.loads(args["model_config"])
         if not self.pb.using_decoupled_model_transaction_policy(model_config):
             raise IcekvError("the icekv model must be decoupled (model_transaction_policy { decoupled: true })")
-        self.cfg = ServingConfig.from_triton_parameters(model_config.get("parameters", {}))
+        self.cfg = serving_config(model_config.get("parameters", {}))
         t0 = time.perf_counter()
         self.metrics = Metrics(self.pb)
         self.loop = EngineLoop(lambda: Engine(self.cfg.engine), on_tick=self.metrics.update,
@@ -226,7 +227,7 @@ class TritonModel:
 
             store = ContextStore.open(self.cfg.store, engine.model_id, self.cfg.store_max_bytes)
         return ContextService(engine, store, engine.scheduler.context_limit, self.cfg.compression.max_tokens,
-                              self.cfg.compression.method_settings())
+                              {"kv2": parse_settings("kv2", self.cfg.compression.kv2)})
 
     def _submit(self, req, sink: TritonSink) -> None:
         """Run ``req`` over its context: found (memory, store), or compressed first; or over none."""

@@ -18,7 +18,7 @@ from icekv.engine.sequence import Sequence
 from icekv.errors import ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
-from icekv.policies import get_policy, window_queries_kept
+from icekv.policies import window_queries_kept
 
 
 def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelArgs) -> None:
@@ -29,7 +29,7 @@ def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelAr
 def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_threads: int):
     """Full attention over the prompt; with free index threads, a sparse policy's index is built
     layer by layer meanwhile (``seq.index``), for the first decode under that same selection."""
-    policy = get_policy(seq.selection.policy)
+    policy = seq.policy
     # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
     selects = seq.selects or (policy.sparse and seq.prefill_only)
     # an index built here would miss the tokens already cached (a prefilled prompt's suffix), and
@@ -38,9 +38,9 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
             or policy.window_queries(seq.selection)):
         backend = DenseAttention(token_source(cache, seq.seq_id, seq.context, len(seq.prompt_ids)))
     else:
-        seq.index = PrefillIndex(seq.selection, policy.make_selector(seq.selection), index_threads, cache.compute)
+        seq.index = PrefillIndex(policy, seq.selection, policy.make_selector(seq.selection), index_threads, cache.compute)
         backend = IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
-    backend.keep_queries = window_queries_kept(seq.selection, seq.prefill_only)
+    backend.keep_queries = window_queries_kept(policy, seq.selection, seq.prefill_only)
     if backend.keep_queries and seq.prefilled is not None:  # the window may reach back into the prefilled prompt
         backend.kept_queries = dict(seq.prefilled.window_queries or {})
     return backend
@@ -61,10 +61,10 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
         if index is not None:
             index.cancel()
         return DenseAttention(source)
-    selector = index.selector if index is not None else get_policy(selection.policy).make_selector(selection)
+    selector = index.selector if index is not None else seq.policy.make_selector(selection)
     queries = seq.window_queries or (prefilled.window_queries if prefilled is not None else None)
-    backend = SampledAttention if get_policy(selection.policy).sampled else SparseAttention
-    return backend(source, args, selection, selector, seq.probe,
+    backend = SampledAttention if seq.policy.sampled else SparseAttention
+    return backend(source, args, seq.policy, selection, selector, seq.probe,
                    prebuilt=index.wait if index is not None else None, window_queries=queries)
 
 

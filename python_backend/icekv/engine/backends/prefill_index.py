@@ -25,16 +25,16 @@ from icekv.config import SelectionConfig
 from icekv.engine.backends.dense import DenseAttention
 from icekv.engine.backends.sources import RequestPages
 from icekv.kv import PagedKVCache
-from icekv.policies import get_policy, sink_tokens, window_start
+from icekv.policies import Policy, sink_tokens, window_start
 from icekv.select import PageSelector
 
 
 class PrefillIndex:
     """Per-layer index builds started during one request's prefill, for one selection policy."""
 
-    def __init__(self, selection: SelectionConfig, selector: PageSelector, threads: int = 1,
+    def __init__(self, policy: Policy, selection: SelectionConfig, selector: PageSelector, threads: int = 1,
                  device: torch.device = torch.device("cpu")):
-        self.selection, self.selector, self.device = selection, selector, device
+        self.policy, self.selection, self.selector, self.device = policy, selection, selector, device
         self.builds: dict[int, Future] = {}  # layer -> its build on the worker
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icekv-index",
                                           initializer=_use_threads, initargs=(threads,))
@@ -75,7 +75,7 @@ class IndexingPrefillAttention(DenseAttention):
         super().__init__(RequestPages(cache, seq_id, prompt_tokens))
         self.index = index
         cfg = index.selection
-        self.layers = get_policy(cfg.policy).index_layers(cfg, num_layers)
+        self.layers = index.policy.index_layers(cfg, num_layers)
         self.sink_end = sink_tokens(cfg)
         self.region_end = window_start(cfg, self.sink_end, prompt_tokens)
         self.final_at = min(self.region_end, prompt_tokens)  # written up to here, the region is final

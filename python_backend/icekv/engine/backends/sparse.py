@@ -29,7 +29,7 @@ from icekv.kernels.cpu_decode import sparse_decode_pool_cpu
 from icekv.kernels.dispatch import kernel_backend
 from icekv.kv import DevicePageCache
 from icekv.model import ModelArgs
-from icekv.policies import get_policy, window_start
+from icekv.policies import Policy, window_start
 from icekv.select import PageSelector
 
 
@@ -38,12 +38,11 @@ class SparseAttention(DenseAttention):
     waits for the layers whose index prefill built and names them; ``window_queries`` (layer ->
     [W, Hq, D]) are the prompt's last queries, for a selector that needs them before it builds."""
 
-    def __init__(self, source: RequestPages, args: ModelArgs, cfg: SelectionConfig, selector: PageSelector,
+    def __init__(self, source: RequestPages, args: ModelArgs, policy: Policy, cfg: SelectionConfig, selector: PageSelector,
                  probe: bool = False, prebuilt: Callable[[], set[int]] | None = None,
                  window_queries: dict[int, torch.Tensor] | None = None):
         super().__init__(source)
         self.cfg, self.selector, self.probe = cfg, selector, probe
-        policy = get_policy(cfg.policy)
         self.sparse_layers = policy.sparse_layers(cfg, args.num_layers)
         self.index_layers = policy.index_layers(cfg, args.num_layers)
         self.watched = frozenset(self.index_layers) - frozenset(self.sparse_layers)  # dense, their query observed

@@ -1,0 +1,98 @@
+"""The settings table is the one declaration of the server's settings: the CLI, config.pbtxt
+parsing, the ConfigMap and the README follow it."""
+
+import re
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from icekv.cli import _serving_parameters, build_parser
+from icekv.config import SERVING_PROFILE, EngineConfig, SelectionConfig, ServingConfig, build_config, field_value
+from icekv.errors import ConfigError
+from icekv.settings import SETTINGS, choices, readme_table, serving_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _paths(config, prefix=""):
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if is_dataclass(value):
+            yield from _paths(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def test_every_setting_names_real_fields_and_its_defaults_parse_back_to_the_default_config():
+    known = set(_paths(ServingConfig()))
+    for setting in SETTINGS:
+        assert set(setting.fields) <= known, setting.name
+    texts = {s.name: str(s.default()) for s in SETTINGS if s.default() is not None}
+    assert serving_config(texts) == ServingConfig()
+
+
+def test_the_readme_configuration_table_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_table() in readme, "README's configuration table differs: paste icekv.settings.readme_table()"
+
+
+def test_the_configmap_holds_the_settings_marked_for_it_and_deployment_passes_each_as_its_flag():
+    docs = [d for d in yaml.safe_load_all((ROOT / "deploy/base/configmap.yaml").read_text()) if d]
+    keys = set(docs[0]["data"]) - {"ICEKV_CACHE"}  # the cache folder is an environment variable, not a setting
+    assert keys == {s.configmap_key for s in SETTINGS if s.configmap}
+    deployment = (ROOT / "deploy/base/deployment.yaml").read_text()
+    for setting in SETTINGS:
+        if setting.configmap:
+            assert f"{setting.cli_flag}=$({setting.configmap_key})" in deployment, setting.name
+
+
+def test_every_setting_is_a_serve_flag_that_becomes_its_triton_parameter():
+    argv = ["serve"]
+    for setting in SETTINGS:
+        unset = choices(setting)[0] if choices(setting) else "1"  # a value for the settings whose default is none
+        if setting.name != "model_dir":
+            argv += [setting.cli_flag, str(setting.default() if setting.default() is not None else unset)]
+    params = _serving_parameters(build_parser().parse_args(argv))
+    assert set(params) == {s.name for s in SETTINGS} - {"model_dir"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "0"], "--budget must be >= 1"),
+    (["--budget", "many"], "--budget must be an integer"),
+    (["--max-queue-wait-s", "soon"], "--max-queue-wait-s must be a number"),
+    (["--search", "beam"], "--search must be one of walk, exhaustive, centroids, got 'beam'"),
+    (["--policy", "magic"], "invalid choice: 'magic'"),
+])
+def test_bad_flags_are_refused_with_their_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *argv])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"policy": "magic"}, "unknown policy 'magic'"),
+    ({"policy": "quest", "budget": "100"}, "not a multiple of the page size"),
+    ({"kv2": "speed=9"}, "kv2 has no setting 'speed'"),
+    ({"store_max_bytes": "-1"}, "store_max_bytes must be >= 0"),
+    ({"max_queue_wait_s": "0"}, "max_queue_wait_s must be > 0"),
+])
+def test_parameters_the_registries_refuse_fail_when_the_config_is_read(params, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        serving_config(params)
+
+
+def test_the_server_profile_is_the_one_difference_from_the_engine_defaults():
+    served, engine = ServingConfig().engine, EngineConfig()
+    differ = {p for p in _paths(engine) if field_value(served, p) != field_value(engine, p)}
+    assert differ == set(SERVING_PROFILE)
+    assert serving_config({}).engine == served
+
+
+def test_build_config_derives_dependent_defaults_from_the_values_it_is_given():
+    built = build_config(EngineConfig, {"selection.budget": 64, "selection.policy": "icecache"})
+    assert built.selection == SelectionConfig(policy="icecache", budget=64)
+    assert (built.selection.n_sink_pages, built.selection.n_win_pages) == (1, 1)  # a quarter of 4 pages each
+    one_page_size = serving_config({"page_size": "32", "budget": "512"}).engine
+    assert one_page_size.paging.page_size == one_page_size.selection.page_size == 32
