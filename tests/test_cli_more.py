@@ -110,7 +110,7 @@ def test_bench_batch_reports_throughput_and_the_step_split(smollm2_dir, tmp_path
 
 
 def test_gpu_benches_time_each_policy_with_its_serving_pool_placement():
-    from icekv.cli.measure import _pool_groups
+    from icekv.cli.bench import _pool_groups
 
     policies = ("full", "icecache", "icecache_r")
     assert _pool_groups(policies, {"device": "cuda"}, "cuda") == [

@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from icekv.cli.build import _cmd_build
     from icekv.cli.compress import _cmd_compress
-    from icekv.cli.measure import _cmd_bench, _cmd_eval, _cmd_size
+    from icekv.cli.bench import _cmd_bench
+    from icekv.cli.measure import _cmd_eval, _cmd_size
     from icekv.cli.run import _cmd_demo, _cmd_fetch, _cmd_generate, _cmd_serve
 
     handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval,

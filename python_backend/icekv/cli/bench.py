@@ -17,7 +17,7 @@ import sys
 import traceback
 from dataclasses import replace
 
-from icekv.cli.common import _csv, _device_settings, _icecache_config
+from icekv.cli.common import _csv, _device_settings, _icecache_config, _timed
 from icekv.errors import IcekvError
 
 
@@ -150,7 +150,6 @@ def _machine(args, device_type: str):
 
 def _run_group(args, plan, scheduler, pool_settings: dict, part, run, seed_text: str, out):
     """One engine (one pool placement) times its policies; each record printed as it comes."""
-    from icekv.cli.measure import _timed
     from icekv.config import EngineConfig
     from icekv.engine import Engine
 

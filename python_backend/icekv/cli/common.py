@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from icekv.config import CENTROID_SCORING, DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES, IceCacheConfig
@@ -172,3 +174,27 @@ def _open_store(location: str | None, engine):
     from icekv.store import ContextStore
 
     return ContextStore.open(location or str(default_cache_dir() / "contexts"), engine.model_id)
+
+
+def _meta(engine) -> dict:
+    """What a benchmark is measured with: command, model, machine."""
+    import platform
+
+    import torch
+
+    return {"command": "icekv " + " ".join(sys.argv[1:]), "model": engine.model_name,
+            "device": str(engine.device), "kv_pool": str(engine.cache.pool.device),
+            "dtype": str(engine.cache.pool.dtype),
+            "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"}
+
+
+def _timed(engine, run) -> tuple[list[dict], dict]:
+    """A benchmark's records and its :func:`_meta`, with its wall time; ``run`` gets the meta."""
+    import time
+
+    t0 = time.perf_counter()
+    meta = _meta(engine)
+    records = run(meta)
+    meta["wall_s"] = round(time.perf_counter() - t0, 1)
+    return records, meta

@@ -1,13 +1,11 @@
-"""`icekv eval`, `size` (and `bench decode | batch`, from icekv.cli.bench): measuring accuracy, speed and memory."""
+"""`icekv eval` and `size`: measuring accuracy and memory (`bench decode | batch`: icekv.cli.bench)."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-from icekv.cli.bench import _cmd_bench, _pool_groups  # noqa: F401 (the bench command lives there)
-from icekv.cli.common import _csv, _icecache_config
+from icekv.cli.common import _csv, _icecache_config, _timed
 from icekv.errors import IcekvError
 
 
@@ -83,30 +81,6 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     write(records, args.out, meta)
     print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
     return 0
-
-
-def _meta(engine) -> dict:
-    """What a benchmark is measured with: command, model, machine."""
-    import platform
-
-    import torch
-
-    return {"command": "icekv " + " ".join(sys.argv[1:]), "model": engine.model_name,
-            "device": str(engine.device), "kv_pool": str(engine.cache.pool.device),
-            "dtype": str(engine.cache.pool.dtype),
-            "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"}
-
-
-def _timed(engine, run) -> tuple[list[dict], dict]:
-    """A benchmark's records and its :func:`_meta`, with its wall time; ``run`` gets the meta."""
-    import time
-
-    t0 = time.perf_counter()
-    meta = _meta(engine)
-    records = run(meta)
-    meta["wall_s"] = round(time.perf_counter() - t0, 1)
-    return records, meta
 
 
 def _cmd_size(args) -> int:

@@ -12,7 +12,8 @@ import os
 
 import torch
 
-from icekv.kernels import launch, reference
+import icekv.kernels.launch as launch
+import icekv.kernels.reference as reference
 
 BACKENDS = ("auto", "triton", "numba", "torch")
 ENV_VAR = "ICEKV_KERNELS"
