@@ -13,7 +13,7 @@ from pathlib import Path
 from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_int,
                               _score_dtype_flag, _serving_flags, _serving_parameters)
 from icekv.cli.common import _bench_run_flags
-from icekv.config import CompressionConfig, IceCacheConfig, SelectionConfig
+from icekv.config import CompressionConfig, IceCacheConfig, PagingConfig, SelectionConfig
 from icekv.errors import IcekvError
 from icekv.policies import policy_names
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
                      help="KV pool capacity in tokens")
     gen.add_argument("--policy", default="full", help=" | ".join(policy_names()))
-    gen.add_argument("--budget", type=_positive_int("--budget"), default=256,
+    gen.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget,
                      help="tokens attended per layer per KV head (sink and window included)")
     gen.add_argument("--context-key", default=None, help="answer over a stored compressed context (icekv compress)")
     gen.add_argument("--store", default=None, help="context store: a directory or redis://host:port (default: cache dir)")
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--lengths", default="2000", help="comma list of prompt lengths in tokens")
     ev.add_argument("--depths", default=None, help="comma list of needle depths in 0..1 (default: spread)")
     ev.add_argument("--policies", default="full,icecache")
-    ev.add_argument("--budgets", default="256")
+    ev.add_argument("--budgets", default=str(SelectionConfig.budget))
     ev.add_argument("--samples", type=_positive_int("--samples"), default=10)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--num-needles", type=_positive_int("--num-needles"), default=2,
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd = bench_sub.add_parser("decode", help="time per output token by stage, across contexts and policies")
     bd.add_argument("--contexts", default="4096,8192,16384,32768")
     bd.add_argument("--policies", default="full,icecache,icecache_r")
-    bd.add_argument("--budget", type=_positive_int("--budget"), default=256)
+    bd.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget)
     bd.add_argument("--steps", type=_positive_int("--steps"), default=16)
     bd.add_argument("--repeats", type=_positive_int("--repeats"), default=1,
                     help="timed decodes per policy, interleaved across policies; reports the medians")
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--contexts", default="4096,16384")
     bb.add_argument("--batch", default="1,2,4,8", help="comma list of requests decoding together")
     bb.add_argument("--policies", default="full,icecache")
-    bb.add_argument("--budget", type=_positive_int("--budget"), default=256)
+    bb.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget)
     bb.add_argument("--steps", type=_positive_int("--steps"), default=32)
     _icecache_flags(bb)
     _model_flag(bb)
@@ -133,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sz = sub.add_parser("size", help="host pool and device memory for a model, context length and budget")
     _model_flag(sz)
-    sz.add_argument("--context", type=_positive_int("--context"), default=32768, help="tokens per request")
+    sz.add_argument("--context", type=_positive_int("--context"), default=PagingConfig.max_context_tokens, help="tokens per request")
     sz.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8, help="requests held at once")
-    sz.add_argument("--budget", type=_positive_int("--budget"), default=256)
+    sz.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget)
     sz.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     _score_dtype_flag(sz, default=IceCacheConfig.score_dtype)
     sz.add_argument("--json", action="store_true")
@@ -160,9 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--num-kv-heads", type=_positive_int("--num-kv-heads"), default=None, help="override the model's")
     build.add_argument("--head-dim", type=_positive_int("--head-dim"), default=None, help="override the model's")
     build.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
-    build.add_argument("--budget", type=_positive_int("--budget"), default=256, help="tokens attended per KV head")
-    build.add_argument("--page-size", type=_positive_int("--page-size"), default=16)
-    build.add_argument("--max-context", type=_positive_int("--max-context"), default=32768,
+    build.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget, help="tokens attended per KV head")
+    build.add_argument("--page-size", type=_positive_int("--page-size"), default=PagingConfig.page_size)
+    build.add_argument("--max-context", type=_positive_int("--max-context"), default=PagingConfig.max_context_tokens,
                        help="longest context: sets the candidate pages page_select accepts")
     build.add_argument("--max-batch", type=_positive_int("--max-batch"), default=8)
     build.add_argument("--arch", type=_positive_int("--arch"), default=90, help="CUDA compute capability, e.g. 90 = sm_90")
