@@ -67,4 +67,4 @@ def test_requests_wait_for_index_memory_then_all_complete(engine, essays_text, l
 def test_default_index_limit_is_the_kv_pool_size(loop_for):
     loop = loop_for(None)
     cache = loop.engine.cache
-    assert loop.engine.scheduler.index_limit == cache.capacity_tokens * cache.bytes_per_token > 0
+    assert loop.engine.kv.index_limit == cache.capacity_tokens * cache.bytes_per_token > 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 import os
 from pathlib import Path
 from typing import Generator
@@ -22,6 +21,7 @@ from icekv.devices import pool_device, resolve_device
 from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compression import CompressionJob
 from icekv.engine.backends import DenseAttention, token_source
+from icekv.engine.kv_manager import KVCacheManager
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
 from icekv.engine.sequence import OnProgress, OnText, Phase, Sequence
@@ -32,7 +32,6 @@ from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import Policy, resolve
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
-from icekv.sizing import device_need, index_bytes
 
 FULL = SelectionConfig(policy="full")
 DEVICE_SHARE = 0.9  # of the device memory free once loaded, for requests (the rest: a step's activations)
@@ -86,7 +85,8 @@ class Engine:
         pool = pool_device(config.pool_placement(default_policy.sparse), self.device)
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
                                   device=pool, compute=self.device)
-        self.scheduler = Scheduler(config.scheduler, self.cache, config.prefill_chunk_tokens, self._device_limit())
+        self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.prefill_chunk_tokens)
         self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads)
         self._seq_ids = itertools.count()
         compile_loops(dtype)  # here, not in the first request's first decode step
@@ -148,27 +148,18 @@ class Engine:
             if ids[:len(prefilled.prompt_ids)] != prefilled.prompt_ids:
                 raise ConfigError("a decode over a prefilled prompt must continue that prompt")
             seq.prefill_done = len(prefilled.prompt_ids)
-        held = len(ids) + (0 if prefill_only else sampling.max_tokens)
-        seq.pages = math.ceil(held / self.cache.page_size)
-        if not prefill_only and seq.selects:
-            kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
-            seq.index_bytes = index_bytes(self.model.args, held + kept, policy, selection, self.cache.pool.dtype)
-        seq.context_bytes = context.nbytes if context is not None else 0
-        if not self.cache.pool_on_compute:
-            args = self.model.args
-            seq.device_need = device_need(args, len(ids), sampling.max_tokens, policy, None if prefill_only else selection,
-                                          self.cache.bytes_per_token // args.num_layers, seq.context_bytes,
-                                          self.device.type)
+        seq.admission = self.kv.admission(policy, selection, len(ids), sampling.max_tokens, context, seq.selects,
+                                          prefill_only)
         self.scheduler.add(seq)
         return seq
 
     def step(self) -> list[Sequence]:
         """Run one step over the running requests; returns the requests that finished in it."""
-        work, dropped = self.scheduler.schedule()
-        for seq, why in dropped:
+        out = self.scheduler.schedule()
+        for seq, why in out.dropped:
             seq.fail(why)
-        self.runner.run(work)
-        finished = [seq for seq, _ in dropped] + [seq for seq, _ in work if seq.phase is Phase.DONE]
+        self.runner.run(out.work)
+        finished = [seq for seq, _ in out.dropped] + [seq for seq, _ in out.work if seq.phase is Phase.DONE]
         for seq in finished:
             self.scheduler.remove(seq)
             self._retire(seq)
@@ -197,11 +188,9 @@ class Engine:
             seq.error = e
         finally:
             if seq.prefilled is not None:  # leave the prompt's KV as it was, for the next decode
-                self.cache.truncate(seq.seq_id, len(seq.prefilled.prompt_ids))
+                self.kv.free(seq, keep_tokens=len(seq.prefilled.prompt_ids))
             elif seq.error is not None or not seq.prefill_only:
-                if seq.index is not None:
-                    seq.index.cancel()
-                self.cache.free_if_present(seq.seq_id)
+                self.kv.free(seq)
             seq.finish(result, seq.error)
 
     # ---- the public API (each call a batch of one unless something else is running)

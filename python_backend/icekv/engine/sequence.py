@@ -13,12 +13,12 @@ import torch
 
 from icekv.compress import CompressedContext
 from icekv.config import SamplingConfig, SelectionConfig
+from icekv.engine.kv_manager import Admission
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.sampling import sample_next
 from icekv.engine.text_stream import TextStream
 from icekv.errors import IcekvError
 from icekv.policies import Policy
-from icekv.sizing import DeviceNeed
 
 OnText = Callable[[str], None]
 OnProgress = Callable[[int, int], None]
@@ -53,11 +53,7 @@ class Sequence:
     prefilled: Prefilled | None = None
     prefill_only: bool = False
     probe: bool = False
-    # what admission charges (worst case): set by the engine at submit
-    pages: int = 0
-    index_bytes: int = 0
-    context_bytes: int = 0
-    device_need: DeviceNeed = DeviceNeed(0, 0)  # only while the pool is off the compute device
+    admission: Admission = Admission()  # what admission charges (worst case): set by the engine at submit
     # progress
     phase: Phase = Phase.WAITING
     prefill_done: int = 0  # prompt tokens already through the model

@@ -72,7 +72,7 @@ class SchedulerStats:
 
 def _memory_contexts(engine: Engine) -> ContextService:
     """No store: contexts live in memory only, bounded as the scheduler bounds contexts in use."""
-    return ContextService(engine, None, engine.scheduler.context_limit, engine.cache.capacity_tokens)
+    return ContextService(engine, None, engine.kv.context_limit, engine.cache.capacity_tokens)
 
 
 class EngineLoop:
@@ -282,8 +282,8 @@ class EngineLoop:
     def _count(self) -> None:
         scheduler = self.engine.scheduler
         self.stats.active, self.stats.queued = len(scheduler.running), len(scheduler.waiting)
-        self.stats.index_bytes_promised = sum(s.index_bytes for s in scheduler.running)
-        self.stats.device_bytes_promised = scheduler.device_promised()
+        self.stats.index_bytes_promised = self.engine.kv.index_promised(scheduler.running)
+        self.stats.device_bytes_promised = self.engine.kv.device_promised(scheduler.running)
 
     def _tick(self) -> None:
         if self._on_tick and not self._stopping and time.monotonic() - self._last_tick >= self._tick_s:

@@ -226,7 +226,7 @@ class TritonModel:
             from icekv.store import ContextStore
 
             store = ContextStore.open(self.cfg.store, engine.model_id, self.cfg.store_max_bytes)
-        return ContextService(engine, store, engine.scheduler.context_limit, self.cfg.compression.max_tokens,
+        return ContextService(engine, store, engine.kv.context_limit, self.cfg.compression.max_tokens,
                               {"kv2": parse_settings("kv2", self.cfg.compression.kv2)})
 
     def _submit(self, req, sink: TritonSink) -> None:

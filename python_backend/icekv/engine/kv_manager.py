@@ -1,0 +1,115 @@
+"""What a request may hold, and whether it fits: the engine's KV-cache manager.
+
+At submit a request is charged its worst case (:class:`Admission`): KV pages for prompt +
+max_tokens, its policy's page index in host memory, its compressed context's bytes and, with the
+pool off the compute device, the device memory it holds beside the model. The scheduler asks
+:meth:`KVCacheManager.can_allocate` whether a waiting request fits beside what the running ones
+were promised, and never reads the allocator (as vLLM's and nano-vllm's schedulers ask their
+block or KV-cache manager); :meth:`free` hands a finished request's pages and index back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from icekv.compress import CompressedContext
+from icekv.config import SchedulerConfig, SelectionConfig
+from icekv.errors import IcekvError
+from icekv.kv import PagedKVCache
+from icekv.model import ModelArgs
+from icekv.policies import Policy
+from icekv.sizing import DeviceNeed, device_need, index_bytes
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request's worst case, charged from admission until it finishes."""
+
+    pages: int = 0  # KV pages of its own: prompt + max_tokens
+    index_bytes: int = 0  # host memory of its page index
+    context_bytes: int = 0  # its compressed context (held once however many requests share it)
+    device_need: DeviceNeed = DeviceNeed(0, 0)  # only while the pool is off the compute device
+
+
+class KVCacheManager:
+    """The pool's pages and the memory budgets beside it (:class:`icekv.config.SchedulerConfig`):
+    ``max_index_bytes`` and ``max_context_bytes`` default to the pool's size; ``device_limit``
+    None where device memory is not charged (the pool is on the compute device, allocated whole)."""
+
+    def __init__(self, cache: PagedKVCache, args: ModelArgs, cfg: SchedulerConfig, device_limit: int | None,
+                 device_type: str):
+        self.cache, self.args, self.device_type = cache, args, device_type
+        pool_bytes = cache.capacity_tokens * cache.bytes_per_token
+        self.index_limit = pool_bytes if cfg.max_index_bytes is None else cfg.max_index_bytes
+        self.context_limit = pool_bytes if cfg.max_context_bytes is None else cfg.max_context_bytes
+        self.device_limit = device_limit
+
+    def admission(self, policy: Policy, selection: SelectionConfig, prompt_tokens: int, max_tokens: int,
+                  context: CompressedContext | None, selects: bool, prefill_only: bool) -> Admission:
+        """The worst case of a request (``selects``: its decode selects pages; ``prefill_only``: it
+        stops after its prompt); IcekvError when it could never fit."""
+        held = prompt_tokens + (0 if prefill_only else max_tokens)
+        index = 0
+        if selects and not prefill_only:
+            kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
+            index = index_bytes(self.args, held + kept, policy, selection, self.cache.pool.dtype)
+        context_bytes = context.nbytes if context is not None else 0
+        device = DeviceNeed(0, 0)
+        if not self.cache.pool_on_compute:
+            device = device_need(self.args, prompt_tokens, max_tokens, policy, None if prefill_only else selection,
+                                 self.cache.bytes_per_token // self.args.num_layers, context_bytes, self.device_type)
+        charge = Admission(math.ceil(held / self.cache.page_size), index, context_bytes, device)
+        self._check(charge, selection.policy)
+        return charge
+
+    def _check(self, charge: Admission, policy: str) -> None:
+        if charge.index_bytes > self.index_limit:
+            raise IcekvError(
+                f"policy {policy} needs a page index of ~{charge.index_bytes / MIB:.0f} MiB for this request, above "
+                f"max_index_bytes ({self.index_limit / MIB:.0f} MiB): shorten the prompt or max_tokens, or use a "
+                f"smaller index (icecache_r, quest) or none (streaming, full)")
+        if charge.context_bytes > self.context_limit:
+            raise IcekvError(f"the compressed context takes {charge.context_bytes / MIB:.0f} MiB, above "
+                             f"max_context_bytes ({self.context_limit / MIB:.0f} MiB)")
+        if self.device_limit is not None and charge.device_need.most > self.device_limit:
+            raise IcekvError(
+                f"this request needs ~{charge.device_need.most / MIB:,.0f} MiB of device memory (its prefill keeps "
+                f"every layer's K/V of the prompt there), above max_device_bytes ({self.device_limit / MIB:,.0f} "
+                f"MiB): shorten the prompt, or compress it as a context")
+
+    def can_allocate(self, seq, running) -> bool:
+        """Does ``seq``'s worst case fit beside what the ``running`` requests were promised?"""
+        promised = sum(self._pages_to_come(s) for s in running)
+        index = sum(s.admission.index_bytes for s in running) + seq.admission.index_bytes
+        contexts = {id(s.context): s.admission.context_bytes for s in [*running, seq] if s.context is not None}
+        return (promised + self._pages_to_come(seq) <= self.cache.allocator.num_free
+                and index <= self.index_limit and sum(contexts.values()) <= self.context_limit
+                and (self.device_limit is None
+                     or self.device_promised(running) + seq.admission.device_need.most <= self.device_limit))
+
+    @staticmethod
+    def device_promised(running) -> int:
+        """Device bytes the ``running`` requests may hold: a prefill's prefill or decode, whichever
+        is more, a decode's decode."""
+        return sum(s.admission.device_need.decode if s.decoding else s.admission.device_need.most for s in running)
+
+    @staticmethod
+    def index_promised(running) -> int:
+        return sum(s.admission.index_bytes for s in running)
+
+    def _pages_to_come(self, seq) -> int:
+        """Pages ``seq`` may still allocate: its worst case less what it holds."""
+        return max(seq.admission.pages - self.cache.pages_held(seq.seq_id), 0)
+
+    def free(self, seq, keep_tokens: int | None = None) -> None:
+        """Hand back what ``seq`` holds: its index's builds and its pages, or with ``keep_tokens``
+        only the pages past them (a decode over a prefilled prompt leaves the prompt as it was)."""
+        if keep_tokens is not None:
+            self.cache.truncate(seq.seq_id, keep_tokens)
+            return
+        if seq.index is not None:
+            seq.index.cancel()
+        self.cache.free_if_present(seq.seq_id)
