@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from icekv.config_paths import build_config, field_value  # noqa: F401 (part of the config API)
 from icekv.errors import ConfigError
 from icekv.method_settings import (CENTROID_SCORING, RESCORING, SCORE_DTYPES, SEARCHES, ArkValeConfig,  # noqa: F401
                                    IceCacheConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig, SnapKVConfig)
@@ -244,26 +245,6 @@ def serving_engine() -> EngineConfig:
     return build_config(EngineConfig, SERVING_PROFILE)
 
 
-def build_config(cls, values: dict[str, object]):
-    """A ``cls`` config with ``values`` (dotted field paths -> values) and every other field its
-    default; each nested config is built, and so validated, once, with all of its values."""
-    kwargs = {}
-    for f in fields(cls):
-        nested = {path.removeprefix(f.name + "."): v for path, v in values.items() if path.startswith(f.name + ".")}
-        if nested:
-            kwargs[f.name] = build_config(type(getattr(cls(), f.name)), nested)
-        elif f.name in values:
-            kwargs[f.name] = values[f.name]
-    return cls(**kwargs)
-
-
-def field_value(config, path: str):
-    """The value at a dotted field path of a config."""
-    for name in path.split("."):
-        config = getattr(config, name)
-    return config
-
-
 def check_kv_budget(value: float, name: str = "kv_budget") -> None:
     """A share of a context's KV to keep must be in (0, 1] (ConfigError naming ``name`` otherwise)."""
     if not (0 < value <= 1):
@@ -305,29 +286,3 @@ class ServingConfig:
     def __post_init__(self) -> None:
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
             raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")
-
-
-@dataclass(frozen=True)
-class OpenAIConfig:
-    """icekv's HTTP frontend (the OpenAI API and Triton's generate extension): where it listens,
-    which Triton model it forwards to, its limits."""
-
-    triton_grpc_url: str = "127.0.0.1:8001"
-    model: str = "icekv"  # the Triton model, and the model id clients name
-    host: str = "127.0.0.1"
-    port: int = 9000
-    extra_ports: tuple[int, ...] = ()  # more ports serving the same routes (icekv serve: the HTTP port)
-    max_body_bytes: int = 4 << 20  # larger bodies get a 413 before they are read
-    max_stop_sequences: int = ServingConfig.max_stop_sequences
-    request_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        for port in (self.port, *self.extra_ports):
-            if not (1 <= port <= 65535):
-                raise ConfigError(f"port must be in 1..65535, got {port}")
-        if self.max_body_bytes < 1024:
-            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.max_stop_sequences < 0:
-            raise ConfigError(f"max_stop_sequences must be >= 0, got {self.max_stop_sequences}")
-        if self.request_timeout_s <= 0:
-            raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from icekv.config import OpenAIConfig
+from icekv.serving.openai.config import OpenAIConfig
 from icekv.cli import _serving_parameters, build_parser
 from icekv.serving.triton_model import Metrics
 

@@ -5,7 +5,7 @@ import torch
 
 from icekv.config import IceCacheConfig
 from icekv.index import DCITree, promotion_levels
-from icekv.index.dci_tree import promotion_step, upper_step
+from icekv.index.levels import promotion_step, upper_step
 from icekv.index.parents import ROOT, token_level
 
 

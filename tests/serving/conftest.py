@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from icekv.config import OpenAIConfig
+from icekv.serving.openai.config import OpenAIConfig
 from icekv.serving.launcher import TritonServer, free_port
 from icekv.serving.openai.process import OpenAIFrontendProcess
 from icekv.serving.engine_loop import TICK_S

@@ -47,7 +47,7 @@ def test_the_model_unloads_after_many_requests_through_the_frontend(smollm2_dir)
     an error) leaks the call's state in tritonserver 2.51, and the model then never unloads
     (shutdown hits its exit timeout); the frontend's bridge and the client cancel only unfinished
     calls."""
-    from icekv.config import OpenAIConfig
+    from icekv.serving.openai.config import OpenAIConfig
     from icekv.serving.client import GenerateError, stream_generate
     from icekv.serving.launcher import free_port
     from icekv.serving.openai.process import OpenAIFrontendProcess

@@ -100,7 +100,7 @@ def _cmd_generate(args) -> int:
 
 def _cmd_demo(args) -> int:
     from icekv.assets import Assets
-    from icekv.config import OpenAIConfig
+    from icekv.serving.openai.config import OpenAIConfig
     from icekv.engine.engine import resolve_model_dir
     from icekv.eval.tasks import HaystackSampler
     from icekv.model import Tokenizer
@@ -160,7 +160,7 @@ def _cmd_serve(args) -> int:
     import signal
     import threading
 
-    from icekv.config import OpenAIConfig
+    from icekv.serving.openai.config import OpenAIConfig
     from icekv.serving.launcher import TritonServer
     from icekv.serving.openai.process import OpenAIFrontendProcess
 

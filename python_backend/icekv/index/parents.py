@@ -4,7 +4,7 @@ A decode step flushes one window page (16 tokens) into every sparse layer's tree
 norms, levels, projections and nearest-parent searches of those few tokens are some thirty small
 calls per tree, each costing more in dispatch than in arithmetic (~0.6 ms per tree, ~50 ms per
 flush at 28 layers x 3 KV heads); here they are one call. Same rules as the tree's build
-(:func:`icekv.index.dci_tree.promotion_levels`, ``DCITree._nearest``), tested against them.
+(:func:`icekv.index.levels.promotion_levels`, ``DCITree._nearest``), tested against them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = -1
 
 @numba.njit(cache=True, nogil=True)
 def token_level(j, step1, step2, max_level):
-    """Level of local token ``j``: :func:`icekv.index.dci_tree.promotion_levels` for one token."""
+    """Level of local token ``j``: :func:`icekv.index.levels.promotion_levels` for one token."""
     level = 0
     promoted = j % step1 == 0
     q = j // step1

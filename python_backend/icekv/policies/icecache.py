@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from icekv.config import SelectionConfig
-from icekv.index.dci_tree import promotion_step
+from icekv.index.levels import promotion_step
 from icekv.index.score_rows import row_width
 from icekv.model import ModelArgs
 from icekv.policies.base import Policy, sparse_layers

@@ -17,57 +17,20 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 from icekv.engine import BusyError, Cancelled, Engine, Generation, Sequence
 from icekv.errors import IcekvError
 from icekv.serving.context_service import ContextService, ContextSpec
+from icekv.serving.loop_api import EngineStopped, SchedulerStats, Sink
 from icekv.serving.request import GenerateRequest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BusyError", "EngineLoop", "SchedulerStats", "Sink"]
-
-
-class Sink(Protocol):
-    """Where a request's results go (a Triton response sender, a test list...)."""
-
-    def cancelled(self) -> bool: ...
-
-    def text(self, delta: str) -> None: ...
-
-    def done(self, result: Generation) -> None: ...
-
-    def error(self, message: str, kind: str) -> None:
-        """kind: "client" (bad request), "busy" (retry later), "cancelled" or "internal" (our bug)."""
-
-    def context_used(self, key: str, status: str) -> None:
-        """The request runs over the context under ``key``: status hit | compressed | joined."""
-
-    def context_ready(self, key: str, context) -> None:
-        """The final answer of a request that only compressed its context."""
-
-
-class EngineStopped(RuntimeError):
-    """The engine thread has ended (stopped, or failed beyond recovery): no request can run."""
+__all__ = ["BusyError", "EngineLoop", "EngineStopped", "SchedulerStats", "Sink"]
 
 
 TICK_S = 0.25  # how often the engine thread runs on_tick (metrics updates)
-
-
-@dataclass
-class SchedulerStats:
-    active: int = 0
-    queued: int = 0
-    completed: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    pages_moved: int = 0
-    select_s: float = 0.0
-    generated_tokens: int = 0
-    index_bytes_promised: int = 0
-    device_bytes_promised: int = 0
 
 
 def _memory_contexts(engine: Engine) -> ContextService:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from icekv.config import OpenAIConfig
+from icekv.serving.openai.config import OpenAIConfig
 from icekv.errors import IcekvError
 
 

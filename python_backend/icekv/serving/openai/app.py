@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from icekv.config import OpenAIConfig
+from icekv.serving.openai.config import OpenAIConfig
 from icekv.serving.client import Final
 from icekv.serving.openai.generate_api import GenerateAPI
 from icekv.serving.openai.protocol import ChatCompletionBody, CompletionBody, OpenAIError, parse_body

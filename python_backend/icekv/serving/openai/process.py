@@ -9,7 +9,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from icekv.config import OpenAIConfig
+from icekv.serving.openai.config import OpenAIConfig
 from icekv.serving.launcher import ServerError, stop_process_group
 
 

@@ -1,0 +1,34 @@
+"""The HTTP frontend's settings (``icekv serve`` fills them from its flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from icekv.config import ServingConfig
+from icekv.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class OpenAIConfig:
+    """icekv's HTTP frontend (the OpenAI API and Triton's generate extension): where it listens,
+    which Triton model it forwards to, its limits."""
+
+    triton_grpc_url: str = "127.0.0.1:8001"
+    model: str = "icekv"  # the Triton model, and the model id clients name
+    host: str = "127.0.0.1"
+    port: int = 9000
+    extra_ports: tuple[int, ...] = ()  # more ports serving the same routes (icekv serve: the HTTP port)
+    max_body_bytes: int = 4 << 20  # larger bodies get a 413 before they are read
+    max_stop_sequences: int = ServingConfig.max_stop_sequences  # the model's own limit
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for port in (self.port, *self.extra_ports):
+            if not (1 <= port <= 65535):
+                raise ConfigError(f"port must be in 1..65535, got {port}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_stop_sequences < 0:
+            raise ConfigError(f"max_stop_sequences must be >= 0, got {self.max_stop_sequences}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
