@@ -36,7 +36,7 @@ def loop(smollm2_dir, tmp_path):
 
     def contexts(engine):
         store["store"] = ContextStore.open(str(tmp_path / "store"), engine.model_id)
-        return ContextService(engine, store["store"], engine.scheduler.context_limit, 4096)
+        return ContextService(engine, store["store"], engine.kv.context_limit, 4096)
 
     made = EngineLoop(lambda: Engine(cfg), make_contexts=contexts)
     made.store = store["store"]

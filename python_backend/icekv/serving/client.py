@@ -6,31 +6,15 @@ Used by ``icekv demo``, the serving tests and the load benchmark; any Triton cli
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
-from icekv.serving.repository import INPUTS, OUTPUTS
+from icekv.serving.repository import INPUTS
+from icekv.serving.response import Final, OUTPUTS
 
 _DTYPES = {"TYPE_STRING": ("BYTES", np.object_), "TYPE_INT32": ("INT32", np.int32), "TYPE_INT64": ("INT64", np.int64),
            "TYPE_FP32": ("FP32", np.float32), "TYPE_BOOL": ("BOOL", np.bool_)}
-
-
-@dataclass
-class Final:
-    """The last response of a request: usage and KV statistics."""
-
-    finish_reason: str
-    prompt_tokens: int
-    new_tokens: int
-    policy: str
-    budget: int
-    kv_resident_bytes: int
-    kv_total_bytes: int
-    kv_bytes_moved: int
-    context_key: str = ""  # the request's context ("" without one) ...
-    context_cache: str = ""  # ... found (hit), compressed for it, or joined another's compression
 
 
 class GenerateError(RuntimeError):
@@ -56,7 +40,7 @@ def infer_inputs(grpcclient, fields: dict) -> list:
 def read_response(result) -> str | Final:
     """One streamed response: a text piece, or the request's :class:`Final` (its last response)."""
     if result.as_numpy("finish_reason") is not None:
-        values = {name: result.as_numpy(name)[0] for name, _ in OUTPUTS if name != "text_output"}
+        values = {name: result.as_numpy(name)[0] for name, _ in OUTPUTS[1:]}  # Final's fields
         return Final(**{k: v.decode() if isinstance(v, bytes) else int(v) for k, v in values.items()})
     return result.as_numpy("text_output")[0].decode()
 

@@ -62,7 +62,28 @@ class ContextService:
         self.stats = ContextStats()
         self._jobs: dict[str, _Job] = {}  # the engine thread's
 
+    @classmethod
+    def in_memory(cls, engine) -> "ContextService":
+        """No store: contexts live in memory only, bounded as admission bounds contexts in use."""
+        return cls(engine, None, engine.kv.context_limit, engine.cache.capacity_tokens)
+
     # ---- Triton's threads
+    def lookup(self, request) -> tuple[str | None, CompressedContext | None, ContextSpec | None]:
+        """Where a generate request's context is: ``(key, context, None)`` found (held for it),
+        ``(None, None, spec)`` to compress first, all None without one; RequestError for a
+        ``context_key`` neither memory nor the store has."""
+        if request.context is not None:
+            spec = self.spec(request.context, request.context_key)
+            context = self.find(spec.key, can_compress=True)
+            return (spec.key, context, None) if context is not None else (None, None, spec)
+        if request.context_key is None:
+            return None, None, None
+        context = self.find(request.context_key)
+        if context is None:
+            raise RequestError(f"unknown context_key {request.context_key!r}: not in memory or the context store "
+                               "(send the context itself, or store it with icekv compress)")
+        return request.context_key, context, None
+
     def spec(self, request: ContextRequest, claimed_key: str | None) -> ContextSpec:
         """Tokenize and check a request's context; RequestError for anything wrong with it."""
         ids = list(request.ids) if request.ids is not None else self.engine.tokenizer.encode(request.text)

@@ -17,25 +17,20 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 from icekv.engine import BusyError, Cancelled, Engine, Generation, Sequence
 from icekv.errors import IcekvError
 from icekv.serving.context_service import ContextService, ContextSpec
-from icekv.serving.loop_api import EngineStopped, SchedulerStats, Sink
+from icekv.serving.loop_api import EngineStopped, SchedulerStats, Sink, error_reply
 from icekv.serving.request import GenerateRequest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BusyError", "EngineLoop", "EngineStopped", "SchedulerStats", "Sink"]
-
+__all__ = ["EngineLoop", "EngineStopped", "Sink"]
 
 TICK_S = 0.25  # how often the engine thread runs on_tick (metrics updates)
-
-
-def _memory_contexts(engine: Engine) -> ContextService:
-    """No store: contexts live in memory only, bounded as the scheduler bounds contexts in use."""
-    return ContextService(engine, None, engine.kv.context_limit, engine.cache.capacity_tokens)
 
 
 class EngineLoop:
@@ -83,6 +78,24 @@ class EngineLoop:
                 self.contexts.release(context_key)
             raise
 
+    def serve(self, request: GenerateRequest, sink: Sink) -> None:
+        """Run ``request`` over its context (found in memory or the store, or compressed first) or
+        over none; a compress-only request is answered once its context is ready."""
+        key, context, to_compress = self.contexts.lookup(request)
+        if to_compress is not None:
+            if request.text is not None:  # refuse now what would fail after the compression
+                request = replace(request, prompt_ids=self.engine.tokenizer.encode(request.text))
+                self.engine.check_request(len(request.prompt_ids), request.sampling.max_tokens, request.selection,
+                                          with_context=True)
+            return self.submit_compression(request, sink, to_compress)
+        if key is None:
+            return self.submit(request, sink)
+        sink.context_used(key, "hit")
+        if request.text is None:  # only compress: it is already
+            self.contexts.release(key)
+            return sink.context_ready(key, context)
+        self.submit(request, sink, context, key)
+
     def submit_compression(self, request: GenerateRequest, sink: Sink, spec: ContextSpec) -> None:
         """Queue a request whose context is not compressed yet: the engine thread compresses it (or
         joins the compression already running for its key), then runs the request over it."""
@@ -114,7 +127,7 @@ class EngineLoop:
     def _run(self, make_engine: Callable[[], Engine], make_contexts) -> None:
         try:
             self.engine = make_engine()
-            self.contexts = (make_contexts or _memory_contexts)(self.engine)
+            self.contexts = (make_contexts or ContextService.in_memory)(self.engine)
         except BaseException as e:
             self._loaded.put(e)
             return
@@ -276,17 +289,12 @@ class EngineLoop:
             self._fail(sink, error)
 
     def _fail(self, sink: Sink, error: BaseException) -> None:
-        """Tell the client why its request ended without a result, by kind."""
-        if isinstance(error, Cancelled):
+        """Tell the client why its request ended without a result (Triton needs a final response)."""
+        message, kind = error_reply(error)
+        if kind == "cancelled":
             self.stats.cancelled += 1
-            sink.error("request cancelled", kind="cancelled")  # Triton needs a final response
-        elif isinstance(error, BusyError):
+        else:
             self.stats.failed += 1
-            sink.error(str(error), kind="busy")
-        elif isinstance(error, IcekvError):
-            self.stats.failed += 1
-            sink.error(str(error), kind="client")
-        else:  # a bug in one request must not take the others down
+        if kind == "internal":  # a bug in one request must not take the others down
             log.error("request failed", exc_info=error)
-            self.stats.failed += 1
-            sink.error("internal error: the request failed (details in the server log)", kind="internal")
+        sink.error(message, kind=kind)

@@ -3,10 +3,12 @@ results go to, the counters it keeps for the metrics, and the error once its thr
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Protocol
 
-from icekv.engine import Generation
+from icekv.engine import BusyError, Cancelled, Generation
+from icekv.errors import IcekvError
 
 
 class Sink(Protocol):
@@ -46,3 +48,18 @@ class SchedulerStats:
     generated_tokens: int = 0
     index_bytes_promised: int = 0
     device_bytes_promised: int = 0
+
+
+def error_reply(error: BaseException) -> tuple[str, str]:
+    """The one mapping of a request's error to what its client is told: (message, kind), kind as
+    :mod:`icekv.serving.error_kinds` carries it. An error that is no IcekvError is our bug: the
+    client learns only that (the caller logs the rest)."""
+    if isinstance(error, Cancelled):
+        return "request cancelled", "cancelled"
+    if isinstance(error, BusyError):
+        return str(error), "busy"
+    if isinstance(error, EngineStopped):
+        return str(error), "internal"
+    if isinstance(error, (IcekvError, json.JSONDecodeError)):
+        return str(error), "client"
+    return "internal error: the request failed (details in the server log)", "internal"

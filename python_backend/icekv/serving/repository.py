@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from icekv.serving.response import OUTPUTS
 from icekv.settings import default_parameters
 
 MODEL_NAME = "icekv"
@@ -32,19 +33,6 @@ INPUTS = (
     ("kv_method", "TYPE_STRING", "[ 1 ]", True),
     ("kv_budget", "TYPE_FP32", "[ 1 ]", True),
     ("health", "TYPE_BOOL", "[ 1 ]", True),  # answered at once: is the engine thread alive (probes)
-)
-OUTPUTS = (
-    ("text_output", "TYPE_STRING"),
-    ("finish_reason", "TYPE_STRING"),
-    ("prompt_tokens", "TYPE_INT32"),
-    ("new_tokens", "TYPE_INT32"),
-    ("policy", "TYPE_STRING"),
-    ("budget", "TYPE_INT32"),
-    ("kv_resident_bytes", "TYPE_INT64"),
-    ("kv_total_bytes", "TYPE_INT64"),
-    ("kv_bytes_moved", "TYPE_INT64"),
-    ("context_key", "TYPE_STRING"),  # the request's context's key ("" without one)
-    ("context_cache", "TYPE_STRING"),  # hit | compressed | joined ("" without a context)
 )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -19,11 +19,14 @@ from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
 from icekv.serving.error_kinds import tag
 from icekv.serving.repository import INPUTS
-from icekv.serving.request import RequestError, parse_request
+from icekv.serving.response import OUTPUTS, Final
+from icekv.serving.request import parse_request
 from icekv.serving.context_service import ContextService
-from icekv.serving.engine_loop import BusyError, EngineLoop, EngineStopped
+from icekv.serving.engine_loop import EngineLoop
+from icekv.serving.loop_api import EngineStopped, error_reply
 
 log = logging.getLogger(__name__)
+NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64}  # a Triton output's array type
 
 
 class TritonSink:
@@ -64,36 +67,29 @@ class TritonSink:
             self._send(self.pb.InferenceResponse(output_tensors=[self._tensor("text_output", delta.encode(), np.object_)]), False)
 
     def done(self, result: Generation) -> None:
-        self._final(text="" if self.stream else result.text, finish_reason=result.finish_reason,
-                    prompt_tokens=result.prompt_tokens, new_tokens=result.new_tokens, policy=result.policy,
-                    budget=result.budget or 0, kv_resident_bytes=result.kv.resident_bytes,
-                    kv_total_bytes=result.kv.total_bytes, kv_bytes_moved=result.kv.bytes_moved)
+        self._final(Final(finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
+                          new_tokens=result.new_tokens, policy=result.policy, budget=result.budget or 0,
+                          kv_resident_bytes=result.kv.resident_bytes, kv_total_bytes=result.kv.total_bytes,
+                          kv_bytes_moved=result.kv.bytes_moved), "" if self.stream else result.text)
 
     def context_ready(self, key: str, context) -> None:
         """A compress-only request's answer: the key, and the context's KV bytes compressed
         (kv_resident_bytes) and in full (kv_total_bytes)."""
         self.context_key = key
-        self._final(finish_reason="context_ready", prompt_tokens=context.length, kv_resident_bytes=context.nbytes,
-                    kv_total_bytes=context.full_bytes)
+        self._final(Final(finish_reason="context_ready", prompt_tokens=context.length,
+                          kv_resident_bytes=context.nbytes, kv_total_bytes=context.full_bytes))
 
     def healthy(self) -> None:
         """A health request's answer: the engine thread is alive."""
-        self._final(finish_reason="healthy")
+        self._final(Final(finish_reason="healthy"))
 
-    def _final(self, text: str = "", finish_reason: str = "", prompt_tokens: int = 0, new_tokens: int = 0,
-               policy: str = "", budget: int = 0, kv_resident_bytes: int = 0, kv_total_bytes: int = 0,
-               kv_bytes_moved: int = 0) -> None:
-        """The request's last response: every output of the model's I/O table."""
-        t = self._tensor
-        outputs = [
-            t("text_output", text.encode(), np.object_), t("finish_reason", finish_reason.encode(), np.object_),
-            t("prompt_tokens", prompt_tokens, np.int32), t("new_tokens", new_tokens, np.int32),
-            t("policy", policy.encode(), np.object_), t("budget", budget, np.int32),
-            t("kv_resident_bytes", kv_resident_bytes, np.int64), t("kv_total_bytes", kv_total_bytes, np.int64),
-            t("kv_bytes_moved", kv_bytes_moved, np.int64),
-            t("context_key", self.context_key.encode(), np.object_),
-            t("context_cache", self.context_cache.encode(), np.object_),
-        ]
+    def _final(self, final: Final, text: str = "") -> None:
+        """The request's last response: its text (if not streamed) and every field of ``final``,
+        with this request's context."""
+        final = replace(final, context_key=self.context_key, context_cache=self.context_cache)
+        values = {"text_output": text, **asdict(final)}
+        outputs = [self._tensor(name, values[name].encode() if isinstance(values[name], str) else values[name],
+                                NUMPY[triton_type]) for name, triton_type in OUTPUTS]
         self._send(self.pb.InferenceResponse(output_tensors=outputs), True)
 
     def error(self, message: str, kind: str) -> None:
@@ -203,16 +199,12 @@ class TritonModel:
                 params = json.loads(request.parameters() or "{}")
                 req = parse_request(inputs, params, self.cfg, self.engine.chat_prompt)
                 sink.stream = req.stream
-                self._submit(req, sink)
-            except BusyError as e:
-                sink.error(str(e), kind="busy")
-            except (IcekvError, json.JSONDecodeError) as e:
-                sink.error(str(e), kind="client")
-            except EngineStopped as e:
-                sink.error(str(e), kind="internal")
-            except Exception:  # our bug: the client learns only that, the log has the rest
-                log.exception("request handling failed")
-                sink.error("internal error", kind="internal")
+                self.loop.serve(req, sink)
+            except Exception as e:
+                message, kind = error_reply(e)
+                if kind == "internal" and not isinstance(e, EngineStopped):  # our bug: the log has the rest
+                    log.exception("request handling failed")
+                sink.error(message, kind=kind)
         return None
 
     def _is_health_check(self, request) -> bool:
@@ -228,35 +220,6 @@ class TritonModel:
             store = ContextStore.open(self.cfg.store, engine.model_id, self.cfg.store_max_bytes)
         return ContextService(engine, store, engine.kv.context_limit, self.cfg.compression.max_tokens,
                               {"kv2": parse_settings("kv2", self.cfg.compression.kv2)})
-
-    def _submit(self, req, sink: TritonSink) -> None:
-        """Run ``req`` over its context: found (memory, store), or compressed first; or over none."""
-        contexts = self.loop.contexts
-        if req.context is not None:
-            spec = contexts.spec(req.context, req.context_key)
-            context = contexts.find(spec.key, can_compress=True)
-            if context is None:
-                if req.text is not None:  # refuse now what would fail after the compression
-                    req = replace(req, prompt_ids=self.engine.tokenizer.encode(req.text))
-                    self.engine.check_request(len(req.prompt_ids), req.sampling.max_tokens, req.selection,
-                                              with_context=True)
-                self.loop.submit_compression(req, sink, spec)
-                return
-            key = spec.key
-        elif req.context_key is not None:
-            key, context = req.context_key, contexts.find(req.context_key)
-            if context is None:
-                raise RequestError(f"unknown context_key {key!r}: not in memory or the context store "
-                                   "(send the context itself, or store it with icekv compress)")
-        else:
-            self.loop.submit(req, sink)
-            return
-        sink.context_used(key, "hit")
-        if req.text is None:  # only compress: it is already
-            contexts.release(key)
-            sink.context_ready(key, context)
-            return
-        self.loop.submit(req, sink, context, key)
 
     def finalize(self) -> None:
         self.loop.stop()
