@@ -11,6 +11,7 @@ from icekv.errors import ConfigError
 from icekv.compress.scoring import keydiff_scores, refeed_scores, run_steps
 from icekv.config import EngineConfig, PagingConfig, SamplingConfig
 from icekv.engine import Engine
+from icekv.engine.compression import scoring_context
 from tests.conftest import make_tiny_hf_model
 
 
@@ -98,7 +99,7 @@ def test_refeed_scores_match_a_direct_computation(tiny_engine, outputs_see_every
 def _kv2_scores(engine, ids, budget, **settings):
     req = engine.prefill(ids)
     try:
-        return run_steps(make_compressor("kv2", **settings).score_steps(engine, req.seq_id, ids, budget))
+        return run_steps(make_compressor("kv2", **settings).score_steps(scoring_context(engine, req.seq_id, ids, budget)))
     finally:
         engine.release(req)
 

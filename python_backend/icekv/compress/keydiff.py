@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from icekv.compress.scoring import keydiff_scores
+from icekv.compress.scoring import ScoringContext
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,7 @@ class KeyDiffCompressor:
 
     chunk: int = 4096
 
-    def score_steps(self, engine, seq_id, ids, kv_budget):
+    def score_steps(self, ctx: ScoringContext):
         """One slice: no model pass."""
         yield
-        return keydiff_scores(engine.cache, seq_id, engine.model.args.num_layers, self.chunk)
+        return ctx.keydiff(self.chunk)

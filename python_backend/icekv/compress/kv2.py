@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from icekv.compress.evict import CONTEXT_SINKS
-from icekv.compress.scoring import keydiff_scores, refeed_steps
+from icekv.compress.scoring import ScoringContext
 from icekv.compress.snapkv import SnapKVCompressor
 from icekv.errors import ConfigError
 
@@ -59,21 +59,21 @@ class KV2Compressor:
         """The share of each chunk re-fed at ``kv_budget``."""
         return self.rho if self.rho is not None else min(1.0, self.rho_scale * kv_budget)
 
-    def _proxy_steps(self, engine, seq_id, ids, kv_budget):
+    def _proxy_steps(self, ctx: ScoringContext):
         """The proxy's per-token scores [T] (a generator: SnapKV's costs a model pass)."""
         if self.proxy == "keydiff":
-            return keydiff_scores(engine.cache, seq_id, engine.model.args.num_layers, self.chunk).mean(dim=(0, 1))
-        s = yield from SnapKVCompressor().score_steps(engine, seq_id, ids, kv_budget)  # [L, Hkv, T]
+            return ctx.keydiff(self.chunk).mean(dim=(0, 1))
+        s = yield from SnapKVCompressor().score_steps(ctx)  # [L, Hkv, T]
         s = s.mean(dim=(0, 1))  # [T]; its own window scores +inf
         finite = s[torch.isfinite(s)]
         return s.nan_to_num(posinf=float(finite.max()) if finite.numel() else 0.0)
 
-    def score_steps(self, engine, seq_id, ids, kv_budget):
-        a = engine.model.args
+    def score_steps(self, ctx: ScoringContext):
+        ids = ctx.ids
         t = len(ids)
-        rho = self.refeed_share(kv_budget)
-        proxy = yield from self._proxy_steps(engine, seq_id, ids, kv_budget)  # [T]
-        scores = torch.zeros(a.num_layers, a.num_kv_heads, t)
+        rho = self.refeed_share(ctx.kv_budget)
+        proxy = yield from self._proxy_steps(ctx)  # [T]
+        scores = torch.zeros(ctx.num_layers, ctx.num_kv_heads, t)
         everything = torch.ones(t, dtype=torch.bool)
         for _ in range(self.rounds):
             for start in range(0, t, self.chunk):
@@ -83,10 +83,9 @@ class KV2Compressor:
                 scored = torch.zeros(t, dtype=torch.bool)
                 scored[: self.n_sinks] = True
                 scored[start:end] = True
-                s = yield from refeed_steps(engine.model, engine.cache, seq_id, [ids[i] for i in picked],
-                                            list(range(t, t + n_feed)), scored,
-                                            visible=everything if self.attend == "context" else None,
-                                            normalize=self.normalize)
+                s = yield from ctx.refeed([ids[i] for i in picked], list(range(t, t + n_feed)), scored,
+                                          visible=everything if self.attend == "context" else None,
+                                          normalize=self.normalize)
                 scores[..., start:end] = s[..., start:end]
             proxy = scores.mean(dim=(0, 1))
         return scores  # the sinks are kept by eviction whatever they score

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from icekv.compress.scoring import refeed_steps
+from icekv.compress.scoring import ScoringContext
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 
@@ -17,8 +17,8 @@ class KVzipCompressor:
 
     chunk: int = 256
 
-    def score_steps(self, engine, seq_id, ids, kv_budget):
-        fed = engine.tokenizer.encode(REPEAT_PROMPT) + list(ids)
-        t = len(ids)
-        return (yield from refeed_steps(engine.model, engine.cache, seq_id, fed, list(range(t, t + len(fed))),
-                                        torch.ones(t, dtype=torch.bool), self.chunk))
+    def score_steps(self, ctx: ScoringContext):
+        fed = ctx.encode(REPEAT_PROMPT) + list(ctx.ids)
+        t = len(ctx.ids)
+        return (yield from ctx.refeed(fed, list(range(t, t + len(fed))), torch.ones(t, dtype=torch.bool),
+                                      chunk=self.chunk))

@@ -1,7 +1,8 @@
 """The registry of prefix compressors (one dataclass per file).
 
 Every method maps a prefilled context to scores S [layer, KV head, token] with
-``score_steps(engine, seq_id, ids, kv_budget)``: a generator that yields after each model pass
+``score_steps(ctx)`` over a :class:`icekv.compress.scoring.ScoringContext` (the prefilled context,
+the model, the share of its KV to be kept): a generator that yields after each model pass
 (so a server can interleave other requests' steps) and returns the scores;
 :func:`icekv.compress.evict` turns them into a physically smaller cache. None of them sees the
 future questions. A method's settings are its dataclass fields.

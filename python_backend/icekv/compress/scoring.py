@@ -9,11 +9,42 @@ token: the max over fed queries and over the query heads of each KV head.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Generator
+from dataclasses import dataclass
+from typing import Callable, Generator
 
 import torch
 
 from icekv.kv import PagedKVCache
+
+
+@dataclass(frozen=True)
+class ScoringContext:
+    """What a compressor sees: a context prefilled into ``cache`` as request ``seq_id`` (its token
+    ``ids``), the ``model`` that can re-feed tokens after it, ``encode`` for a method's own prompt
+    text, and ``kv_budget``, the share of the context's KV the caller will keep."""
+
+    model: object
+    cache: PagedKVCache
+    seq_id: int
+    ids: list[int]
+    encode: Callable[[str], list[int]]
+    kv_budget: float
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.args.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.args.num_kv_heads
+
+    def refeed(self, ids: list[int], positions: list[int], scored: torch.Tensor, **options):
+        """:func:`refeed_steps` after this context."""
+        return refeed_steps(self.model, self.cache, self.seq_id, ids, positions, scored, **options)
+
+    def keydiff(self, chunk: int) -> torch.Tensor:
+        """:func:`keydiff_scores` of this context [L, Hkv, T]."""
+        return keydiff_scores(self.cache, self.seq_id, self.num_layers, chunk)
 
 
 def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:

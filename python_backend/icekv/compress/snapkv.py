@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from icekv.compress.scoring import refeed_steps
+from icekv.compress.scoring import ScoringContext
 
 
 @dataclass(frozen=True)
@@ -16,11 +16,12 @@ class SnapKVCompressor:
     window: int = 32
     pool_kernel: int = 7
 
-    def score_steps(self, engine, seq_id, ids, kv_budget):
+    def score_steps(self, ctx: ScoringContext):
+        ids = ctx.ids
         t = len(ids)
         w = min(self.window, t - 1)
         allowed = torch.arange(t) < t - w  # the window re-attends the context before it
-        s = yield from refeed_steps(engine.model, engine.cache, seq_id, ids[t - w :], list(range(t - w, t)), allowed)
+        s = yield from ctx.refeed(ids[t - w :], list(range(t - w, t)), allowed)
         s = torch.nn.functional.max_pool1d(s, self.pool_kernel, stride=1, padding=self.pool_kernel // 2)
         s[..., t - w :] = float("inf")  # the observers themselves stay
         return s

@@ -6,14 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
+from icekv.compress.scoring import ScoringContext
+
 
 @dataclass(frozen=True)
 class StreamingCompressor:
     """StreamingLLM: the sinks and the most recent tokens."""
 
-    def score_steps(self, engine, seq_id: int, ids: list[int], kv_budget: float):
+    def score_steps(self, ctx: ScoringContext):
         """One slice: no model pass."""
         yield
-        a = engine.model.args
-        recency = torch.arange(len(ids), dtype=torch.float32) / len(ids)  # [T]
-        return recency.expand(a.num_layers, a.num_kv_heads, -1)
+        recency = torch.arange(len(ctx.ids), dtype=torch.float32) / len(ctx.ids)  # [T]
+        return recency.expand(ctx.num_layers, ctx.num_kv_heads, -1)

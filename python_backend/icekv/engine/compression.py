@@ -13,8 +13,13 @@ from typing import Generator
 
 import torch
 
-from icekv.compress import CompressedContext, evict, make_compressor
+from icekv.compress import CompressedContext, ScoringContext, evict, make_compressor
 from icekv.engine.sequence import Cancelled
+
+
+def scoring_context(engine, seq_id: int, ids: list[int], kv_budget: float) -> ScoringContext:
+    """What a compressor may see of ``engine``: the prefilled context, the model and the tokenizer."""
+    return ScoringContext(engine.model, engine.cache, seq_id, list(ids), engine.tokenizer.encode, kv_budget)
 
 
 class CompressionJob:
@@ -47,8 +52,8 @@ class CompressionJob:
                 if self.seq.error is not None:
                     raise self.seq.error
                 self._prefilled = self.seq.result
-                self._scoring = self.compressor.score_steps(self.engine, self._prefilled.seq_id, self.ids,
-                                                            self.kv_budget)
+                self._scoring = self.compressor.score_steps(scoring_context(self.engine, self._prefilled.seq_id,
+                                                                            self.ids, self.kv_budget))
             next(self._scoring)
         except StopIteration as finished:
             scores = finished.value  # [L, Hkv, T]

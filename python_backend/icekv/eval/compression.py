@@ -24,6 +24,7 @@ from icekv.compress import CompressedContext, evict, make_compressor
 from icekv.compress.scoring import run_steps
 from icekv.config import SamplingConfig, check_kv_budget
 from icekv.engine import Engine
+from icekv.engine.compression import scoring_context
 from icekv.errors import ConfigError
 from icekv.eval.stats import wilson_interval
 from icekv.eval.tasks import REUSABLE_TASKS, HaystackSampler, PromptFormat, make_reusable
@@ -114,7 +115,7 @@ def compress_prefilled(engine: Engine, prefilled, ids: list[int], variant: Varia
         if share not in scored:
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
-                scores = run_steps(compressor.score_steps(engine, prefilled.seq_id, ids, budget))
+                scores = run_steps(compressor.score_steps(scoring_context(engine, prefilled.seq_id, ids, budget)))
             scored[share] = (scores, time.perf_counter() - t0, mem.growth)
         scores, score_s, score_growth = scored[share]
         with PeakRSS() as mem:
