@@ -64,3 +64,21 @@ def test_a_loop_that_cannot_recover_tells_every_client_and_refuses_new_requests(
         loop.check_accepting()
     with pytest.raises(EngineStopped):
         loop.submit(_request(), RecordingSink(loop))
+
+
+def test_one_mapping_from_error_to_what_the_client_is_told():
+    import json
+
+    from icekv.engine import BusyError, Cancelled
+    from icekv.errors import ConfigError
+    from icekv.serving.error_kinds import kind_of, tag
+    from icekv.serving.loop_api import error_reply
+
+    cases = {Cancelled("gone"): "cancelled", BusyError("server busy: full"): "busy",
+             EngineStopped("internal error: stopped"): "internal", ConfigError("budget must be >= 1"): "client",
+             json.JSONDecodeError("bad", "{", 0): "client", KeyError("a bug"): "internal"}
+    for error, kind in cases.items():
+        message, got = error_reply(error)
+        assert got == kind, error
+        assert kind_of(tag(message, got)) == kind  # what the HTTP frontend reads back
+    assert "a bug" not in error_reply(KeyError("a bug"))[0]  # an internal error's details stay in the log
