@@ -24,7 +24,7 @@ from icekv.engine.backends import DenseAttention, token_source
 from icekv.engine.kv_manager import KVCacheManager
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
-from icekv.engine.sequence import OnProgress, OnText, Phase, Sequence
+from icekv.engine.sequence import OnProgress, OnText, Phase, Request, Sequence
 from icekv.engine.step import StepRunner
 from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache
@@ -142,8 +142,8 @@ class Engine:
         context = prefilled.context if prefilled is not None else context
         policy = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
-        seq = Sequence(seq_id, ids, sampling, selection, policy, context, on_text, on_progress, prefilled, prefill_only,
-                       probe)
+        request = Request(ids, sampling, selection, policy, context, prefilled, prefill_only, probe)
+        seq = Sequence(seq_id, request, on_text, on_progress)
         if prefilled is not None:
             if ids[:len(prefilled.prompt_ids)] != prefilled.prompt_ids:
                 raise ConfigError("a decode over a prefilled prompt must continue that prompt")
@@ -175,21 +175,21 @@ class Engine:
 
     def _retire(self, seq: Sequence) -> None:
         """Hand back what a finished request holds; its result (or error) becomes visible."""
-        result = None
+        result, r = None, seq.request
         try:
-            if seq.error is None and seq.prefill_only:
-                result = Prefilled(seq.seq_id, seq.prompt_ids, seq.logits, seq.prefill_s, seq.context, seq.index,
+            if seq.error is None and r.prefill_only:
+                result = Prefilled(seq.seq_id, r.prompt_ids, seq.logits, seq.prefill_s, r.context, seq.index,
                                    seq.window_queries)
             elif seq.error is None:
-                backend = seq.backend or DenseAttention(token_source(self.cache, seq.seq_id, seq.context))
+                backend = seq.backend or DenseAttention(token_source(self.cache, seq.seq_id, r.context))
                 kv = backend.kv_stats()
                 result = seq.generation(kv)
         except Exception as e:
             seq.error = e
         finally:
-            if seq.prefilled is not None:  # leave the prompt's KV as it was, for the next decode
-                self.kv.free(seq, keep_tokens=len(seq.prefilled.prompt_ids))
-            elif seq.error is not None or not seq.prefill_only:
+            if r.prefilled is not None:  # leave the prompt's KV as it was, for the next decode
+                self.kv.free(seq, keep_tokens=len(r.prefilled.prompt_ids))
+            elif seq.error is not None or not r.prefill_only:
                 self.kv.free(seq)
             seq.finish(result, seq.error)
 

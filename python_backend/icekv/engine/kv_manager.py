@@ -84,7 +84,8 @@ class KVCacheManager:
         """Does ``seq``'s worst case fit beside what the ``running`` requests were promised?"""
         promised = sum(self._pages_to_come(s) for s in running)
         index = sum(s.admission.index_bytes for s in running) + seq.admission.index_bytes
-        contexts = {id(s.context): s.admission.context_bytes for s in [*running, seq] if s.context is not None}
+        contexts = {id(s.request.context): s.admission.context_bytes  # a shared context is held once
+                    for s in [*running, seq] if s.request.context is not None}
         return (promised + self._pages_to_come(seq) <= self.cache.allocator.num_free
                 and index <= self.index_limit and sum(contexts.values()) <= self.context_limit
                 and (self.device_limit is None

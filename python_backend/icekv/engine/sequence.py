@@ -35,24 +35,32 @@ class Cancelled(IcekvError):
     """The request was cancelled (by its client, or because the engine stopped)."""
 
 
-@dataclass(eq=False)
-class Sequence:
-    """A request's state. ``prefilled``: decode over an existing prompt's KV, after prefilling the
-    rest of ``prompt_ids`` if they continue it (its pages stay: what this request adds is truncated
-    afterwards); ``prefill_only``: stop after prefill and keep the
-    pages (the result is then a :class:`Prefilled`)."""
+@dataclass(frozen=True)
+class Request:
+    """What was asked, fixed at submit. ``prefilled``: decode over an existing prompt's KV, after
+    prefilling the rest of ``prompt_ids`` if they continue it (its pages stay: what this request
+    adds is truncated afterwards); ``prefill_only``: stop after prefill and keep the pages (the
+    result is then a :class:`Prefilled`); ``probe``: measure attention recall at each decode step."""
 
-    seq_id: int
     prompt_ids: list[int]
     sampling: SamplingConfig
     selection: SelectionConfig
     policy: Policy  # the one ``selection`` names, resolved once at submit
     context: CompressedContext | None = None
-    on_text: OnText | None = None
-    on_progress: OnProgress | None = None
     prefilled: Prefilled | None = None
     prefill_only: bool = False
     probe: bool = False
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One submitted request inside the engine: the :class:`Request`, what admission charges it,
+    and where it is (its run state, written by the step runner)."""
+
+    seq_id: int
+    request: Request
+    on_text: OnText | None = None
+    on_progress: OnProgress | None = None
     admission: Admission = Admission()  # what admission charges (worst case): set by the engine at submit
     # progress
     phase: Phase = Phase.WAITING
@@ -100,28 +108,28 @@ class Sequence:
     @property
     def tokens_held(self) -> int:
         """The most tokens of its own this request may hold: prompt + max_tokens."""
-        return len(self.prompt_ids) + self.sampling.max_tokens
+        return len(self.request.prompt_ids) + self.request.sampling.max_tokens
 
     @property
     def selects(self) -> bool:
         """Does its decode select pages? Under a sparse policy, over a compressed context or when
         its tokens may outgrow the budget (within it, it attends every token: ``Policy.selects``)."""
-        policy = self.policy
-        return policy.sparse and (self.context is not None or policy.selects(self.selection, self.tokens_held))
+        r = self.request
+        return r.policy.sparse and (r.context is not None or r.policy.selects(r.selection, self.tokens_held))
 
     @property
     def remaining_prompt(self) -> int:
-        return len(self.prompt_ids) - self.prefill_done
+        return len(self.request.prompt_ids) - self.prefill_done
 
     @property
     def decoding(self) -> bool:
         """Its next step feeds one token (the prompt is in the cache, its own or ``prefilled``)."""
-        return self.phase is Phase.DECODE or (self.phase is Phase.WAITING and self.prefilled is not None
+        return self.phase is Phase.DECODE or (self.phase is Phase.WAITING and self.request.prefilled is not None
                                               and not self.remaining_prompt)
 
     def start_decode(self, tokenizer, eos: set[int], logits: torch.Tensor) -> None:
         """The prompt is in the cache: sample the first token from ``logits`` [V]."""
-        s = self.sampling
+        s = self.request.sampling
         self.generator = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
         self.stream = TextStream(tokenizer, s.stop)
         self.eos = set() if s.ignore_eos else eos
@@ -130,7 +138,7 @@ class Sequence:
 
     def accept(self, logits: torch.Tensor) -> None:
         """Sample the next token from logits [V]; finishes on EOS, a stop string or max_tokens."""
-        token = sample_next(logits, self.sampling, self.generator)
+        token = sample_next(logits, self.request.sampling, self.generator)
         if token in self.eos:
             self.finish_reason = "stop"
             return self._emit_last()
@@ -138,7 +146,7 @@ class Sequence:
         if self.stream.stopped:
             self.finish_reason = "stop"
             return self._emit_last()
-        if len(self.stream.token_ids) >= self.sampling.max_tokens:
+        if len(self.stream.token_ids) >= self.request.sampling.max_tokens:
             return self._emit_last()
         self.next_token = token
 
@@ -168,11 +176,11 @@ class Sequence:
         new = self.stream.token_ids
         backend = self.backend if self.decoder_ready else None
         return Generation(
-            text=self.stream.text, token_ids=new, prompt_tokens=len(self.prompt_ids), new_tokens=len(new),
+            text=self.stream.text, token_ids=new, prompt_tokens=len(self.request.prompt_ids), new_tokens=len(new),
             finish_reason=self.finish_reason, prefill_s=self.prefill_s, decode_s=decode_s,
             tpot_s=decode_s / max(len(new) - 1, 1),  # n tokens take n-1 decode steps
-            kv=kv, policy=self.selection.policy,
-            budget=self.selection.budget if self.policy.sparse else None,
+            kv=kv, policy=self.request.selection.policy,
+            budget=self.request.selection.budget if self.request.policy.sparse else None,
             timings=dict(backend.timings) if backend else {},
             step_max_s=max(self.step_s, default=0.0), first_step_s=self.step_s[0] if self.step_s else 0.0,
             layer_stats={layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}

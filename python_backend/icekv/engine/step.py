@@ -71,21 +71,21 @@ class StepRunner:
     def _prepare(self, seq: Sequence, n: int) -> list[int] | None:
         """The token ids ``seq`` feeds this step (its backend set up); None: nothing to feed."""
         if seq.decoding and seq.phase is Phase.WAITING:  # decode over an existing prompt
-            seq.prefill_s = seq.prefilled.prefill_s
-            seq.start_decode(self.tokenizer, self.eos, seq.prefilled.logits)
-        elif seq.phase is Phase.WAITING and seq.prefilled is not None:  # its suffix, over the prompt's KV
+            seq.prefill_s = seq.request.prefilled.prefill_s
+            seq.start_decode(self.tokenizer, self.eos, seq.request.prefilled.logits)
+        elif seq.phase is Phase.WAITING and seq.request.prefilled is not None:  # its suffix, over the prompt's KV
             seq.phase, seq.t_prefill = Phase.PREFILL, time.perf_counter()
             seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads)
         elif seq.phase is Phase.WAITING:
-            if seq.context is not None:
-                check_context(seq.context, self.cache, self.model.args)
+            if seq.request.context is not None:
+                check_context(seq.request.context, self.cache, self.model.args)
             self.cache.add(seq.seq_id)
             seq.phase, seq.t_prefill = Phase.PREFILL, time.perf_counter()
             seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads)
         if seq.phase is Phase.DONE:
             return None
         if seq.phase is Phase.PREFILL:
-            return seq.prompt_ids[seq.prefill_done : seq.prefill_done + n]
+            return seq.request.prompt_ids[seq.prefill_done : seq.prefill_done + n]
         if not seq.decoder_ready:  # the first decode step: build (or take) its index, not decode time
             t0 = time.perf_counter()
             seq.backend, seq.decoder_ready = decode_backend(self.cache, seq, self.model.args), True
@@ -99,12 +99,12 @@ class StepRunner:
             return
         seq.prefill_done += n
         if seq.on_progress:
-            seq.on_progress(seq.prefill_done, len(seq.prompt_ids))
+            seq.on_progress(seq.prefill_done, len(seq.request.prompt_ids))
         if seq.remaining_prompt:
             return
         seq.prefill_s, seq.logits = time.perf_counter() - seq.t_prefill, logits
         seq.window_queries = seq.backend.kept_queries or None
-        if seq.prefill_only:
+        if seq.request.prefill_only:
             seq.phase = Phase.DONE
             return
         seq.start_decode(self.tokenizer, self.eos, logits)

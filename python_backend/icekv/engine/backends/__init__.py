@@ -29,42 +29,44 @@ def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelAr
 def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_threads: int):
     """Full attention over the prompt; with free index threads, a sparse policy's index is built
     layer by layer meanwhile (``seq.index``), for the first decode under that same selection."""
-    policy = seq.policy
+    r = seq.request
     # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
-    selects = seq.selects or (policy.sparse and seq.prefill_only)
+    selects = seq.selects or (r.policy.sparse and r.prefill_only)
     # an index built here would miss the tokens already cached (a prefilled prompt's suffix), and
     # one built from the prompt's last queries waits for them
-    if (seq.context is not None or not selects or index_threads == 0 or seq.prefilled is not None
-            or policy.window_queries(seq.selection)):
-        backend = DenseAttention(token_source(cache, seq.seq_id, seq.context, len(seq.prompt_ids)))
+    if (r.context is not None or not selects or index_threads == 0 or r.prefilled is not None
+            or r.policy.window_queries(r.selection)):
+        backend = DenseAttention(token_source(cache, seq.seq_id, r.context, len(r.prompt_ids)))
     else:
-        seq.index = PrefillIndex(policy, seq.selection, policy.make_selector(seq.selection), index_threads, cache.compute)
-        backend = IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(seq.prompt_ids), seq.index)
-    backend.keep_queries = window_queries_kept(policy, seq.selection, seq.prefill_only)
-    if backend.keep_queries and seq.prefilled is not None:  # the window may reach back into the prefilled prompt
-        backend.kept_queries = dict(seq.prefilled.window_queries or {})
+        seq.index = PrefillIndex(r.policy, r.selection, r.policy.make_selector(r.selection), index_threads,
+                                 cache.compute)
+        backend = IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(r.prompt_ids), seq.index)
+    backend.keep_queries = window_queries_kept(r.policy, r.selection, r.prefill_only)
+    if backend.keep_queries and r.prefilled is not None:  # the window may reach back into the prefilled prompt
+        backend.kept_queries = dict(r.prefilled.window_queries or {})
     return backend
 
 
 def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
     """The backend for the request's decode steps under its policy (a sparse one builds its index
     here, or takes the one prefill built for this selection)."""
-    selection, prefilled = seq.selection, seq.prefilled
+    r = seq.request
+    selection, prefilled = r.selection, r.prefilled
     index = seq.index if prefilled is None else prefilled.prebuilt_index(selection)  # built for this selection
-    if prefilled is not None and len(seq.prompt_ids) > len(prefilled.prompt_ids):
+    if prefilled is not None and len(r.prompt_ids) > len(prefilled.prompt_ids):
         index = None  # it lacks the suffix: this decode builds its own (prefilled keeps it for another)
     if prefilled is not None and index is not None:
         prefilled.index = None  # decoding changes the index: it serves this one decode
     seq.index = None
-    source = token_source(cache, seq.seq_id, seq.context, seq.tokens_held)
+    source = token_source(cache, seq.seq_id, r.context, seq.tokens_held)
     if not seq.selects:
         if index is not None:
             index.cancel()
         return DenseAttention(source)
-    selector = index.selector if index is not None else seq.policy.make_selector(selection)
+    selector = index.selector if index is not None else r.policy.make_selector(selection)
     queries = seq.window_queries or (prefilled.window_queries if prefilled is not None else None)
-    backend = SampledAttention if seq.policy.sampled else SparseAttention
-    return backend(source, args, seq.policy, selection, selector, seq.probe,
+    backend = SampledAttention if r.policy.sampled else SparseAttention
+    return backend(source, args, r.policy, selection, selector, r.probe,
                    prebuilt=index.wait if index is not None else None, window_queries=queries)
 
 
