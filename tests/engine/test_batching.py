@@ -135,14 +135,14 @@ def test_a_long_prompt_never_holds_the_decoding_requests_back(smollm2_dir, essay
         engine.step()
     long = engine.submit(_prompts(essays_text, (1200,))[0], GREEDY)
     prefill_steps = 0
-    while long.prefill_done < len(long.prompt_ids):
+    while long.prefill_done < len(long.request.prompt_ids):
         before = [len(s.stream.token_ids) for s in short]
         engine.step()
         prefill_steps += 1
         assert [len(s.stream.token_ids) for s in short] == [n + 1 for n in before]  # a token each, every step
-    assert prefill_steps >= len(long.prompt_ids) // 62  # the prompt went in chunks of at most 62 tokens
+    assert prefill_steps >= len(long.request.prompt_ids) // 62  # the prompt went in chunks of at most 62 tokens
     _drain(engine, short + [long])
-    assert long.result.token_ids == engine.generate(long.prompt_ids, GREEDY).token_ids
+    assert long.result.token_ids == engine.generate(long.request.prompt_ids, GREEDY).token_ids
 
 
 def test_admission_waits_for_pages_and_refuses_what_never_fits(smollm2_dir):

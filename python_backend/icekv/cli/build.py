@@ -13,6 +13,7 @@ def _cmd_build(args) -> int:
     from icekv.config import EngineConfig, PagingConfig, SelectionConfig
     from icekv.engine.engine import resolve_model_dir
     from icekv.model import ModelArgs
+    from icekv.policies import resolve
     from icekv.trt.build import build_engines, tensorrt_unavailable, write_kernels
     from icekv.trt.spec import DecodeStepSpec
 
@@ -22,6 +23,7 @@ def _cmd_build(args) -> int:
     try:
         cfg = EngineConfig(paging=PagingConfig(page_size=args.page_size, max_context_tokens=args.max_context),
                            selection=SelectionConfig(policy="icecache", budget=args.budget, page_size=args.page_size))
+        resolve(cfg.selection)  # the budget's pages checked for the policy, before anything is built
         spec = DecodeStepSpec.from_config(cfg, model_args, dtype=args.dtype, max_batch=args.max_batch,
                                           arch=args.arch, **overrides)
     except ValueError as e:  # ConfigError included: names the offending value
