@@ -39,8 +39,8 @@ def run(engine: Engine, text: str) -> dict:
     for length in LENGTHS:
         ids = engine.tokenizer.encode(text)[:length]
         for sel in selections():
-            out[f"alone {length} {name(sel)}"] = engine.generate(ids, SAMPLING, sel).token_ids
-        seqs = {name(sel): engine.submit(ids, SAMPLING, sel) for sel in selections()}
+            out[f"alone {length} {name(sel)}"] = engine.generate(ids, SAMPLING, selection=sel).token_ids
+        seqs = {name(sel): engine.submit(ids, SAMPLING, selection=sel) for sel in selections()}
         for key, seq in seqs.items():
             out[f"batched {length} {key}"] = engine.run(seq).token_ids
     context_ids = engine.tokenizer.encode(text)[:LENGTHS[-1]]
@@ -48,7 +48,7 @@ def run(engine: Engine, text: str) -> dict:
     question = engine.tokenizer.encode(" What is this text about? Answer:")
     for policy in CONTEXT_POLICIES:
         sel = SelectionConfig(policy=policy, budget=128)
-        out[f"context kv2@0.1 {name(sel)}"] = engine.generate(question, SAMPLING, sel, context).token_ids
+        out[f"context kv2@0.1 {name(sel)}"] = engine.generate(question, SAMPLING, selection=sel, context=context).token_ids
     return out
 
 
