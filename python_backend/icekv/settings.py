@@ -63,7 +63,7 @@ class Setting:
 
 
 def _policy_names() -> tuple[str, ...]:
-    from icekv.policies import policy_names  # the registry, above config
+    from icekv.policies import policy_names  # the registry (it imports torch): only when the names are asked for
 
     return policy_names()
 
