@@ -19,8 +19,11 @@ HAYSTACK=${HAYSTACK:-essays}
 BUDGETS=${BUDGETS:-128,256,512,1024}
 POLICIES=full,icecache,icecache_r,quest,streaming,snapkv,arkvale,pqcache,omnikv,magicpig
 OUT="bench/results/baselines_${MODEL}_$((LENGTH / 1024))k_${HAYSTACK}_${TASK}_b${BUDGETS//,/-}"
+# the finished log is kept gzip'd (one question's per-layer recall makes it megabytes): unpack it to resume
+[ -f "$OUT/runs.jsonl.gz" ] && [ ! -f "$OUT/runs.jsonl" ] && gunzip -k "$OUT/runs.jsonl.gz"
 RESUME=()
 [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
 .venv/bin/icekv eval --model "$MODEL" --task "$TASK" --haystack "$HAYSTACK" --lengths "$LENGTH" \
   --questions "$QUESTIONS" --num-needles $((QUESTIONS + 2)) --policies "$POLICIES" --budgets "$BUDGETS" \
   --search centroids --samples "$SAMPLES" --seed 0 --out "$OUT" "${RESUME[@]}"
+gzip -9 -f "$OUT/runs.jsonl"
