@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from icekv.cli import _serving_parameters, build_parser
-from icekv.config import SERVING_PROFILE, EngineConfig, SelectionConfig, ServingConfig, build_config, field_value
+from icekv.config import SERVING_PROFILE, EngineConfig, SelectionConfig, ServingConfig
+from icekv.config_paths import build_config, field_value
 from icekv.errors import ConfigError
 from icekv.settings import SETTINGS, choices, readme_table, serving_config
 

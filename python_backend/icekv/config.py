@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from icekv.config_paths import build_config, field_value  # noqa: F401 (part of the config API)
+from icekv.config_paths import build_config
 from icekv.errors import ConfigError
 from icekv.method_settings import (CENTROID_SCORING, RESCORING, SCORE_DTYPES, SEARCHES, ArkValeConfig,  # noqa: F401
                                    IceCacheConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig, SnapKVConfig)

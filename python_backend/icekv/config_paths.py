@@ -13,7 +13,7 @@ def build_config(cls, values: dict[str, object]):
     for f in fields(cls):
         nested = {path.removeprefix(f.name + "."): v for path, v in values.items() if path.startswith(f.name + ".")}
         if nested:
-            kwargs[f.name] = build_config(type(getattr(cls(), f.name)), nested)
+            kwargs[f.name] = build_config(type(f.default_factory()), nested)  # a nested config's own class
         elif f.name in values:
             kwargs[f.name] = values[f.name]
     return cls(**kwargs)

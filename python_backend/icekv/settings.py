@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from icekv.config import (CENTROID_SCORING, DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES, SERVING_PROFILE,
-                          ServingConfig, build_config, field_value)
+                          ServingConfig)
+from icekv.config_paths import build_config, field_value
 from icekv.errors import ConfigError
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_int,
-                              _score_dtype_flag, _serving_flags, _serving_parameters)
+                              _serving_flags, _serving_parameters, _setting_flag)
 from icekv.cli.common import _bench_run_flags
 from icekv.config import CompressionConfig, IceCacheConfig, PagingConfig, SelectionConfig
 from icekv.errors import IcekvError
@@ -133,11 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sz = sub.add_parser("size", help="host pool and device memory for a model, context length and budget")
     _model_flag(sz)
-    sz.add_argument("--context", type=_positive_int("--context"), default=PagingConfig.max_context_tokens, help="tokens per request")
+    sz.add_argument("--context", type=_positive_int("--context"), default=PagingConfig.max_context_tokens,
+                    help="tokens per request")
     sz.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8, help="requests held at once")
     sz.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget)
     sz.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    _score_dtype_flag(sz, default=IceCacheConfig.score_dtype)
+    _setting_flag(sz, "score_dtype", IceCacheConfig.score_dtype)
     sz.add_argument("--json", action="store_true")
 
     serve = sub.add_parser("serve", help="run tritonserver with the icekv model until SIGINT/SIGTERM")
@@ -160,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--num-kv-heads", type=_positive_int("--num-kv-heads"), default=None, help="override the model's")
     build.add_argument("--head-dim", type=_positive_int("--head-dim"), default=None, help="override the model's")
     build.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
-    build.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget, help="tokens attended per KV head")
+    build.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget,
+                       help="tokens attended per KV head")
     build.add_argument("--page-size", type=_positive_int("--page-size"), default=PagingConfig.page_size)
     build.add_argument("--max-context", type=_positive_int("--max-context"), default=PagingConfig.max_context_tokens,
                        help="longest context: sets the candidate pages page_select accepts")

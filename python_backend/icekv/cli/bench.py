@@ -46,7 +46,8 @@ def _cmd_bench(args) -> int:
         from icekv.eval.report import write_decode_report as write_report
 
         for policy in policies:
-            resolve(SelectionConfig(policy=policy, budget=args.budget, n_unlimited_layers=args.unlimited_layers))  # errors early
+            selection = SelectionConfig(policy=policy, budget=args.budget, n_unlimited_layers=args.unlimited_layers)
+            resolve(selection)  # errors early
         ttft = _csv("--ttft-contexts", args.ttft_contexts, int) if args.ttft_contexts else ()
         if set(ttft) - set(contexts):
             raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")

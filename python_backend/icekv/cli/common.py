@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from icekv.config import CENTROID_SCORING, DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES, IceCacheConfig
+from icekv.config import DTYPES, KV_POOLS, IceCacheConfig
 from icekv.errors import IcekvError
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
 
@@ -75,12 +75,21 @@ def _model_flag(parser, what: str = "") -> None:
 
 def _serving_flags(parser) -> None:
     """One flag per server setting (:data:`icekv.settings.SETTINGS`); unset ones keep the server's defaults."""
-    from icekv.settings import SETTINGS, choices
+    from icekv.settings import SETTINGS
 
     for setting in SETTINGS:
-        default = setting.default_doc or setting.default()
-        parser.add_argument(setting.cli_flag, dest=setting.dest, default=None, choices=choices(setting) or None,
-                            type=_setting_type(setting), help=f"{setting.meaning} (default {default})".replace("%", "%%"))
+        _setting_flag(parser, setting.name)
+
+
+def _setting_flag(parser, name: str, default=None) -> None:
+    """The flag of server setting ``name``, with its parsing, choices and meaning; ``default``:
+    this command's value when the flag is not given (None: the server's own)."""
+    from icekv.settings import BY_NAME, choices
+
+    setting = BY_NAME[name]
+    shown = default if default is not None else setting.default_doc or setting.default()
+    parser.add_argument(setting.cli_flag, dest=setting.dest, default=default, choices=choices(setting) or None,
+                        type=_setting_type(setting), help=f"{setting.meaning} (default {shown})".replace("%", "%%"))
 
 
 def _setting_type(setting):
@@ -100,41 +109,14 @@ def _kv2_flag(parser, what: str) -> None:
                              "rounds, normalize, attend (chunk|context), proxy (keydiff|snapkv), chunk")
 
 
-def _search_flag(parser, default: str | None, hint: str = "") -> None:
-    parser.add_argument("--search", choices=SEARCHES, default=default,
-                        help="icecache page search: the DCI tree walk (the paper's), every page scored "
-                        f"exactly, or pages ranked by centroid with the best rescored exactly{hint}")
-
-
 def _icecache_flags(parser) -> None:
-    """The IceCache search knobs shared by ``eval`` and ``bench decode``."""
-    _search_flag(parser, default=IceCacheConfig.search)
+    """The IceCache search knobs shared by ``eval`` and ``bench decode | batch`` (the engine's defaults)."""
+    _setting_flag(parser, "search", IceCacheConfig.search)
     parser.add_argument("--rerank", type=_positive_int("--rerank"), default=IceCacheConfig.rerank,
                         help="icecache --search centroids: pages rescored exactly per query head, times k")
-    _score_dtype_flag(parser, default=IceCacheConfig.score_dtype)
-    _centroid_scoring_flag(parser, default=IceCacheConfig.centroid_scoring)
-    _rescoring_flag(parser, default=IceCacheConfig.rescoring)
-
-
-def _centroid_scoring_flag(parser, default: str | None) -> None:
-    parser.add_argument("--centroid-scoring", choices=CENTROID_SCORING, default=default,
-                        help="icecache --search centroids: rank pages by centroid on the compute device (only "
-                             "the candidates come back to the host) or on the host (device memory flat in the "
-                             "context length); auto: device on a GPU")
-
-
-def _rescoring_flag(parser, default: str | None) -> None:
-    parser.add_argument("--rescoring", choices=RESCORING, default=default,
-                        help="icecache --search centroids: rescore the candidates exactly on the host (from the "
-                             "index) or on the compute device (from a cache of recent candidates' keys there, "
-                             "refilled with the pages it lacks; for a GPU: on a CPU the host's compiled search "
-                             "is faster)")
-
-
-def _score_dtype_flag(parser, default: str | None) -> None:
-    parser.add_argument("--score-dtype", choices=SCORE_DTYPES, default=default,
-                        help="icecache: dtype of the index's page keys (bfloat16: half the memory and bytes, "
-                             "int8 with a scale per key: about a quarter)")
+    _setting_flag(parser, "score_dtype", IceCacheConfig.score_dtype)
+    _setting_flag(parser, "centroid_scoring", IceCacheConfig.centroid_scoring)
+    _setting_flag(parser, "rescoring", IceCacheConfig.rescoring)
 
 
 def _icecache_config(args):

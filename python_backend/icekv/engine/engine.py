@@ -148,8 +148,7 @@ class Engine:
             if ids[:len(prefilled.prompt_ids)] != prefilled.prompt_ids:
                 raise ConfigError("a decode over a prefilled prompt must continue that prompt")
             seq.prefill_done = len(prefilled.prompt_ids)
-        seq.admission = self.kv.admission(policy, selection, len(ids), sampling.max_tokens, context, seq.selects,
-                                          prefill_only)
+        seq.admission = self.kv.admission(seq)
         self.scheduler.add(seq)
         return seq
 

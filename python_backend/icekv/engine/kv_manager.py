@@ -13,12 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from icekv.compress import CompressedContext
-from icekv.config import SchedulerConfig, SelectionConfig
+from icekv.config import SchedulerConfig
 from icekv.errors import IcekvError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
-from icekv.policies import Policy
 from icekv.sizing import DeviceNeed, device_need, index_bytes
 
 MIB = 2**20
@@ -47,22 +45,23 @@ class KVCacheManager:
         self.context_limit = pool_bytes if cfg.max_context_bytes is None else cfg.max_context_bytes
         self.device_limit = device_limit
 
-    def admission(self, policy: Policy, selection: SelectionConfig, prompt_tokens: int, max_tokens: int,
-                  context: CompressedContext | None, selects: bool, prefill_only: bool) -> Admission:
-        """The worst case of a request (``selects``: its decode selects pages; ``prefill_only``: it
-        stops after its prompt); IcekvError when it could never fit."""
-        held = prompt_tokens + (0 if prefill_only else max_tokens)
+    def admission(self, seq) -> Admission:
+        """The worst case of ``seq``'s request; IcekvError when it could never fit."""
+        r = seq.request
+        prompt_tokens, max_tokens, context = len(r.prompt_ids), r.sampling.max_tokens, r.context
+        held = prompt_tokens + (0 if r.prefill_only else max_tokens)
         index = 0
-        if selects and not prefill_only:
+        if seq.selects and not r.prefill_only:
             kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
-            index = index_bytes(self.args, held + kept, policy, selection, self.cache.pool.dtype)
+            index = index_bytes(self.args, held + kept, r.policy, r.selection, self.cache.pool.dtype)
         context_bytes = context.nbytes if context is not None else 0
         device = DeviceNeed(0, 0)
         if not self.cache.pool_on_compute:
-            device = device_need(self.args, prompt_tokens, max_tokens, policy, None if prefill_only else selection,
+            device = device_need(self.args, prompt_tokens, max_tokens, r.policy,
+                                 None if r.prefill_only else r.selection,
                                  self.cache.bytes_per_token // self.args.num_layers, context_bytes, self.device_type)
         charge = Admission(math.ceil(held / self.cache.page_size), index, context_bytes, device)
-        self._check(charge, selection.policy)
+        self._check(charge, r.selection.policy)
         return charge
 
     def _check(self, charge: Admission, policy: str) -> None:
@@ -83,7 +82,7 @@ class KVCacheManager:
     def can_allocate(self, seq, running) -> bool:
         """Does ``seq``'s worst case fit beside what the ``running`` requests were promised?"""
         promised = sum(self._pages_to_come(s) for s in running)
-        index = sum(s.admission.index_bytes for s in running) + seq.admission.index_bytes
+        index = self.index_promised(running) + seq.admission.index_bytes
         contexts = {id(s.request.context): s.admission.context_bytes  # a shared context is held once
                     for s in [*running, seq] if s.request.context is not None}
         return (promised + self._pages_to_come(seq) <= self.cache.allocator.num_free
@@ -99,6 +98,7 @@ class KVCacheManager:
 
     @staticmethod
     def index_promised(running) -> int:
+        """Host bytes of page index the ``running`` requests may build."""
         return sum(s.admission.index_bytes for s in running)
 
     def _pages_to_come(self, seq) -> int:

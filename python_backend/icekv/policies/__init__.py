@@ -47,5 +47,5 @@ def window_queries_kept(policy: Policy, cfg, for_later_decodes: bool) -> int:
     return max(p.window_queries(cfg) for p in policies)
 
 
-__all__ = ["Policy", "get_policy", "make_selector", "policy_names", "resolve", "sink_tokens", "sparse_layers", "window_queries_kept",
-           "window_start"]
+__all__ = ["Policy", "get_policy", "make_selector", "policy_names", "resolve", "sink_tokens", "sparse_layers",
+           "window_queries_kept", "window_start"]

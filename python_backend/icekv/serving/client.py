@@ -10,11 +10,9 @@ from typing import Iterator
 
 import numpy as np
 
-from icekv.serving.repository import INPUTS
+from icekv.serving.repository import DTYPES, INPUTS
 from icekv.serving.response import Final, OUTPUTS
 
-_DTYPES = {"TYPE_STRING": ("BYTES", np.object_), "TYPE_INT32": ("INT32", np.int32), "TYPE_INT64": ("INT64", np.int64),
-           "TYPE_FP32": ("FP32", np.float32), "TYPE_BOOL": ("BOOL", np.bool_)}
 
 
 class GenerateError(RuntimeError):
@@ -27,7 +25,7 @@ def infer_inputs(grpcclient, fields: dict) -> list:
     for name, ttype, dims, _ in INPUTS:
         if name not in fields:
             continue
-        wire, dtype = _DTYPES[ttype]
+        wire, dtype = DTYPES[ttype]
         value = fields[name]
         values = value if isinstance(value, (list, tuple)) else [value]
         arr = np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=dtype)

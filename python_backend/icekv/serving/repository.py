@@ -9,11 +9,17 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from icekv.serving.response import OUTPUTS
 from icekv.settings import default_parameters
 
 MODEL_NAME = "icekv"
 SHIM = Path(__file__).with_name("model_shim.py")
+
+# a config.pbtxt data type -> (its name on the wire, its numpy dtype)
+DTYPES = {"TYPE_STRING": ("BYTES", np.object_), "TYPE_INT32": ("INT32", np.int32), "TYPE_INT64": ("INT64", np.int64),
+           "TYPE_FP32": ("FP32", np.float32), "TYPE_BOOL": ("BOOL", np.bool_)}
 
 # name, Triton type, dims, optional
 INPUTS = (

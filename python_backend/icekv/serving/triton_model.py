@@ -18,7 +18,7 @@ from icekv.settings import serving_config
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
 from icekv.serving.error_kinds import tag
-from icekv.serving.repository import INPUTS
+from icekv.serving.repository import DTYPES, INPUTS
 from icekv.serving.response import OUTPUTS, Final
 from icekv.serving.request import parse_request
 from icekv.serving.context_service import ContextService
@@ -26,7 +26,6 @@ from icekv.serving.engine_loop import EngineLoop
 from icekv.serving.loop_api import EngineStopped, error_reply
 
 log = logging.getLogger(__name__)
-NUMPY = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64}  # a Triton output's array type
 
 
 class TritonSink:
@@ -89,7 +88,7 @@ class TritonSink:
         final = replace(final, context_key=self.context_key, context_cache=self.context_cache)
         values = {"text_output": text, **asdict(final)}
         outputs = [self._tensor(name, values[name].encode() if isinstance(values[name], str) else values[name],
-                                NUMPY[triton_type]) for name, triton_type in OUTPUTS]
+                                DTYPES[triton_type][1]) for name, triton_type in OUTPUTS]
         self._send(self.pb.InferenceResponse(output_tensors=outputs), True)
 
     def error(self, message: str, kind: str) -> None:

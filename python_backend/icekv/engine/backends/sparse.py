@@ -38,8 +38,8 @@ class SparseAttention(DenseAttention):
     waits for the layers whose index prefill built and names them; ``window_queries`` (layer ->
     [W, Hq, D]) are the prompt's last queries, for a selector that needs them before it builds."""
 
-    def __init__(self, source: RequestPages, args: ModelArgs, policy: Policy, cfg: SelectionConfig, selector: PageSelector,
-                 probe: bool = False, prebuilt: Callable[[], set[int]] | None = None,
+    def __init__(self, source: RequestPages, args: ModelArgs, policy: Policy, cfg: SelectionConfig,
+                 selector: PageSelector, probe: bool = False, prebuilt: Callable[[], set[int]] | None = None,
                  window_queries: dict[int, torch.Tensor] | None = None):
         super().__init__(source)
         self.cfg, self.selector, self.probe = cfg, selector, probe
