@@ -33,10 +33,13 @@ class PagingConfig:
 
     ``max_context_tokens`` sizes the preallocated page pool (per layer); a request whose prompt
     plus generated tokens would exceed it is refused up front rather than failing mid-decode.
+    ``prefix_cache``: a finished request's full pages stay in the pool, for a later prompt that
+    starts with the same tokens (a chat's next turn), until the pool needs their room.
     """
 
     page_size: int = 16
     max_context_tokens: int = 32768
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

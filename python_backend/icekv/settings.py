@@ -24,7 +24,7 @@ class Setting:
     name: str  # the Triton parameter; ``--name-with-dashes`` the flag
     fields: tuple[str, ...]  # the ServingConfig fields it sets (dotted paths)
     meaning: str  # the flag's help and the README's description
-    kind: Callable = int  # int | float | str
+    kind: Callable = int  # int | float | str | bool
     choices: tuple[str, ...] = ()
     least: float | None = 1  # the smallest number it takes (None: no bound); ints and floats only
     configmap: bool = False  # a key of the Kubernetes ConfigMap, passed to ``icekv serve`` as its flag
@@ -49,6 +49,12 @@ class Setting:
 
     def parse(self, text: str):
         """The value of ``text``; ConfigError naming the parameter when it is not one."""
+        if self.kind is bool:
+            if text.strip().lower() in ("true", "on", "1"):
+                return True
+            if text.strip().lower() in ("false", "off", "0"):
+                return False
+            raise ConfigError(f"{self.name} must be true or false, got {text!r}")
         if self.kind is str:
             if self.choices and text not in self.choices:
                 raise ConfigError(f"{self.name} must be one of {', '.join(self.choices)}, got {text!r}")
@@ -95,6 +101,9 @@ SETTINGS = (
             "`host` (from the index), `device` (a cache of recent candidates' keys there, refilled with the pages it "
             "lacks; ranks there too)", str, RESCORING),
     Setting("host_pool_tokens", ("engine.paging.max_context_tokens",), "KV page pool capacity, tokens, all requests",
+            configmap=True),
+    Setting("prefix_cache", ("engine.paging.prefix_cache",), "keep finished requests' full KV pages for later "
+            "prompts that start with the same tokens (a chat's next turn), evicted when the pool needs room", bool,
             configmap=True),
     Setting("page_size", ("engine.paging.page_size", "engine.selection.page_size"), "page size, tokens"),
     Setting("dtype", ("engine.dtype",), "weights and KV dtype", str, DTYPES,
@@ -163,7 +172,8 @@ def serving_config(params: dict) -> ServingConfig:
 def default_parameters() -> dict[str, str]:
     """config.pbtxt parameters that spell out every default with a value (the repository shipped in
     the source tree; ``icekv serve`` overrides some)."""
-    return {s.name: str(s.default()) for s in SETTINGS if s.default() not in (None, "") and s.name != "model_dir"}
+    return {s.name: str(s.default()).lower() if s.kind is bool else str(s.default())
+            for s in SETTINGS if s.default() not in (None, "") and s.name != "model_dir"}
 
 
 def readme_table() -> str:
@@ -178,4 +188,6 @@ def readme_table() -> str:
 
 
 def _shown(value) -> str:
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
     return f"`{value}`" if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)

@@ -42,7 +42,7 @@ def test_batched_greedy_output_equals_each_request_alone(engine, essays_text, co
                       selection=SelectionConfig(policy=pol, budget=64)) for pol in ("full", "icecache")]
     alone = [engine.generate(r["prompt"], GREEDY, selection=r["selection"], context=r.get("context")).token_ids
              for r in requests]
-    free = engine.cache.allocator.num_free
+    free = engine.cache.pages_available
     first = [engine.submit(r["prompt"], GREEDY, r["selection"], r.get("context")) for r in requests[:4]]
     for _ in range(6):  # the first four are prefilled and decoding when the others join
         engine.step()
@@ -52,7 +52,7 @@ def test_batched_greedy_output_equals_each_request_alone(engine, essays_text, co
     for seq, expected, r in zip(first + later, alone, requests):
         assert seq.error is None, seq.error
         assert seq.result.token_ids == expected, r["selection"].policy
-    assert engine.cache.allocator.num_free == free  # every request gave its pages back
+    assert engine.cache.pages_available == free  # every request gave its pages back
 
 
 def test_every_baseline_batched_equals_alone_and_cancelling_frees_its_memory(engine, essays_text):
@@ -62,14 +62,14 @@ def test_every_baseline_batched_equals_alone_and_cancelling_frees_its_memory(eng
     prompts = _prompts(essays_text, [260 + 40 * i for i in range(len(policies))])
     selections = [SelectionConfig(policy=p, budget=64) for p in policies]
     alone = [engine.generate(p, GREEDY, selection=s).token_ids for p, s in zip(prompts, selections)]
-    free = engine.cache.allocator.num_free
+    free = engine.cache.pages_available
     seqs = [engine.submit(p, GREEDY, s) for p, s in zip(prompts, selections)]
     _drain(engine, seqs)
     for seq, expected, s in zip(seqs, alone, selections):
         assert seq.error is None, seq.error
         assert seq.result.token_ids == expected, s.policy
         assert seq.result.kv.resident_bytes < seq.result.kv.total_bytes, s.policy  # it attended a budget
-    assert engine.cache.allocator.num_free == free
+    assert engine.cache.pages_available == free
     for p, s in zip(prompts, selections):
         seq = engine.submit(p, replace(GREEDY, max_tokens=40), s)
         while not seq.decoder_ready:
@@ -78,7 +78,7 @@ def test_every_baseline_batched_equals_alone_and_cancelling_frees_its_memory(eng
         seq.cancel()
         _drain(engine, [seq])
         assert isinstance(seq.error, Cancelled), s.policy
-        assert engine.cache.allocator.num_free == free, s.policy
+        assert engine.cache.pages_available == free, s.policy
 
 
 def test_requests_of_different_lengths_leave_mid_run(engine, essays_text):
@@ -95,7 +95,7 @@ def test_cancelling_a_running_and_a_queued_request_frees_them_alone(smollm2_dir,
     engine = Engine(EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_running=2)))
     a, b, c = _prompts(essays_text, (150, 250, 100))
     expected = engine.generate(a, GREEDY).token_ids
-    free = engine.cache.allocator.num_free
+    free = engine.cache.pages_available
     seqs = [engine.submit(p, GREEDY) for p in (a, b, c)]
     for _ in range(3):
         engine.step()
@@ -109,7 +109,7 @@ def test_cancelling_a_running_and_a_queued_request_frees_them_alone(smollm2_dir,
     assert engine.cache.pages_held(seqs[1].seq_id) == 0 and engine.cache.pages_held(seqs[2].seq_id) == 0
     _drain(engine, seqs)
     assert seqs[0].result.token_ids == expected
-    assert engine.cache.allocator.num_free == free
+    assert engine.cache.pages_available == free
 
 
 def test_a_request_failing_inside_a_step_fails_alone(engine, essays_text, context):
@@ -117,13 +117,13 @@ def test_a_request_failing_inside_a_step_fails_alone(engine, essays_text, contex
     broken = replace(context, layers=[*context.layers[:5], broken_layer, *context.layers[6:]])
     prompts = _prompts(essays_text, (80, 200))
     expected = [engine.generate(p, GREEDY).token_ids for p in prompts]
-    free = engine.cache.allocator.num_free
+    free = engine.cache.pages_available
     seqs = [engine.submit(prompts[0], GREEDY), engine.submit(" And so?", GREEDY, context=broken),
             engine.submit(prompts[1], GREEDY)]
     _drain(engine, seqs)
     assert seqs[1].error is not None and seqs[1].result is None
     assert [seqs[0].result.token_ids, seqs[2].result.token_ids] == expected
-    assert engine.cache.allocator.num_free == free
+    assert engine.cache.pages_available == free
     with pytest.raises(type(seqs[1].error)):  # generate() raises the request's own error
         engine.generate(" And so?", GREEDY, context=broken)
 

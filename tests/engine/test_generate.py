@@ -40,12 +40,12 @@ def test_seeded_sampling_is_reproducible_and_differs_across_seeds(engine):
 
 
 def test_bad_requests_are_refused_and_pages_returned(engine):
-    free = engine.cache.allocator.num_free
+    free = engine.cache.pages_available
     with pytest.raises(ConfigError, match="empty"):
         engine.generate("", SamplingConfig(max_tokens=4))
     with pytest.raises(CacheFullError, match="exceeds the KV cache capacity"):
         engine.generate([1] * engine.cache.capacity_tokens, SamplingConfig(max_tokens=4))
-    assert engine.cache.allocator.num_free == free
+    assert engine.cache.pages_available == free
 
 
 @pytest.mark.parametrize("policy", ["full", "icecache", "quest", "snapkv"])
@@ -59,14 +59,14 @@ def test_question_over_a_prefilled_context_equals_the_whole_prompt(engine, essay
     sampling = SamplingConfig(max_tokens=8, ignore_eos=True)
     selection = SelectionConfig(policy=policy, budget=128)
     req = engine.prefill(context)
-    free_after_prefill = engine.cache.allocator.num_free
+    free_after_prefill = engine.cache.pages_available
     try:
         for q in questions * 2:  # twice: the first decodes must not have changed the context's KV
             asked = engine.decode(req, sampling, selection, suffix=q)
             whole = engine.generate(context + q, sampling, selection=selection)
             assert asked.token_ids == whole.token_ids and asked.prompt_tokens == len(context) + len(q)
             assert engine.cache.length(req.seq_id) == len(context)
-            assert engine.cache.allocator.num_free == free_after_prefill
+            assert engine.cache.pages_available == free_after_prefill
         with pytest.raises(ConfigError, match="continue that prompt"):
             engine.submit(context[1:] + questions[0], sampling, selection, prefilled=req)
     finally:

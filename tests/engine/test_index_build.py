@@ -106,10 +106,10 @@ def test_release_without_decode_stops_the_builds(engine):
     index = req.index
     engine.release(req)
     assert all(f.done() for f in index.builds.values())
-    free_before = engine.cache.allocator.num_free
+    free_before = engine.cache.pages_available
     req = engine.prefill(_prompt(engine, 300))  # the pool is whole again
     engine.release(req)
-    assert engine.cache.allocator.num_free == free_before
+    assert engine.cache.pages_available == free_before
 
 
 def test_no_index_threads_means_the_first_decode_builds_it(smollm2_dir):

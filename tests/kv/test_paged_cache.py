@@ -4,7 +4,7 @@ import torch
 from icekv.config import PagingConfig
 from icekv.errors import CacheFullError
 from icekv.kv import PagedKVCache
-from icekv.kv.paged_cache import gather_tokens_reference
+from icekv.kv.token_rows import gather_tokens_reference
 
 
 def _cache(max_tokens=128, page=16):

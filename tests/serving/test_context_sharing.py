@@ -89,7 +89,7 @@ def test_a_failed_compression_fails_its_waiters_and_stores_nothing(loop, documen
         assert sink.failure[0] == "internal" and "scoring exploded" not in sink.failure[1]
     key = asked[0][1].key
     assert loop.store.load(key) is None and loop.contexts.shared.acquire(key) is None
-    assert loop.engine.cache.allocator.num_free == loop.engine.cache.allocator.num_pages  # pages freed
+    assert loop.engine.cache.pages_available == loop.engine.cache.allocator.num_pages  # pages freed
     ok, _ = _ask(loop, document)  # the server goes on
     assert ok.finished.wait(300) and ok.failure is None
 
@@ -99,11 +99,11 @@ def test_a_compression_nobody_waits_for_is_cancelled(loop, document):
     assert sink.finished.wait(300) and sink.failure[0] == "cancelled"
     assert loop.store.load(spec.key) is None
     assert not loop.contexts.busy
-    allocator = loop.engine.cache.allocator
+    cache = loop.engine.cache
     deadline = time.monotonic() + 10  # the client is told at once; the prefill's pages go at the next step
-    while allocator.num_free != allocator.num_pages and time.monotonic() < deadline:
+    while cache.pages_available != cache.allocator.num_pages and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert allocator.num_free == allocator.num_pages
+    assert cache.pages_available == cache.allocator.num_pages
 
 
 def test_compress_only_returns_the_context(loop, document):

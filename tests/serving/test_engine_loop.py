@@ -46,7 +46,7 @@ def test_a_failure_in_the_loop_fails_the_requests_in_flight_and_serving_goes_on(
     loop.submit(_request(), second)
     assert second.finished.wait(120)
     assert second.failure is None and second.result.text.strip().startswith("Paris")
-    assert loop.alive and loop.engine.cache.allocator.num_free == loop.engine.cache.allocator.num_pages
+    assert loop.alive and loop.engine.cache.pages_available == loop.engine.cache.allocator.num_pages
 
 
 def test_a_loop_that_cannot_recover_tells_every_client_and_refuses_new_requests(loop, monkeypatch):

@@ -27,7 +27,7 @@ from icekv.engine.scheduler import Scheduler
 from icekv.engine.sequence import OnProgress, OnText, Phase, Request, Sequence
 from icekv.engine.step import StepRunner
 from icekv.errors import CacheFullError, ConfigError
-from icekv.kv import PagedKVCache
+from icekv.kv import PagedKVCache, PrefixCache
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import Policy, resolve
@@ -83,8 +83,9 @@ class Engine:
             self.model_id = model_identity(self.model_dir, dtype_name)
         args = self.model.args
         pool = pool_device(config.pool_placement(default_policy.sparse), self.device)
+        prefix = PrefixCache(self.model_id, config.paging.page_size) if config.paging.prefix_cache else None
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
-                                  device=pool, compute=self.device)
+                                  device=pool, compute=self.device, prefix=prefix)
         self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.prefill_chunk_tokens)
         self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads)
@@ -134,15 +135,17 @@ class Engine:
     def submit(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(),
                selection: SelectionConfig | None = None, context: CompressedContext | None = None,
                on_text: OnText | None = None, on_progress: OnProgress | None = None, *,
-               prefilled: Prefilled | None = None, prefill_only: bool = False, probe: bool = False) -> Sequence:
+               prefilled: Prefilled | None = None, prefill_only: bool = False, probe: bool = False,
+               cache_prompt: bool = True) -> Sequence:
         """Queue a request; it runs as :meth:`step` is called. Raises IcekvError for a request that
-        could never run (empty, too long, a policy that cannot take its context) or BusyError."""
+        could never run (empty, too long, a policy that cannot take its context) or BusyError.
+        ``cache_prompt`` False: the prefix cache neither serves its prompt nor keeps its pages."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         selection = selection or self.config.selection
         context = prefilled.context if prefilled is not None else context
         policy = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
-        request = Request(ids, sampling, selection, policy, context, prefilled, prefill_only, probe)
+        request = Request(ids, sampling, selection, policy, context, prefilled, prefill_only, probe, cache_prompt)
         seq = Sequence(seq_id, request, on_text, on_progress)
         if prefilled is not None:
             if ids[:len(prefilled.prompt_ids)] != prefilled.prompt_ids:

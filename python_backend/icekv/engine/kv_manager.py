@@ -85,7 +85,7 @@ class KVCacheManager:
         index = self.index_promised(running) + seq.admission.index_bytes
         contexts = {id(s.request.context): s.admission.context_bytes  # a shared context is held once
                     for s in [*running, seq] if s.request.context is not None}
-        return (promised + self._pages_to_come(seq) <= self.cache.allocator.num_free
+        return (promised + self._pages_to_come(seq) <= self.cache.pages_available
                 and index <= self.index_limit and sum(contexts.values()) <= self.context_limit
                 and (self.device_limit is None
                      or self.device_promised(running) + seq.admission.device_need.most <= self.device_limit))
@@ -106,11 +106,13 @@ class KVCacheManager:
         return max(seq.admission.pages - self.cache.pages_held(seq.seq_id), 0)
 
     def free(self, seq, keep_tokens: int | None = None) -> None:
-        """Hand back what ``seq`` holds: its index's builds and its pages, or with ``keep_tokens``
-        only the pages past them (a decode over a prefilled prompt leaves the prompt as it was)."""
+        """Hand back what ``seq`` holds: its index's builds and its pages (the prefix cache keeps
+        what it may of them), or with ``keep_tokens`` only the pages past them (a decode over a
+        prefilled prompt leaves the prompt as it was)."""
         if keep_tokens is not None:
             self.cache.truncate(seq.seq_id, keep_tokens)
             return
         if seq.index is not None:
             seq.index.cancel()
-        self.cache.free_if_present(seq.seq_id)
+        held = self.cache.length(seq.seq_id) if self.cache.has(seq.seq_id) else 0
+        self.cache.free_if_present(seq.seq_id, seq.tokens_to_cache(held))

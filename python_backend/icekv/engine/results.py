@@ -42,6 +42,7 @@ class Generation:
     layer_stats: dict = field(default_factory=dict)  # probe: layer -> {"recall", "cosine"}
     step_max_s: float = 0.0  # the slowest decode step (a window flush inserts into every layer's index)
     first_step_s: float = 0.0  # the first decode step: caches cold after prefill, slots filled from empty
+    cached_tokens: int = 0  # prompt tokens the prefix cache held, not prefilled
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -18,7 +18,7 @@ from icekv.engine.results import Generation, Prefilled
 from icekv.engine.sampling import sample_next
 from icekv.engine.text_stream import TextStream
 from icekv.errors import IcekvError
-from icekv.policies import Policy
+from icekv.policies import Policy, window_queries_kept
 
 OnText = Callable[[str], None]
 OnProgress = Callable[[int, int], None]
@@ -40,7 +40,8 @@ class Request:
     """What was asked, fixed at submit. ``prefilled``: decode over an existing prompt's KV, after
     prefilling the rest of ``prompt_ids`` if they continue it (its pages stay: what this request
     adds is truncated afterwards); ``prefill_only``: stop after prefill and keep the pages (the
-    result is then a :class:`Prefilled`); ``probe``: measure attention recall at each decode step."""
+    result is then a :class:`Prefilled`); ``probe``: measure attention recall at each decode step;
+    ``cache_prompt``: may the prefix cache serve its prompt and keep its pages."""
 
     prompt_ids: list[int]
     sampling: SamplingConfig
@@ -50,6 +51,7 @@ class Request:
     prefilled: Prefilled | None = None
     prefill_only: bool = False
     probe: bool = False
+    cache_prompt: bool = True
 
 
 @dataclass(eq=False)
@@ -65,6 +67,7 @@ class Sequence:
     # progress
     phase: Phase = Phase.WAITING
     prefill_done: int = 0  # prompt tokens already through the model
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled)
     backend: object = None  # this phase's attention backend
     decoder_ready: bool = False  # backend is the decode one (set up at the first decode step)
     index: object = None  # a PrefillIndex built during prefill
@@ -116,6 +119,33 @@ class Sequence:
         its tokens may outgrow the budget (within it, it attends every token: ``Policy.selects``)."""
         r = self.request
         return r.policy.sparse and (r.context is not None or r.policy.selects(r.selection, self.tokens_held))
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """May the prefix cache serve its prompt and keep its pages? A plain prompt only: not one
+        over a compressed context or a prefilled prompt (their positions and pages are their own),
+        nor a prefill kept for later decodes or a probe (they measure a whole prefill)."""
+        r = self.request
+        return (r.cache_prompt and r.context is None and r.prefilled is None and not r.prefill_only
+                and not r.probe)
+
+    @property
+    def most_cached_tokens(self) -> int:
+        """The most prompt tokens a cached prefix may stand in for: not the last one (its logits
+        start the decode) nor the policy's observation window (its prefill keeps their queries)."""
+        r = self.request
+        return len(r.prompt_ids) - max(1, window_queries_kept(r.policy, r.selection, False))
+
+    def tokens_to_cache(self, held: int) -> list[int] | None:
+        """The tokens whose KV the prefix cache may keep when it ends, of the ``held`` its pages
+        hold: the prompt as far as it was prefilled, and what it generated only where every step
+        attended all tokens (a selecting decode writes K/V a full prefill would not); None: none."""
+        if not self.uses_prefix_cache:
+            return None
+        r = self.request
+        if self.error is not None or self.selects or self.stream is None:
+            return r.prompt_ids[: min(self.prefill_done, held)]
+        return (r.prompt_ids + self.stream.token_ids)[:held]
 
     @property
     def remaining_prompt(self) -> int:
@@ -183,6 +213,7 @@ class Sequence:
             budget=self.request.selection.budget if self.request.policy.sparse else None,
             timings=dict(backend.timings) if backend else {},
             step_max_s=max(self.step_s, default=0.0), first_step_s=self.step_s[0] if self.step_s else 0.0,
+            cached_tokens=self.cached_tokens,
             layer_stats={layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}
                          for layer, v in (backend.layer_stats.items() if backend else ())},
         )

@@ -79,7 +79,8 @@ class StepRunner:
         elif seq.phase is Phase.WAITING:
             if seq.request.context is not None:
                 check_context(seq.request.context, self.cache, self.model.args)
-            self.cache.add(seq.seq_id)
+            most = seq.most_cached_tokens if seq.uses_prefix_cache else 0
+            seq.cached_tokens = seq.prefill_done = self.cache.add(seq.seq_id, seq.request.prompt_ids, most)
             seq.phase, seq.t_prefill = Phase.PREFILL, time.perf_counter()
             seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads)
         if seq.phase is Phase.DONE:

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import torch
 
-from icekv.kv.paged_cache import pool_row
+from icekv.kv.token_rows import pool_row
 
 
 def sparse_decode_cpu(q: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, page_k: torch.Tensor,

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from icekv.kv.paged_cache import as_bits, copy_token
+from icekv.kv.token_rows import as_bits, copy_token
 from icekv.kv.transfer import StagedTransfer
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-import numba
-import numpy as np
 import torch
 
 from icekv.config import PagingConfig
@@ -21,12 +19,15 @@ from icekv.errors import CacheFullError
 from icekv.kv.allocator import PageAllocator
 from icekv.kv.page_table import PageTable
 from icekv.kv.pinned import pinned_empty
+from icekv.kv.prefix_cache import PrefixCache
+from icekv.kv.token_rows import as_bits, copy_rows, gather_tokens_reference
 
 
 @dataclass
 class _Sequence:
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    shared: int = 0  # leading pages held from the prefix cache: read, never written
     _ids: torch.Tensor | None = None  # [pages] the page list as a tensor; None = stale
     _run_starts: list[int] | None = None  # index of the first page of each run of consecutive ids; None = stale
 
@@ -53,7 +54,11 @@ class PagedKVCache:
     The pool lives on ``device``; attention runs on ``compute`` (default: the same device). A
     host pool serving a GPU is pinned (one preallocated block), so pages copy to the GPU
     asynchronously; readers move what they attend with :meth:`to_compute` (a no-op when the two
-    are one device, as on a CPU)."""
+    are one device, as on a CPU).
+
+    With a ``prefix`` cache, a request's full pages stay in the pool when it ends (if it asks) and
+    a later request whose prompt starts with their tokens holds them instead of prefilling them
+    again; they are evicted, least recently used first, when an allocation needs room."""
 
     def __init__(
         self,
@@ -64,6 +69,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         compute: str | torch.device | None = None,
+        prefix: PrefixCache | None = None,
     ):
         self.paging = paging
         self.page_size = paging.page_size
@@ -76,6 +82,7 @@ class PagedKVCache:
         else:  # the OS maps pages lazily, so an unused pool costs address space, not RAM
             self.pool = torch.empty(shape, dtype=dtype, device=device)  # [L, 2, Hkv, num_pages, P, D]
         self.allocator = PageAllocator(paging.num_pages)
+        self.prefix = prefix
         self._seqs: dict[int, _Sequence] = {}
 
     @property
@@ -104,18 +111,48 @@ class PagedKVCache:
     def capacity_tokens(self) -> int:
         return self.allocator.num_pages * self.page_size
 
-    def add(self, seq_id: int) -> None:
+    @property
+    def pages_available(self) -> int:
+        """Pages an allocation may take: the free ones and the cached ones no request holds."""
+        return self.allocator.num_free + (self.prefix.evictable if self.prefix is not None else 0)
+
+    def add(self, seq_id: int, prompt: list[int] = (), most_cached: int = 0) -> int:
+        """Start a request's cache; with a prefix cache, holding the cached pages of the longest
+        prefix of ``prompt`` within ``most_cached`` tokens. Returns the tokens it starts with."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has a cache")
-        self._seqs[seq_id] = _Sequence()
+        seq = self._seqs[seq_id] = _Sequence()
+        if self.prefix is not None and most_cached > 0:
+            seq.set_pages(self.prefix.match(list(prompt), most_cached))
+            seq.shared, seq.length = len(seq.pages), len(seq.pages) * self.page_size
+        return seq.length
 
-    def free(self, seq_id: int) -> None:
-        self.allocator.free(self._seqs.pop(seq_id).pages)
+    def free(self, seq_id: int, cache_tokens: list[int] | None = None) -> None:
+        """Hand back the request's pages; with ``cache_tokens`` (the tokens its pages hold, from
+        position 0) and a prefix cache, its full pages stay cached instead."""
+        seq = self._seqs.pop(seq_id)
+        own = seq.pages[seq.shared:]
+        if self.prefix is not None:
+            self.prefix.release(seq.pages[: seq.shared])
+            if cache_tokens is not None:
+                own = self.prefix.insert(cache_tokens[: seq.length], seq.pages, first=seq.shared)
+        self.allocator.free(own)
 
-    def free_if_present(self, seq_id: int) -> None:
+    def free_if_present(self, seq_id: int, cache_tokens: list[int] | None = None) -> None:
         """:meth:`free` for a request that may not have a cache yet (failed before its prefill)."""
-        if seq_id in self._seqs:
-            self.free(seq_id)
+        if self.has(seq_id):
+            self.free(seq_id, cache_tokens)
+
+    def has(self, seq_id: int) -> bool:
+        """Does the request have a cache (its prefill has started)?"""
+        return seq_id in self._seqs
+
+    def _allocate(self, n: int, after: int | None) -> list[int]:
+        """``n`` pages, evicting idle cached ones when too few are free."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.prefix is not None:
+            self.allocator.free(self.prefix.evict(short))
+        return self.allocator.allocate(n, after=after)
 
     def pages_held(self, seq_id: int) -> int:
         """Pages the request holds now (0 for one without a cache)."""
@@ -133,13 +170,13 @@ class PagedKVCache:
         """Make room for ``n_new`` more tokens; returns the position of the first of them."""
         seq = self._seqs[seq_id]
         need = self.pages_needed(seq_id, n_new)
-        if not self.allocator.can_allocate(need):
+        if need > self.pages_available:
             raise CacheFullError(
                 f"KV cache full: {seq.length + n_new} tokens need {need} more pages of "
-                f"{self.page_size}, {self.allocator.num_free} free"
+                f"{self.page_size}, {self.pages_available} free"
             )
         if need:
-            seq.set_pages(seq.pages + self.allocator.allocate(need, after=seq.pages[-1] if seq.pages else None))
+            seq.set_pages(seq.pages + self._allocate(need, after=seq.pages[-1] if seq.pages else None))
         start, seq.length = seq.length, seq.length + n_new
         return start
 
@@ -222,14 +259,18 @@ class PagedKVCache:
             return rows if out is None else out.copy_(rows)
         if out is None:
             out = self.pool.new_empty((2, *positions.shape, self.pool.shape[-1]))  # [2, n, P, D]
-        _copy_rows(as_bits(self.pool[layer]), ids.numpy(), heads.numpy(), positions.numpy(), as_bits(out))
+        copy_rows(as_bits(self.pool[layer]), ids.numpy(), heads.numpy(), positions.numpy(), as_bits(out))
         return out
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Forget every token from ``length`` on and free the pages no longer needed."""
         seq = self._seqs[seq_id]
         keep = -(-length // self.page_size)
-        self.allocator.free(seq.pages[keep:])
+        shared = seq.shared
+        if keep < shared:  # back into the cached prefix: those pages are the prefix cache's
+            self.prefix.release(seq.pages[keep:shared])
+            seq.shared = keep
+        self.allocator.free(seq.pages[max(keep, shared):])
         seq.set_pages(seq.pages[:keep])
         seq.length = min(seq.length, length)
 
@@ -240,56 +281,3 @@ class PagedKVCache:
     def sequence_bytes(self, seq_id: int) -> int:
         """Bytes of the pages this request holds (page-granular), all layers."""
         return len(self._seqs[seq_id].pages) * self.bytes_per_page
-
-
-def as_bits(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as same-width integers in numpy: for copying values of any dtype (bf16
-    included, which numpy lacks) without reading them."""
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
-
-
-def gather_tokens_reference(pool_layer: torch.Tensor, page_ids: torch.Tensor, heads: torch.Tensor,
-                            positions: torch.Tensor) -> torch.Tensor:
-    """:meth:`PagedKVCache.gather_tokens` in torch (any device): pool_layer [2, Hkv, pages, P, D],
-    the request's page_ids [pages], heads [n], positions [n, P] -> [2, n, P, D]."""
-    _, _, num_pages, page_size, d = pool_layer.shape
-    valid = positions >= 0  # [n, P]
-    pos = positions.clamp_min(0)
-    pages = page_ids.to(pos.device)[pos // page_size]  # [n, P]
-    rows = (heads[:, None] * num_pages + pages) * page_size + pos % page_size  # [n, P] into [Hkv*pages*P]
-    rows = rows.to(pool_layer.device)
-    kv = pool_layer.reshape(2, -1, d).index_select(1, rows.flatten()).view(2, *rows.shape, d)  # [2, n, P, D]
-    return kv.masked_fill_(~valid.to(kv.device)[None, :, :, None], 0)
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)  # rows in parallel: each is a cache miss
-def _copy_rows(pool_layer, page_ids, heads, positions, out):
-    """out[:, i, j] = the K/V row of position positions[i, j] of head heads[i], 0 where it is -1."""
-    n, p = positions.shape
-    for row in numba.prange(n * p):
-        i, j = row // p, row % p
-        copy_token(pool_layer, page_ids, heads[i], positions[i, j], out[0, i, j], out[1, i, j])
-
-
-@numba.njit(cache=True, nogil=True)
-def copy_token(pool_layer, page_ids, head, pos, k_row, v_row):
-    """k_row, v_row [D] = the K/V of position ``pos`` of ``head`` in pool_layer [2, Hkv, pages, P,
-    D] (page list ``page_ids``), zeros when pos is -1. Element loops: numba copies explicit loops
-    several times faster than row slices."""
-    if pos < 0:
-        for t in range(k_row.shape[0]):
-            k_row[t] = 0
-            v_row[t] = 0
-        return
-    k_src, v_src = pool_row(pool_layer, 0, page_ids, head, pos), pool_row(pool_layer, 1, page_ids, head, pos)
-    for t in range(k_row.shape[0]):
-        k_row[t] = k_src[t]
-        v_row[t] = v_src[t]
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def pool_row(pool_layer, kv, page_ids, head, pos):
-    """The K (kv = 0) or V (kv = 1) row [D] of position ``pos`` of ``head`` in pool_layer [2, Hkv,
-    pages, P, D] of a request whose page list is ``page_ids``: a view, not a copy."""
-    page_size = pool_layer.shape[3]
-    return pool_layer[kv, head, page_ids[pos // page_size], pos % page_size]

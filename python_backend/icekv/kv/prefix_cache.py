@@ -1,0 +1,113 @@
+"""Full KV pages kept after their request ends, for the next request whose prompt starts with the
+same tokens (vLLM's automatic prefix caching, SGLang's radix cache, reduced to a hash chain).
+
+A page's key hashes the key of the page before it, the model and the page's tokens, so one key
+names a whole prefix: a prompt hits its longest chain of cached pages from its first token on.
+A cached page is shared read-only by every request that hits it (reference counts); writes only
+ever go to a request's own pages after its hit. Pages no request holds stay cached until the pool
+needs room, then are evicted oldest first: a running request never loses a page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def page_keys(model_id: str, ids: list[int], page_size: int) -> list[bytes]:
+    """The chain of keys of the full pages of ``ids`` (a partial last page has none)."""
+    keys, parent = [], model_id.encode()
+    tokens = np.asarray(ids[: len(ids) // page_size * page_size], dtype=np.int64)  # [full pages * P]
+    for page in tokens.reshape(-1, page_size):
+        parent = hashlib.blake2b(parent + page.tobytes(), digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since the cache was made (the server's metrics read them)."""
+
+    hit_tokens: int = 0  # prompt tokens found cached, not prefilled
+    miss_tokens: int = 0  # prompt tokens prefilled by requests that looked
+    evictions: int = 0  # cached pages dropped for room
+
+
+class PrefixCache:
+    """Which pool pages hold which prefixes, who holds them, and which may go (page ids only: the
+    pool and its allocator belong to :class:`icekv.kv.PagedKVCache`)."""
+
+    def __init__(self, model_id: str, page_size: int):
+        self.model_id, self.page_size = model_id, page_size
+        self._page_of: dict[bytes, int] = {}  # key -> the page holding that prefix's last page
+        self._key_of: dict[int, bytes] = {}
+        self._refs: dict[int, int] = {}  # cached page -> requests holding it
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, least recently used first
+        self.stats = PrefixCacheStats()
+
+    @property
+    def pages(self) -> int:
+        """Pages cached (held by requests or idle)."""
+        return len(self._key_of)
+
+    @property
+    def evictable(self) -> int:
+        """Cached pages no request holds: free for the pool's next allocation."""
+        return len(self._idle)
+
+    def match(self, ids: list[int], most_tokens: int) -> list[int]:
+        """The pages of the longest cached prefix of ``ids`` within ``most_tokens`` tokens, now held
+        by the caller (hand them back with :meth:`release`)."""
+        pages = []
+        for key in page_keys(self.model_id, ids[:most_tokens], self.page_size):
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            self._refs[page] += 1
+            self._idle.pop(page, None)
+        hit = len(pages) * self.page_size
+        self.stats.hit_tokens += hit
+        self.stats.miss_tokens += len(ids) - hit
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        """A request lets go of cached ``pages`` (a prefix's, in order); the ones nobody holds now
+        become evictable, the prefix's last page first (the tail of a chain goes before its head,
+        which every longer prefix needs)."""
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._idle[page] = None
+                self._idle.move_to_end(page)
+
+    def insert(self, ids: list[int], pages: list[int], first: int = 0) -> list[int]:
+        """Cache a finished request's own full pages: ``pages[i]`` holds tokens ``ids[i*P :
+        (i+1)*P]``, and ``pages[:first]`` are cached already (its hit). Returns the pages not kept,
+        to be freed: a partial last one, and duplicates of a prefix another request cached first."""
+        keys = page_keys(self.model_id, ids, self.page_size)
+        dropped = list(pages[max(len(keys), first):])
+        for key, page in reversed(list(zip(keys, pages))[first:]):  # the tail evicted first, as in release
+            if key in self._page_of:
+                dropped.append(page)
+                continue
+            self._page_of[key], self._key_of[page], self._refs[page] = page, key, 0
+            self._idle[page] = None
+        return dropped
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._key_of
+
+    def evict(self, n: int) -> list[int]:
+        """Drop up to ``n`` idle pages, least recently used first; returns them, to be freed."""
+        out = []
+        while self._idle and len(out) < n:
+            page, _ = self._idle.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)], self._refs[page]
+            out.append(page)
+        self.stats.evictions += len(out)
+        return out

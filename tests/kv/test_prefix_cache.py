@@ -1,0 +1,119 @@
+"""The prefix cache's bookkeeping, and the pool that shares its pages."""
+
+import pytest
+import torch
+
+from icekv.config import PagingConfig
+from icekv.errors import CacheFullError
+from icekv.kv import PagedKVCache, PrefixCache
+from icekv.kv.prefix_cache import page_keys
+
+P = 4
+
+
+def test_a_key_names_the_whole_prefix_and_the_model():
+    a = page_keys("m", [1, 2, 3, 4, 5, 6, 7, 8, 9], P)
+    assert len(a) == 2  # the partial third page has no key
+    assert page_keys("m", [9, 2, 3, 4, 5, 6, 7, 8], P)[1] != a[1]  # same second page, other first page
+    assert page_keys("other", [1, 2, 3, 4], P)[0] != a[0]
+
+
+def test_match_takes_the_longest_cached_chain_within_the_limit_and_holds_it():
+    cache = PrefixCache("m", P)
+    ids = list(range(12))
+    assert cache.insert(ids + [99], [7, 3, 5, 8]) == [8]  # the partial page is not kept
+    assert cache.pages == 3 and cache.evictable == 3
+    assert cache.match(ids[:8] + [0, 0, 0, 0, 1], 100) == [7, 3]  # diverges in the third page
+    assert cache.evictable == 1  # the held two cannot go
+    assert cache.match(ids + [1], 9) == [7, 3]  # the limit: at most 9 tokens -> 2 pages
+    assert cache.stats.hit_tokens == 16 and cache.stats.miss_tokens == 5 + 5
+    cache.release([7, 3])
+    assert cache.evictable == 1
+    cache.release([7, 3])
+    assert cache.evictable == 3
+
+
+def test_idle_pages_go_least_recently_used_first_and_a_chain_tail_before_its_head():
+    cache = PrefixCache("m", P)
+    cache.insert(list(range(8)), [1, 2])
+    cache.insert(list(range(100, 108)), [3, 4])
+    assert cache.evict(1) == [2]  # the older chain's tail
+    cache.release(cache.match(list(range(8)) + [0], 100))  # chain 1 (now one page) used again
+    assert cache.evict(2) == [4, 3]  # chain 2, tail first
+    assert cache.evict(5) == [1] and cache.stats.evictions == 4
+    assert cache.match(list(range(8)) + [0], 100) == []
+
+
+def test_a_prefix_cached_twice_keeps_the_first_copy():
+    cache = PrefixCache("m", P)
+    assert cache.insert(list(range(8)), [1, 2]) == []
+    held = cache.match(list(range(4)) + [50, 51, 52, 53, 54], 100)  # the first page
+    assert held == [1]
+    # that request cached its own second page: pages[:1] were its hit
+    assert cache.insert(list(range(4)) + [50, 51, 52, 53], [1, 9], first=1) == []
+    assert sorted(cache.insert(list(range(8)), [5, 6])) == [5, 6]  # both duplicates
+    cache.release(held)
+    assert cache.pages == 3
+
+
+def _pool(num_pages: int) -> PagedKVCache:
+    paging = PagingConfig(page_size=P, max_context_tokens=num_pages * P)
+    return PagedKVCache(1, 1, 2, paging, prefix=PrefixCache("m", P))
+
+
+def _fill(pool: PagedKVCache, seq_id: int, ids: list[int], most_cached: int) -> int:
+    """A request over ``ids``: its hit, then its own tokens written (K = the token id)."""
+    hit = pool.add(seq_id, ids, most_cached)
+    start = pool.extend(seq_id, len(ids) - hit)
+    k = torch.tensor(ids[hit:], dtype=torch.float32)[:, None, None].expand(-1, 1, 2)  # [T, 1, 2]
+    pool.write(0, seq_id, start, k, k)
+    return hit
+
+
+def test_a_hit_reads_the_cached_tokens_and_writes_only_its_own_pages():
+    pool = _pool(8)
+    first = list(range(10, 22))  # 3 pages
+    assert _fill(pool, 0, first, 0) == 0
+    pool.free(0, cache_tokens=first)
+    assert pool.allocator.num_free == 5 and pool.pages_available == 8
+    second = first[:8] + [70, 71, 72]
+    assert _fill(pool, 1, second, len(second) - 1) == 8
+    keys, _ = pool.gather(0, 1)  # [1, 11, 2]
+    assert keys[0, :, 0].tolist() == second
+    assert pool.page_ids(1)[:2].tolist() == pool.prefix.match(first, 8)  # the cached pages themselves
+    pool.prefix.release(pool.page_ids(1)[:2].tolist())
+    third = first + [5]  # the whole first prompt, still cached
+    assert _fill(pool, 2, third, len(third) - 1) == 12
+    assert pool.gather(0, 2)[0][0, :, 0].tolist() == third
+    pool.free(1)
+    pool.free(2)
+    assert pool.pages_available == 8
+
+
+def test_an_allocation_evicts_idle_pages_but_never_held_ones():
+    pool = _pool(5)
+    ids = list(range(8))
+    _fill(pool, 0, ids, 0)
+    pool.free(0, cache_tokens=ids)
+    assert _fill(pool, 1, ids + [9], 8) == 8  # holds both cached pages, and one of its own
+    assert pool.pages_available == 2
+    _fill(pool, 2, list(range(50, 58)), 0)  # two pages: the last free ones
+    with pytest.raises(CacheFullError):
+        pool.extend(2, 1)  # nothing idle to evict: the held pages stay
+    pool.free(2, cache_tokens=list(range(50, 58)))
+    assert pool.pages_available == 2
+    pool.extend(1, 8)  # needs 2 pages: both of request 2's cached ones are evicted
+    assert pool.prefix.stats.evictions == 2
+    assert pool.gather(0, 1)[0][0, :9, 0].tolist() == ids + [9]
+
+
+def test_truncating_into_the_cached_prefix_lets_go_of_those_pages():
+    pool = _pool(6)
+    ids = list(range(12))
+    _fill(pool, 0, ids, 0)
+    pool.free(0, cache_tokens=ids)
+    _fill(pool, 1, ids + [1], 12)
+    pool.truncate(1, 5)  # keeps 2 pages: the third cached one is let go, not freed
+    assert pool.prefix.evictable == 1 and pool.pages_held(1) == 2
+    pool.free(1)
+    assert pool.prefix.evictable == 3 and pool.pages_available == 6
