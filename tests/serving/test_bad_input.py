@@ -52,6 +52,7 @@ def test_bad_request_is_a_400_with_a_message(server, body, message):
     {"text_input": "hi", "max_tokens": "ten"},
     {"text_input": "hi", "parameters": {"max_tokens": "ten"}},
     {"text_input": "hi", "temperature": "hot"},
+    {"text_input": "hi", "cache_prompt": "yes"},
     {"text_input": 42},
 ])
 def test_wrong_datatypes_are_refused(server, body):

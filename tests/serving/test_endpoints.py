@@ -53,6 +53,19 @@ def test_parameters_are_honoured(server):
     assert len({sampled(s) for s in (1, 2, 3)}) > 1
 
 
+def test_a_repeated_prompt_is_answered_over_its_cached_pages(server):
+    body = {"text_input": "Rome is the capital of Italy. " * 30, "max_tokens": 6, "policy": "full"}
+    _, first = post(server, "/v2/models/icekv/generate", body)
+    _, again = post(server, "/v2/models/icekv/generate", body)
+    _, off = post(server, "/v2/models/icekv/generate", {**body, "cache_prompt": False})
+    assert first["cached_tokens"] == 0 and again["cached_tokens"] >= first["prompt_tokens"] - 16
+    assert off["cached_tokens"] == 0
+    assert again["text_output"] == first["text_output"] == off["text_output"]
+    m = wait_idle(server)
+    assert m["icekv_prefix_cache_hit_tokens_total"] >= again["cached_tokens"] and m["icekv_prefix_cache_pages"] > 0
+    assert m["icekv_prefix_cache_miss_tokens_total"] > 0
+
+
 def test_metrics_are_exposed_and_move(server):
     before = metrics(server)
     for name in ("icekv_kv_resident_bytes", "icekv_kv_host_bytes", "icekv_pages_moved_total",

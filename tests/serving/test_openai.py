@@ -106,6 +106,22 @@ def test_a_shared_document_as_an_extra_body_context(client, essays_text):
     assert by_key.choices[0].text == first.choices[0].text
 
 
+def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(client):
+    messages, cached, prompts = [], [], []
+    for turn in range(10):
+        messages.append({"role": "user", "content": f"Turn {turn + 1}: name one colour of the rainbow."})
+        reply = client.chat.completions.create(model="icekv", messages=messages, max_tokens=8)
+        fresh = client.chat.completions.create(model="icekv", messages=messages, max_tokens=8,
+                                               extra_body={"cache_prompt": False})
+        assert reply.choices[0].message.content == fresh.choices[0].message.content
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        prompts.append(reply.usage.prompt_tokens)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    for turn in range(1, 10):  # each turn holds at least the pages of the turn before's prompt
+        assert cached[turn] >= prompts[turn - 1] // 16 * 16 - 16, (turn, cached, prompts)
+
+
 @pytest.mark.parametrize("kwargs, param, message", [
     ({"messages": []}, "messages", "at least 1 item"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "Input should be"),
@@ -123,6 +139,7 @@ def test_a_shared_document_as_an_extra_body_context(client, essays_text):
      "unknown kv_method 'zip'"),
     ({"messages": QUESTION, "extra_body": {"kv_method": "kv2"}}, None, "kv_method applies only to a request with"),
     ({"messages": QUESTION, "extra_body": {"context_key": "zz" * 32}}, None, "invalid context_key"),
+    ({"messages": QUESTION, "extra_body": {"cache_prompt": "no"}}, "cache_prompt", "valid boolean"),
 ])
 def test_bad_requests_get_openai_shaped_400s(client, kwargs, param, message):
     with pytest.raises(openai.BadRequestError) as info:

@@ -23,6 +23,9 @@ def test_tensors_and_parameters_are_read_and_tensors_win():
 def test_defaults_come_from_the_serving_config():
     req = parse_request({"text_input": np.array([b"x"], dtype=object)}, {}, CFG)
     assert req.sampling.max_tokens == CFG.default_max_tokens and req.selection == CFG.engine.selection
+    assert req.cache_prompt
+    off = parse_request({"text_input": np.array([b"x"], dtype=object), "cache_prompt": np.array([False])}, {}, CFG)
+    assert not off.cache_prompt
 
 
 @pytest.mark.parametrize("params, message", [
@@ -31,6 +34,7 @@ def test_defaults_come_from_the_serving_config():
     ({"max_tokens": True}, "max_tokens must be an integer"),
     ({"temperature": "hot"}, "temperature must be a number"),
     ({"stream": "yes"}, "stream must be true or false"),
+    ({"cache_prompt": 1}, "cache_prompt must be true or false"),
     ({"seed": 1.5}, "seed must be an integer"),
     ({"policy": 3}, "policy must be a string"),
     ({"stop": [1]}, "stop must be a string"),

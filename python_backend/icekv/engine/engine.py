@@ -265,9 +265,10 @@ class Engine:
     def kv_bytes(self) -> tuple[int, int]:
         """(resident, host) KV bytes of all live requests: what the compute device holds (the full
         cache while prefilling or under full attention; sink, window, slots and unlimited layers
-        under a budget) and what the page pool holds."""
+        under a budget) and what the page pool holds for them (a shared cached page once; idle
+        cached pages are the prefix cache's, not theirs)."""
         cache = self.cache
-        host = (cache.allocator.num_pages - cache.allocator.num_free) * cache.bytes_per_page
+        host = (cache.allocator.num_pages - cache.pages_available) * cache.bytes_per_page
         decoding = [s for s in self.scheduler.running if s.decoder_ready]
         sparse = sum(s.backend.kv_stats().resident_bytes for s in decoding)
         dense = host - sum(cache.sequence_bytes(s.seq_id) for s in decoding)

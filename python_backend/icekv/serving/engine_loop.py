@@ -68,7 +68,8 @@ class EngineLoop:
                 ids = self.engine.tokenizer.encode(request.text)  # outside the lock: the engine thread goes on
             with self._wake:  # the sink is known before the engine thread can step the request
                 self.check_alive()
-                seq = self.engine.submit(ids, request.sampling, request.selection, context, sink.text)
+                seq = self.engine.submit(ids, request.sampling, request.selection, context, sink.text,
+                                         cache_prompt=request.cache_prompt)
                 self._sinks[seq] = sink
                 if context_key is not None:
                     self._context_of[seq] = context_key

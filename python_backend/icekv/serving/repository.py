@@ -38,6 +38,7 @@ INPUTS = (
     ("context_ids", "TYPE_INT32", "[ -1 ]", True),  # ... or its token ids
     ("kv_method", "TYPE_STRING", "[ 1 ]", True),
     ("kv_budget", "TYPE_FP32", "[ 1 ]", True),
+    ("cache_prompt", "TYPE_BOOL", "[ 1 ]", True),  # false: the prefix cache neither serves nor keeps its prompt
     ("health", "TYPE_BOOL", "[ 1 ]", True),  # answered at once: is the engine thread alive (probes)
 )
 

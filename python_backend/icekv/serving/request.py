@@ -21,7 +21,7 @@ from icekv.store.format import StoreError, check_key
 
 TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton_enable_empty_final_response)
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
-               "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget")
+               "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget", "cache_prompt")
 
 
 class RequestError(IcekvError, ValueError):
@@ -47,6 +47,7 @@ class GenerateRequest:
     context_key: str | None
     context: ContextRequest | None = None
     prompt_ids: list[int] | None = None  # ``text`` tokenized, when a server thread has done it already
+    cache_prompt: bool = True  # may the prefix cache serve its prompt and keep its pages
 
 
 def _scalar(value: Any) -> Any:
@@ -197,4 +198,5 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
         except StoreError as e:
             raise RequestError(str(e)) from None
     return GenerateRequest(text, sampling, selection, _bool("stream", fields.get("stream", False)), context_key,
-                           _context(fields, cfg.compression))
+                           _context(fields, cfg.compression),
+                           cache_prompt=_bool("cache_prompt", fields.get("cache_prompt", True)))

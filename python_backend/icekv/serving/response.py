@@ -22,6 +22,7 @@ class Final:
 
     finish_reason: str = _out("", "TYPE_STRING")  # length | stop | context_ready | healthy
     prompt_tokens: int = _out(0, "TYPE_INT32")
+    cached_tokens: int = _out(0, "TYPE_INT32")  # of the prompt's, held by the prefix cache (not prefilled)
     new_tokens: int = _out(0, "TYPE_INT32")
     policy: str = _out("", "TYPE_STRING")
     budget: int = _out(0, "TYPE_INT32")  # 0 under full attention

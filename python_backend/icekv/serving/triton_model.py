@@ -17,6 +17,7 @@ from icekv.compress import parse_settings
 from icekv.settings import serving_config
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
+from icekv.kv.prefix_cache import PrefixCacheStats
 from icekv.serving.error_kinds import tag
 from icekv.serving.repository import DTYPES, INPUTS
 from icekv.serving.response import OUTPUTS, Final
@@ -67,7 +68,7 @@ class TritonSink:
 
     def done(self, result: Generation) -> None:
         self._final(Final(finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
-                          new_tokens=result.new_tokens, policy=result.policy, budget=result.budget or 0,
+                          cached_tokens=result.cached_tokens, new_tokens=result.new_tokens, policy=result.policy, budget=result.budget or 0,
                           kv_resident_bytes=result.kv.resident_bytes, kv_total_bytes=result.kv.total_bytes,
                           kv_bytes_moved=result.kv.bytes_moved), "" if self.stream else result.text)
 
@@ -111,6 +112,7 @@ class Metrics:
                                        "pool in host memory (worst case; 0 otherwise)",
         "icekv_contexts_in_memory": "compressed contexts held in memory (shared by the requests using them)",
         "icekv_context_bytes_in_memory": "bytes of the compressed contexts held in memory",
+        "icekv_prefix_cache_pages": "KV pages the prefix cache holds (shared by requests, or idle until evicted)",
     }
     COUNTERS = {
         "icekv_pages_moved_total": "(layer, KV head) pages copied from the host pool to device slots",
@@ -124,6 +126,9 @@ class Metrics:
         "icekv_requests_failed_total": "requests that ended in an error",
         "icekv_requests_cancelled_total": "requests cancelled by the client",
         "icekv_generated_tokens_total": "tokens generated",
+        "icekv_prefix_cache_hit_tokens_total": "prompt tokens the prefix cache held, not prefilled",
+        "icekv_prefix_cache_miss_tokens_total": "prompt tokens prefilled by requests that looked in the prefix cache",
+        "icekv_prefix_cache_evictions_total": "cached pages evicted for room in the pool",
     }
 
     def __init__(self, pb):
@@ -139,18 +144,24 @@ class Metrics:
         races a metrics message (seen: unload hanging while a background update was in flight)."""
         resident, host = loop.engine.kv_bytes()
         s, c, shared = loop.stats, loop.contexts.stats, loop.contexts.shared
+        prefix = loop.engine.cache.prefix
+        cached, pc = (prefix.pages, prefix.stats) if prefix is not None else (0, PrefixCacheStats())
         gauges = (("icekv_kv_resident_bytes", resident), ("icekv_kv_host_bytes", host),
                   ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued),
                   ("icekv_index_bytes_promised", s.index_bytes_promised),
                   ("icekv_device_bytes_promised", s.device_bytes_promised),
-                  ("icekv_contexts_in_memory", shared.count), ("icekv_context_bytes_in_memory", shared.nbytes))
+                  ("icekv_contexts_in_memory", shared.count), ("icekv_context_bytes_in_memory", shared.nbytes),
+                  ("icekv_prefix_cache_pages", cached))
         counters = (("icekv_pages_moved_total", s.pages_moved), ("icekv_selection_seconds_total", s.select_s),
                     ("icekv_requests_completed_total", s.completed), ("icekv_requests_failed_total", s.failed),
                     ("icekv_requests_cancelled_total", s.cancelled), ("icekv_generated_tokens_total", s.generated_tokens),
                     ("icekv_context_store_hits_total", c.hits), ("icekv_context_store_misses_total", c.misses),
                     ("icekv_context_store_joined_total", c.joined),
                     ("icekv_context_compression_seconds_total", c.compress_s),
-                    ("icekv_context_bytes_saved_total", c.bytes_saved))
+                    ("icekv_context_bytes_saved_total", c.bytes_saved),
+                    ("icekv_prefix_cache_hit_tokens_total", pc.hit_tokens),
+                    ("icekv_prefix_cache_miss_tokens_total", pc.miss_tokens),
+                    ("icekv_prefix_cache_evictions_total", pc.evictions))
         snapshot = (gauges, counters)
         if snapshot == self._last.get("snapshot"):
             return

@@ -83,7 +83,8 @@ async def _unless_disconnected(request: Request, awaitable):
 
 def _usage(final: Final) -> dict:
     return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.new_tokens,
-            "total_tokens": final.prompt_tokens + final.new_tokens}
+            "total_tokens": final.prompt_tokens + final.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
 
 
 def _icekv_stats(final: Final) -> dict:
