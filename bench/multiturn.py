@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=3000, help="document tokens")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--policy", default="full")
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool-tokens", type=int, default=32768)
     ap.add_argument("--out", type=Path, default=None)

@@ -88,7 +88,10 @@ def _setting_flag(parser, name: str, default=None) -> None:
 
     setting = BY_NAME[name]
     shown = default if default is not None else setting.default_doc or setting.default()
+    if setting.kind is bool:
+        shown = str(shown).lower()
     parser.add_argument(setting.cli_flag, dest=setting.dest, default=default, choices=choices(setting) or None,
+                        metavar="{true,false}" if setting.kind is bool else None,
                         type=_setting_type(setting), help=f"{setting.meaning} (default {shown})".replace("%", "%%"))
 
 
