@@ -5,7 +5,7 @@ import pytest
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.index import dci_tree, device_rescoring, fused_search, page_store, tree_walk
 from icekv.kernels import cpu_decode
-from icekv.kv import device_cache, paged_cache
+from icekv.kv import device_cache, token_rows
 
 
 def _signatures() -> dict:
@@ -14,7 +14,7 @@ def _signatures() -> dict:
              "rescoring plan": device_rescoring._plan, "rescoring gather": device_rescoring._gather_keys,
              "placement": dci_tree.place_tokens, "parents": dci_tree.append_tokens, "rewrite": page_store._rewrite,
              "walk": tree_walk.walk_scores, "positions": page_store._positions,
-             "plan": device_cache._plan_slots, "fill": device_cache._fill, "gather": paged_cache._copy_rows,
+             "plan": device_cache._plan_slots, "fill": device_cache._fill, "gather": token_rows.copy_rows,
              "attention": cpu_decode._decode}
     return {name: list(f.signatures) for name, f in loops.items()}
 
