@@ -57,6 +57,20 @@ class PagingConfig:
 
 
 @dataclass(frozen=True)
+class PromptCaching:
+    """What the prefix cache may do with one request's prompt: serve it and keep its pages
+    (``enabled``), and keep them ahead of the LRU order for ``retention_s`` seconds after the
+    request ends (an agent's context across a tool call); pool pressure still evicts them."""
+
+    enabled: bool = True
+    retention_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.retention_s >= 0:
+            raise ConfigError(f"cache_retention_s must be >= 0, got {self.retention_s}")
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     """How the next token is picked. ``temperature == 0`` means greedy decoding."""
 
@@ -285,6 +299,7 @@ class ServingConfig:
     max_stop_sequences: int = 4  # stop strings per request, as the OpenAI API allows ...
     max_stop_chars: int = 128  # ... and each one's length: every token is checked against them
     max_input_bytes: int = 4 << 20  # text_input, messages or context: larger ones are refused before tokenizing
+    max_cache_retention_s: float = 600.0  # the longest cache_retention_s a request may ask
 
     def __post_init__(self) -> None:
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):

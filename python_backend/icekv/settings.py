@@ -136,6 +136,8 @@ SETTINGS = (
             "compress, tokens", configmap=True),
     Setting("kv2", ("compression.kv2",), "KV² settings for the contexts requests bring, `NAME=VALUE,...` (see "
             "[KV² settings](#kv-settings))", str, configmap=True, default_doc="the method's defaults"),
+    Setting("max_cache_retention_s", ("max_cache_retention_s",), "the longest `cache_retention_s` a request may "
+            "ask (its prefix kept ahead of the LRU order)", float, least=0),
     Setting("default_max_tokens", ("default_max_tokens",), "`max_tokens` when a request sets none"),
     Setting("max_tokens_limit", ("max_tokens_limit",), "the most `max_tokens` a request may ask"),
 )

@@ -3,13 +3,14 @@ holds its pages instead of prefilling them, and decodes the same tokens."""
 
 import pytest
 
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config import EngineConfig, PagingConfig, PromptCaching, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.sequence import Cancelled
 
 SAMPLING = SamplingConfig(max_tokens=10, ignore_eos=True)
 FULL = SelectionConfig(policy="full")
 ICECACHE = SelectionConfig(policy="icecache", budget=128)
+NO_CACHE = PromptCaching(enabled=False)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def test_a_conversation_decodes_the_same_tokens_with_the_cache_as_without(engine
     assert turn1.cached_tokens == 0
     second = doc + q1 + turn1.token_ids + q2
     cached = engine.submit(second, SAMPLING, selection)
-    uncached = engine.submit(second, SAMPLING, selection, cache_prompt=False)
+    uncached = engine.submit(second, SAMPLING, selection, caching=NO_CACHE)
     a, b = engine.run(cached), engine.run(uncached)
     assert a.token_ids == b.token_ids
     assert b.cached_tokens == 0
@@ -43,12 +44,12 @@ def test_a_conversation_decodes_the_same_tokens_with_the_cache_as_without(engine
     assert engine.cache.pages_available == engine.cache.allocator.num_pages
 
 
-def test_cache_prompt_false_neither_reads_nor_keeps(engine, turns):
+def test_caching_disabled_neither_reads_nor_keeps(engine, turns):
     doc, q1, _ = turns
     _drop_cached(engine)
     engine.generate(doc + q1, SAMPLING, selection=FULL)
     cached_pages = engine.cache.prefix.pages
-    out = engine.run(engine.submit(doc + q1, SAMPLING, FULL, cache_prompt=False))
+    out = engine.run(engine.submit(doc + q1, SAMPLING, FULL, caching=NO_CACHE))
     assert out.cached_tokens == 0 and engine.cache.prefix.pages == cached_pages
 
 
@@ -56,7 +57,7 @@ def test_requests_share_a_prefix_while_one_of_them_is_cancelled(engine, turns):
     doc, q1, q2 = turns
     _drop_cached(engine)
     prompts = [doc + q1, doc + q2, doc + q1 + q2]
-    want = [engine.run(engine.submit(p, SAMPLING, FULL, cache_prompt=False)).token_ids for p in prompts]
+    want = [engine.run(engine.submit(p, SAMPLING, FULL, caching=NO_CACHE)).token_ids for p in prompts]
     engine.generate(doc, SamplingConfig(max_tokens=1), selection=FULL)  # caches the document
     seqs = [engine.submit(p, SAMPLING, FULL) for p in prompts]
     engine.step()
@@ -73,14 +74,14 @@ def test_requests_share_a_prefix_while_one_of_them_is_cancelled(engine, turns):
 def test_pool_pressure_evicts_idle_prefixes_never_a_running_requests_pages(smollm2_dir, turns):
     doc, q1, _ = turns
     engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(max_context_tokens=4096)))
-    want = engine.run(engine.submit(doc + q1, SAMPLING, FULL, cache_prompt=False)).token_ids
+    want = engine.run(engine.submit(doc + q1, SAMPLING, FULL, caching=NO_CACHE)).token_ids
     engine.generate(doc, SamplingConfig(max_tokens=1), selection=FULL)
     other = list(reversed(doc))[:1400]
     engine.generate(other, SamplingConfig(max_tokens=1), selection=FULL)  # a second cached prefix
     running = engine.submit(doc + q1, SAMPLING, FULL)
     engine.step()  # holds the document's pages now
     # 2,410 tokens fit only by evicting the idle prefix's pages; the document's are held: they stay
-    pressure = engine.submit(other[:100] + doc[:2300], SAMPLING, FULL, cache_prompt=False)
+    pressure = engine.submit(other[:100] + doc[:2300], SAMPLING, FULL, caching=NO_CACHE)
     while not (running.done and pressure.done):
         engine.step()
     assert running.error is None and pressure.error is None

@@ -56,6 +56,31 @@ def test_a_prefix_cached_twice_keeps_the_first_copy():
     assert cache.pages == 3
 
 
+def test_retained_pages_go_only_when_no_other_idle_page_is_left():
+    now = [0.0]
+    cache = PrefixCache("m", P, clock=lambda: now[0])
+    cache.insert(list(range(8)), [1, 2], retention_s=10)
+    cache.insert(list(range(100, 108)), [3, 4])  # newer, not retained
+    assert cache.evict(2) == [4, 3]  # the unretained chain first, though more recently used
+    assert cache.stats.retained_evictions == 0
+    assert cache.evict(1) == [2] and cache.stats.retained_evictions == 1  # pressure wins, counted
+    now[0] = 11.0  # retention over: plain LRU again
+    cache.insert(list(range(200, 204)), [5])
+    assert cache.evict(2) == [1, 5] and cache.stats.retained_evictions == 1
+
+
+def test_a_hit_released_with_retention_extends_it():
+    now = [0.0]
+    cache = PrefixCache("m", P, clock=lambda: now[0])
+    cache.insert(list(range(4)), [1])
+    cache.insert(list(range(50, 54)), [2])
+    cache.release(cache.match(list(range(4)) + [9], 100), retention_s=5)
+    assert cache.evict(1) == [2]
+    now[0] = 6.0
+    cache.insert(list(range(60, 64)), [3])
+    assert cache.evict(1) == [1]  # its retention has ended: least recently used goes
+
+
 def _pool(num_pages: int) -> PagedKVCache:
     paging = PagingConfig(page_size=P, max_context_tokens=num_pages * P)
     return PagedKVCache(1, 1, 2, paging, prefix=PrefixCache("m", P))
@@ -117,3 +142,15 @@ def test_truncating_into_the_cached_prefix_lets_go_of_those_pages():
     assert pool.prefix.evictable == 1 and pool.pages_held(1) == 2
     pool.free(1)
     assert pool.prefix.evictable == 3 and pool.pages_available == 6
+
+
+def test_a_request_freed_with_retention_keeps_its_pages_past_newer_idle_ones():
+    pool = _pool(5)
+    kept, other = list(range(8)), list(range(50, 58))
+    _fill(pool, 0, kept, 0)
+    pool.free(0, cache_tokens=kept, retention_s=1000)
+    _fill(pool, 1, other, 0)
+    pool.free(1, cache_tokens=other)
+    _fill(pool, 2, list(range(90, 102)), 0)  # 3 pages: 1 free, then the unretained request's two
+    assert pool.prefix.stats.evictions == 2 and pool.prefix.stats.retained_evictions == 0
+    assert len(pool.prefix.match(kept + [1], 8)) == 2  # the retained prefix is still there

@@ -56,7 +56,7 @@ def test_parameters_are_honoured(server):
 def test_a_repeated_prompt_is_answered_over_its_cached_pages(server):
     body = {"text_input": "Rome is the capital of Italy. " * 30, "max_tokens": 6, "policy": "full"}
     _, first = post(server, "/v2/models/icekv/generate", body)
-    _, again = post(server, "/v2/models/icekv/generate", body)
+    _, again = post(server, "/v2/models/icekv/generate", {**body, "cache_retention_s": 30})
     _, off = post(server, "/v2/models/icekv/generate", {**body, "cache_prompt": False})
     assert first["cached_tokens"] == 0 and again["cached_tokens"] >= first["prompt_tokens"] - 16
     assert off["cached_tokens"] == 0

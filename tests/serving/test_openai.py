@@ -140,6 +140,8 @@ def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(cli
     ({"messages": QUESTION, "extra_body": {"kv_method": "kv2"}}, None, "kv_method applies only to a request with"),
     ({"messages": QUESTION, "extra_body": {"context_key": "zz" * 32}}, None, "invalid context_key"),
     ({"messages": QUESTION, "extra_body": {"cache_prompt": "no"}}, "cache_prompt", "valid boolean"),
+    ({"messages": QUESTION, "extra_body": {"cache_retention_s": -1}}, "cache_retention_s", "greater than or equal to 0"),
+    ({"messages": QUESTION, "extra_body": {"cache_retention_s": 1e6}}, None, "(max_cache_retention_s)"),
 ])
 def test_bad_requests_get_openai_shaped_400s(client, kwargs, param, message):
     with pytest.raises(openai.BadRequestError) as info:

@@ -23,9 +23,11 @@ def test_tensors_and_parameters_are_read_and_tensors_win():
 def test_defaults_come_from_the_serving_config():
     req = parse_request({"text_input": np.array([b"x"], dtype=object)}, {}, CFG)
     assert req.sampling.max_tokens == CFG.default_max_tokens and req.selection == CFG.engine.selection
-    assert req.cache_prompt
+    assert req.caching.enabled and req.caching.retention_s == 0
     off = parse_request({"text_input": np.array([b"x"], dtype=object), "cache_prompt": np.array([False])}, {}, CFG)
-    assert not off.cache_prompt
+    assert not off.caching.enabled
+    kept = parse_request({"text_input": np.array([b"x"], dtype=object)}, {"cache_retention_s": 30}, CFG)
+    assert kept.caching.retention_s == 30
 
 
 @pytest.mark.parametrize("params, message", [
@@ -35,6 +37,10 @@ def test_defaults_come_from_the_serving_config():
     ({"temperature": "hot"}, "temperature must be a number"),
     ({"stream": "yes"}, "stream must be true or false"),
     ({"cache_prompt": 1}, "cache_prompt must be true or false"),
+    ({"cache_retention_s": "long"}, "cache_retention_s must be a number"),
+    ({"cache_retention_s": -1}, r"cache_retention_s must be in \[0, 600\]"),
+    ({"cache_retention_s": 1e6}, r"\(max_cache_retention_s\), got 1e\+06"),
+    ({"cache_retention_s": 5, "cache_prompt": False}, "cache_retention_s needs cache_prompt"),
     ({"seed": 1.5}, "seed must be an integer"),
     ({"policy": 3}, "policy must be a string"),
     ({"stop": [1]}, "stop must be a string"),

@@ -16,7 +16,7 @@ from typing import Generator
 import torch
 
 from icekv.compress import CompressedContext
-from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
+from icekv.config import EngineConfig, PromptCaching, SamplingConfig, SelectionConfig
 from icekv.devices import pool_device, resolve_device
 from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compression import CompressionJob
@@ -136,16 +136,16 @@ class Engine:
                selection: SelectionConfig | None = None, context: CompressedContext | None = None,
                on_text: OnText | None = None, on_progress: OnProgress | None = None, *,
                prefilled: Prefilled | None = None, prefill_only: bool = False, probe: bool = False,
-               cache_prompt: bool = True) -> Sequence:
+               caching: PromptCaching = PromptCaching()) -> Sequence:
         """Queue a request; it runs as :meth:`step` is called. Raises IcekvError for a request that
         could never run (empty, too long, a policy that cannot take its context) or BusyError.
-        ``cache_prompt`` False: the prefix cache neither serves its prompt nor keeps its pages."""
+        ``caching``: whether the prefix cache serves its prompt and keeps its pages, and for how long."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         selection = selection or self.config.selection
         context = prefilled.context if prefilled is not None else context
         policy = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
-        request = Request(ids, sampling, selection, policy, context, prefilled, prefill_only, probe, cache_prompt)
+        request = Request(ids, sampling, selection, policy, context, prefilled, prefill_only, probe, caching)
         seq = Sequence(seq_id, request, on_text, on_progress)
         if prefilled is not None:
             if ids[:len(prefilled.prompt_ids)] != prefilled.prompt_ids:

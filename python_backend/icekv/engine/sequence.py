@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from icekv.compress import CompressedContext
-from icekv.config import SamplingConfig, SelectionConfig
+from icekv.config import PromptCaching, SamplingConfig, SelectionConfig
 from icekv.engine.kv_manager import Admission
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.sampling import sample_next
@@ -41,7 +41,7 @@ class Request:
     prefilling the rest of ``prompt_ids`` if they continue it (its pages stay: what this request
     adds is truncated afterwards); ``prefill_only``: stop after prefill and keep the pages (the
     result is then a :class:`Prefilled`); ``probe``: measure attention recall at each decode step;
-    ``cache_prompt``: may the prefix cache serve its prompt and keep its pages."""
+    ``caching``: what the prefix cache may do with its prompt."""
 
     prompt_ids: list[int]
     sampling: SamplingConfig
@@ -51,7 +51,7 @@ class Request:
     prefilled: Prefilled | None = None
     prefill_only: bool = False
     probe: bool = False
-    cache_prompt: bool = True
+    caching: PromptCaching = PromptCaching()
 
 
 @dataclass(eq=False)
@@ -126,7 +126,7 @@ class Sequence:
         over a compressed context or a prefilled prompt (their positions and pages are their own),
         nor a prefill kept for later decodes or a probe (they measure a whole prefill)."""
         r = self.request
-        return (r.cache_prompt and r.context is None and r.prefilled is None and not r.prefill_only
+        return (r.caching.enabled and r.context is None and r.prefilled is None and not r.prefill_only
                 and not r.probe)
 
     @property

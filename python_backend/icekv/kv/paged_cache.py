@@ -127,21 +127,22 @@ class PagedKVCache:
             seq.shared, seq.length = len(seq.pages), len(seq.pages) * self.page_size
         return seq.length
 
-    def free(self, seq_id: int, cache_tokens: list[int] | None = None) -> None:
+    def free(self, seq_id: int, cache_tokens: list[int] | None = None, retention_s: float = 0.0) -> None:
         """Hand back the request's pages; with ``cache_tokens`` (the tokens its pages hold, from
-        position 0) and a prefix cache, its full pages stay cached instead."""
+        position 0) and a prefix cache, its full pages stay cached instead (retained
+        ``retention_s`` seconds ahead of the LRU order)."""
         seq = self._seqs.pop(seq_id)
         own = seq.pages[seq.shared:]
         if self.prefix is not None:
-            self.prefix.release(seq.pages[: seq.shared])
+            self.prefix.release(seq.pages[: seq.shared], retention_s if cache_tokens is not None else 0.0)
             if cache_tokens is not None:
-                own = self.prefix.insert(cache_tokens[: seq.length], seq.pages, first=seq.shared)
+                own = self.prefix.insert(cache_tokens[: seq.length], seq.pages, seq.shared, retention_s)
         self.allocator.free(own)
 
-    def free_if_present(self, seq_id: int, cache_tokens: list[int] | None = None) -> None:
+    def free_if_present(self, seq_id: int, cache_tokens: list[int] | None = None, retention_s: float = 0.0) -> None:
         """:meth:`free` for a request that may not have a cache yet (failed before its prefill)."""
         if self.has(seq_id):
-            self.free(seq_id, cache_tokens)
+            self.free(seq_id, cache_tokens, retention_s)
 
     def has(self, seq_id: int) -> bool:
         """Does the request have a cache (its prefill has started)?"""

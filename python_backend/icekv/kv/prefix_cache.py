@@ -5,14 +5,19 @@ A page's key hashes the key of the page before it, the model and the page's toke
 names a whole prefix: a prompt hits its longest chain of cached pages from its first token on.
 A cached page is shared read-only by every request that hits it (reference counts); writes only
 ever go to a request's own pages after its hit. Pages no request holds stay cached until the pool
-needs room, then are evicted oldest first: a running request never loses a page.
+needs room, then are evicted oldest first: a running request never loses a page. A request may
+ask that its pages outlast others for a while (retention, a soft priority as TensorRT-LLM's and
+SGLang's): idle pages still retained go only when no other idle page is left, and that is counted.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
+from itertools import islice
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -34,18 +39,20 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # prompt tokens found cached, not prefilled
     miss_tokens: int = 0  # prompt tokens prefilled by requests that looked
     evictions: int = 0  # cached pages dropped for room
+    retained_evictions: int = 0  # of them, pages dropped while their retention lasted (the pool was short)
 
 
 class PrefixCache:
     """Which pool pages hold which prefixes, who holds them, and which may go (page ids only: the
     pool and its allocator belong to :class:`icekv.kv.PagedKVCache`)."""
 
-    def __init__(self, model_id: str, page_size: int):
-        self.model_id, self.page_size = model_id, page_size
+    def __init__(self, model_id: str, page_size: int, clock: Callable[[], float] = time.monotonic):
+        self.model_id, self.page_size, self.clock = model_id, page_size, clock
         self._page_of: dict[bytes, int] = {}  # key -> the page holding that prefix's last page
         self._key_of: dict[int, bytes] = {}
         self._refs: dict[int, int] = {}  # cached page -> requests holding it
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, least recently used first
+        self._retained: dict[int, float] = {}  # cached page -> the clock time its retention ends
         self.stats = PrefixCacheStats()
 
     @property
@@ -75,20 +82,22 @@ class PrefixCache:
         self.stats.miss_tokens += len(ids) - hit
         return pages
 
-    def release(self, pages: list[int]) -> None:
-        """A request lets go of cached ``pages`` (a prefix's, in order); the ones nobody holds now
-        become evictable, the prefix's last page first (the tail of a chain goes before its head,
-        which every longer prefix needs)."""
+    def release(self, pages: list[int], retention_s: float = 0.0) -> None:
+        """A request lets go of cached ``pages`` (a prefix's, in order), retaining them
+        ``retention_s`` more seconds; the ones nobody holds now become evictable, the prefix's
+        last page first (the tail of a chain goes before its head, which every longer prefix needs)."""
+        self._retain(pages, retention_s)
         for page in reversed(pages):
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 self._idle[page] = None
                 self._idle.move_to_end(page)
 
-    def insert(self, ids: list[int], pages: list[int], first: int = 0) -> list[int]:
+    def insert(self, ids: list[int], pages: list[int], first: int = 0, retention_s: float = 0.0) -> list[int]:
         """Cache a finished request's own full pages: ``pages[i]`` holds tokens ``ids[i*P :
-        (i+1)*P]``, and ``pages[:first]`` are cached already (its hit). Returns the pages not kept,
-        to be freed: a partial last one, and duplicates of a prefix another request cached first."""
+        (i+1)*P]``, and ``pages[:first]`` are cached already (its hit), retained ``retention_s``
+        seconds. Returns the pages not kept, to be freed: a partial last one, and duplicates of a
+        prefix another request cached first (whose copy is retained instead)."""
         keys = page_keys(self.model_id, ids, self.page_size)
         dropped = list(pages[max(len(keys), first):])
         for key, page in reversed(list(zip(keys, pages))[first:]):  # the tail evicted first, as in release
@@ -97,17 +106,28 @@ class PrefixCache:
                 continue
             self._page_of[key], self._key_of[page], self._refs[page] = page, key, 0
             self._idle[page] = None
+        self._retain([self._page_of[key] for key in keys[first:]], retention_s)
         return dropped
+
+    def _retain(self, pages: list[int], retention_s: float) -> None:
+        if retention_s > 0:
+            until = self.clock() + retention_s
+            for page in pages:
+                self._retained[page] = max(self._retained.get(page, until), until)
 
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
 
     def evict(self, n: int) -> list[int]:
-        """Drop up to ``n`` idle pages, least recently used first; returns them, to be freed."""
-        out = []
-        while self._idle and len(out) < n:
-            page, _ = self._idle.popitem(last=False)
-            del self._page_of[self._key_of.pop(page)], self._refs[page]
-            out.append(page)
+        """Drop up to ``n`` idle pages, least recently used first, those still retained only when
+        no other is left; returns them, to be freed."""
+        now = self.clock()
+        self._retained = {page: until for page, until in self._retained.items() if until > now}
+        plain = list(islice((page for page in self._idle if page not in self._retained), n))
+        out = plain + list(islice((page for page in self._idle if page in self._retained), n - len(plain)))
+        for page in out:
+            del self._idle[page], self._page_of[self._key_of.pop(page)], self._refs[page]
+            self._retained.pop(page, None)
         self.stats.evictions += len(out)
+        self.stats.retained_evictions += len(out) - len(plain)
         return out

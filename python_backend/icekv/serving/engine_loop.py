@@ -69,7 +69,7 @@ class EngineLoop:
             with self._wake:  # the sink is known before the engine thread can step the request
                 self.check_alive()
                 seq = self.engine.submit(ids, request.sampling, request.selection, context, sink.text,
-                                         cache_prompt=request.cache_prompt)
+                                         caching=request.caching)
                 self._sinks[seq] = sink
                 if context_key is not None:
                     self._context_of[seq] = context_key

@@ -39,6 +39,7 @@ INPUTS = (
     ("kv_method", "TYPE_STRING", "[ 1 ]", True),
     ("kv_budget", "TYPE_FP32", "[ 1 ]", True),
     ("cache_prompt", "TYPE_BOOL", "[ 1 ]", True),  # false: the prefix cache neither serves nor keeps its prompt
+    ("cache_retention_s", "TYPE_FP32", "[ 1 ]", True),  # keep its cached pages ahead of the LRU order this long
     ("health", "TYPE_BOOL", "[ 1 ]", True),  # answered at once: is the engine thread alive (probes)
 )
 

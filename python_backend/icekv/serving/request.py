@@ -14,14 +14,15 @@ from typing import Any, Callable
 import numpy as np
 
 from icekv.compress.methods import COMPRESSORS
-from icekv.config import CompressionConfig, SamplingConfig, SelectionConfig, ServingConfig, check_kv_budget
+from icekv.config import CompressionConfig, PromptCaching, SamplingConfig, SelectionConfig, ServingConfig, check_kv_budget
 from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError
 from icekv.store.format import StoreError, check_key
 
 TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton_enable_empty_final_response)
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
-               "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget", "cache_prompt")
+               "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget", "cache_prompt",
+               "cache_retention_s")
 
 
 class RequestError(IcekvError, ValueError):
@@ -47,7 +48,7 @@ class GenerateRequest:
     context_key: str | None
     context: ContextRequest | None = None
     prompt_ids: list[int] | None = None  # ``text`` tokenized, when a server thread has done it already
-    cache_prompt: bool = True  # may the prefix cache serve its prompt and keep its pages
+    caching: PromptCaching = PromptCaching()  # what the prefix cache may do with its prompt
 
 
 def _scalar(value: Any) -> Any:
@@ -143,6 +144,17 @@ def _context(fields: dict[str, Any], cfg: CompressionConfig) -> ContextRequest |
     return ContextRequest(None, tuple(_int("context_ids", i) for i in ids), method, budget)
 
 
+def _caching(fields: dict[str, Any], cfg: ServingConfig) -> PromptCaching:
+    enabled = _bool("cache_prompt", fields.get("cache_prompt", True))
+    retention = _float("cache_retention_s", fields.get("cache_retention_s", 0.0))
+    if not 0 <= retention <= cfg.max_cache_retention_s:
+        raise RequestError(f"cache_retention_s must be in [0, {cfg.max_cache_retention_s:g}] (max_cache_retention_s), "
+                           f"got {retention:g}")
+    if retention and not enabled:
+        raise RequestError("cache_retention_s needs cache_prompt: a prompt kept out of the cache is not retained")
+    return PromptCaching(enabled, retention)
+
+
 def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingConfig,
                   chat_prompt: Callable[[Any], str] | None = None) -> GenerateRequest:
     """inputs: name -> numpy array (absent inputs omitted); params: the request's parameters;
@@ -199,4 +211,4 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
             raise RequestError(str(e)) from None
     return GenerateRequest(text, sampling, selection, _bool("stream", fields.get("stream", False)), context_key,
                            _context(fields, cfg.compression),
-                           cache_prompt=_bool("cache_prompt", fields.get("cache_prompt", True)))
+                           caching=_caching(fields, cfg))

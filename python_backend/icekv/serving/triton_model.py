@@ -129,6 +129,8 @@ class Metrics:
         "icekv_prefix_cache_hit_tokens_total": "prompt tokens the prefix cache held, not prefilled",
         "icekv_prefix_cache_miss_tokens_total": "prompt tokens prefilled by requests that looked in the prefix cache",
         "icekv_prefix_cache_evictions_total": "cached pages evicted for room in the pool",
+        "icekv_prefix_cache_retained_evictions_total": "of them, pages evicted before the retention a request asked "
+                                                       "for ended (the pool had no other idle page)",
     }
 
     def __init__(self, pb):
@@ -161,7 +163,8 @@ class Metrics:
                     ("icekv_context_bytes_saved_total", c.bytes_saved),
                     ("icekv_prefix_cache_hit_tokens_total", pc.hit_tokens),
                     ("icekv_prefix_cache_miss_tokens_total", pc.miss_tokens),
-                    ("icekv_prefix_cache_evictions_total", pc.evictions))
+                    ("icekv_prefix_cache_evictions_total", pc.evictions),
+                    ("icekv_prefix_cache_retained_evictions_total", pc.retained_evictions))
         snapshot = (gauges, counters)
         if snapshot == self._last.get("snapshot"):
             return

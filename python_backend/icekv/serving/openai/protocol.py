@@ -82,6 +82,7 @@ class _GenerateBody(_Strict):
     kv_method: str | None = None
     kv_budget: float | None = Field(None, gt=0, le=1)
     cache_prompt: bool | None = None  # false: the prefix cache neither serves nor keeps this prompt
+    cache_retention_s: float | None = Field(None, ge=0)  # keep its cached pages ahead of the LRU order
 
     @field_validator("stop")
     @classmethod
@@ -103,7 +104,8 @@ class _GenerateBody(_Strict):
         fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "seed": self.seed, "stop": self.stop or None, "policy": self.policy, "budget": self.budget,
                   "context_key": self.context_key, "context": self.context, "kv_method": self.kv_method,
-                  "kv_budget": self.kv_budget, "cache_prompt": self.cache_prompt, "stream": True}
+                  "kv_budget": self.kv_budget, "cache_prompt": self.cache_prompt,
+                  "cache_retention_s": self.cache_retention_s, "stream": True}
         return {k: v for k, v in fields.items() if v is not None}
 
 
