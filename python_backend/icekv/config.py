@@ -72,7 +72,14 @@ class PromptCaching:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the next token is picked. ``temperature == 0`` means greedy decoding."""
+    """How the next token is picked. ``temperature == 0`` means greedy decoding.
+
+    Before it, the logits are adjusted as OpenAI's API and vLLM define (:func:`icekv.engine.sampling.
+    adjusted_logits`): ``repetition_penalty`` divides the positive logits (multiplies the negative
+    ones) of every token seen in the prompt or the output; ``frequency_penalty`` is subtracted once
+    per time a token was generated, ``presence_penalty`` once if it was; ``logit_bias`` adds to
+    the logits of the token ids it names.
+    """
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -80,6 +87,10 @@ class SamplingConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -88,10 +99,24 @@ class SamplingConfig:
             raise ConfigError(f"temperature must be in [0, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ConfigError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ConfigError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Does any penalty or bias change the logits? (Requests without them skip the step.)"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,16 @@ def test_a_shared_document_as_an_extra_body_context(client, essays_text):
     assert by_key.choices[0].text == first.choices[0].text
 
 
+def test_penalties_and_logit_bias_change_the_tokens_as_defined_and_nothing_at_zero(client, smollm2_dir):
+    ask = lambda **kw: client.completions.create(model="icekv", prompt="one one one one one one", max_tokens=6,  # noqa: E731
+                                                 **kw).choices[0].text
+    plain = ask()
+    assert ask(presence_penalty=0, frequency_penalty=0, extra_body={"repetition_penalty": 1.0}) == plain
+    assert ask(frequency_penalty=2, presence_penalty=2).count(" one") < plain.count(" one")
+    banana = Tokenizer(smollm2_dir).encode(" banana")[0]
+    assert ask(logit_bias={str(banana): 100}) == " banana" * 6
+
+
 def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(client):
     messages, cached, prompts = [], [], []
     for turn in range(10):
@@ -128,6 +138,9 @@ def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(cli
     ({"messages": QUESTION, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"messages": QUESTION, "temperature": 3}, "temperature", "less than or equal to 2"),
     ({"messages": QUESTION, "n": 2}, "n", "supports only 1"),
+    ({"messages": QUESTION, "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"messages": QUESTION, "logit_bias": {"x": 1}}, None, "logit_bias keys must be token ids"),
+    ({"messages": QUESTION, "logit_bias": {"99999999": 1}}, None, "vocabulary has 49152 tokens"),
     ({"messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop sequences"),
     ({"messages": QUESTION, "extra_body": {"budget": 2**31}}, "budget", "less than or equal to 2147483647"),
     ({"messages": QUESTION, "extra_body": {"colour": "red"}}, "colour", "unrecognized request argument"),

@@ -26,6 +26,10 @@ def test_defaults_come_from_the_serving_config():
     assert req.caching.enabled and req.caching.retention_s == 0
     off = parse_request({"text_input": np.array([b"x"], dtype=object), "cache_prompt": np.array([False])}, {}, CFG)
     assert not off.caching.enabled
+    tuned = parse_request({"text_input": np.array([b"x"], dtype=object)},
+                          {"frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": '{"7": -100, "9": 2.5}'}, CFG)
+    assert tuned.sampling.frequency_penalty == 0.5 and tuned.sampling.repetition_penalty == 1.2
+    assert tuned.sampling.logit_bias == ((7, -100.0), (9, 2.5))
     kept = parse_request({"text_input": np.array([b"x"], dtype=object)}, {"cache_retention_s": 30}, CFG)
     assert kept.caching.retention_s == 30
 
@@ -37,6 +41,13 @@ def test_defaults_come_from_the_serving_config():
     ({"temperature": "hot"}, "temperature must be a number"),
     ({"stream": "yes"}, "stream must be true or false"),
     ({"cache_prompt": 1}, "cache_prompt must be true or false"),
+    ({"presence_penalty": 3.0}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"repetition_penalty": "high"}, "repetition_penalty must be a number"),
+    ({"logit_bias": "{"}, "logit_bias is not valid JSON"),
+    ({"logit_bias": "[1, 2]"}, "logit_bias must be a JSON object"),
+    ({"logit_bias": '{"apple": 1}'}, "logit_bias keys must be token ids, got 'apple'"),
+    ({"logit_bias": '{"5": "up"}'}, r"logit_bias\[5\] must be a number"),
+    ({"logit_bias": '{"5": 200}'}, r"logit_bias maps token ids >= 0 to biases in \[-100, 100\]"),
     ({"cache_retention_s": "long"}, "cache_retention_s must be a number"),
     ({"cache_retention_s": -1}, r"cache_retention_s must be in \[0, 600\]"),
     ({"cache_retention_s": 1e6}, r"\(max_cache_retention_s\), got 1e\+06"),

@@ -1,4 +1,5 @@
-"""Pick the next token from logits: greedy, or temperature + nucleus sampling with a seed."""
+"""Pick the next token from logits: penalties and biases first, then greedy, or temperature +
+nucleus sampling with a seed."""
 
 from __future__ import annotations
 
@@ -7,10 +8,28 @@ import torch
 from icekv.config import SamplingConfig
 
 
-def sample_next(
-    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None
-) -> int:
-    """logits [V] -> a token id. Greedy when ``cfg.temperature == 0``."""
+def adjusted_logits(logits: torch.Tensor, cfg: SamplingConfig, prompt_ids: torch.Tensor,
+                    output_ids: torch.Tensor) -> torch.Tensor:
+    """logits [V] with ``cfg``'s penalties and biases applied (a new tensor): the repetition
+    penalty over every token of prompt_ids [P] and output_ids [O], then the frequency and presence
+    penalties over output_ids, then the logit bias."""
+    logits = logits.float().clone()  # [V]
+    vocab = logits.shape[0]
+    if cfg.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.cat([prompt_ids, output_ids])] = True  # [V]
+        scaled = torch.where(logits > 0, logits / cfg.repetition_penalty, logits * cfg.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    if cfg.frequency_penalty or cfg.presence_penalty:
+        counts = torch.bincount(output_ids, minlength=vocab).float()  # [V]
+        logits -= cfg.frequency_penalty * counts + cfg.presence_penalty * (counts > 0).float()
+    if cfg.logit_bias:  # token ids checked against the vocabulary at submit
+        logits.index_add_(0, torch.tensor([t for t, _ in cfg.logit_bias]), torch.tensor([b for _, b in cfg.logit_bias]))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
+    """logits [V] (adjusted already) -> a token id. Greedy when ``cfg.temperature == 0``."""
     if cfg.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # [V]

@@ -15,7 +15,7 @@ from icekv.compress import CompressedContext
 from icekv.config import PromptCaching, SamplingConfig, SelectionConfig
 from icekv.engine.kv_manager import Admission
 from icekv.engine.results import Generation, Prefilled
-from icekv.engine.sampling import sample_next
+from icekv.engine.sampling import adjusted_logits, sample_next
 from icekv.engine.text_stream import TextStream
 from icekv.errors import IcekvError
 from icekv.policies import Policy, window_queries_kept
@@ -168,7 +168,11 @@ class Sequence:
 
     def accept(self, logits: torch.Tensor) -> None:
         """Sample the next token from logits [V]; finishes on EOS, a stop string or max_tokens."""
-        token = sample_next(logits, self.request.sampling, self.generator)
+        s = self.request.sampling
+        if s.adjusts_logits:
+            logits = adjusted_logits(logits, s, torch.tensor(self.request.prompt_ids, dtype=torch.long),
+                                     torch.tensor(self.stream.token_ids, dtype=torch.long))
+        token = sample_next(logits, s, self.generator)
         if token in self.eos:
             self.finish_reason = "stop"
             return self._emit_last()

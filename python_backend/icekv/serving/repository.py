@@ -30,6 +30,10 @@ INPUTS = (
     ("temperature", "TYPE_FP32", "[ 1 ]", True),
     ("top_p", "TYPE_FP32", "[ 1 ]", True),
     ("seed", "TYPE_INT64", "[ 1 ]", True),
+    ("presence_penalty", "TYPE_FP32", "[ 1 ]", True),
+    ("frequency_penalty", "TYPE_FP32", "[ 1 ]", True),
+    ("repetition_penalty", "TYPE_FP32", "[ 1 ]", True),
+    ("logit_bias", "TYPE_STRING", "[ 1 ]", True),  # a JSON object: token id -> bias in [-100, 100]
     ("stop", "TYPE_STRING", "[ -1 ]", True),
     ("policy", "TYPE_STRING", "[ 1 ]", True),
     ("budget", "TYPE_INT32", "[ 1 ]", True),

@@ -22,7 +22,10 @@ from icekv.store.format import StoreError, check_key
 TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton_enable_empty_final_response)
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
                "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget", "cache_prompt",
-               "cache_retention_s")
+               "cache_retention_s", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+
+
+MAX_LOGIT_BIAS = 300  # token ids one request may bias, as OpenAI allows
 
 
 class RequestError(IcekvError, ValueError):
@@ -144,6 +147,24 @@ def _context(fields: dict[str, Any], cfg: CompressionConfig) -> ContextRequest |
     return ContextRequest(None, tuple(_int("context_ids", i) for i in ids), method, budget)
 
 
+def _logit_bias(fields: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: a JSON object of token id (a decimal string, as OpenAI sends it) to bias."""
+    if "logit_bias" not in fields:
+        return ()
+    try:
+        bias = json.loads(_str("logit_bias", fields["logit_bias"]))
+    except json.JSONDecodeError as e:
+        raise RequestError(f"logit_bias is not valid JSON: {e.msg} at character {e.pos}") from None
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias must be a JSON object of at most {MAX_LOGIT_BIAS} token ids to biases")
+    out = []
+    for token, value in bias.items():
+        if not token.isdigit():
+            raise RequestError(f"logit_bias keys must be token ids, got {token!r}")
+        out.append((int(token), _float(f"logit_bias[{token}]", value)))
+    return tuple(out)
+
+
 def _caching(fields: dict[str, Any], cfg: ServingConfig) -> PromptCaching:
     enabled = _bool("cache_prompt", fields.get("cache_prompt", True))
     retention = _float("cache_retention_s", fields.get("cache_retention_s", 0.0))
@@ -191,6 +212,10 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
             top_p=_float("top_p", fields.get("top_p", 1.0)),
             seed=None if seed is None else _int("seed", seed),
             stop=stop,
+            presence_penalty=_float("presence_penalty", fields.get("presence_penalty", 0.0)),
+            frequency_penalty=_float("frequency_penalty", fields.get("frequency_penalty", 0.0)),
+            repetition_penalty=_float("repetition_penalty", fields.get("repetition_penalty", 1.0)),
+            logit_bias=_logit_bias(fields),
         )
         selection = engine_sel
         if "policy" in fields or "budget" in fields:

@@ -71,10 +71,12 @@ class _GenerateBody(_Strict):
     user: str | None = None  # accepted, unused
     # neutral values only
     n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
     logprobs: Literal[False] | None = None
-    # icekv's settings
+    # vLLM's extra sampling field, and icekv's settings
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
     policy: str | None = None
     budget: int | None = Field(None, ge=1, le=INT32_MAX)
     context_key: str | None = None
@@ -102,7 +104,10 @@ class _GenerateBody(_Strict):
     def triton_fields(self) -> dict[str, Any]:
         """The icekv model's inputs for this body (absent settings take the server's defaults)."""
         fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                  "seed": self.seed, "stop": self.stop or None, "policy": self.policy, "budget": self.budget,
+                  "seed": self.seed, "stop": self.stop or None, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                  "logit_bias": None if self.logit_bias is None else json.dumps(self.logit_bias),
+                  "policy": self.policy, "budget": self.budget,
                   "context_key": self.context_key, "context": self.context, "kv_method": self.kv_method,
                   "kv_budget": self.kv_budget, "cache_prompt": self.cache_prompt,
                   "cache_retention_s": self.cache_retention_s, "stream": True}

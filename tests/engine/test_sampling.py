@@ -1,0 +1,60 @@
+"""Penalties and biases on the logits, as OpenAI and vLLM define them, and through the engine."""
+
+import pytest
+import torch
+
+from icekv.config import SamplingConfig
+from icekv.engine.sampling import adjusted_logits
+from icekv.errors import ConfigError
+
+LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+NONE = torch.tensor([], dtype=torch.long)
+
+
+def test_neutral_settings_leave_the_logits_as_they_are():
+    cfg = SamplingConfig()
+    assert not cfg.adjusts_logits
+    assert torch.equal(adjusted_logits(LOGITS, cfg, torch.tensor([0, 1]), torch.tensor([3, 3])), LOGITS)
+
+
+def test_frequency_counts_each_generation_presence_only_the_first():
+    cfg = SamplingConfig(frequency_penalty=0.5, presence_penalty=1.0)
+    out = adjusted_logits(LOGITS, cfg, torch.tensor([1]), torch.tensor([3, 3, 0]))  # the prompt does not count
+    assert out.tolist() == [2.0 - 0.5 - 1.0, -1.0, 0.5, 3.0 - 1.0 - 1.0, -2.0]
+
+
+def test_repetition_penalty_shrinks_every_seen_tokens_logit_towards_unlikely():
+    cfg = SamplingConfig(repetition_penalty=2.0)
+    out = adjusted_logits(LOGITS, cfg, torch.tensor([1, 0]), torch.tensor([3]))
+    assert out.tolist() == [1.0, -2.0, 0.5, 1.5, -2.0]
+
+
+def test_logit_bias_adds_to_the_named_tokens():
+    out = adjusted_logits(LOGITS, SamplingConfig(logit_bias=((4, 100.0), (0, -1.5))), NONE, NONE)
+    assert out.tolist() == [0.5, -1.0, 0.5, 3.0, 98.0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"presence_penalty": 2.5}, "presence_penalty must be in"),
+    ({"frequency_penalty": -3}, "frequency_penalty must be in"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in"),
+    ({"logit_bias": ((5, 101.0),)}, "logit_bias maps"),
+    ({"logit_bias": ((-1, 1.0),)}, "logit_bias maps"),
+])
+def test_out_of_range_settings_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SamplingConfig(**kwargs)
+
+
+def test_through_the_engine_a_bias_forces_a_token_and_a_penalty_stops_a_repeat(engine):
+    prompt = "one one one one one one one"
+    plain = engine.generate(prompt, SamplingConfig(max_tokens=6, ignore_eos=True))
+    target = engine.tokenizer.encode(" banana")[0]
+    forced = engine.generate(prompt, SamplingConfig(max_tokens=6, ignore_eos=True, logit_bias=((target, 100.0),)))
+    assert forced.token_ids == [target] * 6
+    repeated = max(set(plain.token_ids), key=plain.token_ids.count)
+    penalised = engine.generate(prompt, SamplingConfig(max_tokens=6, ignore_eos=True, frequency_penalty=2.0,
+                                                       presence_penalty=2.0))
+    assert penalised.token_ids.count(repeated) < plain.token_ids.count(repeated)
+    with pytest.raises(ConfigError, match="vocabulary has"):
+        engine.submit(prompt, SamplingConfig(logit_bias=((10**7, 1.0),)))
