@@ -56,6 +56,9 @@ class PagingConfig:
         return math.ceil(self.max_context_tokens / self.page_size)
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token, as OpenAI allows
+
+
 @dataclass(frozen=True)
 class PromptCaching:
     """What the prefix cache may do with one request's prompt: serve it and keep its pages
@@ -74,7 +77,9 @@ class PromptCaching:
 class SamplingConfig:
     """How the next token is picked. ``temperature == 0`` means greedy decoding.
 
-    Before it, the logits are adjusted as OpenAI's API and vLLM define (:func:`icekv.engine.sampling.
+    ``logprobs`` reports the model's own log-probabilities (of the logits before any penalty, bias
+    or temperature, as vLLM's default). Before sampling, the logits are adjusted as OpenAI's API and
+    vLLM define (:func:`icekv.engine.sampling.
     adjusted_logits`): ``repetition_penalty`` divides the positive logits (multiplies the negative
     ones) of every token seen in the prompt or the output; ``frequency_penalty`` is subtracted once
     per time a token was generated, ``presence_penalty`` once if it was; ``logit_bias`` adds to
@@ -91,6 +96,7 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    logprobs: int | None = None  # None: none; k: each new token's log-probability and the k most likely ones
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -104,6 +110,8 @@ class SamplingConfig:
                 raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ConfigError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ConfigError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")

@@ -58,3 +58,21 @@ def test_through_the_engine_a_bias_forces_a_token_and_a_penalty_stops_a_repeat(e
     assert penalised.token_ids.count(repeated) < plain.token_ids.count(repeated)
     with pytest.raises(ConfigError, match="vocabulary has"):
         engine.submit(prompt, SamplingConfig(logit_bias=((10**7, 1.0),)))
+
+
+def test_logprobs_are_the_models_log_softmax_at_each_step(engine):
+    prompt = engine.tokenizer.encode("The capital of France is")
+    out = engine.generate(prompt, SamplingConfig(max_tokens=4, ignore_eos=True, logprobs=3))
+    assert [t["token_id"] for t in out.logprobs] == out.token_ids
+    for i, entry in enumerate(out.logprobs):
+        ref = engine.prefill(prompt + out.token_ids[:i])  # the same position's logits, by a prefill
+        try:
+            logprobs = torch.log_softmax(ref.logits.float(), -1)
+        finally:
+            engine.release(ref)
+        assert entry["logprob"] == pytest.approx(float(logprobs[entry["token_id"]]), abs=1e-3)
+        best = torch.topk(logprobs, 3)
+        assert [a["token_id"] for a in entry["top_logprobs"]] == best.indices.tolist()  # greedy: the first is it
+        assert entry["top_logprobs"][0]["token_id"] == entry["token_id"]
+        assert entry["token"] == engine.tokenizer.decode([entry["token_id"]])
+    assert engine.generate(prompt, SamplingConfig(max_tokens=2)).logprobs == []  # not asked: none

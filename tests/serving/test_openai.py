@@ -116,6 +116,27 @@ def test_penalties_and_logit_bias_change_the_tokens_as_defined_and_nothing_at_ze
     assert ask(logit_bias={str(banana): 100}) == " banana" * 6
 
 
+def test_logprobs_in_openais_shapes(client):
+    chat = client.chat.completions.create(model="icekv", messages=QUESTION, max_tokens=6, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy: the likeliest
+        assert t.logprob <= 0 and t.bytes == list(t.token.encode())
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+    plain = client.chat.completions.create(model="icekv", messages=QUESTION, max_tokens=6)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+    stream = list(client.chat.completions.create(model="icekv", messages=QUESTION, max_tokens=6, logprobs=True,
+                                                 stream=True))
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+    text = client.completions.create(model="icekv", prompt="The capital of France is", max_tokens=4, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text and len(lp.token_logprobs) == 4
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
 def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(client):
     messages, cached, prompts = [], [], []
     for turn in range(10):
@@ -139,6 +160,8 @@ def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(cli
     ({"messages": QUESTION, "temperature": 3}, "temperature", "less than or equal to 2"),
     ({"messages": QUESTION, "n": 2}, "n", "supports only 1"),
     ({"messages": QUESTION, "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"messages": QUESTION, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"messages": QUESTION, "top_logprobs": 2}, None, "top_logprobs needs logprobs"),
     ({"messages": QUESTION, "logit_bias": {"x": 1}}, None, "logit_bias keys must be token ids"),
     ({"messages": QUESTION, "logit_bias": {"99999999": 1}}, None, "vocabulary has 49152 tokens"),
     ({"messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop sequences"),

@@ -48,6 +48,8 @@ def test_defaults_come_from_the_serving_config():
     ({"logit_bias": '{"apple": 1}'}, "logit_bias keys must be token ids, got 'apple'"),
     ({"logit_bias": '{"5": "up"}'}, r"logit_bias\[5\] must be a number"),
     ({"logit_bias": '{"5": 200}'}, r"logit_bias maps token ids >= 0 to biases in \[-100, 100\]"),
+    ({"logprobs": 21}, r"logprobs must be in \[0, 20\]"),
+    ({"logprobs": 1.5}, "logprobs must be an integer"),
     ({"cache_retention_s": "long"}, "cache_retention_s must be a number"),
     ({"cache_retention_s": -1}, r"cache_retention_s must be in \[0, 600\]"),
     ({"cache_retention_s": 1e6}, r"\(max_cache_retention_s\), got 1e\+06"),

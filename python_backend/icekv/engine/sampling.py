@@ -28,6 +28,17 @@ def adjusted_logits(logits: torch.Tensor, cfg: SamplingConfig, prompt_ids: torch
     return logits
 
 
+def token_logprobs(logits: torch.Tensor, token: int, top: int, decode) -> dict:
+    """The log-probability of ``token`` under logits [V] and the ``top`` most likely tokens, most
+    likely first, each with its text (``decode``: token ids -> text)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    best = torch.topk(logprobs, top) if top else None
+    alternatives = [] if best is None else [
+        {"token_id": int(t), "token": decode([int(t)]), "logprob": float(lp)}
+        for lp, t in zip(best.values.tolist(), best.indices.tolist())]
+    return {"token_id": token, "token": decode([token]), "logprob": float(logprobs[token]), "top_logprobs": alternatives}
+
+
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
     """logits [V] (adjusted already) -> a token id. Greedy when ``cfg.temperature == 0``."""
     if cfg.greedy:

@@ -15,7 +15,7 @@ from icekv.compress import CompressedContext
 from icekv.config import PromptCaching, SamplingConfig, SelectionConfig
 from icekv.engine.kv_manager import Admission
 from icekv.engine.results import Generation, Prefilled
-from icekv.engine.sampling import adjusted_logits, sample_next
+from icekv.engine.sampling import adjusted_logits, sample_next, token_logprobs
 from icekv.engine.text_stream import TextStream
 from icekv.errors import IcekvError
 from icekv.policies import Policy, window_queries_kept
@@ -78,6 +78,7 @@ class Sequence:
     logits: torch.Tensor | None = None  # [V] after the prompt (kept for a prefill-only request)
     generator: torch.Generator | None = None
     step_s: list[float] = field(default_factory=list)  # each decode step's wall time
+    logprobs: list[dict] = field(default_factory=list)  # per new token, when the sampling asks (token_logprobs)
     queued_at: float = 0.0  # time.monotonic() when it entered the scheduler's queue
     t_prefill: float = 0.0
     prefill_s: float = 0.0
@@ -168,7 +169,7 @@ class Sequence:
 
     def accept(self, logits: torch.Tensor) -> None:
         """Sample the next token from logits [V]; finishes on EOS, a stop string or max_tokens."""
-        s = self.request.sampling
+        s, raw = self.request.sampling, logits
         if s.adjusts_logits:
             logits = adjusted_logits(logits, s, torch.tensor(self.request.prompt_ids, dtype=torch.long),
                                      torch.tensor(self.stream.token_ids, dtype=torch.long))
@@ -176,6 +177,8 @@ class Sequence:
         if token in self.eos:
             self.finish_reason = "stop"
             return self._emit_last()
+        if s.logprobs is not None:
+            self.logprobs.append(token_logprobs(raw, token, s.logprobs, self.stream.tokenizer.decode))
         self._emit(self.stream.push(token))
         if self.stream.stopped:
             self.finish_reason = "stop"
@@ -217,7 +220,7 @@ class Sequence:
             budget=self.request.selection.budget if self.request.policy.sparse else None,
             timings=dict(backend.timings) if backend else {},
             step_max_s=max(self.step_s, default=0.0), first_step_s=self.step_s[0] if self.step_s else 0.0,
-            cached_tokens=self.cached_tokens,
+            cached_tokens=self.cached_tokens, logprobs=self.logprobs,
             layer_stats={layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}
                          for layer, v in (backend.layer_stats.items() if backend else ())},
         )

@@ -34,6 +34,7 @@ INPUTS = (
     ("frequency_penalty", "TYPE_FP32", "[ 1 ]", True),
     ("repetition_penalty", "TYPE_FP32", "[ 1 ]", True),
     ("logit_bias", "TYPE_STRING", "[ 1 ]", True),  # a JSON object: token id -> bias in [-100, 100]
+    ("logprobs", "TYPE_INT32", "[ 1 ]", True),  # report each new token's log-probability and this many alternatives
     ("stop", "TYPE_STRING", "[ -1 ]", True),
     ("policy", "TYPE_STRING", "[ 1 ]", True),
     ("budget", "TYPE_INT32", "[ 1 ]", True),

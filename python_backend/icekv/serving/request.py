@@ -22,7 +22,8 @@ from icekv.store.format import StoreError, check_key
 TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton_enable_empty_final_response)
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
                "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget", "cache_prompt",
-               "cache_retention_s", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+               "cache_retention_s", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+               "logprobs")
 
 
 MAX_LOGIT_BIAS = 300  # token ids one request may bias, as OpenAI allows
@@ -216,6 +217,7 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
             frequency_penalty=_float("frequency_penalty", fields.get("frequency_penalty", 0.0)),
             repetition_penalty=_float("repetition_penalty", fields.get("repetition_penalty", 1.0)),
             logit_bias=_logit_bias(fields),
+            logprobs=None if "logprobs" not in fields else _int("logprobs", fields["logprobs"]),
         )
         selection = engine_sel
         if "policy" in fields or "budget" in fields:

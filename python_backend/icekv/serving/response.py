@@ -31,6 +31,7 @@ class Final:
     kv_bytes_moved: int = _out(0, "TYPE_INT64")
     context_key: str = _out("", "TYPE_STRING")  # the request's context ("" without one) ...
     context_cache: str = _out("", "TYPE_STRING")  # ... found (hit), compressed for it, or joined another's compression
+    logprobs: str = _out("", "TYPE_STRING")  # asked for: a JSON list, per new token (icekv.engine.sampling.token_logprobs)
 
 
 OUTPUTS = (TEXT_OUTPUT, *((f.name, f.metadata["triton"]) for f in fields(Final)))  # name, Triton type

@@ -70,7 +70,9 @@ class TritonSink:
         self._final(Final(finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
                           cached_tokens=result.cached_tokens, new_tokens=result.new_tokens, policy=result.policy, budget=result.budget or 0,
                           kv_resident_bytes=result.kv.resident_bytes, kv_total_bytes=result.kv.total_bytes,
-                          kv_bytes_moved=result.kv.bytes_moved), "" if self.stream else result.text)
+                          kv_bytes_moved=result.kv.bytes_moved,
+                          logprobs=json.dumps(result.logprobs, ensure_ascii=False) if result.logprobs else ""),
+                    "" if self.stream else result.text)
 
     def context_ready(self, key: str, context) -> None:
         """A compress-only request's answer: the key, and the context's KV bytes compressed

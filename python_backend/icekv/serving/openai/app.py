@@ -87,6 +87,11 @@ def _usage(final: Final) -> dict:
             "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
 
 
+def _logprobs(final: Final) -> list:
+    """The request's per-token log-probabilities, as the engine reported them."""
+    return json.loads(final.logprobs) if final.logprobs else []
+
+
 def _icekv_stats(final: Final) -> dict:
     """icekv's own account of the request's KV cache (extra response field; OpenAI clients ignore it)."""
     stats = {"policy": final.policy, "budget": final.budget, "kv_resident_bytes": final.kv_resident_bytes,
@@ -105,17 +110,34 @@ class _Kind:
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
-    def choice(self, text: str, finish_reason: str | None) -> dict:
+    def choice(self, text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
         if self.chat:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "message": {"role": "assistant", "content": text},
+                    "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
 
-    def delta(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
+    def delta(self, text: str | None, finish_reason: str | None, first: bool = False,
+              logprobs: list | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+
+    def logprobs(self, tokens: list | None) -> dict | None:
+        """The engine's per-token log-probabilities (None: not asked) in this endpoint's shape:
+        chat's ``content`` list, or the completions API's parallel lists."""
+        if tokens is None:
+            return None
+        if self.chat:
+            entry = lambda t: {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}  # noqa: E731
+            return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t["top_logprobs"]]} for t in tokens],
+                    "refusal": None}
+        offsets = [0]
+        for t in tokens[:-1]:
+            offsets.append(offsets[-1] + len(t["token"]))
+        return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+                "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens],
+                "text_offset": offsets}
 
 
 class OpenAIFrontend:
@@ -184,12 +206,14 @@ class OpenAIFrontend:
                               f"{self.config.model!r}", "model", "model_not_found")
         pieces = self.pieces(body.triton_fields())
         meta = {"id": f"{kind.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model}
+        wants_logprobs = body.top_logprobs_asked is not None
         if not body.stream:
             text, final = await self.collect_unless_disconnected(request, pieces)
-            return JSONResponse({**meta, "object": kind.object, "choices": [kind.choice(text, final.finish_reason)],
+            choice = kind.choice(text, final.finish_reason, _logprobs(final) if wants_logprobs else None)
+            return JSONResponse({**meta, "object": kind.object, "choices": [choice],
                                  "usage": _usage(final), "icekv": _icekv_stats(final)})
         first = await self.first_unless_disconnected(request, pieces)
-        return StreamingResponse(self._events(first, pieces, meta, kind, body.include_usage),
+        return StreamingResponse(self._events(first, pieces, meta, kind, body.include_usage, wants_logprobs),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _timed(self, pieces: AsyncIterator) -> AsyncIterator:
@@ -220,8 +244,11 @@ class OpenAIFrontend:
             text.append(piece)
         raise OpenAIError(500, "the inference server ended the request without a result")
 
-    async def _events(self, first, pieces: AsyncIterator, meta: dict, kind: _Kind, include_usage: bool):
-        """Server-sent events: chunks, then usage if asked, then ``[DONE]``; an error mid-stream as an event."""
+    async def _events(self, first, pieces: AsyncIterator, meta: dict, kind: _Kind, include_usage: bool,
+                      wants_logprobs: bool):
+        """Server-sent events: chunks, then usage if asked, then ``[DONE]``; an error mid-stream as an
+        event. Log-probabilities, when asked, come whole with the finishing chunk (a streamed piece
+        of text need not end on a token)."""
 
         def event(choices: list, **extra) -> str:
             chunk = {**meta, "object": kind.chunk_object, "choices": choices, **extra}
@@ -237,7 +264,8 @@ class OpenAIFrontend:
                 if piece:
                     yield event([kind.delta(piece, None)])
                 piece = await anext(pieces)
-            yield event([kind.delta(None, piece.finish_reason)], icekv=_icekv_stats(piece))
+            yield event([kind.delta(None, piece.finish_reason, logprobs=_logprobs(piece) if wants_logprobs else None)],
+                        icekv=_icekv_stats(piece))
             if include_usage:
                 yield event([], usage=_usage(piece))
         except OpenAIError as e:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from icekv.config import MAX_TOP_LOGPROBS
+
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
@@ -74,7 +76,6 @@ class _GenerateBody(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
-    logprobs: Literal[False] | None = None
     # vLLM's extra sampling field, and icekv's settings
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     policy: str | None = None
@@ -101,6 +102,11 @@ class _GenerateBody(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per token the client asked for; None: no log-probabilities."""
+        return None
+
     def triton_fields(self) -> dict[str, Any]:
         """The icekv model's inputs for this body (absent settings take the server's defaults)."""
         fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -110,13 +116,25 @@ class _GenerateBody(_Strict):
                   "policy": self.policy, "budget": self.budget,
                   "context_key": self.context_key, "context": self.context, "kv_method": self.kv_method,
                   "kv_budget": self.kv_budget, "cache_prompt": self.cache_prompt,
-                  "cache_retention_s": self.cache_retention_s, "stream": True}
+                  "cache_retention_s": self.cache_retention_s, "logprobs": self.top_logprobs_asked, "stream": True}
         return {k: v for k, v in fields.items() if v is not None}
 
 
 class ChatCompletionBody(_GenerateBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _one_token_limit(self):
@@ -131,6 +149,7 @@ class ChatCompletionBody(_GenerateBody):
 
 class CompletionBody(_GenerateBody):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
@@ -145,6 +164,10 @@ class CompletionBody(_GenerateBody):
         if not v.strip():
             raise ValueError("prompt is empty")
         return v
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def triton_fields(self) -> dict[str, Any]:
         return {**super().triton_fields(), "text_input": self.prompt}
