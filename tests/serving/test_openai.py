@@ -107,11 +107,13 @@ def test_a_shared_document_as_an_extra_body_context(client, essays_text):
 
 
 def test_penalties_and_logit_bias_change_the_tokens_as_defined_and_nothing_at_zero(client, smollm2_dir):
-    ask = lambda **kw: client.completions.create(model="icekv", prompt="one one one one one one", max_tokens=6,  # noqa: E731
-                                                 **kw).choices[0].text
+    ask = lambda **kw: client.completions.create(model="icekv", prompt="Repeat: the the the the the the",  # noqa: E731
+                                                 max_tokens=6, **kw).choices[0].text
     plain = ask()
+    assert plain.count(" the") >= 3  # the model repeats it ...
     assert ask(presence_penalty=0, frequency_penalty=0, extra_body={"repetition_penalty": 1.0}) == plain
-    assert ask(frequency_penalty=2, presence_penalty=2).count(" one") < plain.count(" one")
+    assert ask(frequency_penalty=2, presence_penalty=2).count(" the") < plain.count(" the")  # ... unless penalised
+    assert ask(extra_body={"repetition_penalty": 3.0}).count(" the") < plain.count(" the")
     banana = Tokenizer(smollm2_dir).encode(" banana")[0]
     assert ask(logit_bias={str(banana): 100}) == " banana" * 6
 
