@@ -154,3 +154,32 @@ def test_a_request_freed_with_retention_keeps_its_pages_past_newer_idle_ones():
     _fill(pool, 2, list(range(90, 102)), 0)  # 3 pages: 1 free, then the unretained request's two
     assert pool.prefix.stats.evictions == 2 and pool.prefix.stats.retained_evictions == 0
     assert len(pool.prefix.match(kept + [1], 8)) == 2  # the retained prefix is still there
+
+
+def test_a_running_requests_published_pages_are_shared_then_cached_when_it_ends():
+    pool = _pool(8)
+    ids = list(range(10))  # 2 full pages and a partial one
+    _fill(pool, 0, ids, 0)
+    pool.publish(0, ids)
+    assert pool.prefix.pages == 2 and pool.prefix.evictable == 0  # held by request 0
+    assert _fill(pool, 1, ids + [7, 7], 11) == 8  # a request starting now shares them
+    pool.extend(0, 3)  # request 0 goes on writing its own partial page
+    pool.write(0, 0, 10, torch.full((3, 1, 2), 5.0), torch.full((3, 1, 2), 5.0))
+    assert pool.gather(0, 1)[0][0, :, 0].tolist() == ids + [7, 7]
+    pool.free(0, cache_tokens=ids + [5, 5, 5])
+    assert pool.prefix.pages == 3 and pool.prefix.evictable == 1  # its third page now; the two still held
+    pool.free(1)
+    assert pool.prefix.evictable == 3 and pool.pages_available == 8
+
+
+def test_publishing_stops_at_a_prefix_another_request_cached_first():
+    pool = _pool(8)
+    ids = list(range(8))
+    _fill(pool, 0, ids, 0)
+    _fill(pool, 1, ids, 0)  # the same prompt, prefilled beside it
+    pool.publish(0, ids)
+    pool.publish(1, ids)
+    assert pool.prefix.pages == 2
+    pool.free(1, cache_tokens=ids)  # its copies are duplicates: freed
+    pool.free(0, cache_tokens=ids)
+    assert pool.prefix.pages == 2 and pool.allocator.num_free == 6

@@ -105,6 +105,8 @@ class StepRunner:
             return
         seq.prefill_s, seq.logits = time.perf_counter() - seq.t_prefill, logits
         seq.window_queries = seq.backend.kept_queries or None
+        if seq.uses_prefix_cache:  # its prompt's full pages are final: requests starting now share them
+            self.cache.publish(seq.seq_id, seq.request.prompt_ids)
         if seq.request.prefill_only:
             seq.phase = Phase.DONE
             return

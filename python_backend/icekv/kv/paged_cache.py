@@ -127,6 +127,13 @@ class PagedKVCache:
             seq.shared, seq.length = len(seq.pages), len(seq.pages) * self.page_size
         return seq.length
 
+    def publish(self, seq_id: int, tokens: list[int]) -> None:
+        """With a prefix cache, the request's full pages of ``tokens`` (from position 0, written
+        and final) join it now, held by the request, for the requests that start while it runs."""
+        if self.prefix is not None:
+            seq = self._seqs[seq_id]
+            seq.shared = self.prefix.publish(tokens[: seq.length], seq.pages, seq.shared)
+
     def free(self, seq_id: int, cache_tokens: list[int] | None = None, retention_s: float = 0.0) -> None:
         """Hand back the request's pages; with ``cache_tokens`` (the tokens its pages hold, from
         position 0) and a prefix cache, its full pages stay cached instead (retained

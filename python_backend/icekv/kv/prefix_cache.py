@@ -115,6 +115,20 @@ class PrefixCache:
             for page in pages:
                 self._retained[page] = max(self._retained.get(page, until), until)
 
+    def publish(self, ids: list[int], pages: list[int], first: int) -> int:
+        """A running request's full pages ``pages[first:]`` (``pages[i]`` holds ``ids[i*P :
+        (i+1)*P]``, final: never written again) become cached and held by it, so that requests
+        starting now share them; up to the first prefix cached already. Returns how many of its
+        pages it holds from the cache now."""
+        keys = page_keys(self.model_id, ids, self.page_size)
+        held = first
+        for key, page in list(zip(keys, pages))[first:]:
+            if key in self._page_of:
+                break
+            self._page_of[key], self._key_of[page], self._refs[page] = page, key, 1
+            held += 1
+        return held
+
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
 
