@@ -139,6 +139,33 @@ def test_logprobs_in_openais_shapes(client):
     assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
 
 
+def test_n_choices_share_one_prefill_and_count_the_prompt_once(client, server):
+    prompt = "The river Thames flows through London. " * 25
+    before = wait_idle(server)
+    reply = client.completions.create(model="icekv", prompt=prompt, max_tokens=6, n=3)
+    after = wait_idle(server)
+    single = client.completions.create(model="icekv", prompt=prompt, max_tokens=6, extra_body={"cache_prompt": False})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert {c.text for c in reply.choices} == {single.choices[0].text}  # greedy: three times the same answer
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens
+    assert reply.usage.completion_tokens == 3 * single.usage.completion_tokens
+    held = after["icekv_prefix_cache_hit_tokens_total"] - before["icekv_prefix_cache_hit_tokens_total"]
+    assert held >= 2 * (single.usage.prompt_tokens - 32)  # choices 1 and 2 prefilled at most a page and a token
+    sampled = lambda: [c.message.content for c in client.chat.completions.create(  # noqa: E731
+        model="icekv", messages=QUESTION, max_tokens=12, n=3, temperature=1.0, seed=7).choices]
+    first = sampled()
+    assert sampled() == first and len(set(first)) > 1  # each choice its own seed: different, and repeatable
+    chunks = list(client.chat.completions.create(model="icekv", messages=QUESTION, max_tokens=8, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts = ["", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    whole = client.chat.completions.create(model="icekv", messages=QUESTION, max_tokens=8, n=2)
+    assert texts == [c.message.content for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(client):
     messages, cached, prompts = [], [], []
     for turn in range(10):
@@ -160,7 +187,7 @@ def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(cli
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "Input should be"),
     ({"messages": QUESTION, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"messages": QUESTION, "temperature": 3}, "temperature", "less than or equal to 2"),
-    ({"messages": QUESTION, "n": 2}, "n", "supports only 1"),
+    ({"messages": QUESTION, "n": 17}, "n", "less than or equal to 16"),
     ({"messages": QUESTION, "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
     ({"messages": QUESTION, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"messages": QUESTION, "top_logprobs": 2}, None, "top_logprobs needs logprobs"),

@@ -81,10 +81,63 @@ async def _unless_disconnected(request: Request, awaitable):
     raise OpenAIError(499, "the client closed the request")
 
 
-def _usage(final: Final) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.new_tokens,
-            "total_tokens": final.prompt_tokens + final.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+def _usage(first: Final, *others: Final) -> dict:
+    """A request's usage: its prompt counted once (its first choice's), every choice's new tokens."""
+    completion = first.new_tokens + sum(f.new_tokens for f in others)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+async def _starting_with(first, pieces: AsyncIterator) -> AsyncIterator:
+    """``pieces`` with ``first`` (taken from it already) in front again."""
+    try:
+        yield first
+        if not isinstance(first, Final):
+            async for piece in pieces:
+                yield piece
+    finally:
+        await pieces.aclose()
+
+
+async def _gather_closing(awaitables) -> list:
+    """Every result; if one fails, the others are cancelled (their Triton requests with them)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator:
+    """(index, piece) of every stream, as they come, until each has given its Final; the first
+    failure is raised, and closing this closes every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for piece in stream:
+                await queue.put((i, piece, None))
+        except Exception as e:  # noqa: BLE001 (handed to the reader)
+            await queue.put((i, None, e))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        pending = len(streams)
+        while pending:
+            i, piece, error = await queue.get()
+            if error is not None:
+                raise error
+            pending -= isinstance(piece, Final)
+            yield i, piece
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _logprobs(final: Final) -> list:
@@ -110,18 +163,18 @@ class _Kind:
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
-    def choice(self, text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
         if self.chat:
-            return {"index": 0, "message": {"role": "assistant", "content": text},
+            return {"index": index, "message": {"role": "assistant", "content": text},
                     "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
 
-    def delta(self, text: str | None, finish_reason: str | None, first: bool = False,
+    def delta(self, index: int, text: str | None, finish_reason: str | None, first: bool = False,
               logprobs: list | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
 
     def logprobs(self, tokens: list | None) -> dict | None:
         """The engine's per-token log-probabilities (None: not asked) in this endpoint's shape:
@@ -204,16 +257,21 @@ class OpenAIFrontend:
         if body.model != self.config.model:
             raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves "
                               f"{self.config.model!r}", "model", "model_not_found")
-        pieces = self.pieces(body.triton_fields())
         meta = {"id": f"{kind.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model}
         wants_logprobs = body.top_logprobs_asked is not None
-        if not body.stream:
-            text, final = await self.collect_unless_disconnected(request, pieces)
-            choice = kind.choice(text, final.finish_reason, _logprobs(final) if wants_logprobs else None)
-            return JSONResponse({**meta, "object": kind.object, "choices": [choice],
-                                 "usage": _usage(final), "icekv": _icekv_stats(final)})
+        pieces = self.pieces(body.choice_fields(0))
+        # the first piece: a refused request gets its status code (not a 200 stream), and the
+        # prompt is prefilled, its pages in the prefix cache for the other choices to share
         first = await self.first_unless_disconnected(request, pieces)
-        return StreamingResponse(self._events(first, pieces, meta, kind, body.include_usage, wants_logprobs),
+        streams = [_starting_with(first, pieces)] + [self.pieces(body.choice_fields(i)) for i in range(1, body.n)]
+        if not body.stream:
+            results = await _unless_disconnected(request, _gather_closing(self._collect(s) for s in streams))
+            choices = [kind.choice(i, text, final.finish_reason, _logprobs(final) if wants_logprobs else None)
+                       for i, (text, final) in enumerate(results)]
+            finals = [final for _, final in results]
+            return JSONResponse({**meta, "object": kind.object, "choices": choices,
+                                 "usage": _usage(*finals), "icekv": _icekv_stats(finals[0])})
+        return StreamingResponse(self._events(streams, meta, kind, body.include_usage, wants_logprobs),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _timed(self, pieces: AsyncIterator) -> AsyncIterator:
@@ -244,11 +302,11 @@ class OpenAIFrontend:
             text.append(piece)
         raise OpenAIError(500, "the inference server ended the request without a result")
 
-    async def _events(self, first, pieces: AsyncIterator, meta: dict, kind: _Kind, include_usage: bool,
+    async def _events(self, streams: list[AsyncIterator], meta: dict, kind: _Kind, include_usage: bool,
                       wants_logprobs: bool):
-        """Server-sent events: chunks, then usage if asked, then ``[DONE]``; an error mid-stream as an
-        event. Log-probabilities, when asked, come whole with the finishing chunk (a streamed piece
-        of text need not end on a token)."""
+        """Server-sent events: each choice's chunks as they come, then usage if asked, then
+        ``[DONE]``; an error mid-stream as an event. Log-probabilities, when asked, come whole with
+        a choice's finishing chunk (a streamed piece of text need not end on a token)."""
 
         def event(choices: list, **extra) -> str:
             chunk = {**meta, "object": kind.chunk_object, "choices": choices, **extra}
@@ -256,22 +314,26 @@ class OpenAIFrontend:
                 chunk.setdefault("usage", None)
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
+        finals = []
+        merged = _merged(streams)
         try:
             if kind.chat:
-                yield event([kind.delta(None, None, first=True)])
-            piece = first
-            while not isinstance(piece, Final):
-                if piece:
-                    yield event([kind.delta(piece, None)])
-                piece = await anext(pieces)
-            yield event([kind.delta(None, piece.finish_reason, logprobs=_logprobs(piece) if wants_logprobs else None)],
-                        icekv=_icekv_stats(piece))
+                for i in range(len(streams)):
+                    yield event([kind.delta(i, None, None, first=True)])
+            async for i, piece in merged:
+                if isinstance(piece, Final):
+                    finals.append(piece)
+                    logprobs = _logprobs(piece) if wants_logprobs else None
+                    yield event([kind.delta(i, None, piece.finish_reason, logprobs=logprobs)],
+                                icekv=_icekv_stats(piece))
+                elif piece:
+                    yield event([kind.delta(i, piece, None)])
             if include_usage:
-                yield event([], usage=_usage(piece))
+                yield event([], usage=_usage(*finals))
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
-            await pieces.aclose()
+            await merged.aclose()
         yield "data: [DONE]\n\n"
 
 

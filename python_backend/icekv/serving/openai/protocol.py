@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from icekv.config import MAX_TOP_LOGPROBS
 
+MAX_CHOICES = 16  # n per request
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
@@ -72,7 +73,7 @@ class _GenerateBody(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
     # neutral values only
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices; 2 and more share the prompt's cached pages
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
@@ -106,6 +107,14 @@ class _GenerateBody(_Strict):
     def top_logprobs_asked(self) -> int | None:
         """Alternatives per token the client asked for; None: no log-probabilities."""
         return None
+
+    def choice_fields(self, index: int) -> dict[str, Any]:
+        """The inputs of choice ``index`` (of ``n``): the same request, its seed (if one was sent)
+        moved by the index so that sampled choices differ and still repeat."""
+        fields = self.triton_fields()
+        if self.seed is not None and index:
+            fields["seed"] = (self.seed + index + 2**63) % 2**64 - 2**63  # stays an int64
+        return fields
 
     def triton_fields(self) -> dict[str, Any]:
         """The icekv model's inputs for this body (absent settings take the server's defaults)."""
