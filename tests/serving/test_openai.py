@@ -166,6 +166,33 @@ def test_n_choices_share_one_prefill_and_count_the_prompt_once(client, server):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_a_list_of_prompts_is_answered_in_order_each_as_alone(client):
+    prompts = ["The capital of France is", "The capital of Italy is", "Two plus two is"]
+    alone = [client.completions.create(model="icekv", prompt=p, max_tokens=5) for p in prompts]
+    together = client.completions.create(model="icekv", prompt=prompts, max_tokens=5, n=2)
+    assert [c.index for c in together.choices] == list(range(6))
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert together.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert together.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    streamed = ["" for _ in range(6)]
+    for chunk in client.completions.create(model="icekv", prompt=prompts, max_tokens=5, n=2, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in together.choices]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt": ["a"] * 17}, "send 1 to 16 prompts, got 17"),
+    ({"prompt": []}, "send 1 to 16 prompts, got 0"),
+    ({"prompt": ["a", " "]}, "prompt is empty"),
+    ({"prompt": ["a"] * 5, "n": 4}, "at most 16 choices, got 20"),
+])
+def test_bad_prompt_lists_get_400s(client, kwargs, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="icekv", max_tokens=2, **kwargs)
+    assert message in info.value.body["message"]
+
+
 def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(client):
     messages, cached, prompts = [], [], []
     for turn in range(10):

@@ -81,12 +81,13 @@ async def _unless_disconnected(request: Request, awaitable):
     raise OpenAIError(499, "the client closed the request")
 
 
-def _usage(first: Final, *others: Final) -> dict:
-    """A request's usage: its prompt counted once (its first choice's), every choice's new tokens."""
-    completion = first.new_tokens + sum(f.new_tokens for f in others)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+def _usage(finals: list[Final], n: int = 1) -> dict:
+    """A request's usage over its choices (``n`` per prompt, in order): each prompt counted once
+    (its first choice's), every choice's new tokens."""
+    firsts = finals[::n]
+    prompt, completion = sum(f.prompt_tokens for f in firsts), sum(f.new_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)}}
 
 
 async def _starting_with(first, pieces: AsyncIterator) -> AsyncIterator:
@@ -259,19 +260,21 @@ class OpenAIFrontend:
                               f"{self.config.model!r}", "model", "model_not_found")
         meta = {"id": f"{kind.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model}
         wants_logprobs = body.top_logprobs_asked is not None
-        pieces = self.pieces(body.choice_fields(0))
-        # the first piece: a refused request gets its status code (not a 200 stream), and the
-        # prompt is prefilled, its pages in the prefix cache for the other choices to share
-        first = await self.first_unless_disconnected(request, pieces)
-        streams = [_starting_with(first, pieces)] + [self.pieces(body.choice_fields(i)) for i in range(1, body.n)]
+        # each prompt's first choice, up to its first piece: a refused request gets its status code
+        # (not a 200 stream), and the prompt is prefilled, its pages in the prefix cache for the
+        # prompt's other choices to share
+        leaders = {i: self.pieces(body.choice_fields(i)) for i in range(0, body.choice_count, body.n)}
+        firsts = await _unless_disconnected(request, _gather_closing(anext(s) for s in leaders.values()))
+        streams = [_starting_with(firsts[i // body.n], leaders[i]) if i in leaders else self.pieces(body.choice_fields(i))
+                   for i in range(body.choice_count)]
         if not body.stream:
             results = await _unless_disconnected(request, _gather_closing(self._collect(s) for s in streams))
             choices = [kind.choice(i, text, final.finish_reason, _logprobs(final) if wants_logprobs else None)
                        for i, (text, final) in enumerate(results)]
             finals = [final for _, final in results]
             return JSONResponse({**meta, "object": kind.object, "choices": choices,
-                                 "usage": _usage(*finals), "icekv": _icekv_stats(finals[0])})
-        return StreamingResponse(self._events(streams, meta, kind, body.include_usage, wants_logprobs),
+                                 "usage": _usage(finals, body.n), "icekv": _icekv_stats(finals[0])})
+        return StreamingResponse(self._events(streams, meta, kind, body.include_usage, wants_logprobs, body.n),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _timed(self, pieces: AsyncIterator) -> AsyncIterator:
@@ -303,7 +306,7 @@ class OpenAIFrontend:
         raise OpenAIError(500, "the inference server ended the request without a result")
 
     async def _events(self, streams: list[AsyncIterator], meta: dict, kind: _Kind, include_usage: bool,
-                      wants_logprobs: bool):
+                      wants_logprobs: bool, n: int):
         """Server-sent events: each choice's chunks as they come, then usage if asked, then
         ``[DONE]``; an error mid-stream as an event. Log-probabilities, when asked, come whole with
         a choice's finishing chunk (a streamed piece of text need not end on a token)."""
@@ -314,7 +317,7 @@ class OpenAIFrontend:
                 chunk.setdefault("usage", None)
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
-        finals = []
+        finals: dict[int, Final] = {}
         merged = _merged(streams)
         try:
             if kind.chat:
@@ -322,14 +325,14 @@ class OpenAIFrontend:
                     yield event([kind.delta(i, None, None, first=True)])
             async for i, piece in merged:
                 if isinstance(piece, Final):
-                    finals.append(piece)
+                    finals[i] = piece
                     logprobs = _logprobs(piece) if wants_logprobs else None
                     yield event([kind.delta(i, None, piece.finish_reason, logprobs=logprobs)],
                                 icekv=_icekv_stats(piece))
                 elif piece:
                     yield event([kind.delta(i, piece, None)])
             if include_usage:
-                yield event([], usage=_usage(*finals))
+                yield event([], usage=_usage([finals[i] for i in sorted(finals)], n))
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:

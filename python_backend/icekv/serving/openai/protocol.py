@@ -108,15 +108,25 @@ class _GenerateBody(_Strict):
         """Alternatives per token the client asked for; None: no log-probabilities."""
         return None
 
+    @property
+    def choice_count(self) -> int:
+        """Choices in the response: ``n`` per prompt."""
+        return self.n * self.prompt_count
+
+    @property
+    def prompt_count(self) -> int:
+        return 1
+
     def choice_fields(self, index: int) -> dict[str, Any]:
-        """The inputs of choice ``index`` (of ``n``): the same request, its seed (if one was sent)
-        moved by the index so that sampled choices differ and still repeat."""
-        fields = self.triton_fields()
-        if self.seed is not None and index:
-            fields["seed"] = (self.seed + index + 2**63) % 2**64 - 2**63  # stays an int64
+        """The inputs of choice ``index``, OpenAI's order (prompt ``index // n``, its choice ``index
+        % n``): that prompt's request, its seed (if one was sent) moved by the choice so that
+        sampled choices differ and still repeat."""
+        fields = self.triton_fields(index // self.n)
+        if self.seed is not None and index % self.n:
+            fields["seed"] = (self.seed + index % self.n + 2**63) % 2**64 - 2**63  # stays an int64
         return fields
 
-    def triton_fields(self) -> dict[str, Any]:
+    def triton_fields(self, prompt: int = 0) -> dict[str, Any]:
         """The icekv model's inputs for this body (absent settings take the server's defaults)."""
         fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "seed": self.seed, "stop": self.stop or None, "presence_penalty": self.presence_penalty,
@@ -152,7 +162,7 @@ class ChatCompletionBody(_GenerateBody):
         self.max_tokens = self.max_tokens or self.max_completion_tokens
         return self
 
-    def triton_fields(self) -> dict[str, Any]:
+    def triton_fields(self, prompt: int = 0) -> dict[str, Any]:
         return {**super().triton_fields(), "messages": json.dumps([m.for_template() for m in self.messages])}
 
 
@@ -165,21 +175,30 @@ class CompletionBody(_GenerateBody):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list):
-            if len(v) != 1:
-                raise ValueError("send one prompt per request (a list of exactly one string)")
-            v = v[0]
-        if not v.strip():
+    def _prompts(cls, v):
+        prompts = v if isinstance(v, list) else [v]
+        if not 1 <= len(prompts) <= MAX_CHOICES:
+            raise ValueError(f"send 1 to {MAX_CHOICES} prompts, got {len(prompts)}")
+        if any(not p.strip() for p in prompts):
             raise ValueError("prompt is empty")
-        return v
+        return prompts
+
+    @model_validator(mode="after")
+    def _choices_bounded(self):
+        if self.choice_count > MAX_CHOICES:
+            raise ValueError(f"prompts x n is at most {MAX_CHOICES} choices, got {self.choice_count}")
+        return self
+
+    @property
+    def prompt_count(self) -> int:
+        return len(self.prompt)
 
     @property
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
-    def triton_fields(self) -> dict[str, Any]:
-        return {**super().triton_fields(), "text_input": self.prompt}
+    def triton_fields(self, prompt: int = 0) -> dict[str, Any]:
+        return {**super().triton_fields(), "text_input": self.prompt[prompt]}
 
 
 def _param(loc: tuple) -> str | None:
