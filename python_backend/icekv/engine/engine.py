@@ -141,9 +141,10 @@ class Engine:
         could never run (empty, too long, a policy that cannot take its context) or BusyError.
         ``caching``: whether the prefix cache serves its prompt and keeps its pages, and for how long."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if sampling.logit_bias and max(t for t, _ in sampling.logit_bias) >= self.model.args.vocab_size:
-            raise ConfigError(f"logit_bias names token {max(t for t, _ in sampling.logit_bias)}; this model's "
-                              f"vocabulary has {self.model.args.vocab_size} tokens")
+        biased = max((t for t, _ in sampling.logit_bias), default=-1)
+        if biased >= self.model.args.vocab_size:
+            raise ConfigError(f"logit_bias names token {biased}; this model's vocabulary has "
+                              f"{self.model.args.vocab_size} tokens")
         selection = selection or self.config.selection
         context = prefilled.context if prefilled is not None else context
         policy = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)

@@ -27,7 +27,7 @@ from icekv.kv.token_rows import as_bits, copy_rows, gather_tokens_reference
 class _Sequence:
     pages: list[int] = field(default_factory=list)
     length: int = 0
-    shared: int = 0  # leading pages held from the prefix cache: read, never written
+    shared: int = 0  # leading pages the prefix cache holds for it (its hit, its published prompt): never written
     _ids: torch.Tensor | None = None  # [pages] the page list as a tensor; None = stale
     _run_starts: list[int] | None = None  # index of the first page of each run of consecutive ids; None = stale
 
@@ -56,9 +56,10 @@ class PagedKVCache:
     asynchronously; readers move what they attend with :meth:`to_compute` (a no-op when the two
     are one device, as on a CPU).
 
-    With a ``prefix`` cache, a request's full pages stay in the pool when it ends (if it asks) and
-    a later request whose prompt starts with their tokens holds them instead of prefilling them
-    again; they are evicted, least recently used first, when an allocation needs room."""
+    With a ``prefix`` cache, a request's full pages join it (its prompt's once prefilled, the rest
+    when it ends) and a later request whose prompt starts with their tokens holds them instead of
+    prefilling them again; idle ones are evicted, least recently used first, when an allocation
+    needs room."""
 
     def __init__(
         self,

@@ -24,6 +24,8 @@ from starlette.routing import Route
 from icekv.serving.openai.config import OpenAIConfig
 from icekv.serving.client import Final
 from icekv.serving.openai.generate_api import GenerateAPI
+from icekv.serving.openai.shapes import Kind, final_logprobs, icekv_stats, usage
+from icekv.serving.openai.streams import gather_closing, merged, starting_with
 from icekv.serving.openai.protocol import ChatCompletionBody, CompletionBody, OpenAIError, parse_body
 from icekv.serving.openai.triton_bridge import TritonBridge
 
@@ -81,119 +83,6 @@ async def _unless_disconnected(request: Request, awaitable):
     raise OpenAIError(499, "the client closed the request")
 
 
-def _usage(finals: list[Final], n: int = 1) -> dict:
-    """A request's usage over its choices (``n`` per prompt, in order): each prompt counted once
-    (its first choice's), every choice's new tokens."""
-    firsts = finals[::n]
-    prompt, completion = sum(f.prompt_tokens for f in firsts), sum(f.new_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)}}
-
-
-async def _starting_with(first, pieces: AsyncIterator) -> AsyncIterator:
-    """``pieces`` with ``first`` (taken from it already) in front again."""
-    try:
-        yield first
-        if not isinstance(first, Final):
-            async for piece in pieces:
-                yield piece
-    finally:
-        await pieces.aclose()
-
-
-async def _gather_closing(awaitables) -> list:
-    """Every result; if one fails, the others are cancelled (their Triton requests with them)."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _merged(streams: list[AsyncIterator]) -> AsyncIterator:
-    """(index, piece) of every stream, as they come, until each has given its Final; the first
-    failure is raised, and closing this closes every stream."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator) -> None:
-        try:
-            async for piece in stream:
-                await queue.put((i, piece, None))
-        except Exception as e:  # noqa: BLE001 (handed to the reader)
-            await queue.put((i, None, e))
-        finally:
-            await stream.aclose()
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        pending = len(streams)
-        while pending:
-            i, piece, error = await queue.get()
-            if error is not None:
-                raise error
-            pending -= isinstance(piece, Final)
-            yield i, piece
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _logprobs(final: Final) -> list:
-    """The request's per-token log-probabilities, as the engine reported them."""
-    return json.loads(final.logprobs) if final.logprobs else []
-
-
-def _icekv_stats(final: Final) -> dict:
-    """icekv's own account of the request's KV cache (extra response field; OpenAI clients ignore it)."""
-    stats = {"policy": final.policy, "budget": final.budget, "kv_resident_bytes": final.kv_resident_bytes,
-             "kv_total_bytes": final.kv_total_bytes, "kv_bytes_moved": final.kv_bytes_moved}
-    if final.context_key:
-        stats.update(context_key=final.context_key, context_cache=final.context_cache)
-    return stats
-
-
-class _Kind:
-    """What differs between the chat and the completion endpoints' responses."""
-
-    def __init__(self, chat: bool):
-        self.chat = chat
-        self.prefix = "chatcmpl" if chat else "cmpl"
-        self.object = "chat.completion" if chat else "text_completion"
-        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
-
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
-        if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-
-    def delta(self, index: int, text: str | None, finish_reason: str | None, first: bool = False,
-              logprobs: list | None = None) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-        return {"index": index, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-
-    def logprobs(self, tokens: list | None) -> dict | None:
-        """The engine's per-token log-probabilities (None: not asked) in this endpoint's shape:
-        chat's ``content`` list, or the completions API's parallel lists."""
-        if tokens is None:
-            return None
-        if self.chat:
-            entry = lambda t: {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}  # noqa: E731
-            return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t["top_logprobs"]]} for t in tokens],
-                    "refusal": None}
-        offsets = [0]
-        for t in tokens[:-1]:
-            offsets.append(offsets[-1] + len(t["token"]))
-        return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
-                "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens],
-                "text_offset": offsets}
-
-
 class OpenAIFrontend:
     """The app's state: its settings and one Triton client."""
 
@@ -231,10 +120,10 @@ class OpenAIFrontend:
         return _error_response(OpenAIError(503, f"the Triton model {self.config.model} is not ready"))
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, ChatCompletionBody, _Kind(chat=True))
+        return await self._generate(request, ChatCompletionBody, Kind(chat=True))
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionBody, _Kind(chat=False))
+        return await self._generate(request, CompletionBody, Kind(chat=False))
 
     # ---- shared by both APIs
     async def read_body(self, request: Request) -> bytes:
@@ -252,7 +141,7 @@ class OpenAIFrontend:
         return await _unless_disconnected(request, anext(pieces))
 
     # ---- generation
-    async def _generate(self, request: Request, body_model, kind: _Kind) -> Response:
+    async def _generate(self, request: Request, body_model, kind: Kind) -> Response:
         raw = await self.read_body(request)
         body = parse_body(body_model, raw, self.config.max_stop_sequences)
         if body.model != self.config.model:
@@ -264,16 +153,16 @@ class OpenAIFrontend:
         # (not a 200 stream), and the prompt is prefilled, its pages in the prefix cache for the
         # prompt's other choices to share
         leaders = {i: self.pieces(body.choice_fields(i)) for i in range(0, body.choice_count, body.n)}
-        firsts = await _unless_disconnected(request, _gather_closing(anext(s) for s in leaders.values()))
-        streams = [_starting_with(firsts[i // body.n], leaders[i]) if i in leaders else self.pieces(body.choice_fields(i))
+        firsts = await _unless_disconnected(request, gather_closing(anext(s) for s in leaders.values()))
+        streams = [starting_with(firsts[i // body.n], leaders[i]) if i in leaders else self.pieces(body.choice_fields(i))
                    for i in range(body.choice_count)]
         if not body.stream:
-            results = await _unless_disconnected(request, _gather_closing(self._collect(s) for s in streams))
-            choices = [kind.choice(i, text, final.finish_reason, _logprobs(final) if wants_logprobs else None)
+            results = await _unless_disconnected(request, gather_closing(self._collect(s) for s in streams))
+            choices = [kind.choice(i, text, final.finish_reason, final_logprobs(final) if wants_logprobs else None)
                        for i, (text, final) in enumerate(results)]
             finals = [final for _, final in results]
             return JSONResponse({**meta, "object": kind.object, "choices": choices,
-                                 "usage": _usage(finals, body.n), "icekv": _icekv_stats(finals[0])})
+                                 "usage": usage(finals, body.n), "icekv": icekv_stats(finals[0])})
         return StreamingResponse(self._events(streams, meta, kind, body.include_usage, wants_logprobs, body.n),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -305,7 +194,7 @@ class OpenAIFrontend:
             text.append(piece)
         raise OpenAIError(500, "the inference server ended the request without a result")
 
-    async def _events(self, streams: list[AsyncIterator], meta: dict, kind: _Kind, include_usage: bool,
+    async def _events(self, streams: list[AsyncIterator], meta: dict, kind: Kind, include_usage: bool,
                       wants_logprobs: bool, n: int):
         """Server-sent events: each choice's chunks as they come, then usage if asked, then
         ``[DONE]``; an error mid-stream as an event. Log-probabilities, when asked, come whole with
@@ -318,25 +207,25 @@ class OpenAIFrontend:
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
         finals: dict[int, Final] = {}
-        merged = _merged(streams)
+        stream = merged(streams)
         try:
             if kind.chat:
                 for i in range(len(streams)):
                     yield event([kind.delta(i, None, None, first=True)])
-            async for i, piece in merged:
+            async for i, piece in stream:
                 if isinstance(piece, Final):
                     finals[i] = piece
-                    logprobs = _logprobs(piece) if wants_logprobs else None
+                    logprobs = final_logprobs(piece) if wants_logprobs else None
                     yield event([kind.delta(i, None, piece.finish_reason, logprobs=logprobs)],
-                                icekv=_icekv_stats(piece))
+                                icekv=icekv_stats(piece))
                 elif piece:
                     yield event([kind.delta(i, piece, None)])
             if include_usage:
-                yield event([], usage=_usage([finals[i] for i in sorted(finals)], n))
+                yield event([], usage=usage([finals[i] for i in sorted(finals)], n))
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
-            await merged.aclose()
+            await stream.aclose()
         yield "data: [DONE]\n\n"
 
 

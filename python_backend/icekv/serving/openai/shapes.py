@@ -1,0 +1,70 @@
+"""OpenAI's response shapes: a choice, a streamed delta, usage, log-probabilities, and icekv's own
+statistics beside them."""
+
+from __future__ import annotations
+
+import json
+
+from icekv.serving.client import Final
+
+
+def usage(finals: list[Final], n: int = 1) -> dict:
+    """A request's usage over its choices (``n`` per prompt, in order): each prompt counted once
+    (its first choice's), every choice's new tokens."""
+    firsts = finals[::n]
+    prompt, completion = sum(f.prompt_tokens for f in firsts), sum(f.new_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)}}
+
+
+def final_logprobs(final: Final) -> list:
+    """The request's per-token log-probabilities, as the engine reported them."""
+    return json.loads(final.logprobs) if final.logprobs else []
+
+
+def icekv_stats(final: Final) -> dict:
+    """icekv's own account of the request's KV cache (extra response field; OpenAI clients ignore it)."""
+    stats = {"policy": final.policy, "budget": final.budget, "kv_resident_bytes": final.kv_resident_bytes,
+             "kv_total_bytes": final.kv_total_bytes, "kv_bytes_moved": final.kv_bytes_moved}
+    if final.context_key:
+        stats.update(context_key=final.context_key, context_cache=final.context_cache)
+    return stats
+
+
+class Kind:
+    """What differs between the chat and the completion endpoints' responses."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+        self.prefix = "chatcmpl" if chat else "cmpl"
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+
+    def delta(self, index: int, text: str | None, finish_reason: str | None, first: bool = False,
+              logprobs: list | None = None) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+
+    def logprobs(self, tokens: list | None) -> dict | None:
+        """The engine's per-token log-probabilities (None: not asked) in this endpoint's shape:
+        chat's ``content`` list, or the completions API's parallel lists."""
+        if tokens is None:
+            return None
+        if self.chat:
+            entry = lambda t: {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}  # noqa: E731
+            return {"content": [{**entry(t), "topfinal_logprobs": [entry(a) for a in t["topfinal_logprobs"]]} for t in tokens],
+                    "refusal": None}
+        offsets = [0]
+        for t in tokens[:-1]:
+            offsets.append(offsets[-1] + len(t["token"]))
+        return {"tokens": [t["token"] for t in tokens], "tokenfinal_logprobs": [t["logprob"] for t in tokens],
+                "topfinal_logprobs": [{a["token"]: a["logprob"] for a in t["topfinal_logprobs"]} for t in tokens],
+                "text_offset": offsets}
