@@ -97,6 +97,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     logprobs: int | None = None  # None: none; k: each new token's log-probability and the k most likely ones
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (the whole prompt is prefilled)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -110,8 +111,10 @@ class SamplingConfig:
                 raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ConfigError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ConfigError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ConfigError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ConfigError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")

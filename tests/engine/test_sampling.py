@@ -76,3 +76,24 @@ def test_logprobs_are_the_models_log_softmax_at_each_step(engine):
         assert entry["top_logprobs"][0]["token_id"] == entry["token_id"]
         assert entry["token"] == engine.tokenizer.decode([entry["token_id"]])
     assert engine.generate(prompt, SamplingConfig(max_tokens=2)).logprobs == []  # not asked: none
+
+
+def test_prompt_logprobs_score_every_prompt_token_after_the_first_across_chunks(smollm2_dir):
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+
+    small_chunks = Engine(EngineConfig(model_dir=str(smollm2_dir), prefill_chunk_tokens=7))
+    prompt = small_chunks.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    out = small_chunks.generate(prompt, SamplingConfig(max_tokens=1, prompt_logprobs=2))
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for p in (1, 5, 7, 8, len(prompt) - 1):  # inside a chunk and on both sides of chunk bounds
+        ref = small_chunks.prefill(prompt[:p])
+        try:
+            want = torch.log_softmax(ref.logits.float(), -1)
+        finally:
+            small_chunks.release(ref)
+        entry = out.prompt_logprobs[p]
+        assert entry["token_id"] == prompt[p]
+        assert entry["logprob"] == pytest.approx(float(want[prompt[p]]), abs=1e-3)
+        assert [a["token_id"] for a in entry["top_logprobs"]] == torch.topk(want, 2).indices.tolist()
+    assert out.cached_tokens == 0  # scored prompts are never served from the prefix cache

@@ -132,7 +132,9 @@ def test_logprobs_in_openais_shapes(client):
     stream = list(client.chat.completions.create(model="icekv", messages=QUESTION, max_tokens=6, logprobs=True,
                                                  stream=True))
     streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    # the second request holds the first's cached prompt pages: its prefill runs in other chunks
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
     text = client.completions.create(model="icekv", prompt="The capital of France is", max_tokens=4, logprobs=2)
     lp = text.choices[0].logprobs
     assert "".join(lp.tokens) == text.choices[0].text and len(lp.token_logprobs) == 4
@@ -191,6 +193,22 @@ def test_bad_prompt_lists_get_400s(client, kwargs, message):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="icekv", max_tokens=2, **kwargs)
     assert message in info.value.body["message"]
+
+
+def test_echo_returns_the_prompt_and_with_logprobs_scores_it(client):
+    prompt = "The capital of France is"
+    scored = client.completions.create(model="icekv", prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+    choice, lp = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text.startswith(prompt) and "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == scored.usage.prompt_tokens + scored.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first prompt token has none
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    plain = client.completions.create(model="icekv", prompt=prompt, max_tokens=2, echo=True)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="icekv", prompt=prompt, max_tokens=2, echo=True, stream=True) if c.choices)
+    assert streamed == choice.text
 
 
 def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(client):

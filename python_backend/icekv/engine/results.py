@@ -44,6 +44,7 @@ class Generation:
     first_step_s: float = 0.0  # the first decode step: caches cold after prefill, slots filled from empty
     cached_tokens: int = 0  # prompt tokens the prefix cache held, not prefilled
     logprobs: list[dict] = field(default_factory=list)  # per new token, when asked (icekv.engine.sampling.token_logprobs)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # per prompt token (the first's logprob None), when asked
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -79,6 +79,7 @@ class Sequence:
     generator: torch.Generator | None = None
     step_s: list[float] = field(default_factory=list)  # each decode step's wall time
     logprobs: list[dict] = field(default_factory=list)  # per new token, when the sampling asks (token_logprobs)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # per prompt token (the first's logprob None), when asked
     queued_at: float = 0.0  # time.monotonic() when it entered the scheduler's queue
     t_prefill: float = 0.0
     prefill_s: float = 0.0
@@ -125,10 +126,11 @@ class Sequence:
     def uses_prefix_cache(self) -> bool:
         """May the prefix cache serve its prompt and keep its pages? A plain prompt only: not one
         over a compressed context or a prefilled prompt (their positions and pages are their own),
-        nor a prefill kept for later decodes or a probe (they measure a whole prefill)."""
+        nor a prefill kept for later decodes, a probe or a request scoring its prompt (each needs
+        its whole prompt through the model)."""
         r = self.request
         return (r.caching.enabled and r.context is None and r.prefilled is None and not r.prefill_only
-                and not r.probe)
+                and not r.probe and r.sampling.prompt_logprobs is None)
 
     @property
     def most_cached_tokens(self) -> int:
@@ -220,7 +222,7 @@ class Sequence:
             budget=self.request.selection.budget if self.request.policy.sparse else None,
             timings=dict(backend.timings) if backend else {},
             step_max_s=max(self.step_s, default=0.0), first_step_s=self.step_s[0] if self.step_s else 0.0,
-            cached_tokens=self.cached_tokens, logprobs=self.logprobs,
+            cached_tokens=self.cached_tokens, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
             layer_stats={layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}
                          for layer, v in (backend.layer_stats.items() if backend else ())},
         )

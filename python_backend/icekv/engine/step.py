@@ -14,6 +14,7 @@ import torch
 
 from icekv.engine.backends import check_context, decode_backend, prefill_backend
 from icekv.engine.batch_attention import BatchAttention
+from icekv.engine.sampling import token_logprobs
 from icekv.engine.sequence import Phase, Sequence
 from icekv.kv import PagedKVCache
 from icekv.model import Decoder, Tokenizer
@@ -43,21 +44,26 @@ class StepRunner:
         if not ready:
             return
         sizes = [len(t) for t in tokens]
-        samples = [i for i, seq in enumerate(ready) if seq.decoding or seq.remaining_prompt == sizes[i]]
         batch = BatchAttention(ready, sizes, self.cache)
-        ends = batch.bounds[1:]
+        starts, ends = batch.bounds[:-1], batch.bounds[1:]
+        wanted = {}  # sequence -> its rows whose logits it reads: its last (to sample), or all (prompt logprobs)
+        for i, seq in enumerate(ready):
+            if seq.phase is Phase.PREFILL and seq.request.sampling.prompt_logprobs is not None:
+                wanted[i] = list(range(starts[i], ends[i]))
+            elif seq.decoding or seq.remaining_prompt == sizes[i]:
+                wanted[i] = [ends[i] - 1]
         t0 = time.perf_counter()
         device = self.cache.compute
         try:
             flat = torch.tensor([t for ts in tokens for t in ts], device=device)  # [N]
-            rows = torch.tensor([ends[i] - 1 for i in samples], dtype=torch.long, device=device)  # [R]
+            rows = torch.tensor([r for rs in wanted.values() for r in rs], dtype=torch.long, device=device)  # [R]
             logits = self.model(flat, torch.cat(positions).to(device), batch, logit_rows=rows).cpu()  # [R, V]
         except Exception as e:  # outside any one sequence's attention: the whole step failed
             for seq in ready:
                 seq.fail(e)
             return
         step_s = time.perf_counter() - t0
-        rows = dict(zip(samples, logits))
+        rows = dict(zip(wanted, logits.split([len(rs) for rs in wanted.values()])))  # i -> [rows, V]
         for i, seq in enumerate(ready):
             if i in batch.failed:
                 seq.fail(batch.failed[i])
@@ -94,10 +100,14 @@ class StepRunner:
         return [seq.next_token]
 
     def _advance(self, seq: Sequence, n: int, logits: torch.Tensor | None, step_s: float) -> None:
+        """``logits`` [rows, V]: the rows ``seq`` asked for this step (None: none)."""
         if seq.phase is Phase.DECODE:
             seq.step_s.append(step_s)
-            seq.accept(logits)
+            seq.accept(logits[-1])
             return
+        if seq.request.sampling.prompt_logprobs is not None:
+            self._score_prompt(seq, logits)
+        logits = logits[-1] if logits is not None else None
         seq.prefill_done += n
         if seq.on_progress:
             seq.on_progress(seq.prefill_done, len(seq.request.prompt_ids))
@@ -111,3 +121,14 @@ class StepRunner:
             seq.phase = Phase.DONE
             return
         seq.start_decode(self.tokenizer, self.eos, logits)
+
+    def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens this chunk's rows [n, V] predict (row j: the
+        token after position prefill_done + j); the first prompt token has none (logprob None)."""
+        prompt, start, top = seq.request.prompt_ids, seq.prefill_done, seq.request.sampling.prompt_logprobs
+        if start == 0:
+            first = prompt[0]
+            seq.prompt_logprobs.append({"token_id": first, "token": self.tokenizer.decode([first]), "logprob": None,
+                                        "top_logprobs": []})
+        for j, row in enumerate(logits[: len(prompt) - start - 1]):
+            seq.prompt_logprobs.append(token_logprobs(row, prompt[start + j + 1], top, self.tokenizer.decode))

@@ -35,6 +35,7 @@ INPUTS = (
     ("repetition_penalty", "TYPE_FP32", "[ 1 ]", True),
     ("logit_bias", "TYPE_STRING", "[ 1 ]", True),  # a JSON object: token id -> bias in [-100, 100]
     ("logprobs", "TYPE_INT32", "[ 1 ]", True),  # report each new token's log-probability and this many alternatives
+    ("prompt_logprobs", "TYPE_INT32", "[ 1 ]", True),  # ... and each prompt token's (the prompt is then prefilled whole)
     ("stop", "TYPE_STRING", "[ -1 ]", True),
     ("policy", "TYPE_STRING", "[ 1 ]", True),
     ("budget", "TYPE_INT32", "[ 1 ]", True),

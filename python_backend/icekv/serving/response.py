@@ -32,6 +32,7 @@ class Final:
     context_key: str = _out("", "TYPE_STRING")  # the request's context ("" without one) ...
     context_cache: str = _out("", "TYPE_STRING")  # ... found (hit), compressed for it, or joined another's compression
     logprobs: str = _out("", "TYPE_STRING")  # asked for: a JSON list, per new token (icekv.engine.sampling.token_logprobs)
+    prompt_logprobs: str = _out("", "TYPE_STRING")  # asked for: the same, per prompt token (the first's logprob null)
 
 
 OUTPUTS = (TEXT_OUTPUT, *((f.name, f.metadata["triton"]) for f in fields(Final)))  # name, Triton type

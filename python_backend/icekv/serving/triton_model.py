@@ -71,7 +71,9 @@ class TritonSink:
                           cached_tokens=result.cached_tokens, new_tokens=result.new_tokens, policy=result.policy, budget=result.budget or 0,
                           kv_resident_bytes=result.kv.resident_bytes, kv_total_bytes=result.kv.total_bytes,
                           kv_bytes_moved=result.kv.bytes_moved,
-                          logprobs=json.dumps(result.logprobs, ensure_ascii=False) if result.logprobs else ""),
+                          logprobs=json.dumps(result.logprobs, ensure_ascii=False) if result.logprobs else "",
+                          prompt_logprobs=json.dumps(result.prompt_logprobs, ensure_ascii=False)
+                          if result.prompt_logprobs else ""),
                     "" if self.stream else result.text)
 
     def context_ready(self, key: str, context) -> None:

@@ -158,12 +158,13 @@ class OpenAIFrontend:
                    for i in range(body.choice_count)]
         if not body.stream:
             results = await _unless_disconnected(request, gather_closing(self._collect(s) for s in streams))
-            choices = [kind.choice(i, text, final.finish_reason, final_logprobs(final) if wants_logprobs else None)
+            choices = [kind.choice(i, body.echoed(i) + text, final.finish_reason,
+                                   final_logprobs(final, body.echoes_prompt) if wants_logprobs else None)
                        for i, (text, final) in enumerate(results)]
             finals = [final for _, final in results]
             return JSONResponse({**meta, "object": kind.object, "choices": choices,
                                  "usage": usage(finals, body.n), "icekv": icekv_stats(finals[0])})
-        return StreamingResponse(self._events(streams, meta, kind, body.include_usage, wants_logprobs, body.n),
+        return StreamingResponse(self._events(streams, meta, kind, body, wants_logprobs),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _timed(self, pieces: AsyncIterator) -> AsyncIterator:
@@ -194,15 +195,14 @@ class OpenAIFrontend:
             text.append(piece)
         raise OpenAIError(500, "the inference server ended the request without a result")
 
-    async def _events(self, streams: list[AsyncIterator], meta: dict, kind: Kind, include_usage: bool,
-                      wants_logprobs: bool, n: int):
+    async def _events(self, streams: list[AsyncIterator], meta: dict, kind: Kind, body, wants_logprobs: bool):
         """Server-sent events: each choice's chunks as they come, then usage if asked, then
         ``[DONE]``; an error mid-stream as an event. Log-probabilities, when asked, come whole with
         a choice's finishing chunk (a streamed piece of text need not end on a token)."""
 
         def event(choices: list, **extra) -> str:
             chunk = {**meta, "object": kind.chunk_object, "choices": choices, **extra}
-            if include_usage:
+            if body.include_usage:
                 chunk.setdefault("usage", None)
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
@@ -212,16 +212,18 @@ class OpenAIFrontend:
             if kind.chat:
                 for i in range(len(streams)):
                     yield event([kind.delta(i, None, None, first=True)])
+            for i in range(len(streams) if body.echoes_prompt else 0):
+                yield event([kind.delta(i, body.echoed(i), None)])
             async for i, piece in stream:
                 if isinstance(piece, Final):
                     finals[i] = piece
-                    logprobs = final_logprobs(piece) if wants_logprobs else None
+                    logprobs = final_logprobs(piece, body.echoes_prompt) if wants_logprobs else None
                     yield event([kind.delta(i, None, piece.finish_reason, logprobs=logprobs)],
                                 icekv=icekv_stats(piece))
                 elif piece:
                     yield event([kind.delta(i, piece, None)])
-            if include_usage:
-                yield event([], usage=usage([finals[i] for i in sorted(finals)], n))
+            if body.include_usage:
+                yield event([], usage=usage([finals[i] for i in sorted(finals)], body.n))
         except OpenAIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:

@@ -109,6 +109,15 @@ class _GenerateBody(_Strict):
         return None
 
     @property
+    def echoes_prompt(self) -> bool:
+        """Does each choice start with its prompt (and its logprobs with the prompt's)?"""
+        return False
+
+    def echoed(self, index: int) -> str:
+        """What choice ``index``'s text starts with: its prompt when echoed, else nothing."""
+        return ""
+
+    @property
     def choice_count(self) -> int:
         """Choices in the response: ``n`` per prompt."""
         return self.n * self.prompt_count
@@ -169,7 +178,7 @@ class ChatCompletionBody(_GenerateBody):
 class CompletionBody(_GenerateBody):
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before the answer, and with logprobs each prompt token's too
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -197,8 +206,16 @@ class CompletionBody(_GenerateBody):
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
+    @property
+    def echoes_prompt(self) -> bool:
+        return self.echo
+
+    def echoed(self, index: int) -> str:
+        return self.prompt[index // self.n] if self.echo else ""
+
     def triton_fields(self, prompt: int = 0) -> dict[str, Any]:
-        return {**super().triton_fields(), "text_input": self.prompt[prompt]}
+        scored = {"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}
+        return {**super().triton_fields(), "text_input": self.prompt[prompt], **scored}
 
 
 def _param(loc: tuple) -> str | None:

@@ -17,9 +17,11 @@ def usage(finals: list[Final], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)}}
 
 
-def final_logprobs(final: Final) -> list:
-    """The request's per-token log-probabilities, as the engine reported them."""
-    return json.loads(final.logprobs) if final.logprobs else []
+def final_logprobs(final: Final, with_prompt: bool = False) -> list:
+    """The request's per-token log-probabilities, as the engine reported them; ``with_prompt``:
+    its prompt's first (an echo's)."""
+    prompt = json.loads(final.prompt_logprobs) if with_prompt and final.prompt_logprobs else []
+    return prompt + (json.loads(final.logprobs) if final.logprobs else [])
 
 
 def icekv_stats(final: Final) -> dict:
@@ -60,11 +62,12 @@ class Kind:
             return None
         if self.chat:
             entry = lambda t: {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}  # noqa: E731
-            return {"content": [{**entry(t), "topfinal_logprobs": [entry(a) for a in t["topfinal_logprobs"]]} for t in tokens],
+            return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t["top_logprobs"]]} for t in tokens],
                     "refusal": None}
         offsets = [0]
         for t in tokens[:-1]:
             offsets.append(offsets[-1] + len(t["token"]))
-        return {"tokens": [t["token"] for t in tokens], "tokenfinal_logprobs": [t["logprob"] for t in tokens],
-                "topfinal_logprobs": [{a["token"]: a["logprob"] for a in t["topfinal_logprobs"]} for t in tokens],
+        return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+                "top_logprobs": [None if t["logprob"] is None else {a["token"]: a["logprob"] for a in t["top_logprobs"]}
+                                 for t in tokens],  # the first token of an echoed prompt has none
                 "text_offset": offsets}
