@@ -72,7 +72,7 @@ class _GenerateBody(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
-    # neutral values only
+    # OpenAI's sampling fields
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices; 2 and more share the prompt's cached pages
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
