@@ -85,7 +85,8 @@ def test_prompt_logprobs_score_every_prompt_token_after_the_first_across_chunks(
     small_chunks = Engine(EngineConfig(model_dir=str(smollm2_dir), prefill_chunk_tokens=7))
     prompt = small_chunks.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
     out = small_chunks.generate(prompt, SamplingConfig(max_tokens=1, prompt_logprobs=2))
-    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0]["logprob"] is None
+    assert out.prompt_logprobs[0]["token_id"] == prompt[0]
     for p in (1, 5, 7, 8, len(prompt) - 1):  # inside a chunk and on both sides of chunk bounds
         ref = small_chunks.prefill(prompt[:p])
         try:
