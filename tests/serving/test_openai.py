@@ -9,7 +9,7 @@ import pytest
 
 from icekv.chat_template import ChatTemplate
 from icekv.model import Tokenizer
-from tests.serving.conftest import oversize_requests, wait_idle
+from tests.serving.conftest import HOST_POOL_TOKENS, oversize_requests, wait_idle
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -209,6 +209,14 @@ def test_echo_returns_the_prompt_and_with_logprobs_scores_it(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="icekv", prompt=prompt, max_tokens=2, echo=True, stream=True) if c.choices)
     assert streamed == choice.text
+
+
+def test_a_refused_prompt_in_a_list_fails_the_request_and_ends_the_others(client, server):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="icekv", prompt=["The capital of France is", "word " * (HOST_POOL_TOKENS + 10)],
+                                  max_tokens=2000)
+    assert "exceeds the KV cache capacity" in info.value.body["message"]
+    wait_idle(server, timeout_s=20)  # nothing left running: the first prompt's request is not decoding 2,000 tokens
 
 
 def test_a_ten_turn_chat_holds_its_earlier_turns_and_answers_as_without_them(client):
