@@ -138,8 +138,8 @@ def test_truncating_into_the_cached_prefix_lets_go_of_those_pages():
     _fill(pool, 0, ids, 0)
     pool.free(0, cache_tokens=ids)
     _fill(pool, 1, ids + [1], 12)
-    pool.truncate(1, 5)  # keeps 2 pages: the third cached one is let go, not freed
-    assert pool.prefix.evictable == 1 and pool.pages_held(1) == 2
+    pool.truncate(1, 5)  # keeps page 0 whole and page 1 in part (as a copy): cached pages 1 and 2 let go, not freed
+    assert pool.prefix.evictable == 2 and pool.pages_held(1) == 2
     pool.free(1)
     assert pool.prefix.evictable == 3 and pool.pages_available == 6
 
@@ -183,3 +183,36 @@ def test_publishing_stops_at_a_prefix_another_request_cached_first():
     pool.free(1, cache_tokens=ids)  # its copies are duplicates: freed
     pool.free(0, cache_tokens=ids)
     assert pool.prefix.pages == 2 and pool.allocator.num_free == 6
+
+
+def test_a_finished_conversation_is_evicted_from_its_last_page_back():
+    pool = _pool(8)
+    ids = list(range(8))  # a 2-page prompt ...
+    _fill(pool, 0, ids, 0)
+    pool.publish(0, ids)
+    answer = list(range(40, 48))  # ... and 2 pages of answer
+    pool.extend(0, 8)
+    pool.write(0, 0, 8, torch.full((8, 1, 2), 1.0), torch.full((8, 1, 2), 1.0))
+    prompt_pages, answer_pages = pool.page_ids(0)[:2].tolist(), pool.page_ids(0)[2:].tolist()
+    pool.free(0, cache_tokens=ids + answer)
+    assert pool.prefix.evict(1) == [answer_pages[-1]]  # the tail goes first ...
+    assert pool.prefix.match(ids + answer + [0], 100) == prompt_pages + answer_pages[:1]  # ... the rest still hits
+    pool.prefix.release(prompt_pages + answer_pages[:1])
+
+
+def test_truncating_inside_a_cached_page_copies_it_before_it_is_written():
+    pool = _pool(8)
+    ids = list(range(12))
+    _fill(pool, 0, ids, 0)
+    pool.free(0, cache_tokens=ids)
+    _fill(pool, 1, ids + [1], 12)  # holds the 3 cached pages
+    cached = pool.page_ids(1)[:3].tolist()
+    pool.truncate(1, 6)  # keeps page 0 whole and page 1 in part
+    assert pool.page_ids(1)[0] == cached[0] and pool.page_ids(1)[1] != cached[1]  # page 1 is a copy
+    pool.extend(1, 1)
+    pool.write(0, 1, 6, torch.full((1, 1, 2), -1.0), torch.full((1, 1, 2), -1.0))
+    assert pool.gather(0, 1)[0][0, :, 0].tolist() == ids[:6] + [-1]
+    pool.free(1)
+    again = pool.prefix.match(ids + [1], 12)
+    assert again == cached  # the cached pages were never written
+    pool.prefix.release(again)

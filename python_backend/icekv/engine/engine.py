@@ -275,5 +275,5 @@ class Engine:
         host = (cache.allocator.num_pages - cache.pages_available) * cache.bytes_per_page
         decoding = [s for s in self.scheduler.running if s.decoder_ready]
         sparse = sum(s.backend.kv_stats().resident_bytes for s in decoding)
-        dense = host - sum(cache.sequence_bytes(s.seq_id) for s in decoding)
+        dense = host - cache.held_bytes(s.seq_id for s in decoding)
         return dense + sparse, host

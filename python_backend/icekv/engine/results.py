@@ -43,7 +43,7 @@ class Generation:
     step_max_s: float = 0.0  # the slowest decode step (a window flush inserts into every layer's index)
     first_step_s: float = 0.0  # the first decode step: caches cold after prefill, slots filled from empty
     cached_tokens: int = 0  # prompt tokens the prefix cache held, not prefilled
-    logprobs: list[dict] = field(default_factory=list)  # per new token, when asked (icekv.engine.sampling.token_logprobs)
+    logprobs: list[dict] = field(default_factory=list)  # per sampled token (an end-of-sequence one too), when asked
     prompt_logprobs: list[dict] = field(default_factory=list)  # per prompt token (the first's logprob None), when asked
 
     def to_dict(self) -> dict:

@@ -28,15 +28,19 @@ def adjusted_logits(logits: torch.Tensor, cfg: SamplingConfig, prompt_ids: torch
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top: int, decode) -> dict:
-    """The log-probability of ``token`` under logits [V] and the ``top`` most likely tokens, most
-    likely first, each with its text (``decode``: token ids -> text)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
-    best = torch.topk(logprobs, top) if top else None
-    alternatives = [] if best is None else [
-        {"token_id": int(t), "token": decode([int(t)]), "logprob": float(lp)}
-        for lp, t in zip(best.values.tolist(), best.indices.tolist())]
-    return {"token_id": token, "token": decode([token]), "logprob": float(logprobs[token]), "top_logprobs": alternatives}
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, decode) -> list[dict]:
+    """Per row of logits [n, V]: the log-probability of ``tokens[i]`` and the ``top`` most likely
+    tokens, most likely first, each with its text (``decode``: token ids -> text)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()  # [n]
+    best = torch.topk(logprobs, top) if top else None  # [n, top]
+    out = []
+    for i, token in enumerate(tokens):
+        alternatives = [] if best is None else [
+            {"token_id": t, "token": decode([t]), "logprob": lp}
+            for lp, t in zip(best.values[i].tolist(), best.indices[i].tolist())]
+        out.append({"token_id": token, "token": decode([token]), "logprob": chosen[i], "top_logprobs": alternatives})
+    return out
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:

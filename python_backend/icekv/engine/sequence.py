@@ -78,7 +78,7 @@ class Sequence:
     logits: torch.Tensor | None = None  # [V] after the prompt (kept for a prefill-only request)
     generator: torch.Generator | None = None
     step_s: list[float] = field(default_factory=list)  # each decode step's wall time
-    logprobs: list[dict] = field(default_factory=list)  # per new token, when the sampling asks (token_logprobs)
+    logprobs: list[dict] = field(default_factory=list)  # per sampled token (an end-of-sequence one too), when asked
     prompt_logprobs: list[dict] = field(default_factory=list)  # per prompt token (the first's logprob None), when asked
     queued_at: float = 0.0  # time.monotonic() when it entered the scheduler's queue
     t_prefill: float = 0.0
@@ -176,11 +176,11 @@ class Sequence:
             logits = adjusted_logits(logits, s, torch.tensor(self.request.prompt_ids, dtype=torch.long),
                                      torch.tensor(self.stream.token_ids, dtype=torch.long))
         token = sample_next(logits, s, self.generator)
+        if s.logprobs is not None:  # an end-of-sequence token too, as vLLM reports it
+            self.logprobs += token_logprobs(raw[None], [token], s.logprobs, self.stream.tokenizer.decode)
         if token in self.eos:
             self.finish_reason = "stop"
             return self._emit_last()
-        if s.logprobs is not None:
-            self.logprobs.append(token_logprobs(raw, token, s.logprobs, self.stream.tokenizer.decode))
         self._emit(self.stream.push(token))
         if self.stream.stopped:
             self.finish_reason = "stop"

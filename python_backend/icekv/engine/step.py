@@ -130,5 +130,7 @@ class StepRunner:
             first = prompt[0]
             seq.prompt_logprobs.append({"token_id": first, "token": self.tokenizer.decode([first]), "logprob": None,
                                         "top_logprobs": []})
-        for j, row in enumerate(logits[: len(prompt) - start - 1]):
-            seq.prompt_logprobs.append(token_logprobs(row, prompt[start + j + 1], top, self.tokenizer.decode))
+        rows = logits[: len(prompt) - start - 1]  # [<= n, V]: the last prompt row predicts no prompt token
+        if len(rows):
+            seq.prompt_logprobs += token_logprobs(rows, prompt[start + 1 : start + 1 + len(rows)], top,
+                                                  self.tokenizer.decode)

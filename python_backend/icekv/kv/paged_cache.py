@@ -141,10 +141,10 @@ class PagedKVCache:
         ``retention_s`` seconds ahead of the LRU order)."""
         seq = self._seqs.pop(seq_id)
         own = seq.pages[seq.shared:]
-        if self.prefix is not None:
-            self.prefix.release(seq.pages[: seq.shared], retention_s if cache_tokens is not None else 0.0)
+        if self.prefix is not None:  # its own pages first, then the shared head: the LRU drops a chain's tail first
             if cache_tokens is not None:
                 own = self.prefix.insert(cache_tokens[: seq.length], seq.pages, seq.shared, retention_s)
+            self.prefix.release(seq.pages[: seq.shared], retention_s if cache_tokens is not None else 0.0)
         self.allocator.free(own)
 
     def free_if_present(self, seq_id: int, cache_tokens: list[int] | None = None, retention_s: float = 0.0) -> None:
@@ -274,13 +274,17 @@ class PagedKVCache:
     def truncate(self, seq_id: int, length: int) -> None:
         """Forget every token from ``length`` on and free the pages no longer needed."""
         seq = self._seqs[seq_id]
-        keep = -(-length // self.page_size)
-        shared = seq.shared
-        if keep < shared:  # back into the cached prefix: those pages are the prefix cache's
-            self.prefix.release(seq.pages[keep:shared])
-            seq.shared = keep
+        keep, whole, shared = -(-length // self.page_size), length // self.page_size, seq.shared
+        pages = list(seq.pages)
+        if whole < shared:  # back into the cached prefix: the pages from ``whole`` on are the cache's
+            if keep > whole:  # the last kept page, partly kept, is written next: a copy of its own
+                [copy] = self._allocate(1, after=None)
+                self.pool[:, :, :, copy] = self.pool[:, :, :, pages[whole]]
+                pages[whole] = copy
+            self.prefix.release(seq.pages[whole:shared])
+            seq.shared = whole
         self.allocator.free(seq.pages[max(keep, shared):])
-        seq.set_pages(seq.pages[:keep])
+        seq.set_pages(pages[:keep])
         seq.length = min(seq.length, length)
 
     def page_table(self, seq_ids: list[int]) -> PageTable:
@@ -290,3 +294,7 @@ class PagedKVCache:
     def sequence_bytes(self, seq_id: int) -> int:
         """Bytes of the pages this request holds (page-granular), all layers."""
         return len(self._seqs[seq_id].pages) * self.bytes_per_page
+
+    def held_bytes(self, seq_ids) -> int:
+        """Bytes of the pages these requests hold together: a page they share counted once."""
+        return len({page for s in seq_ids for page in self._seqs[s].pages}) * self.bytes_per_page

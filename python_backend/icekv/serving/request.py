@@ -160,7 +160,7 @@ def _logit_bias(fields: dict[str, Any]) -> tuple[tuple[int, float], ...]:
         raise RequestError(f"logit_bias must be a JSON object of at most {MAX_LOGIT_BIAS} token ids to biases")
     out = []
     for token, value in bias.items():
-        if not token.isdigit():
+        if not (token.isascii() and token.isdigit() and len(token) <= 10):
             raise RequestError(f"logit_bias keys must be token ids, got {token!r}")
         out.append((int(token), _float(f"logit_bias[{token}]", value)))
     return tuple(out)

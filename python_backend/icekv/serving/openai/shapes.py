@@ -4,6 +4,7 @@ statistics beside them."""
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 
 from icekv.serving.client import Final
 
@@ -64,9 +65,7 @@ class Kind:
             entry = lambda t: {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}  # noqa: E731
             return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t["top_logprobs"]]} for t in tokens],
                     "refusal": None}
-        offsets = [0]
-        for t in tokens[:-1]:
-            offsets.append(offsets[-1] + len(t["token"]))
+        offsets = list(accumulate((len(t["token"]) for t in tokens[:-1]), initial=0))[: len(tokens)]
         return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
                 "top_logprobs": [None if t["logprob"] is None else {a["token"]: a["logprob"] for a in t["top_logprobs"]}
                                  for t in tokens],  # the first token of an echoed prompt has none
