@@ -176,6 +176,9 @@ def test_a_list_of_prompts_is_answered_in_order_each_as_alone(client):
     assert [c.text for c in together.choices] == [a.choices[0].text for a in alone for _ in range(2)]
     assert together.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert together.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    unshared = client.completions.create(model="icekv", prompt=prompts, max_tokens=5, n=2,
+                                         extra_body={"cache_prompt": False})  # every choice starts at once
+    assert [c.text for c in unshared.choices] == [c.text for c in together.choices]
     streamed = ["" for _ in range(6)]
     for chunk in client.completions.create(model="icekv", prompt=prompts, max_tokens=5, n=2, stream=True):
         for c in chunk.choices:

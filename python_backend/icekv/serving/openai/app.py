@@ -152,13 +152,14 @@ class OpenAIFrontend:
         # each prompt's first choice, up to its first piece: a refused request gets its status code
         # (not a 200 stream), and the prompt is prefilled, its pages in the prefix cache for the
         # prompt's other choices to share
-        leaders = {i: self.pieces(body.choice_fields(i)) for i in range(0, body.choice_count, body.n)}
+        step = body.n if body.shares_prompt else 1  # a choice that cannot share its prompt's pages starts at once
+        leaders = {i: self.pieces(body.choice_fields(i)) for i in range(0, body.choice_count, step)}
         try:
             firsts = await _unless_disconnected(request, gather_closing(anext(s) for s in leaders.values()))
         except BaseException:  # one refused, or the client gone: the others' requests end too
             await asyncio.gather(*(s.aclose() for s in leaders.values()), return_exceptions=True)
             raise
-        streams = [starting_with(firsts[i // body.n], leaders[i]) if i in leaders else self.pieces(body.choice_fields(i))
+        streams = [starting_with(firsts[i // step], leaders[i]) if i in leaders else self.pieces(body.choice_fields(i))
                    for i in range(body.choice_count)]
         if not body.stream:
             results = await _unless_disconnected(request, gather_closing(self._collect(s) for s in streams))

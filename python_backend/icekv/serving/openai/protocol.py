@@ -113,6 +113,12 @@ class _GenerateBody(_Strict):
         """Does each choice start with its prompt (and its logprobs with the prompt's)?"""
         return False
 
+    @property
+    def shares_prompt(self) -> bool:
+        """May a prompt's choices share its cached pages? Not when the prefix cache is skipped, or
+        when every prompt token is scored (each choice then prefills its prompt whole)."""
+        return self.cache_prompt is not False and not (self.echoes_prompt and self.top_logprobs_asked is not None)
+
     def echoed(self, index: int) -> str:
         """What choice ``index``'s text starts with: its prompt when echoed, else nothing."""
         return ""
