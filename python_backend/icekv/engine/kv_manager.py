@@ -114,5 +114,4 @@ class KVCacheManager:
             return
         if seq.index is not None:
             seq.index.cancel()
-        held = self.cache.length(seq.seq_id) if self.cache.has(seq.seq_id) else 0
-        self.cache.free_if_present(seq.seq_id, seq.tokens_to_cache(held), seq.request.caching.retention_s)
+        self.cache.free_if_present(seq.seq_id, seq.tokens_to_cache(), seq.request.caching.retention_s)

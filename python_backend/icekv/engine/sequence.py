@@ -139,16 +139,16 @@ class Sequence:
         r = self.request
         return len(r.prompt_ids) - max(1, window_queries_kept(r.policy, r.selection, False))
 
-    def tokens_to_cache(self, held: int) -> list[int] | None:
-        """The tokens whose KV the prefix cache may keep when it ends, of the ``held`` its pages
-        hold: the prompt as far as it was prefilled, and what it generated only where every step
-        attended all tokens (a selecting decode writes K/V a full prefill would not); None: none."""
+    def tokens_to_cache(self) -> list[int] | None:
+        """The tokens whose KV the prefix cache may keep when it ends (the cache keeps those its
+        pages hold): the prompt as far as it was prefilled, and what it generated only where every
+        step attended all tokens (a selecting decode writes K/V a full prefill would not); None: none."""
         if not self.uses_prefix_cache:
             return None
         r = self.request
         if self.error is not None or self.selects or self.stream is None:
-            return r.prompt_ids[: min(self.prefill_done, held)]
-        return (r.prompt_ids + self.stream.token_ids)[:held]
+            return r.prompt_ids[: self.prefill_done]
+        return r.prompt_ids + self.stream.token_ids
 
     @property
     def remaining_prompt(self) -> int:
