@@ -7,16 +7,22 @@ Per context it times, as medians of CUDA-event timings after warm-up:
   select_index    page_select over 1/16 of the pages (the size of an index's upper level)
   sparse_attn     sparse paged attention over the budget's 16 pages (split + merge)
   sparse_attn_1k  the single-launch form (the TensorRT plugin's)
+  sparse_attn_int8, sparse_attn_fp8_e4m3
+                  sparse_attn over the same pages quantized (kv_dtype int8 / fp8_e4m3: packed rows of
+                  codes + a float32 scale per token, decoded inside the kernel)
   scatter         moving 12 pages (the selected ones) from a staging buffer into slots
   sparse_torch    the torch reference of sparse attention, for scale
-Random weights and keys: latency does not depend on values. Writes one json, rewritten after every
-timing (a run cut short keeps what it timed). ``--device cpu`` runs the same kernels in triton's
-interpreter with wall-clock timing and few repeats: a dry run of this script, whose times mean nothing.
+Each record's ``pages_bytes`` is what each sparse_attn form reads of K and V pages per step (per
+layer), its ``pages_gbps`` that over the kernel's time. Random weights and keys: latency does not
+depend on values. Writes one json, rewritten after every timing (a run cut short keeps what it
+timed). ``--device cpu`` runs the same kernels in triton's interpreter with wall-clock timing and
+few repeats: a dry run of this script, whose times mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -61,6 +67,7 @@ def bench_context(tokens: int, dev: str, on_timing, hq=32, hkv=8, d=128, page=16
                   dtype=torch.bfloat16) -> dict:
     """Every kernel's median time at ``tokens``; ``on_timing(partial record)`` after each."""
     from icekv.kernels import reference, scatter_pages, select_pages, sparse_decode_attention
+    from icekv.kv.quant import KVFormat
 
     timer = cuda_time if dev == "cuda" else cpu_time
     n_pages = tokens // page
@@ -83,6 +90,10 @@ def bench_context(tokens: int, dev: str, on_timing, hq=32, hkv=8, d=128, page=16
     slot_v = torch.randn_like(slot_k)
     slot_ids = torch.arange(sel_pages, device=dev, dtype=torch.int32).expand(1, hkv, sel_pages).contiguous()
     slot_lens = torch.full_like(slot_ids, page)
+    quantized = {f"sparse_attn_{f.name}": (f, f.pack(slot_k), f.pack(slot_v))  # [Hkv, S, P, D + 4] int8
+                 for f in (KVFormat("int8"), KVFormat("fp8_e4m3"))}
+    pages_bytes = {"sparse_attn": slot_k.nbytes + slot_v.nbytes,
+                   **{name: pk.nbytes + pv.nbytes for name, (_, pk, pv) in quantized.items()}}
     stage_k = torch.randn(top_k, page, d, device=dev, dtype=dtype)
     stage_v = torch.randn_like(stage_k)
     heads = torch.arange(top_k, device=dev) % hkv
@@ -94,15 +105,18 @@ def bench_context(tokens: int, dev: str, on_timing, hq=32, hkv=8, d=128, page=16
         "select_index": lambda: select_pages(q, k_pages, idx_ids, idx_lens, top_k),
         "sparse_attn": lambda: sparse_decode_attention(q, slot_k, slot_v, slot_ids, slot_lens),
         "sparse_attn_1k": lambda: sparse_decode_attention(q, slot_k, slot_v, slot_ids, slot_lens, max_splits=1),
+        **{name: functools.partial(sparse_decode_attention, q, pk, pv, slot_ids, slot_lens, kv_format=f)
+           for name, (f, pk, pv) in quantized.items()},
         "scatter": lambda: scatter_pages(slot_k, slot_v, stage_k, stage_v, heads, slots),
         "sparse_torch": lambda: reference.sparse_decode_reference(q, slot_k, slot_v, slot_ids, slot_lens),
     }
     seconds = {}
+    record = {"context": tokens, "budget": budget, "dtype": str(dtype), "seconds": seconds, "pages_bytes": pages_bytes}
     for name, fn in kernels.items():
         seconds[name] = timer(fn)
-        on_timing({"context": tokens, "budget": budget, "dtype": str(dtype), "seconds": seconds})
+        on_timing(record)
     sparse_total = seconds["select_index"] + seconds["sparse_attn"] + seconds["scatter"]
-    return {"context": tokens, "budget": budget, "dtype": str(dtype), "seconds": seconds,
+    return {**record, "pages_gbps": {name: n / seconds[name] / 1e9 for name, n in pages_bytes.items()},
             "sparse_total_s": sparse_total, "sparse_vs_full": sparse_total / seconds["full_sdpa"]}
 
 
@@ -139,6 +153,10 @@ def main() -> int:
         print(f"{r['context']:>7} tokens: full {s['full_sdpa'] * 1e6:8.1f} us | select(index) {s['select_index'] * 1e6:7.1f}"
               f" select(all) {s['select_all'] * 1e6:8.1f} attn {s['sparse_attn'] * 1e6:6.1f} scatter {s['scatter'] * 1e6:6.1f}"
               f" | sparse/full {r['sparse_vs_full']:.2f}")
+        print("         pages read per step: " + ", ".join(
+            f"{name.removeprefix('sparse_attn').lstrip('_') or r['dtype'].removeprefix('torch.')}"
+            f" {n / 2**20:.2f} MiB in {s[name] * 1e6:.1f} us ({r['pages_gbps'][name]:.0f} GB/s)"
+            for name, n in r["pages_bytes"].items()))
     return 0
 
 

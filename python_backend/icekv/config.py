@@ -19,6 +19,7 @@ from icekv.method_settings import (CENTROID_SCORING, RESCORING, SCORE_DTYPES, SE
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_POOLS = ("auto", "host", "device")  # where the KV page pool lives, see EngineConfig
+KV_DTYPES = ("auto", "int8", "fp8_e4m3")  # how KV pages are stored, see PagingConfig
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -35,11 +36,15 @@ class PagingConfig:
     plus generated tokens would exceed it is refused up front rather than failing mid-decode.
     ``prefix_cache``: a finished request's full pages stay in the pool, for a later prompt that
     starts with the same tokens (a chat's next turn), until the pool needs their room.
+    ``kv_dtype``: how pages are stored (the pool, the device slots, stored compressed contexts):
+    ``auto`` in the model's dtype, or ``int8`` / ``fp8_e4m3`` codes with a float32 scale per token
+    and KV head (:mod:`icekv.kv.quant`).
     """
 
     page_size: int = 16
     max_context_tokens: int = 32768
     prefix_cache: bool = True
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -49,6 +54,8 @@ class PagingConfig:
                 f"max_context_tokens ({self.max_context_tokens}) must hold at least one page "
                 f"of {self.page_size} tokens"
             )
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
 
     @property
     def num_pages(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from icekv.config import (CENTROID_SCORING, DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES, SERVING_PROFILE,
+from icekv.config import (CENTROID_SCORING, DTYPES, KV_DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES, SERVING_PROFILE,
                           ServingConfig)
 from icekv.config_paths import build_config, field_value
 from icekv.errors import ConfigError
@@ -108,6 +108,9 @@ SETTINGS = (
     Setting("page_size", ("engine.paging.page_size", "engine.selection.page_size"), "page size, tokens"),
     Setting("dtype", ("engine.dtype",), "weights and KV dtype", str, DTYPES,
             default_doc="`bfloat16` on a GPU, `float32` on a CPU"),
+    Setting("kv_dtype", ("engine.paging.kv_dtype",), "how KV pages are stored (pool, device slots, stored "
+            "contexts): `auto` (the model's dtype), or `int8` / `fp8_e4m3` codes with a scale per token and KV head "
+            "(about half the bytes of bf16, a quarter of fp32)", str, KV_DTYPES, configmap=True),
     Setting("max_active_requests", ("engine.scheduler.max_running",), "requests batched at once (in prefill or "
             "decode)", configmap=True),
     Setting("max_queued_requests", ("engine.scheduler.max_waiting",), "requests waiting; beyond it \"server busy\"",

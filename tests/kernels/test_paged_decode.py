@@ -1,5 +1,6 @@
-"""The batched paged decode (numba, CPU) against its torch reference, and the reference against
-plain attention over each request's contiguous keys, over awkward shapes."""
+"""The batched paged decode (numba, CPU; triton) against its torch reference, and the reference against
+plain attention over each request's contiguous keys, over awkward shapes, in the model dtype and over
+packed quantized pools."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from icekv.kernels import paged_decode_attention
 from icekv.kernels.dispatch import request_pages
 from icekv.kernels.cpu_paged_decode import paged_decode_cpu
 from icekv.kernels.reference import paged_decode_reference
+from icekv.kv.quant import KVFormat
 
 
 def _batch(lengths, hq=6, hkv=2, d=16, page_size=4, pool_pages=64, seed=0):
@@ -77,3 +79,39 @@ def test_triton_paged_decode_matches_reference(kdev, lengths, hq, hkv):
     q, pool, ids, starts, lens = _batch(lengths, hq, hkv)
     out = paged_decode_attention(q.to(kdev), pool.to(kdev), ids, starts, lens)
     torch.testing.assert_close(out.cpu(), paged_decode_reference(q, pool, ids, starts, lens), rtol=1e-4, atol=1e-4)
+
+
+QUANTIZED = [KVFormat("int8"), KVFormat("fp8_e4m3")]
+
+
+@pytest.mark.parametrize("kv_format", QUANTIZED, ids=["int8", "fp8"])
+def test_quantized_reference_is_the_reference_over_the_decoded_pool(kv_format):
+    q, pool, ids, starts, lens = _batch([7, 12, 3])
+    packed = kv_format.pack(pool)  # [2, Hkv, pages, P, D + 4] int8
+    torch.testing.assert_close(paged_decode_reference(q, packed, ids, starts, lens, kv_format),
+                               paged_decode_reference(q, kv_format.unpack(packed, torch.float32), ids, starts, lens),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("lengths", [[1, 9, 4, 17], [33, 2]])  # one token, full and partial pages
+@pytest.mark.parametrize("hq, hkv", [(6, 2), (7, 1)])  # GQA groups of 3 and 7
+@pytest.mark.parametrize("kv_format", QUANTIZED, ids=["int8", "fp8"])
+def test_quantized_paged_decode_matches_reference(backend_device, kv_format, lengths, hq, hkv):
+    """A packed pool through the dispatch: the reference (torch) or the sparse decode kernel over
+    every page, decoding inside the kernel (triton)."""
+    q, pool, ids, starts, lens = _batch(lengths, hq, hkv)
+    packed = kv_format.pack(pool)
+    dev = backend_device
+    out = paged_decode_attention(q.to(dev), packed.to(dev), ids, starts, lens, kv_format=kv_format)
+    torch.testing.assert_close(out.cpu(), paged_decode_reference(q, packed, ids, starts, lens, kv_format),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_format", QUANTIZED, ids=["int8", "fp8"])
+def test_quantized_paged_decode_compiled_on_cpu(monkeypatch, kv_format):
+    """fp32 queries over a packed pool on a CPU take the compiled loops (numba)."""
+    monkeypatch.setenv("ICEKV_KERNELS", "numba")
+    q, pool, ids, starts, lens = _batch([1, 9, 4, 17])
+    packed = kv_format.pack(pool)
+    torch.testing.assert_close(paged_decode_attention(q, packed, ids, starts, lens, kv_format=kv_format),
+                               paged_decode_reference(q, packed, ids, starts, lens, kv_format), rtol=1e-5, atol=1e-5)

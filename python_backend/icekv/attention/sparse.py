@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from icekv.kv.quant import KVFormat
+
 
 def paged_prefix_attention(
     q: torch.Tensor,
@@ -49,36 +51,43 @@ def sparse_paged_attention(
     page_len: torch.Tensor,
     win_k: torch.Tensor,
     win_v: torch.Tensor,
+    kv_format: KVFormat = KVFormat(),
 ) -> torch.Tensor:
     """Attention of one token's queries over each KV head's own page selection.
 
-    q [Hq, D]; sink_k/v [Hkv, S, D]; page_k/v [Hkv, K, P, D] with ``page_len`` [Hkv, K] valid
-    tokens per page (0 = an empty slot, masked out); win_k/v [Hkv, W, D]. Query head ``h``
-    reads KV head ``h // (Hq / Hkv)``. Returns [Hq, D]. Order of keys does not matter: the decode
-    query may see every cached token, so no causal mask is needed.
+    q [Hq, D]; sink_k/v [Hkv, S, D]; page_k/v [Hkv, K, P, W] stored rows in ``kv_format`` with
+    ``page_len`` [Hkv, K] valid tokens per page (0 = an empty slot, masked out); win_k/v [Hkv, W,
+    D] values (quantized like the pool's when the pages are). Query head ``h`` reads KV head
+    ``h // (Hq / Hkv)``. Returns [Hq, D]. Order of keys does not matter: the decode query may see
+    every cached token, so no causal mask is needed.
     """
     from icekv.kernels import kernel_backend, sparse_decode_attention
     from icekv.kernels.cpu_decode import sparse_decode_cpu
 
     backend = kernel_backend(q.device)
     if backend == "numba" and q.dtype == torch.float32:
-        return sparse_decode_cpu(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v)
+        return sparse_decode_cpu(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v, kv_format)
     tail_k, tail_v = torch.cat([sink_k, win_k], dim=1), torch.cat([sink_v, win_v], dim=1)  # order is free
+    tail_k, tail_v = kv_format.pack(tail_k), kv_format.pack(tail_v)  # [Hkv, S+W, W] stored rows
     if backend != "triton":
-        return paged_prefix_attention(q[None], page_k, page_v, page_len, tail_k, tail_v)[0]
+        values = lambda t: kv_format.unpack(t, q.dtype)
+        return paged_prefix_attention(q[None], values(page_k), values(page_v), page_len, values(tail_k),
+                                      values(tail_v))[0]
     pages_k, pages_v, lens = _append_tail_pages(page_k, page_v, page_len, tail_k, tail_v)
     ids = torch.arange(pages_k.shape[1], dtype=torch.int32, device=q.device).expand(1, *lens.shape)
-    out, _ = sparse_decode_attention(q[None], pages_k, pages_v, ids.contiguous(), lens[None].int().contiguous())
+    out, _ = sparse_decode_attention(q[None], pages_k, pages_v, ids.contiguous(), lens[None].int().contiguous(),
+                                     kv_format=kv_format)
     return out[0]
 
 
 def _append_tail_pages(page_k, page_v, page_len, tail_k, tail_v):
-    """The contiguous tail cut into pages after the slots, so one kernel reads everything:
-    [Hkv, K + T', P, D] twice and lens [Hkv, K + T'] (the last tail page may be partial)."""
+    """The contiguous tail (stored rows, as the pages) cut into pages after the slots, so one
+    kernel reads everything: [Hkv, K + T', P, W] twice and lens [Hkv, K + T'] (the last tail page
+    may be partial)."""
     hkv, _, page_size, d = page_k.shape
     n = tail_k.shape[1]
     pad = (-n) % page_size
-    as_pages = lambda t: F.pad(t, (0, 0, 0, pad)).view(hkv, -1, page_size, d).to(page_k.dtype)  # [Hkv, T', P, D]
+    as_pages = lambda t: F.pad(t, (0, 0, 0, pad)).view(hkv, -1, page_size, d).to(page_k.dtype)  # [Hkv, T', P, W]
     full = torch.full(((n + pad) // page_size,), page_size, dtype=page_len.dtype, device=page_len.device)
     if pad:
         full[-1] = page_size - pad

@@ -3,6 +3,8 @@
 Heads keep different numbers of tokens (the global threshold gives per-layer, per-head budgets),
 so each layer stores its pages packed head after head with a CSR ``head_indptr``; nothing of the
 evicted tokens remains. Keys are post-RoPE; ``positions`` keeps each token's original position.
+K and V are stored rows in the pool's ``kv_dtype`` (packed codes and scales when quantized, see
+:mod:`icekv.kv.quant`): a context keeps, and a store holds, the smaller pages.
 """
 
 from __future__ import annotations
@@ -12,18 +14,19 @@ from dataclasses import dataclass
 import torch
 
 from icekv.kv import PagedKVCache
+from icekv.kv.quant import KVFormat
 
 
 @dataclass
 class CompressedLayer:
-    k: torch.Tensor  # [n_pages, P, D]
-    v: torch.Tensor  # [n_pages, P, D]
+    k: torch.Tensor  # [n_pages, P, W] stored rows
+    v: torch.Tensor  # [n_pages, P, W]
     page_len: torch.Tensor  # [n_pages] int32
     positions: torch.Tensor  # [n_pages, P] int32, -1 = empty slot
     head_indptr: torch.Tensor  # [Hkv + 1] int64: head h owns pages head_indptr[h]:head_indptr[h+1]
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pages regrouped per head for attention: k, v [Hkv, K, P, D], page_len [Hkv, K] (0 = pad)."""
+        """Pages regrouped per head for attention: k, v [Hkv, K, P, W] stored rows, page_len [Hkv, K] (0 = pad)."""
         counts = self.head_indptr.diff()  # [Hkv]
         hkv, kmax = counts.numel(), int(counts.max()) if counts.numel() else 0
         slot = torch.arange(kmax)[None, :]  # [1, K]
@@ -53,6 +56,11 @@ class CompressedContext:
     method: str
     kv_budget: float
     full_bytes: int  # bytes the uncompressed KV of this context would take
+    kv_dtype: str = "auto"  # how its rows are stored (:class:`icekv.kv.quant.KVFormat`)
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return KVFormat(self.kv_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +79,7 @@ class CompressedContext:
         p = cache.page_size
         layers = []
         for layer in range(n_layers):
-            k_all, v_all = (t.cpu() for t in cache.gather_range(layer, seq_id, 0, length))  # [Hkv, T, D] on the host
+            k_all, v_all = cache.gather_rows(layer, seq_id, 0, length).cpu()  # [Hkv, T, W] stored rows, on the host
             ks, vs, lens, poss, counts = [], [], [], [], []
             for h in range(hkv):
                 pos = torch.nonzero(keep[layer, h]).flatten()  # [n_h] ascending
@@ -94,4 +102,4 @@ class CompressedContext:
                 head_indptr=torch.tensor([0] + counts).cumsum(0),
             ))
         full = length * cache.bytes_per_token
-        return cls(length, p, layers, method, kv_budget, full)
+        return cls(length, p, layers, method, kv_budget, full, cache.kv_format.name)

@@ -83,7 +83,7 @@ class BatchAttention:
         t0 = time.perf_counter()
         self.cache.write_rows(layer, pages, slots, k[rows], v[rows])
         out[rows] = paged_decode_attention(q[rows], self.cache.pool[layer], self.table.page_ids, starts,
-                                           lengths)  # [G, Hq, D]
+                                           lengths, kv_format=self.cache.kv_format)  # [G, Hq, D]
         members = [self.decoding[j] for j in group]
         share = (time.perf_counter() - t0) / len(members)
         for i in members:

@@ -20,10 +20,12 @@ from icekv.index.fused_search import candidate_search, centroid_search
 from icekv.kernels.cpu_decode import sparse_decode_cpu
 from icekv.kernels.cpu_paged_decode import paged_decode_cpu
 from icekv.kv import DevicePageCache, PagedKVCache
+from icekv.kv.quant import KVFormat
 
 
-def compile_loops(kv_dtype: torch.dtype) -> None:
-    """Run every compiled loop once; ``kv_dtype``: the KV pool's dtype (rows are copied by width)."""
+def compile_loops(kv_dtype: torch.dtype, kv_format: KVFormat = KVFormat()) -> None:
+    """Run every compiled loop once; ``kv_dtype``: the model's K/V dtype, stored in ``kv_format``
+    (rows are copied by width, decoded by format)."""
     g = torch.Generator().manual_seed(0)
     for score_dtype in (d for d in SCORE_DTYPES if d != "auto"):  # every format of the index's page keys
         tree = DCITree(torch.randn(40, 8, generator=g), 4, IceCacheConfig(score_dtype=score_dtype), torch.ones(9) / 3)
@@ -35,16 +37,19 @@ def compile_loops(kv_dtype: torch.dtype) -> None:
         DeviceRescoring(tree.store, torch.device("cpu"), kv_dtype, 8).search(q, picks, 2)  # or there
         tree.store.positions(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 0)  # selected pages' tokens
         tree.page_scores(q[0], 4)  # the walk
-    cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype)
+    cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype, kv_format=kv_format)
     cache.add(0)
     cache.extend(0, 4)
+    cache.pool.zero_()
     one = torch.zeros(1, dtype=torch.long)
     cache.gather_tokens(0, 0, one, torch.zeros(1, 4, dtype=torch.long))  # row gather
-    DevicePageCache(1, 1, 4, 8, kv_dtype).plan(one, one, one)  # slot plan
-    DevicePageCache(1, 1, 4, 8, kv_dtype).fill_from_pool(one, one, one, torch.zeros(1, 4, dtype=torch.long),
-                                                         cache.pool[0], cache.page_ids(0))  # plan + copy
+    width, storage = cache.pool.shape[-1], cache.pool.dtype
+    DevicePageCache(1, 1, 4, width, storage).plan(one, one, one)  # slot plan
+    DevicePageCache(1, 1, 4, width, storage).fill_from_pool(one, one, one, torch.zeros(1, 4, dtype=torch.long),
+                                                            cache.pool[0], cache.page_ids(0))  # plan + copy
     rows = torch.zeros(1, 1, 8)  # [Hkv, 1, D]
-    sparse_decode_cpu(torch.zeros(2, 8), rows, rows, torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8),
-                      torch.ones(1, 1, dtype=torch.long), rows, rows)  # decode attention (fp32; also the pool-tail kernel)
+    pages = cache.pool[0, :, :, :1]  # [2, Hkv, 1, P, W] stored rows
+    sparse_decode_cpu(torch.zeros(2, 8), rows, rows, pages[0], pages[1], torch.ones(1, 1, dtype=torch.long), rows,
+                      rows, kv_format)  # decode attention (fp32; also the pool-tail kernel)
     one_page = torch.zeros(1, dtype=torch.long)
-    paged_decode_cpu(torch.zeros(1, 2, 8), torch.zeros(2, 1, 1, 4, 8), one_page, one_page, one_page + 1)  # full decode
+    paged_decode_cpu(torch.zeros(1, 2, 8), cache.pool[0], one_page, one_page, one_page + 1, kv_format)  # full decode

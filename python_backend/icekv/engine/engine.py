@@ -28,6 +28,7 @@ from icekv.engine.sequence import OnProgress, OnText, Phase, Request, Sequence
 from icekv.engine.step import StepRunner
 from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache, PrefixCache
+from icekv.kv.quant import KVFormat
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import Policy, resolve
@@ -81,16 +82,19 @@ class Engine:
             self.tokenizer = Tokenizer(self.model_dir)
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)
+        if config.paging.kv_dtype != "auto":  # stored KV (prefix pages, compressed contexts) differs per format
+            self.model_id += f":kv-{config.paging.kv_dtype}"
         args = self.model.args
         pool = pool_device(config.pool_placement(default_policy.sparse), self.device)
         prefix = PrefixCache(self.model_id, config.paging.page_size) if config.paging.prefix_cache else None
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
-                                  device=pool, compute=self.device, prefix=prefix)
+                                  device=pool, compute=self.device, prefix=prefix,
+                                  kv_format=KVFormat(config.paging.kv_dtype))
         self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.prefill_chunk_tokens)
         self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads)
         self._seq_ids = itertools.count()
-        compile_loops(dtype)  # here, not in the first request's first decode step
+        compile_loops(dtype, self.cache.kv_format)  # here, not in the first request's first decode step
 
     def _device_limit(self) -> int | None:
         """Device bytes requests may hold beside the model; None where they are not charged (the

@@ -53,13 +53,14 @@ class KVCacheManager:
         index = 0
         if seq.selects and not r.prefill_only:
             kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
-            index = index_bytes(self.args, held + kept, r.policy, r.selection, self.cache.pool.dtype)
+            index = index_bytes(self.args, held + kept, r.policy, r.selection, self.cache.dtype)
         context_bytes = context.nbytes if context is not None else 0
         device = DeviceNeed(0, 0)
         if not self.cache.pool_on_compute:
             device = device_need(self.args, prompt_tokens, max_tokens, r.policy,
                                  None if r.prefill_only else r.selection,
-                                 self.cache.bytes_per_token // self.args.num_layers, context_bytes, self.device_type)
+                                 self.cache.value_bytes_per_token // self.args.num_layers, context_bytes,
+                                 self.device_type)  # values: an upper bound for quantized slots
         charge = Admission(math.ceil(held / self.cache.page_size), index, context_bytes, device)
         self._check(charge, r.selection.policy)
         return charge

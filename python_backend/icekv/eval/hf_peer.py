@@ -26,7 +26,7 @@ def hf_model(engine) -> torch.nn.Module:
     """transformers' model of the engine's weights, on the engine's device and in its dtype."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    dtype = engine.cache.pool.dtype
+    dtype = engine.cache.dtype
     if engine.model_dir is not None:
         return AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=dtype).to(engine.device).eval()
     config = LlamaConfig(**hf_config(engine.model.args))

@@ -23,12 +23,13 @@ TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One specialisation of one kernel: runtime parameters' types (in order) and constexprs."""
+    """One specialisation of one kernel: runtime parameters' types (in order) and constexprs (None
+    for a pointer parameter the specialisation never reads: it is compiled out of the entry)."""
 
     module: str
     kernel: str
     signature: dict[str, str]
-    constexprs: dict[str, int | float]
+    constexprs: dict[str, int | float | None]
     num_warps: int = 4
 
 
@@ -43,7 +44,7 @@ class CompiledKernel:
     ptx_params: int  # entry parameters: the signature's, then triton's scratch pointers
     scratch_bytes: int  # global + profile scratch the kernel needs (0: its trailing pointers go unused)
     signature: dict[str, str]
-    constexprs: dict[str, int | float]
+    constexprs: dict[str, int | float | None]
 
     def manifest(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "ptx"}
@@ -57,7 +58,9 @@ def _ptr(dtype: torch.dtype) -> str:
 
 def decode_spec(dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int, page_size: int,
                 num_splits: int = 1) -> KernelSpec:
-    """``sparse_decode_kernel``; ``num_splits=1`` writes final outputs (the plugin's form)."""
+    """``sparse_decode_kernel`` over pages in the model dtype (no quantized KV: its scale and code
+    table pointers are compiled out, so the entry takes the same parameters as ever); ``num_splits=1``
+    writes final outputs (the plugin's form)."""
     cfg = launch.decode_launch(1, num_kv_heads, group, num_splits, page_size, head_dim, max_splits=num_splits)
     out = _ptr(dtype) if num_splits == 1 else "*fp32"
     return KernelSpec(
@@ -65,7 +68,8 @@ def decode_spec(dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int
         {"q_ptr": _ptr(dtype), "k_ptr": _ptr(dtype), "v_ptr": _ptr(dtype), "ids_ptr": "*i32", "lens_ptr": "*i32",
          "n_sel": "i32", "n_slots": "i32", "out_ptr": out, "lse_ptr": "*fp32"},
         {"NUM_KV_HEADS": num_kv_heads, "GROUP": group, "HEAD_DIM": head_dim, "PAGE_SIZE": page_size,
-         "SM_SCALE": head_dim**-0.5, "NUM_SPLITS": num_splits, "BLOCK_G": cfg.block_g, "BLOCK_P": cfg.block_p},
+         "SM_SCALE": head_dim**-0.5, "NUM_SPLITS": num_splits, "BLOCK_G": cfg.block_g, "BLOCK_P": cfg.block_p,
+         "QUANT": 0, "ROW": head_dim, "k_words_ptr": None, "v_words_ptr": None, "lut_ptr": None},
         cfg.num_warps,
     )
 

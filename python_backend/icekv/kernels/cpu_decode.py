@@ -6,8 +6,10 @@ window tokens) in place, two passes: scores and their max, then the weighted sum
 tail is read straight from the request's pages in the host pool, by position ranges
 (:func:`sparse_decode_pool_cpu`, the decode loop's path: no views or copies to build per layer),
 or from given tensors (:func:`sparse_decode_cpu`). At decode sizes (a few hundred tokens per head)
-torch's dozen calls cost ~0.3 ms in dispatch; this is one call. fp32 only (numba has no bf16);
-query heads run in parallel.
+torch's dozen calls cost ~0.3 ms in dispatch; this is one call. fp32 queries (numba has no
+bf16); query heads run in parallel. Pages and pool may hold packed quantized rows
+(:mod:`icekv.kv.quant`): codes are then decoded by table lookup and each token's scale folded
+into its score and its weight, inside the loop (no dequantized copy).
 """
 
 from __future__ import annotations
@@ -16,48 +18,66 @@ import numba
 import numpy as np
 import torch
 
-from icekv.kv.token_rows import pool_row
+from icekv.kv.quant import KVFormat, as_words
 
 
 def sparse_decode_cpu(q: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, page_k: torch.Tensor,
-                      page_v: torch.Tensor, page_len: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor) -> torch.Tensor:
-    """q [Hq, D]; sink_k/v [Hkv, S, D]; page_k/v [Hkv, K, P, D], page_len [Hkv, K]; win_k/v
-    [Hkv, W, D] (all fp32, CPU) -> [Hq, D]; query head ``h`` reads KV head ``h // (Hq / Hkv)``."""
+                      page_v: torch.Tensor, page_len: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
+                      kv_format: KVFormat = KVFormat()) -> torch.Tensor:
+    """q [Hq, D]; sink_k/v [Hkv, S, D]; page_k/v [Hkv, K, P, W] stored rows, page_len [Hkv, K];
+    win_k/v [Hkv, W, D] (fp32 values, CPU; quantized here as the pool would hold them) -> [Hq, D];
+    query head ``h`` reads KV head ``h // (Hq / Hkv)``."""
     tail = torch.stack([torch.cat([sink_k, win_k], 1), torch.cat([sink_v, win_v], 1)])  # [2, Hkv, S+W, D]
+    tail = kv_format.pack(tail)  # [2, Hkv, S+W, W]
     n = tail.shape[2]
     ranges = np.array([[0, n]], dtype=np.int64)  # [1, 2] every tail row, as one page of n tokens
-    return sparse_decode_pool_cpu(q, tail[:, :, None], torch.zeros(1, dtype=torch.long), ranges, page_k, page_v, page_len)
+    return sparse_decode_pool_cpu(q, tail[:, :, None], torch.zeros(1, dtype=torch.long), ranges, page_k, page_v,
+                                  page_len, kv_format)
 
 
 def sparse_decode_pool_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, ranges: np.ndarray,
-                           page_k: torch.Tensor, page_v: torch.Tensor, page_len: torch.Tensor) -> torch.Tensor:
+                           page_k: torch.Tensor, page_v: torch.Tensor, page_len: torch.Tensor,
+                           kv_format: KVFormat = KVFormat()) -> torch.Tensor:
     """q [Hq, D]; tail tokens: the positions in ``ranges`` [R, 2] (start, end) of a request whose
-    page list is ``page_ids`` [pages] in pool_layer [2, Hkv, pool pages, P, D]; page_k/v [Hkv, K,
-    P, D] slots with page_len [Hkv, K] valid tokens (0: not attended). All fp32, CPU -> [Hq, D]."""
+    page list is ``page_ids`` [pages] in pool_layer [2, Hkv, pool pages, P, W]; page_k/v [Hkv, K,
+    P, W] slots with page_len [Hkv, K] valid tokens (0: not attended). Rows in ``kv_format`` (fp32
+    when not quantized), CPU -> [Hq, D] fp32."""
     out = np.empty(q.shape, dtype=np.float32)  # [Hq, D]
-    _decode(q.contiguous().numpy(), pool_layer.numpy(), page_ids.numpy(), ranges, page_k.numpy(), page_v.numpy(),
-            page_len.numpy(), q.shape[-1] ** -0.5, out)
+    quantized = kv_format.quantized
+    words = lambda t: as_words(t).numpy() if quantized else None  # each row's scale, read in place
+    _decode(q.contiguous().numpy(), pool_layer.numpy(), words(pool_layer), page_ids.numpy(), ranges,
+            page_k.numpy(), words(page_k), page_v.numpy(), words(page_v), page_len.numpy(),
+            kv_format.lut().numpy() if quantized else None, q.shape[-1] ** -0.5, out)
     return torch.from_numpy(out)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
-def _decode(q, pool, page_ids, ranges, page_k, page_v, page_len, scale, out):
+def _decode(q, pool, pool_w, page_ids, ranges, page_k, page_kw, page_v, page_vw, page_len, lut, scale, out):
     hq, d = q.shape
-    hkv, n_slots, page_size, _ = page_k.shape
+    hkv, n_slots, slot_size, _ = page_k.shape
+    page_size = pool.shape[3]
     n_tail = 0
     for r in range(ranges.shape[0]):
         n_tail += max(ranges[r, 1] - ranges[r, 0], 0)
     for h in numba.prange(hq):
         kv = h // (hq // hkv)
-        scores = np.empty(n_tail + n_slots * page_size, dtype=np.float32)  # [L] attended tokens: tail, pages
+        scores = np.empty(n_tail + n_slots * slot_size, dtype=np.float32)  # [L] attended tokens: tail, pages
+        scratch = np.empty(d, dtype=np.float32)  # [D] a decoded row
         n = 0
         for r in range(ranges.shape[0]):
             for pos in range(ranges[r, 0], ranges[r, 1]):
-                scores[n] = _dot(q[h], pool_row(pool, 0, page_ids, kv, pos)) * scale
+                page, slot = page_ids[pos // page_size], pos % page_size
+                if lut is None:  # the branch not taken is pruned per compiled signature
+                    scores[n] = _dot(q[h], pool[0, kv, page, slot]) * scale
+                else:
+                    scores[n] = _dot(q[h], decode_row(pool[0, kv, page, slot], pool_w[0, kv, page, slot], lut, scratch)) * scale
                 n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):
-                scores[n] = _dot(q[h], page_k[kv, j, t]) * scale
+                if lut is None:
+                    scores[n] = _dot(q[h], page_k[kv, j, t]) * scale
+                else:
+                    scores[n] = _dot(q[h], decode_row(page_k[kv, j, t], page_kw[kv, j, t], lut, scratch)) * scale
                 n += 1
         top = -np.inf
         for i in range(n):
@@ -70,14 +90,31 @@ def _decode(q, pool, page_ids, ranges, page_k, page_v, page_len, scale, out):
         n = 0
         for r in range(ranges.shape[0]):
             for pos in range(ranges[r, 0], ranges[r, 1]):
-                _axpy(scores[n], pool_row(pool, 1, page_ids, kv, pos), acc)
+                page, slot = page_ids[pos // page_size], pos % page_size
+                if lut is None:
+                    _axpy(scores[n], pool[1, kv, page, slot], acc)
+                else:
+                    _axpy(scores[n], decode_row(pool[1, kv, page, slot], pool_w[1, kv, page, slot], lut, scratch), acc)
                 n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):
-                _axpy(scores[n], page_v[kv, j, t], acc)
+                if lut is None:
+                    _axpy(scores[n], page_v[kv, j, t], acc)
+                else:
+                    _axpy(scores[n], decode_row(page_v[kv, j, t], page_vw[kv, j, t], lut, scratch), acc)
                 n += 1
         for i in range(d):
             out[h, i] = acc[i] / total
+
+
+@numba.njit(inline="always")
+def decode_row(row, words, lut, scratch):
+    """scratch [D] = the values of a packed row: its codes decoded through ``lut`` [256] times its
+    scale (word D / 4 of ``words``, the row as float32 words). Returns scratch."""
+    scale = words[scratch.shape[0] // 4]
+    for i in range(scratch.shape[0]):
+        scratch[i] = lut[row[i] & 0xFF] * scale
+    return scratch
 
 
 @numba.njit(inline="always", fastmath={"reassoc", "contract"})

@@ -4,8 +4,9 @@ One call per layer for every request of an engine step that decodes under full a
 query head of each request reads its whole sequence in place, page by page, through the batch's
 page table (FlashInfer's CSR form: request ``b`` owns ``page_ids[starts[b] : starts[b] + pages_b]``).
 Replaces a dozen torch calls per request and layer, which dominate at decode sizes; its reference
-is :func:`icekv.kernels.reference.paged_decode_reference`. fp32 only; (request, KV head) pairs run
-in parallel, each reading its keys and values once for all the query heads that share them (GQA),
+is :func:`icekv.kernels.reference.paged_decode_reference`. fp32 queries over an fp32 pool, or a
+pool of packed quantized rows (:mod:`icekv.kv.quant`, decoded inside the loop as in
+:mod:`icekv.kernels.cpu_decode`); (request, KV head) pairs run in parallel, each reading its keys and values once for all the query heads that share them (GQA),
 and each pair's arithmetic does not depend on the other requests in the batch.
 """
 
@@ -15,21 +16,25 @@ import numba
 import numpy as np
 import torch
 
-from icekv.kernels.cpu_decode import _axpy, _dot
+from icekv.kernels.cpu_decode import _axpy, _dot, decode_row
+from icekv.kv.quant import KVFormat, as_words
 
 
 def paged_decode_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, D]; pool_layer [2, Hkv, pool pages, P, D]; page_ids [total pages] and starts [B]
-    (request b's pages begin at ``page_ids[starts[b]]``), lengths [B] >= 1 tokens -> [B, Hq, D]."""
+                     lengths: torch.Tensor, kv_format: KVFormat = KVFormat()) -> torch.Tensor:
+    """q [B, Hq, D]; pool_layer [2, Hkv, pool pages, P, W] rows in ``kv_format``; page_ids [total
+    pages] and starts [B] (request b's pages begin at ``page_ids[starts[b]]``), lengths [B] >= 1
+    tokens -> [B, Hq, D]."""
     out = np.empty(q.shape, dtype=np.float32)  # [B, Hq, D]
-    _paged_decode(q.contiguous().numpy(), pool_layer.numpy(), page_ids.numpy(), starts.numpy(), lengths.numpy(),
+    quantized = kv_format.quantized
+    _paged_decode(q.contiguous().numpy(), pool_layer.numpy(), as_words(pool_layer).numpy() if quantized else None,
+                  page_ids.numpy(), starts.numpy(), lengths.numpy(), kv_format.lut().numpy() if quantized else None,
                   q.shape[-1] ** -0.5, out)
     return torch.from_numpy(out)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
-def _paged_decode(q, pool, page_ids, starts, lengths, scale, out):
+def _paged_decode(q, pool, pool_w, page_ids, starts, lengths, lut, scale, out):
     b, hq, d = q.shape
     hkv, page_size = pool.shape[1], pool.shape[3]
     group = hq // hkv
@@ -37,10 +42,16 @@ def _paged_decode(q, pool, page_ids, starts, lengths, scale, out):
         i, kv = row // hkv, row % hkv
         n, first = lengths[i], starts[i]
         scores = np.empty((group, n), dtype=np.float32)  # [G, L]
+        scratch = np.empty(d, dtype=np.float32)  # [D] a decoded row
         for pos in range(n):
-            key = pool[0, kv, page_ids[first + pos // page_size], pos % page_size]
-            for g in range(group):
-                scores[g, pos] = _dot(q[i, kv * group + g], key) * scale
+            page, slot = page_ids[first + pos // page_size], pos % page_size
+            if lut is None:  # the branch not taken is pruned per compiled signature
+                for g in range(group):
+                    scores[g, pos] = _dot(q[i, kv * group + g], pool[0, kv, page, slot]) * scale
+            else:
+                key = decode_row(pool[0, kv, page, slot], pool_w[0, kv, page, slot], lut, scratch)  # [D] once per group
+                for g in range(group):
+                    scores[g, pos] = _dot(q[i, kv * group + g], key) * scale
         acc = np.zeros((group, d), dtype=np.float32)  # [G, D]
         totals = np.empty(group, dtype=np.float32)
         for g in range(group):
@@ -53,9 +64,14 @@ def _paged_decode(q, pool, page_ids, starts, lengths, scale, out):
                 total += scores[g, pos]
             totals[g] = total
         for pos in range(n):
-            value = pool[1, kv, page_ids[first + pos // page_size], pos % page_size]
-            for g in range(group):
-                _axpy(scores[g, pos], value, acc[g])
+            page, slot = page_ids[first + pos // page_size], pos % page_size
+            if lut is None:
+                for g in range(group):
+                    _axpy(scores[g, pos], pool[1, kv, page, slot], acc[g])
+            else:
+                value = decode_row(pool[1, kv, page, slot], pool_w[1, kv, page, slot], lut, scratch)  # [D]
+                for g in range(group):
+                    _axpy(scores[g, pos], value, acc[g])
         for g in range(group):
             for t in range(d):
                 out[i, kv * group + g, t] = acc[g, t] / totals[g]

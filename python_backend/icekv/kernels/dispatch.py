@@ -7,6 +7,7 @@ twin (:mod:`icekv.kernels.cpu_decode`); the other entry points run the reference
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -14,6 +15,7 @@ import torch
 
 import icekv.kernels.launch as launch
 import icekv.kernels.reference as reference
+from icekv.kv.quant import KVFormat, as_words
 
 BACKENDS = ("auto", "triton", "numba", "torch")
 ENV_VAR = "ICEKV_KERNELS"
@@ -42,34 +44,64 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _check_pages(q: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor, what: str) -> None:
-    launch.check_page_shapes(q.shape, pages.shape, ids.shape, lens.shape, what)
+def _check_pages(q: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor, what: str,
+                 kv_format: KVFormat = KVFormat()) -> None:
+    try:
+        row = kv_format.row_width(q.shape[-1])
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    launch.check_page_shapes(q.shape, pages.shape, ids.shape, lens.shape, what, row=row)
+    if kv_format.quantized and pages.dtype != torch.int8:
+        raise ValueError(f"{what}: {kv_format.name} pages must hold packed int8 rows, got {pages.dtype}")
     if ids.dtype != torch.int32 or lens.dtype != torch.int32:
         raise ValueError(f"{what}: page ids and lens must be int32, got {ids.dtype} and {lens.dtype}")
 
 
+QUANT_CODES = {"auto": 0, "int8": 1, "fp8_e4m3": 2}  # sparse_decode_kernel's QUANT per kv_dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _code_table(kv_format: KVFormat, device: torch.device) -> torch.Tensor:
+    """The fp8 lookup table [256] fp32 on ``device``, made once rather than copied every step."""
+    return kv_format.lut().to(device)
+
+
+def _kernel_pages(k_pages: torch.Tensor, v_pages: torch.Tensor, kv_format: KVFormat) -> dict:
+    """The page arguments of ``sparse_decode_kernel`` for pages stored in ``kv_format``: the pages,
+    and when packed their float32 views (the scales) and, for fp8, the code table."""
+    k, v = k_pages.contiguous(), v_pages.contiguous()
+    if not kv_format.quantized:
+        return dict(k_ptr=k, v_ptr=v, k_words_ptr=None, v_words_ptr=None, lut_ptr=None, QUANT=0)
+    lut = _code_table(kv_format, k.device) if kv_format.name == "fp8_e4m3" else None
+    return dict(k_ptr=k, v_ptr=v, k_words_ptr=as_words(k), v_words_ptr=as_words(v), lut_ptr=lut,
+                QUANT=QUANT_CODES[kv_format.name])
+
+
 def sparse_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             page_ids: torch.Tensor, page_lens: torch.Tensor, sm_scale: float | None = None,
-                            backend: str | None = None, max_splits: int | None = None):
-    """out [B, Hq, D], lse [B, Hq]: attention over each KV head's named pages (see reference)."""
-    _check_pages(q, k_pages, page_ids, page_lens, "sparse_decode_attention")
+                            backend: str | None = None, max_splits: int | None = None,
+                            kv_format: KVFormat = KVFormat()):
+    """out [B, Hq, D], lse [B, Hq]: attention over each KV head's named pages (see reference),
+    stored in ``kv_format`` (quantized: packed rows [Hkv, S, P, D + 4] int8, decoded in the kernel)."""
+    _check_pages(q, k_pages, page_ids, page_lens, "sparse_decode_attention", kv_format)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     if kernel_backend(q.device, backend) != "triton":
-        return reference.sparse_decode_reference(q, k_pages, v_pages, page_ids, page_lens, scale)
+        return reference.sparse_decode_reference(q, k_pages, v_pages, page_ids, page_lens, scale, kv_format)
     from icekv.kernels.sparse_decode import merge_splits_kernel, sparse_decode_kernel
 
     b, hq, d = q.shape
-    hkv, n_slots, page_size, _ = k_pages.shape
+    hkv, n_slots, page_size, row = k_pages.shape
     n_sel = page_ids.shape[2]
     cfg = launch.decode_launch(b, hkv, hq // hkv, n_sel, page_size, d, max_splits=max_splits)
     part_dtype = q.dtype if cfg.num_splits == 1 else torch.float32
     part = torch.empty((b, hq, cfg.num_splits, d), dtype=part_dtype, device=q.device)
     part_lse = torch.empty((b, hq, cfg.num_splits), dtype=torch.float32, device=q.device)
     sparse_decode_kernel[cfg.grid](
-        q.contiguous(), k_pages.contiguous(), v_pages.contiguous(), page_ids.contiguous(), page_lens.contiguous(),
-        n_sel, n_slots, part, part_lse,
+        q_ptr=q.contiguous(), **_kernel_pages(k_pages, v_pages, kv_format),
+        ids_ptr=page_ids.contiguous(), lens_ptr=page_lens.contiguous(),
+        n_sel=n_sel, n_slots=n_slots, out_ptr=part, lse_ptr=part_lse,
         NUM_KV_HEADS=hkv, GROUP=hq // hkv, HEAD_DIM=d, PAGE_SIZE=page_size, SM_SCALE=scale,
-        NUM_SPLITS=cfg.num_splits, BLOCK_G=cfg.block_g, BLOCK_P=cfg.block_p, num_warps=cfg.num_warps,
+        NUM_SPLITS=cfg.num_splits, BLOCK_G=cfg.block_g, BLOCK_P=cfg.block_p, ROW=row, num_warps=cfg.num_warps,
     )
     if cfg.num_splits == 1:
         return part[:, :, 0], part_lse[:, :, 0]
@@ -138,20 +170,24 @@ def scatter_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor,
 
 
 def paged_decode_attention(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
-                           lengths: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+                           lengths: torch.Tensor, backend: str | None = None,
+                           kv_format: KVFormat = KVFormat()) -> torch.Tensor:
     """Full decode attention of a batch of requests over their pages in the pool (contract in
-    :func:`icekv.kernels.reference.paged_decode_reference`): compiled on a CPU for fp32, the
-    sparse decode kernel over every page of each request under triton, the reference elsewhere."""
+    :func:`icekv.kernels.reference.paged_decode_reference`, rows stored in ``kv_format``): compiled
+    on a CPU for fp32 queries (over an fp32 or a packed pool), the sparse decode kernel over every
+    page of each request under triton, the reference elsewhere."""
     choice = kernel_backend(q.device, backend)
-    if choice == "numba" and q.dtype == pool_layer.dtype == torch.float32:
+    quantized = kv_format.quantized
+    if choice == "numba" and (q.dtype == torch.float32 if quantized else q.dtype == pool_layer.dtype == torch.float32):
         from icekv.kernels.cpu_paged_decode import paged_decode_cpu
 
-        return paged_decode_cpu(q, pool_layer, page_ids, starts, lengths)
+        packed = {"kv_format": kv_format} if quantized else {}
+        return paged_decode_cpu(q, pool_layer, page_ids, starts, lengths, **packed)
     if choice != "triton":
-        return reference.paged_decode_reference(q, pool_layer, page_ids, starts, lengths)
+        return reference.paged_decode_reference(q, pool_layer, page_ids, starts, lengths, kv_format)
     ids, lens = request_pages(page_ids, starts, lengths, pool_layer.shape[1], pool_layer.shape[3])
     out, _ = sparse_decode_attention(q, pool_layer[0], pool_layer[1], ids.to(q.device), lens.to(q.device),
-                                     backend=choice)
+                                     backend=choice, kv_format=kv_format)
     return out
 
 

@@ -19,16 +19,22 @@ def check_head_dim(head_dim: int) -> None:
         raise ValueError(f"head_dim must be a power of two >= {MIN_DOT} for the kernels, got {head_dim}")
 
 
-def check_page_shapes(q_shape, pages_shape, ids_shape, lens_shape, what: str = "pages") -> None:
-    """The shape contract every page kernel shares (q [B, Hq, D], pages [Hkv, S, P, D], ids and
-    lens [B, Hkv, K]): a readable error instead of a bad launch or a wrong broadcast."""
+def check_page_shapes(q_shape, pages_shape, ids_shape, lens_shape, what: str = "pages",
+                      row: int | None = None) -> None:
+    """The shape contract every page kernel shares (q [B, Hq, D], pages [Hkv, S, P, W], ids and
+    lens [B, Hkv, K]): a readable error instead of a bad launch or a wrong broadcast. ``row`` is
+    the stored row width W: D (the default), or D + 4 for packed quantized rows."""
     q_shape, pages_shape, ids_shape, lens_shape = map(tuple, (q_shape, pages_shape, ids_shape, lens_shape))
     if len(q_shape) != 3 or len(pages_shape) != 4:
-        raise ValueError(f"{what}: q must be [B, Hq, D] and pages [Hkv, S, P, D], got {q_shape} and {pages_shape}")
+        raise ValueError(f"{what}: q must be [B, Hq, D] and pages [Hkv, S, P, W], got {q_shape} and {pages_shape}")
     b, hq, d = q_shape
     hkv = pages_shape[0]
-    if pages_shape[3] != d or hq % hkv:
-        raise ValueError(f"{what}: head_dim {pages_shape[3]} vs {d}, or {hq} query heads not a multiple of {hkv} KV heads")
+    row = d if row is None else row
+    if pages_shape[3] != row:
+        raise ValueError(f"{what}: pages rows of {pages_shape[3]} elements, expected {row} for head_dim {d}"
+                         + (" packed with its scale" if row != d else ""))
+    if hq % hkv:
+        raise ValueError(f"{what}: {hq} query heads not a multiple of {hkv} KV heads")
     if ids_shape != lens_shape or len(ids_shape) != 3 or ids_shape[:2] != (b, hkv):
         raise ValueError(f"{what}: page ids and lens must both be [B={b}, Hkv={hkv}, K], got {ids_shape} and {lens_shape}")
 

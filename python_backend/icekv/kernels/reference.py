@@ -3,7 +3,9 @@ the implementation used wherever the kernels cannot run (CPU, no triton).
 
 Shared data contract (all tensors contiguous):
   q          [B, Hq, D]       one decode query per sequence; query head h reads KV head h // (Hq/Hkv)
-  k/v_pages  [Hkv, S, P, D]   a page pool: S page slots per KV head
+  k/v_pages  [Hkv, S, P, W]   a page pool: S page slots per KV head; rows of W = D elements in the
+                              model dtype, or (quantized KV) packed int8 rows of W = D + 4, decoded
+                              by the ``kv_format`` argument (:mod:`icekv.kv.quant`)
   page_ids   [B, Hkv, K] i32  slots to read per (sequence, KV head); -1 = no page
   page_lens  [B, Hkv, K] i32  valid tokens of each named page (0 = skip it)
 """
@@ -13,13 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from icekv.kv.quant import KVFormat
+
 
 def _gather(pages: torch.Tensor, page_ids: torch.Tensor, page_lens: torch.Tensor):
-    """Named pages per (sequence, KV head) and their token mask: [B, Hkv, K, P, D], [B, Hkv, K, P]."""
+    """Named pages per (sequence, KV head) and their token mask: [B, Hkv, K, P, W], [B, Hkv, K, P]."""
     hkv, _, page_size, _ = pages.shape
     heads = torch.arange(hkv, device=pages.device)[None, :, None]  # [1, Hkv, 1]
     ids = page_ids.long()
-    picked = pages[heads, ids.clamp(min=0)]  # [B, Hkv, K, P, D]
+    picked = pages[heads, ids.clamp(min=0)]  # [B, Hkv, K, P, W]
     lens = torch.where(ids >= 0, page_lens.long().clamp(max=page_size), 0)  # [B, Hkv, K]
     mask = torch.arange(page_size, device=pages.device) < lens[..., None]  # [B, Hkv, K, P]
     return picked, mask
@@ -27,8 +31,10 @@ def _gather(pages: torch.Tensor, page_ids: torch.Tensor, page_lens: torch.Tensor
 
 def sparse_decode_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             page_ids: torch.Tensor, page_lens: torch.Tensor,
-                            sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of each query over the tokens of its KV head's named pages.
+                            sm_scale: float | None = None,
+                            kv_format: KVFormat = KVFormat()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each query over the tokens of its KV head's named pages (stored in
+    ``kv_format``, decoded to fp32 after the gather).
 
     Returns out [B, Hq, D] in q's dtype and lse [B, Hq] (fp32 log-sum-exp of the scaled scores,
     so partial results can be merged). A query with no valid token gets out = 0, lse = -inf.
@@ -38,7 +44,8 @@ def sparse_decode_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     scale = d**-0.5 if sm_scale is None else sm_scale
     keys, mask = _gather(k_pages, page_ids, page_lens)
     values, _ = _gather(v_pages, page_ids, page_lens)
-    keys, values = keys.flatten(2, 3).float(), values.flatten(2, 3).float()  # [B, Hkv, K*P, D]
+    decode = lambda x: kv_format.unpack(x.flatten(2, 3), torch.float32).float()  # [B, Hkv, K*P, D]
+    keys, values = decode(keys), decode(values)
     mask = mask.flatten(2)  # [B, Hkv, K*P]
     qg = q.float().view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     scores = torch.einsum("bhgd,bhtd->bhgt", qg, keys) * scale
@@ -89,15 +96,17 @@ def scatter_pages_reference(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: tor
 
 
 def paged_decode_reference(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
-                           lengths: torch.Tensor) -> torch.Tensor:
+                           lengths: torch.Tensor, kv_format: KVFormat = KVFormat()) -> torch.Tensor:
     """Full decode attention of each request over its pages in the pool: q [B, Hq, D], pool_layer
-    [2, Hkv, pool pages, P, D], page_ids [total pages], starts [B], lengths [B] -> [B, Hq, D]."""
-    _, hkv, _, page_size, d = pool_layer.shape
+    [2, Hkv, pool pages, P, W] rows in ``kv_format`` (quantized: decoded to fp32, the result cast
+    to q's dtype), page_ids [total pages], starts [B], lengths [B] -> [B, Hq, D]."""
+    _, hkv, _, page_size, _ = pool_layer.shape
+    d = q.shape[-1]
     out = []
     for i in range(q.shape[0]):
         n, first = int(lengths[i]), int(starts[i])
         pages = page_ids[first : first + -(-n // page_size)].long()  # [pages]
-        kv = pool_layer[:, :, pages].flatten(2, 3)[:, :, :n]  # [2, Hkv, n, D]
-        scores = torch.matmul(q[i].view(hkv, -1, d), kv[0].transpose(1, 2)) * d**-0.5  # [Hkv, G, n]
-        out.append(torch.matmul(scores.softmax(-1), kv[1]).reshape(q.shape[1:]))  # [Hq, D]
+        kv = kv_format.unpack(pool_layer[:, :, pages].flatten(2, 3)[:, :, :n], torch.float32)  # [2, Hkv, n, D]
+        scores = torch.matmul(q[i].to(kv.dtype).view(hkv, -1, d), kv[0].transpose(1, 2)) * d**-0.5  # [Hkv, G, n]
+        out.append(torch.matmul(scores.softmax(-1), kv[1]).reshape(q.shape[1:]).to(q.dtype))  # [Hq, D]
     return torch.stack(out)

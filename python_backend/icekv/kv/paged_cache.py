@@ -5,6 +5,11 @@ same token slots in every layer and head (as in vLLM / nano-vllm). Head-major ra
 FlashInfer's page-major ``[num_pages, 2, H, P, D]``: every consumer here works per KV head
 (IceCache's pages, selections and device slots are per head), and gathering a request's pages
 for one layer is then a single ``index_select`` whose result is already ``[H, tokens, D]``.
+
+With a quantized ``kv_format`` the last dimension holds packed rows (``D`` codes and a scale, see
+:mod:`icekv.kv.quant`): writes quantize, the value readers (``gather*``, ``view*``) decode, and
+:meth:`PagedKVCache.gather_tokens` and the ``pool`` tensor itself give stored rows, for the copies
+and kernels that carry or decode them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from icekv.kv.allocator import PageAllocator
 from icekv.kv.page_table import PageTable
 from icekv.kv.pinned import pinned_empty
 from icekv.kv.prefix_cache import PrefixCache
+from icekv.kv.quant import KVFormat
 from icekv.kv.token_rows import as_bits, copy_rows, gather_tokens_reference
 
 
@@ -71,17 +77,20 @@ class PagedKVCache:
         device: str | torch.device = "cpu",
         compute: str | torch.device | None = None,
         prefix: PrefixCache | None = None,
+        kv_format: KVFormat = KVFormat(),
     ):
         self.paging = paging
         self.page_size = paging.page_size
         self.num_layers = num_layers
+        self.dtype, self.kv_format = dtype, kv_format  # values read back are ``dtype``; rows stored in kv_format
         self.compute = torch.device(compute or device)
         device = torch.device(device)
-        shape = (num_layers, 2, num_kv_heads, paging.num_pages, paging.page_size, head_dim)
+        shape = (num_layers, 2, num_kv_heads, paging.num_pages, paging.page_size, kv_format.row_width(head_dim))
+        storage = kv_format.storage_dtype(dtype)
         if device.type == "cpu" and self.compute.type == "cuda":  # locked in memory: sized for what the host can lock
-            self.pool = pinned_empty(shape, dtype, owner=self)  # [L, 2, Hkv, num_pages, P, D]
+            self.pool = pinned_empty(shape, storage, owner=self)  # [L, 2, Hkv, num_pages, P, W]
         else:  # the OS maps pages lazily, so an unused pool costs address space, not RAM
-            self.pool = torch.empty(shape, dtype=dtype, device=device)  # [L, 2, Hkv, num_pages, P, D]
+            self.pool = torch.empty(shape, dtype=storage, device=device)  # [L, 2, Hkv, num_pages, P, W]
         self.allocator = PageAllocator(paging.num_pages)
         self.prefix = prefix
         self._seqs: dict[int, _Sequence] = {}
@@ -99,6 +108,20 @@ class PagedKVCache:
         """``t`` (new K/V from the model, or indices) on the pool's device."""
         return t.to(self.pool.device)
 
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Values x [..., D] from the model as stored rows [..., W] on the pool's device."""
+        return self.to_pool(self.kv_format.pack(x))
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Values x [..., D] as reading them back from the pool gives them (x itself when not
+        quantized): for copies kept beside the pool, so a token reads the same from either."""
+        return self.kv_format.unpack(self.kv_format.pack(x), x.dtype) if self.kv_format.quantized else x
+
+    def _values(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows [..., W] as values [..., D] in the model's dtype (the rows themselves, no
+        copy, when not quantized)."""
+        return self.kv_format.unpack(rows, self.dtype)
+
     @property
     def bytes_per_page(self) -> int:
         """Bytes of one page across all layers (K and V)."""
@@ -107,6 +130,14 @@ class PagedKVCache:
     @property
     def bytes_per_token(self) -> int:
         return self.bytes_per_page // self.page_size
+
+    @property
+    def value_bytes_per_token(self) -> int:
+        """Bytes of one token's K and V in every layer as values in the model's dtype: what a
+        device copy of them takes (attention's dense reads, the sink and window), whatever the
+        pool's ``kv_format``."""
+        _, _, hkv, _, _, width = self.pool.shape
+        return self.num_layers * 2 * hkv * self.kv_format.head_dim(width) * self.dtype.itemsize
 
     @property
     def capacity_tokens(self) -> int:
@@ -191,11 +222,10 @@ class PagedKVCache:
 
     def write(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] of positions ``start .. start+T-1``."""
-        k, v = self.to_pool(k), self.to_pool(v)
         if k.shape[0] == 1:  # a decode step: plain indexing (every layer, every step)
             page, slot = self._seqs[seq_id].pages[start // self.page_size], start % self.page_size
-            self.pool[layer, 0, :, page, slot] = k[0]
-            self.pool[layer, 1, :, page, slot] = v[0]
+            self.pool[layer, 0, :, page, slot] = self._rows(k[0])  # [Hkv, W]
+            self.pool[layer, 1, :, page, slot] = self._rows(v[0])
             return
         pos = torch.arange(start, start + k.shape[0])  # [T]
         self.write_rows(layer, self._seqs[seq_id].ids()[pos // self.page_size], pos % self.page_size, k, v)
@@ -204,8 +234,8 @@ class PagedKVCache:
         """Store k, v [T, Hkv, D] at pool page ``pages[t]``, slot ``slots[t]`` ([T] each): one copy
         for tokens of any requests (a batch's decode tokens)."""
         pages, slots = self.to_pool(pages), self.to_pool(slots)
-        self.pool[layer, 0, :, pages, slots] = self.to_pool(k).transpose(0, 1)  # indexed view: [Hkv, T, D]
-        self.pool[layer, 1, :, pages, slots] = self.to_pool(v).transpose(0, 1)
+        self.pool[layer, 0, :, pages, slots] = self._rows(k).transpose(0, 1)  # indexed view: [Hkv, T, W]
+        self.pool[layer, 1, :, pages, slots] = self._rows(v).transpose(0, 1)
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's keys and values in sequence order: two [Hkv, length, D] tensors."""
@@ -214,16 +244,20 @@ class PagedKVCache:
 
     def gather_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``start .. end-1``: two [Hkv, end-start, D] tensors."""
-        index = self.to_pool(self._seqs[seq_id].ids()[start // self.page_size : -(-end // self.page_size)])
-        kv = self.pool[layer].index_select(2, index).flatten(2, 3)  # [2, Hkv, n*P, D]
-        offset = start % self.page_size
-        kv = kv[:, :, offset : offset + end - start]
+        kv = self._values(self.gather_rows(layer, seq_id, start, end))  # [2, Hkv, end-start, D]
         return kv[0], kv[1]
+
+    def gather_rows(self, layer: int, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """The stored rows (K, V) of positions ``start .. end-1``: [2, Hkv, end-start, W]."""
+        index = self.to_pool(self._seqs[seq_id].ids()[start // self.page_size : -(-end // self.page_size)])
+        kv = self.pool[layer].index_select(2, index).flatten(2, 3)  # [2, Hkv, n*P, W]
+        offset = start % self.page_size
+        return kv[:, :, offset : offset + end - start]
 
     def view_runs(self, layer: int, seq_id: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Positions ``start .. end-1`` as views of the pool, one (K, V) pair [Hkv, n_i, D] per run
-        of consecutive page ids, in sequence order. No copy: read them, never write them, and do
-        not keep them past the request's next write."""
+        of consecutive page ids, in sequence order. No copy (a decoded one when quantized): read
+        them, never write them, and do not keep them past the request's next write."""
         if end <= start:
             return []
         seq, p = self._seqs[seq_id], self.page_size
@@ -236,8 +270,8 @@ class PagedKVCache:
             n = min(run_end, last + 1) - page
             lo, hi = max(start, page * p), min(end, (page + n) * p)  # token range of this run
             p0 = seq.pages[page]
-            kv = self.pool[layer, :, :, p0 : p0 + n].flatten(2, 3)  # [2, Hkv, n*P, D] a view
-            kv = kv[:, :, lo - page * p : hi - page * p]
+            kv = self.pool[layer, :, :, p0 : p0 + n].flatten(2, 3)  # [2, Hkv, n*P, W] a view
+            kv = self._values(kv[:, :, lo - page * p : hi - page * p])  # [2, Hkv, hi-lo, D]
             out.append((kv[0], kv[1]))
             page, at = page + n, at + 1
         return out
@@ -257,8 +291,8 @@ class PagedKVCache:
     def gather_tokens(self, layer: int, seq_id: int, heads: torch.Tensor, positions: torch.Tensor,
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """K/V of arbitrary tokens, one KV head per row: heads [n], positions [n, P] (-1 = none)
-        -> one [2, n, P, D] tensor (K, V), zero where the position is -1: a staging buffer
-        (``out``, when given: a pinned one, say).
+        -> one [2, n, P, W] tensor of stored rows (K, V), zero where the position is -1: a staging
+        buffer (``out``, when given: a pinned one, say) for slots that store the same rows.
 
         A compiled row copy for a pool in CPU memory (one call instead of six torch ones: these
         are a few dozen rows per layer and step); :func:`gather_tokens_reference` elsewhere."""
@@ -267,7 +301,7 @@ class PagedKVCache:
             rows = gather_tokens_reference(self.pool[layer], ids, heads, positions)
             return rows if out is None else out.copy_(rows)
         if out is None:
-            out = self.pool.new_empty((2, *positions.shape, self.pool.shape[-1]))  # [2, n, P, D]
+            out = self.pool.new_empty((2, *positions.shape, self.pool.shape[-1]))  # [2, n, P, W]
         copy_rows(as_bits(self.pool[layer]), ids.numpy(), heads.numpy(), positions.numpy(), as_bits(out))
         return out
 

@@ -74,7 +74,8 @@ def encode(ctx: CompressedContext, key: str, model_id: str, secret: bytes | None
     tensors = {f"{i}.{f}": getattr(layer, f).contiguous() for i, layer in enumerate(ctx.layers) for f in FIELDS}
     meta = {"format": FORMAT, "version": VERSION, "key": key, "model_id": model_id, "method": ctx.method,
             "kv_budget": repr(ctx.kv_budget), "length": str(ctx.length), "page_size": str(ctx.page_size),
-            "layers": str(len(ctx.layers)), "full_bytes": str(ctx.full_bytes), "digest_scheme": _scheme(secret)}
+            "layers": str(len(ctx.layers)), "full_bytes": str(ctx.full_bytes), "kv_dtype": ctx.kv_dtype,
+            "digest_scheme": _scheme(secret)}
     meta["digest"] = _digest(meta, tensors, secret)
     return save(tensors, metadata=meta)
 
@@ -103,4 +104,4 @@ def decode(blob: bytes, key: str, model_id: str, secret: bytes | None = None) ->
         raise CorruptEntry(f"entry {key[:12]}... is corrupt (digest mismatch)")
     layers = [CompressedLayer(**{f: tensors[f"{i}.{f}"] for f in FIELDS}) for i in range(int(meta["layers"]))]
     return CompressedContext(int(meta["length"]), int(meta["page_size"]), layers, meta["method"],
-                             float(meta["kv_budget"]), int(meta["full_bytes"]))
+                             float(meta["kv_budget"]), int(meta["full_bytes"]), meta.get("kv_dtype", "auto"))

@@ -24,6 +24,9 @@ from icekv.policies import window_queries_kept
 def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelArgs) -> None:
     if context.page_size != cache.page_size or len(context.layers) != args.num_layers:
         raise ConfigError("the compressed context was made for another model or page size")
+    if context.kv_dtype != cache.kv_format.name:
+        raise ConfigError(f"the compressed context stores kv_dtype {context.kv_dtype}, this engine "
+                          f"{cache.kv_format.name}")
 
 
 def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_threads: int):

@@ -42,16 +42,17 @@ class ComputeMirror:
         if start != filled:
             return
         kv = self._room(layer, start + k.shape[0], filled)
-        kv[0, :, start : start + k.shape[0]] = k.transpose(0, 1)
-        kv[1, :, start : start + k.shape[0]] = v.transpose(0, 1)
+        kv[0, :, start : start + k.shape[0]] = self.cache.as_stored(k).transpose(0, 1)
+        kv[1, :, start : start + k.shape[0]] = self.cache.as_stored(v).transpose(0, 1)
         self.filled[layer] = start + k.shape[0]
 
     def _room(self, layer: int, length: int, filled: int) -> torch.Tensor:
         kv = self.kv.get(layer)
         if kv is None or kv.shape[2] < length:
-            pool = self.cache.pool  # [L, 2, Hkv, pages, P, D]
+            pool = self.cache.pool  # [L, 2, Hkv, pages, P, W]: the mirror holds values [.., D] in the model's dtype
             capacity = max(length, self.tokens, 2 * (kv.shape[2] if kv is not None else 0), self.cache.page_size)
-            grown = torch.empty((2, pool.shape[2], capacity, pool.shape[-1]), dtype=pool.dtype,
+            d = self.cache.kv_format.head_dim(pool.shape[-1])
+            grown = torch.empty((2, pool.shape[2], capacity, d), dtype=self.cache.dtype,
                                 device=self.cache.compute)  # [2, Hkv, capacity, D]
             if kv is not None:
                 grown[:, :, :filled] = kv[:, :, :filled]

@@ -20,7 +20,7 @@ class SampledAttention(SparseAttention):
             return super().attend(layer, q, k, v)
         self.source.write(layer, self.start, k, v)
         if layer in self.tails:  # sink and window kept on the device
-            self.tails[layer].append(self.start, k[0], v[0])
+            self.tails[layer].append(self.start, self.cache.as_stored(k[0]), self.cache.as_stored(v[0]))
             sink_k, sink_v, win_k, win_v = self.tails[layer].views()
         else:  # the pool is where attention runs: read in place
             sink_k, sink_v, win_k, win_v = self.source.sink_window(layer, self.sink_end, self.win_start, self.start + 1)
@@ -31,7 +31,8 @@ class SampledAttention(SparseAttention):
         samples = self.selector.sample(layer, query, self.cfg.selected_pages * self.cfg.page_size)
         t1 = clock.mark()
         heads = torch.arange(hq) // (hq // hkv)  # [Hq] each query head's KV head
-        kv = self.source.gather_pages(layer, heads, samples.positions)  # [2, Hq, M, D] where the pool is
+        rows = self.source.gather_pages(layer, heads, samples.positions)  # [2, Hq, M, W] where the pool is
+        kv = self.cache.kv_format.unpack(rows, self.cache.dtype)  # [2, Hq, M, D] the samples' values
         t2 = clock.mark()
         where = kv.device  # the sampled part is computed where the pool is
         on_pool = Samples(*(t.to(where) for t in (samples.positions, samples.norms, samples.mean, samples.kept_share)))

@@ -123,12 +123,17 @@ class ContextPages(RequestPages):
         self.n_pref = [torch.tensor(layer.kept_per_head) - CONTEXT_SINKS for layer in context.layers]  # [Hkv]
 
     def prefix(self, layer: int) -> tuple:
-        """The layer's kept pages per head on the compute device: k, v [Hkv, K, P, D], page_len
-        [Hkv, K]. Made at the layer's first whole attention: a budgeted layer never needs them
-        there (it selects from the host copy and keeps only the sinks on the device)."""
+        """The layer's kept pages per head on the compute device: k, v [Hkv, K, P, D] values,
+        page_len [Hkv, K]. Made at the layer's first whole attention: a budgeted layer never needs
+        them there (it selects from the host copy and keeps only the sinks on the device)."""
         if layer not in self._prefix:
-            self._prefix[layer] = tuple(self.cache.to_compute(t) for t in self.context.layers[layer].padded())
+            k, v, page_len = (self.cache.to_compute(t) for t in self.context.layers[layer].padded())
+            self._prefix[layer] = self._values(k), self._values(v), page_len
         return self._prefix[layer]
+
+    def _values(self, rows: torch.Tensor) -> torch.Tensor:
+        """The context's stored rows [..., W] as values [..., D] (its format is the pool's)."""
+        return self.cache.kv_format.unpack(rows, self.cache.dtype)
 
     def attend_all(self, layer, q, positions):
         return paged_prefix_attention(q, *self.prefix(layer), *self.own_tokens(layer))  # own: [Hkv, S, D]
@@ -149,7 +154,7 @@ class ContextPages(RequestPages):
         own = self.cache.gather_range(layer, self.seq_id, 0, win_start)[0].cpu()  # [Hkv, w, D]
         keys = []
         for h, (a, b) in enumerate(zip(ctx.head_indptr[:-1].tolist(), ctx.head_indptr[1:].tolist())):
-            kept = ctx.k[a:b].flatten(0, 1)[: int(ctx.page_len[a:b].sum())]  # [n_h, D] in position order
+            kept = self._values(ctx.k[a:b].flatten(0, 1)[: int(ctx.page_len[a:b].sum())])  # [n_h, D] in position order
             keys.append(self.cache.to_compute(torch.cat([kept[CONTEXT_SINKS:], own[h]])))
         return keys
 
@@ -160,7 +165,7 @@ class ContextPages(RequestPages):
         idx = (refs + CONTEXT_SINKS).clamp_min(0)
         page = (ctx.head_indptr[heads][:, None] + idx // p).clamp_max(max(len(ctx.page_len) - 1, 0))
         own = self.cache.gather_tokens(layer, self.seq_id, heads, torch.where(in_ctx | (refs < 0), -1, refs - n_pref))
-        in_ctx_kv = torch.stack([ctx.k[page, idx % p], ctx.v[page, idx % p]])  # [2, n, P, D]
+        in_ctx_kv = torch.stack([ctx.k[page, idx % p], ctx.v[page, idx % p]])  # [2, n, P, W] stored rows
         merged = torch.where(in_ctx[None, ..., None], in_ctx_kv, own.cpu())
         return merged if out is None else out.copy_(merged)
 
@@ -171,8 +176,8 @@ class ContextPages(RequestPages):
         ctx = self.context.layers[layer]
         first = ctx.head_indptr[:-1]  # each head's first page holds its sinks
         win_k, win_v = self.cache.gather_range(layer, self.seq_id, min(win_start, length), length)
-        return tuple(self.cache.to_compute(t) for t in (ctx.k[first, :CONTEXT_SINKS], ctx.v[first, :CONTEXT_SINKS],
-                                                        win_k, win_v))
+        sinks = (self._values(ctx.k[first, :CONTEXT_SINKS]), self._values(ctx.v[first, :CONTEXT_SINKS]))
+        return tuple(self.cache.to_compute(t) for t in (*sinks, win_k, win_v))
 
 
 def token_source(cache: PagedKVCache, seq_id: int, context: CompressedContext | None, tokens: int = 0) -> RequestPages:

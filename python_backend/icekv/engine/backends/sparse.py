@@ -64,15 +64,15 @@ class SparseAttention(DenseAttention):
                 selector.observe_prompt(layer, queries, source.region_keys(layer, 0, length))
             selector.build(layer, source.region_keys(layer, self.sink_end, self.win_start), self.sink_end)
         self.timings["index_build_s"] = time.perf_counter() - t0
+        pool = self.cache.pool  # [L, 2, Hkv, pages, P, W]: slots hold the same stored rows
         self.device = {
-            layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, cfg.page_size, args.head_dim,
-                                   self.cache.pool.dtype, self.cache.compute, scatter=scatter_pages)
+            layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, cfg.page_size, pool.shape[-1],
+                                   pool.dtype, self.cache.compute, scatter=scatter_pages)
             for layer in self.sparse_layers
         }
-        # pool and slots in CPU memory, fp32: the compiled kernel reads sink and window from the
-        # pool in place; otherwise they are kept on the compute device (copied once, then appended)
-        pool = self.cache.pool
-        compiled_fp32 = pool.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
+        # pool and slots in CPU memory, fp32 values: the compiled kernel reads sink and window from
+        # the pool in place; otherwise they are kept on the compute device (copied once, then appended)
+        compiled_fp32 = self.cache.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
         self.tail_from_pool = compiled_fp32 and all(source.pool_rows(layer) is not None for layer in self.sparse_layers)
         window = (cfg.n_win_pages + 1) * cfg.page_size
         self.tails = {} if self.tail_from_pool else {
@@ -92,7 +92,7 @@ class SparseAttention(DenseAttention):
             raise ValueError("sparse attention decodes one token per step")
         self.source.write(layer, self.start, k, v)
         if layer in self.tails:
-            self.tails[layer].append(self.start, k[0], v[0])
+            self.tails[layer].append(self.start, self.cache.as_stored(k[0]), self.cache.as_stored(v[0]))
         length = self.start + 1
         clock = self.clock
         t0 = clock.mark()
@@ -113,10 +113,11 @@ class SparseAttention(DenseAttention):
         t2 = clock.mark()
         if self.tail_from_pool:
             tail = self.source.tail_ranges(self.sink_end, self.win_start, length)
-            out = sparse_decode_pool_cpu(q[0], *rows, tail, dev.k, dev.v, dev.attended_lengths())
+            out = sparse_decode_pool_cpu(q[0], *rows, tail, dev.k, dev.v, dev.attended_lengths(), self.cache.kv_format)
         else:
             sink_k, sink_v, win_k, win_v = self.tails[layer].views()
-            out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v)
+            out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v,
+                                         self.cache.kv_format)
         t3 = clock.mark()
         clock.add(self.timings, "select_s", t0, t1)
         clock.add(self.timings, "transfer_s", t1, t2)
