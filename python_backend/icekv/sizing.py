@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from icekv.config import SelectionConfig
+from icekv.kv.quant import KVFormat
 from icekv.model import ModelArgs
 from icekv.policies import Policy
 
@@ -27,8 +28,10 @@ class SizingPlan:
 
 
 def size(args: ModelArgs, context_tokens: int, concurrent: int, policy: Policy, selection: SelectionConfig,
-         dtype: str = "float32") -> SizingPlan:
-    per_layer_token = 2 * args.num_kv_heads * args.head_dim * DTYPE_BYTES[dtype]
+         dtype: str = "float32", kv_dtype: str = "auto") -> SizingPlan:
+    """The pool and device memory of ``concurrent`` requests of ``context_tokens`` tokens, K/V
+    stored as ``kv_dtype`` (:class:`icekv.kv.quant.KVFormat`) over a model in ``dtype``."""
+    per_layer_token = 2 * args.num_kv_heads * KVFormat(kv_dtype).row_bytes(args.head_dim, DTYPE_BYTES[dtype])
     per_token = per_layer_token * args.num_layers
     pages = -(-context_tokens // selection.page_size) * selection.page_size  # page-granular
     budget = budgeted_tokens(args, pages, policy, selection) * per_layer_token

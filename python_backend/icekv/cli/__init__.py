@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--server", default=None, metavar="HOST:PORT",
                       help="compress through a running icekv server (its gRPC address) into the server's store")
     comp.add_argument("--json", action="store_true")
+    _setting_flag(comp, "kv_dtype")
 
     ev = sub.add_parser("eval", help="RULER-style accuracy across lengths, policies and budgets")
     ev.add_argument("--task", default="niah_single",
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="asked of each prefilled context, each of its own needle, key or chain (default 1; with "
                          "--compress: 4)")
     _kv2_flag(ev, "with --compress kv2, its settings")
+    _setting_flag(ev, "kv_dtype")
     ev.add_argument("--chat-template", action="store_true",
                     help="ask each question as a user turn of the model's chat template (answer prefix after it)")
     _icecache_flags(ev)
@@ -138,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     sz.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8, help="requests held at once")
     sz.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget)
     sz.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    _setting_flag(sz, "kv_dtype")
     _setting_flag(sz, "score_dtype", IceCacheConfig.score_dtype)
     sz.add_argument("--json", action="store_true")
 

@@ -17,7 +17,7 @@ import sys
 import traceback
 from dataclasses import replace
 
-from icekv.cli.common import _csv, _device_settings, _icecache_config, _timed
+from icekv.cli.common import _csv, _device_settings, _icecache_config, _kv_dtype, _timed
 from icekv.errors import IcekvError
 
 
@@ -113,7 +113,7 @@ def _plan(args, settings: dict, device_type: str, groups, cfg, batches, peer: bo
     run = BenchRun(cfg.contexts, batches, {p: selection_for(cfg, p) for p in cfg.policies},
                    tuple((_placement(s, g), g) for s, g in groups), cfg.max_tokens, cfg.seed_tokens, peer)
     dtype = EngineConfig(dtype=settings.get("dtype")).dtype_on(device_type)
-    return plan_bench(_model_args(args), dtype, run, _machine(args, device_type))
+    return plan_bench(_model_args(args), dtype, run, _machine(args, device_type), _kv_dtype(args))
 
 
 def _placement(pool_settings: dict, group: tuple[str, ...]) -> str:

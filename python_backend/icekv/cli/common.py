@@ -43,6 +43,7 @@ def _device_flags(parser, random_weights: bool = False) -> None:
                              "(auto: host under a sparse policy, device under full attention)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights and KV (default: bfloat16 on a GPU, "
                         "float32 on a CPU)")
+    _setting_flag(parser, "kv_dtype")
     if random_weights:
         parser.add_argument("--random-weights", default=None, metavar="SHAPE",
                             help="a model of this shape (llama-3.1-8b, llama-tiny: icekv.model.random) with "
@@ -66,6 +67,11 @@ def _device_settings(args) -> dict:
     """The EngineConfig fields the device flags set (absent ones keep their defaults)."""
     names = ("device", "kv_pool", "dtype", "random_weights")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def _kv_dtype(args) -> str:
+    """The ``--kv-dtype`` flag's value, ``auto`` where the command was given none."""
+    return getattr(args, "kv_dtype", None) or "auto"
 
 
 def _model_flag(parser, what: str = "") -> None:

@@ -7,7 +7,7 @@ import sys
 
 from icekv.config import check_kv_budget
 from icekv.errors import IcekvError
-from icekv.cli.common import _open_store
+from icekv.cli.common import _kv_dtype, _open_store
 
 
 def _compressor_settings(args) -> dict:
@@ -83,12 +83,12 @@ def _compress_here(args, text: str) -> int:
     import resource
     import time
 
-    from icekv.config import EngineConfig
+    from icekv.config import EngineConfig, PagingConfig
     from icekv.engine import Engine
     from icekv.store import StoreError
 
     settings = _compressor_settings(args)
-    engine = Engine(EngineConfig(model_dir=args.model))
+    engine = Engine(EngineConfig(model_dir=args.model, paging=PagingConfig(kv_dtype=_kv_dtype(args))))
     ids = engine.tokenizer.encode(text)
     engine.check_fits(len(ids), 1)
     store = _open_store(args.store, engine)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from icekv.cli.common import _csv, _icecache_config, _timed
+from icekv.cli.common import _csv, _icecache_config, _kv_dtype, _timed
 from icekv.errors import IcekvError
 
 
@@ -68,7 +68,7 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     from icekv.engine import Engine
 
     text = Assets().haystack_text(args.haystack)
-    paging = PagingConfig(max_context_tokens=max(PagingConfig.max_context_tokens, pool_tokens))
+    paging = PagingConfig(max_context_tokens=max(PagingConfig.max_context_tokens, pool_tokens), kv_dtype=_kv_dtype(args))
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
     bar = tqdm(desc="eval", unit=unit, file=sys.stderr)
 
@@ -92,12 +92,13 @@ def _cmd_size(args) -> int:
 
     model_args = ModelArgs.from_dir(resolve_model_dir(args.model))
     selection = SelectionConfig(policy="icecache", budget=args.budget, icecache=IceCacheConfig(score_dtype=args.score_dtype))
-    plan = size(model_args, args.context, args.concurrent, resolve(selection), selection, args.dtype)
+    plan = size(model_args, args.context, args.concurrent, resolve(selection), selection, args.dtype, _kv_dtype(args))
     if args.json:
         print(json.dumps(plan.to_dict()))
         return 0
     mib = lambda b: f"{b / 2**20:,.1f} MiB"
-    print(f"KV per token (all {model_args.num_layers} layers, {args.dtype}): {plan.kv_bytes_per_token:,} bytes")
+    stored = args.dtype if _kv_dtype(args) == "auto" else f"{_kv_dtype(args)} with a scale per token"
+    print(f"KV per token (all {model_args.num_layers} layers, {stored}): {plan.kv_bytes_per_token:,} bytes")
     print(f"host page pool for {args.concurrent} x {args.context} tokens: {mib(plan.host_pool_bytes)} "
           f"(--host-pool-tokens {args.concurrent * args.context})")
     print(f"device KV per request: full attention {mib(plan.device_bytes_full)}; "

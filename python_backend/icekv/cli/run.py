@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from icekv.errors import IcekvError
-from icekv.cli.common import _device_settings, _open_store, _serving_parameters
+from icekv.cli.common import _device_settings, _kv_dtype, _open_store, _serving_parameters
 
 
 def _cmd_fetch(args) -> int:
@@ -54,7 +54,7 @@ def _cmd_generate(args) -> int:
         prompt = args.prompt
     if not prompt.strip():
         raise IcekvError("the prompt is empty (--prompt / --prompt-file)")
-    paging = PagingConfig()
+    paging = PagingConfig(kv_dtype=_kv_dtype(args))
     if args.page_size is not None:
         paging = replace(paging, page_size=args.page_size)
     if args.max_context is not None:

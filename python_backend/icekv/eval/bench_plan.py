@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from icekv.config import PagingConfig, SchedulerConfig, SelectionConfig
+from icekv.kv.quant import KVFormat
 from icekv.model import ModelArgs
 from icekv.policies import resolve
 from icekv.sizing import DTYPE_BYTES, device_need, index_bytes
@@ -143,15 +144,17 @@ def weights_bytes(args: ModelArgs, dtype: str) -> int:
     return sum(p.numel() for p in model.state_dict().values()) * DTYPE_BYTES[dtype]
 
 
-def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine) -> BenchPlan:
-    """The limits ``run`` needs on ``machine`` and, per wave, whether the engine admits it at once."""
+def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_dtype: str = "auto") -> BenchPlan:
+    """The limits ``run`` needs on ``machine`` and, per wave, whether the engine admits it at once;
+    the pool stores K/V as ``kv_dtype``."""
     page = next(iter(run.selections.values())).page_size
     pages_of = lambda tokens: math.ceil(tokens / page)  # noqa: E731
     largest = max(run.batches) * pages_of(max(run.contexts) + run.max_tokens)
     pool_pages = max(largest, pages_of(max(run.contexts)) + pages_of(run.seed_tokens)) + 1  # + the seed's prefill
-    paging = PagingConfig(page_size=page, max_context_tokens=pool_pages * page)
-    token_bytes = 2 * args.num_kv_heads * args.head_dim * DTYPE_BYTES[dtype]  # one token, one layer
-    pool_bytes = pool_pages * page * token_bytes * args.num_layers
+    paging = PagingConfig(page_size=page, max_context_tokens=pool_pages * page, kv_dtype=kv_dtype)
+    token_bytes = 2 * args.num_kv_heads * args.head_dim * DTYPE_BYTES[dtype]  # one token, one layer, as values
+    stored_bytes = 2 * args.num_kv_heads * KVFormat(kv_dtype).row_bytes(args.head_dim, DTYPE_BYTES[dtype])
+    pool_bytes = pool_pages * page * stored_bytes * args.num_layers
     index_limit = pool_bytes  # the engine's default max_index_bytes: the pool's size
     waves = []
     for pool, policies in run.groups:

@@ -54,9 +54,10 @@ class KVFormat:
     def head_dim(self, row_width: int) -> int:
         return row_width - SCALE_BYTES if self.quantized else row_width
 
-    def row_bytes(self, head_dim: int, model_dtype: torch.dtype) -> int:
-        """Bytes one token's K (or V) of one KV head takes."""
-        return self.row_width(head_dim) * torch.empty(0, dtype=self.storage_dtype(model_dtype)).element_size()
+    def row_bytes(self, head_dim: int, model_dtype_bytes: int) -> int:
+        """Bytes one token's K (or V) of one KV head takes, for a model dtype of
+        ``model_dtype_bytes`` bytes per element."""
+        return self.row_width(head_dim) * (1 if self.quantized else model_dtype_bytes)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] (any float dtype) -> stored rows [..., W]."""
