@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Quantized KV pages against the model-dtype pool: the same contexts (seed 0) under full attention
+# and icecache at budget 256, once per kv_dtype. fp32 models on a CPU, so int8 / fp8 rows are
+# 0.27x the bytes. Resumable like bench/longctx_eval.sh (rerun the same command).
+#   bash bench/kv_dtype_eval.sh smollm2   -> bench/results/kv_dtype_smollm2-135m_4k_<task>_<kv_dtype>/
+#   bash bench/kv_dtype_eval.sh qwen      -> bench/results/kv_dtype_qwen2.5-coder-0.5b_16k_niah_multikey_<kv_dtype>/
+# Environment: KV_DTYPES (auto int8 fp8_e4m3), SAMPLES (20 at 4k, 3 at 16k: 8 questions each).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHICH=${1:?usage: bench/kv_dtype_eval.sh smollm2|qwen}
+KV_DTYPES=${KV_DTYPES:-auto int8 fp8_e4m3}
+run() {  # out, then icekv eval's arguments
+  local out=$1; shift
+  local resume=()
+  [ -f "$out/runs.jsonl" ] && resume=(--resume)
+  .venv/bin/icekv eval --policies full,icecache --budgets 256 --search centroids --seed 0 --out "$out" "$@" "${resume[@]}"
+}
+for kv in $KV_DTYPES; do
+  if [ "$WHICH" = smollm2 ]; then
+    # one needle asked per context (SmolLM2 answers 1 of 4 keyed needles at 4k), distractors for multikey
+    run "bench/results/kv_dtype_smollm2-135m_4k_niah_single_$kv" --model smollm2-135m --task niah_single \
+      --lengths 4096 --samples "${SAMPLES:-20}" --kv-dtype "$kv"
+    run "bench/results/kv_dtype_smollm2-135m_4k_niah_multikey_$kv" --model smollm2-135m --task niah_multikey \
+      --num-needles 4 --lengths 4096 --samples "${SAMPLES:-20}" --kv-dtype "$kv"
+  else  # the contexts of bench/longctx_eval.sh 16384 (its auto run holds the same first contexts)
+    run "bench/results/kv_dtype_qwen2.5-coder-0.5b_16k_niah_multikey_$kv" --model qwen2.5-coder-0.5b \
+      --task niah_multikey --questions 8 --num-needles 10 --lengths 16384 --samples "${SAMPLES:-3}" --kv-dtype "$kv"
+  fi
+done
