@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check: one command on a lent CUDA machine (its parts' limits sum to 555 s, under the
+# The GPU check: one command on a lent CUDA machine (its parts' limits sum to 580 s, under the
 # device tool's 600 s a command), everything written under one folder: engine parity CPU vs CUDA
 # (bench/engine_parity.py); decode time per token of a random-weight Llama-3.1-8B (bf16, budget
 # 256) at 32k and at 128k (with transformers as the peer there, where its ratio is a target) under
 # full attention and IceCache; the kernel tests natively (bf16 included, int8 / fp8 KV pages too);
 # batched decode at batch 1 and 8 x 32k; one layer's centroids search on the host vs on the device
 # (bench/centroid_scoring.py); kernel timings vs torch SDPA, the sparse decode also over int8 / fp8
-# pages (bench/gpu_kernels.py); icecache at 32k with the candidates rescored on the device. The
+# pages (bench/gpu_kernels.py); icecache at 32k with the candidates rescored on the device; icecache
+# over int8 KV pages at 32k and 128k (bytes moved per step, TPOT). The
 # bench parts' arguments are in bench/gpu_parts.py. Each part has its own time limit and output,
 # written as it measures, so one that fails or runs long loses only what it had not measured; each
 # bench first checks its plan (every wave admitted at once, memory within the machine's) and
@@ -93,7 +94,7 @@ except Exception as e:
 EOF
   echo "commit $COMMIT ($MODE run)"; date -u; } > "$OUT_DIR/device.txt" 2>&1
 cat "$OUT_DIR/device.txt"
-# most important first: a part that runs long loses only itself; the limits sum to 555 s
+# most important first: a part that runs long loses only itself; the limits sum to 580 s
 # First the compiled CPU loops (numba, cached on disk for the later parts: about a minute cold)
 part warmup "$(limit 60)" "$PY" -c "from icekv.engine.compile_loops import compile_loops; import torch; \
 [compile_loops(d) for d in (torch.float32, torch.bfloat16)]"
@@ -102,7 +103,7 @@ part engine_parity "$(limit 60 180)" "$PY" bench/engine_parity.py --device "$DEV
     --out "$OUT_DIR/engine_parity.json"
 bench_part decode_32k "$(limit 55)"
 if [ "$MODE" = real ]; then KERNEL_ENV=(env ICEKV_TEST_DEVICE=cuda); else KERNEL_ENV=(env); fi
-part kernel_tests "$(limit 110)" "${KERNEL_ENV[@]}" "$PY" -m pytest tests/kernels -v -p no:cacheprovider \
+part kernel_tests "$(limit 95)" "${KERNEL_ENV[@]}" "$PY" -m pytest tests/kernels -v -p no:cacheprovider \
     --junitxml="$OUT_DIR/kernel_tests.xml"
 bench_part decode_128k "$(limit 100)"
 bench_part batch_32k "$(limit 70)"
@@ -112,6 +113,7 @@ part centroid_scoring "$(limit 30)" "$PY" bench/centroid_scoring.py --device "$D
 if [ "$MODE" = real ]; then KERNELS=(); else KERNELS=(--contexts 2048); fi
 part gpu_kernels "$(limit 30)" "$PY" bench/gpu_kernels.py --device "$DEVICE" "${KERNELS[@]}" --out "$OUT_DIR/gpu_kernels.json"
 bench_part decode_32k_rescoring "$(limit 40)"
+bench_part decode_int8 "$(limit 40)"
 if [ "$MODE" = dry ]; then  # what the real run will admit and hold, at its shapes
   "$PY" bench/gpu_parts.py --plan > "$OUT_DIR/plan.txt" 2>&1
   echo "plan: rc $? ($(tail -1 "$OUT_DIR/plan.txt"))" | tee -a "$OUT_DIR/summary.txt"

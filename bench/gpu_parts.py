@@ -32,6 +32,11 @@ PARTS: dict[str, tuple[list[str], list[str]]] = {
                    "--batch", "1,8"],
                   ["bench", "batch", *DRY, "--policies", "full,icecache", *DRY_SERVING, "--contexts", "2048",
                    "--batch", "1,4"]),
+    # int8 KV pages (a quarter of the pool's bytes moved per step, half of bf16's): TPOT against decode_32k/128k's
+    "decode_int8": (["bench", "decode", *REAL, "--policies", "icecache", *SERVING, "--kv-dtype", "int8",
+                     "--contexts", "32768,131072"],
+                    ["bench", "decode", *DRY, "--policies", "icecache", *DRY_SERVING, "--kv-dtype", "int8",
+                     "--contexts", "2048,4096"]),
     "decode_32k_rescoring": (["bench", "decode", *REAL, "--policies", "icecache", *SERVING, "--rescoring", "device",
                               "--contexts", "32768"],
                              ["bench", "decode", *DRY, "--policies", "icecache", *DRY_SERVING, "--rescoring",

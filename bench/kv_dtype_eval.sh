@@ -4,11 +4,13 @@
 # 0.27x the bytes. Resumable like bench/longctx_eval.sh (rerun the same command).
 #   bash bench/kv_dtype_eval.sh smollm2   -> bench/results/kv_dtype_smollm2-135m_4k_<task>_<kv_dtype>/
 #   bash bench/kv_dtype_eval.sh qwen      -> bench/results/kv_dtype_qwen2.5-coder-0.5b_16k_niah_multikey_<kv_dtype>/
-# Environment: KV_DTYPES (auto int8 fp8_e4m3), SAMPLES (20 at 4k, 3 at 16k: 8 questions each).
+# Environment: KV_DTYPES (auto int8 fp8_e4m3), TASKS (smollm2: niah_single niah_multikey), SAMPLES (20
+# at 4k, 3 at 16k: 8 questions each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHICH=${1:?usage: bench/kv_dtype_eval.sh smollm2|qwen}
 KV_DTYPES=${KV_DTYPES:-auto int8 fp8_e4m3}
+TASKS=${TASKS:-niah_single niah_multikey}
 run() {  # out, then icekv eval's arguments
   local out=$1; shift
   local resume=()
@@ -17,11 +19,12 @@ run() {  # out, then icekv eval's arguments
 }
 for kv in $KV_DTYPES; do
   if [ "$WHICH" = smollm2 ]; then
-    # one needle asked per context (SmolLM2 answers 1 of 4 keyed needles at 4k), distractors for multikey
-    run "bench/results/kv_dtype_smollm2-135m_4k_niah_single_$kv" --model smollm2-135m --task niah_single \
-      --lengths 4096 --samples "${SAMPLES:-20}" --kv-dtype "$kv"
-    run "bench/results/kv_dtype_smollm2-135m_4k_niah_multikey_$kv" --model smollm2-135m --task niah_multikey \
-      --num-needles 4 --lengths 4096 --samples "${SAMPLES:-20}" --kv-dtype "$kv"
+    # one needle asked per context (SmolLM2 answers 1 of 4 keyed needles at 4k), 3 distractors for multikey
+    for task in $TASKS; do
+      needles=$([ "$task" = niah_multikey ] && echo 4 || echo 2)
+      run "bench/results/kv_dtype_smollm2-135m_4k_${task}_$kv" --model smollm2-135m --task "$task" \
+        --num-needles "$needles" --lengths 4096 --samples "${SAMPLES:-20}" --kv-dtype "$kv"
+    done
   else  # the contexts of bench/longctx_eval.sh 16384 (its auto run holds the same first contexts)
     run "bench/results/kv_dtype_qwen2.5-coder-0.5b_16k_niah_multikey_$kv" --model qwen2.5-coder-0.5b \
       --task niah_multikey --questions 8 --num-needles 10 --lengths 16384 --samples "${SAMPLES:-3}" --kv-dtype "$kv"

@@ -198,8 +198,8 @@ class SchedulerConfig:
     up to ``max_step_tokens`` tokens in all: a long prompt holds the others' next tokens for at
     most one step. A request is admitted (FIFO) when its worst case fits in what the running ones
     have not been promised: KV pages (prompt + max_tokens), page-index host memory
-    (``max_index_bytes``, None: the pool's size), compressed-context bytes
-    (``max_context_bytes``, None: the pool's size) and, when the pool is off the compute device,
+    (``max_index_bytes``, None: the pool's size in the model's dtype), compressed-context bytes
+    (``max_context_bytes``, None: the same) and, when the pool is off the compute device,
     the device memory requests hold beside the model (``max_device_bytes``, None: 90% of what is
     free once the engine is loaded; see :func:`icekv.sizing.device_need`: a prefill keeps every
     layer's K/V of its prompt there, a decode under a budget far less). One that could never fit

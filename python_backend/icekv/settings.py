@@ -122,12 +122,13 @@ SETTINGS = (
     Setting("prefill_chunk_tokens", ("engine.prefill_chunk_tokens",), "the most prompt tokens of one request in "
             "one step"),
     Setting("max_index_bytes", ("engine.scheduler.max_index_bytes",), "host bytes for the running requests' page "
-            "indexes", least=0, configmap=True, default_doc="the pool's size"),
+            "indexes", least=0, configmap=True, default_doc="the pool's size in the model's dtype"),
     Setting("max_device_bytes", ("engine.scheduler.max_device_bytes",), "device bytes the running requests may hold "
             "beside the model, with the pool in host memory (a prefill keeps its prompt's K/V of every layer there)",
             least=0, default_doc="90% of the free device memory after loading"),
     Setting("max_context_bytes", ("engine.scheduler.max_context_bytes",), "host bytes of compressed contexts: "
-            "charged to admission, and kept in memory (LRU of unused ones)", least=0, default_doc="the pool's size"),
+            "charged to admission, and kept in memory (LRU of unused ones)", least=0,
+            default_doc="the pool's size in the model's dtype"),
     Setting("num_threads", ("engine.num_threads",), "threads of the forward pass", default_doc="torch's default"),
     Setting("index_threads", ("engine.index_threads",), "threads building a page index during prefill; 0: after it",
             least=0, default_doc="cores the forward pass leaves free"),

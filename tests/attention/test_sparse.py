@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from icekv.attention import sparse_paged_attention
+from icekv.config import KV_DTYPES
+from icekv.kv.quant import KVFormat
 
 
 def reference(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v):
@@ -32,18 +34,29 @@ def backend(request, monkeypatch):
     return request.param
 
 
+def as_stored(fmt: KVFormat, t: torch.Tensor) -> torch.Tensor:
+    """Values as a pool in ``fmt`` gives them back."""
+    return fmt.unpack(fmt.pack(t), t.dtype)
+
+
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (8, 1)])
 @pytest.mark.parametrize("sink,n_pages,win", [(2, 3, 5), (0, 1, 1), (1, 0, 3), (4, 5, 16)])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_matches_reference_over_awkward_shapes(backend, hq, hkv, sink, n_pages, win, head_dim):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_matches_reference_over_awkward_shapes(backend, hq, hkv, sink, n_pages, win, head_dim, kv_dtype):
+    """Quantized pages are read as stored rows (codes and scales, decoded inside the kernel): the
+    reference attends their decoded values, and the sink and window as the pool would hold them."""
     g = torch.Generator().manual_seed(hq * 100 + n_pages)
-    p = 4
+    p, fmt = 4, KVFormat(kv_dtype)
     rnd = lambda *s: torch.randn(*s, generator=g)
     q = rnd(hq, head_dim)
     page_len = torch.randint(0, p + 1, (hkv, n_pages), generator=g)  # partial and empty pages
-    args = (rnd(hkv, sink, head_dim), rnd(hkv, sink, head_dim), rnd(hkv, n_pages, p, head_dim),
-            rnd(hkv, n_pages, p, head_dim), page_len, rnd(hkv, win, head_dim), rnd(hkv, win, head_dim))
-    torch.testing.assert_close(sparse_paged_attention(q, *args), reference(q, *args), rtol=1e-5, atol=1e-5)
+    sink_k, sink_v, win_k, win_v = rnd(hkv, sink, head_dim), rnd(hkv, sink, head_dim), rnd(hkv, win, head_dim), rnd(hkv, win, head_dim)
+    page_k, page_v = fmt.pack(rnd(hkv, n_pages, p, head_dim)), fmt.pack(rnd(hkv, n_pages, p, head_dim))  # [Hkv, K, P, W]
+    got = sparse_paged_attention(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v, fmt)
+    tail = [as_stored(fmt, t) for t in (sink_k, sink_v, win_k, win_v)]
+    want = reference(q, *tail[:2], fmt.unpack(page_k, q.dtype), fmt.unpack(page_v, q.dtype), page_len, *tail[2:])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_garbage_in_unattended_slots_is_ignored(backend):
@@ -60,7 +73,8 @@ def test_garbage_in_unattended_slots_is_ignored(backend):
 
 
 @pytest.mark.parametrize("sink,win_start,length", [(4, 9, 13), (0, 5, 6), (8, 8, 8), (3, 16, 23)])
-def test_tail_read_from_pool_equals_the_tail_as_tensors(sink, win_start, length):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_tail_read_from_pool_equals_the_tail_as_tensors(sink, win_start, length, kv_dtype):
     """The decode loop's CPU path reads sink and window by position straight from the request's
     pages (scattered, partial) in the pool: same output as the reference over copies of them."""
     from icekv.config import PagingConfig
@@ -69,7 +83,8 @@ def test_tail_read_from_pool_equals_the_tail_as_tensors(sink, win_start, length)
 
     g = torch.Generator().manual_seed(length)
     hq, hkv, d, p = 6, 2, 16, 4
-    cache = PagedKVCache(2, hkv, d, PagingConfig(page_size=p, max_context_tokens=128))
+    fmt = KVFormat(kv_dtype)
+    cache = PagedKVCache(2, hkv, d, PagingConfig(page_size=p, max_context_tokens=128), kv_format=fmt)
     cache.add(0), cache.add(1)
     for n in (5, 3, 9, 4, 7, 7):  # interleaved growth: the pages of request 0 are not consecutive
         for seq in (0, 1):
@@ -77,10 +92,11 @@ def test_tail_read_from_pool_equals_the_tail_as_tensors(sink, win_start, length)
             cache.write(1, seq, start, torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g))
     cache.truncate(0, length)
     q = torch.randn(hq, d, generator=g)
-    page_k, page_v = torch.randn(2, hkv, 3, p, d, generator=g)
+    page_k, page_v = fmt.pack(torch.randn(2, hkv, 3, p, d, generator=g))  # [Hkv, K, P, W] each
     page_len = torch.tensor([[4, 0, 2], [1, 3, 4]])
-    sink_k, sink_v = cache.gather_range(1, 0, 0, sink)
+    sink_k, sink_v = cache.gather_range(1, 0, 0, sink)  # values, decoded
     win_k, win_v = cache.gather_range(1, 0, win_start, length)
     tail = np.array([[0, sink], [win_start, length]])
-    got = sparse_decode_pool_cpu(q, cache.pool[1], cache.page_ids(0), tail, page_k, page_v, page_len)
-    torch.testing.assert_close(got, reference(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v), rtol=1e-5, atol=1e-5)
+    got = sparse_decode_pool_cpu(q, cache.pool[1], cache.page_ids(0), tail, page_k, page_v, page_len, fmt)
+    pages = fmt.unpack(page_k, q.dtype), fmt.unpack(page_v, q.dtype)
+    torch.testing.assert_close(got, reference(q, sink_k, sink_v, *pages, page_len, win_k, win_v), rtol=1e-5, atol=1e-5)

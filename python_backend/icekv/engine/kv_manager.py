@@ -34,13 +34,14 @@ class Admission:
 
 class KVCacheManager:
     """The pool's pages and the memory budgets beside it (:class:`icekv.config.SchedulerConfig`):
-    ``max_index_bytes`` and ``max_context_bytes`` default to the pool's size; ``device_limit``
-    None where device memory is not charged (the pool is on the compute device, allocated whole)."""
+    ``max_index_bytes`` and ``max_context_bytes`` default to the pool's size in the model's dtype
+    (so a quantized ``kv_dtype`` shrinks the pool, not what may be indexed); ``device_limit`` None
+    where device memory is not charged (the pool is on the compute device, allocated whole)."""
 
     def __init__(self, cache: PagedKVCache, args: ModelArgs, cfg: SchedulerConfig, device_limit: int | None,
                  device_type: str):
         self.cache, self.args, self.device_type = cache, args, device_type
-        pool_bytes = cache.capacity_tokens * cache.bytes_per_token
+        pool_bytes = cache.capacity_tokens * cache.value_bytes_per_token
         self.index_limit = pool_bytes if cfg.max_index_bytes is None else cfg.max_index_bytes
         self.context_limit = pool_bytes if cfg.max_context_bytes is None else cfg.max_context_bytes
         self.device_limit = device_limit

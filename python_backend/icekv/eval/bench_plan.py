@@ -155,7 +155,7 @@ def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_
     token_bytes = 2 * args.num_kv_heads * args.head_dim * DTYPE_BYTES[dtype]  # one token, one layer, as values
     stored_bytes = 2 * args.num_kv_heads * KVFormat(kv_dtype).row_bytes(args.head_dim, DTYPE_BYTES[dtype])
     pool_bytes = pool_pages * page * stored_bytes * args.num_layers
-    index_limit = pool_bytes  # the engine's default max_index_bytes: the pool's size
+    index_limit = pool_pages * page * token_bytes * args.num_layers  # the engine's default max_index_bytes: the pool's size as values
     waves = []
     for pool, policies in run.groups:
         for policy in policies:
