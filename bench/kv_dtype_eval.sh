@@ -4,11 +4,14 @@
 # 0.27x the bytes. Resumable like bench/longctx_eval.sh (rerun the same command).
 #   bash bench/kv_dtype_eval.sh smollm2   -> bench/results/kv_dtype_smollm2-135m_4k_<task>_<kv_dtype>/
 #   bash bench/kv_dtype_eval.sh qwen      -> bench/results/kv_dtype_qwen2.5-coder-0.5b_16k_niah_multikey_<kv_dtype>/
+#   bash bench/kv_dtype_eval.sh decode    -> bench/results/kv_dtype_decode_32k/<kv_dtype>_r<round>/
+# decode: TPOT at 32k (SmolLM2, full and icecache, 3 interleaved repeats), the kv_dtypes alternating
+# over ROUNDS rounds so each quantized run has a model-dtype run beside it; alone on the cores.
 # Environment: KV_DTYPES (auto int8 fp8_e4m3), TASKS (smollm2: niah_single niah_multikey), SAMPLES (20
-# at 4k, 3 at 16k: 8 questions each).
+# at 4k, 3 at 16k: 8 questions each), ROUNDS (decode: 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHICH=${1:?usage: bench/kv_dtype_eval.sh smollm2|qwen}
+WHICH=${1:?usage: bench/kv_dtype_eval.sh smollm2|qwen|decode}
 KV_DTYPES=${KV_DTYPES:-auto int8 fp8_e4m3}
 TASKS=${TASKS:-niah_single niah_multikey}
 run() {  # out, then icekv eval's arguments
@@ -17,6 +20,15 @@ run() {  # out, then icekv eval's arguments
   [ -f "$out/runs.jsonl" ] && resume=(--resume)
   .venv/bin/icekv eval --policies full,icecache --budgets 256 --search centroids --seed 0 --out "$out" "$@" "${resume[@]}"
 }
+if [ "$WHICH" = decode ]; then
+  for round in $(seq "${ROUNDS:-2}"); do
+    for kv in $KV_DTYPES; do
+      .venv/bin/icekv bench decode --contexts 32768 --policies full,icecache --search centroids --repeats 3 \
+        --kv-dtype "$kv" --out "bench/results/kv_dtype_decode_32k/${kv}_r$round"
+    done
+  done
+  exit 0
+fi
 for kv in $KV_DTYPES; do
   if [ "$WHICH" = smollm2 ]; then
     # one needle asked per context (SmolLM2 answers 1 of 4 keyed needles at 4k), 3 distractors for multikey

@@ -43,6 +43,27 @@ def test_next_token_predictions_follow_the_model_dtype_pool(engine, engines, ess
     assert same_top / len(ref) >= same_share, (same_top, float(gap.mean()))
 
 
+@pytest.mark.parametrize("kv_dtype,least_cosine", [("int8", 0.999), ("fp8_e4m3", 0.995)])
+def test_short_prompts_logits_and_greedy_tokens_follow_the_model_dtype_pool(engine, engines, essays_text, kv_dtype,
+                                                                           least_cosine):
+    """Six 200-token prompts: the next-token logits after each (its prefill reads back the
+    quantized K/V) keep a cosine of ``least_cosine`` to the model-dtype pool's and the same top
+    token; greedy continuations of 16 tokens agree for half their length on average (they part
+    where two tokens are near-tied, and then continue differently)."""
+    ids = engine.tokenizer.encode(essays_text)
+    prompts = [ids[i * 600: i * 600 + 200] for i in range(6)]
+    agreed = []
+    for prompt in prompts:
+        a, b = engine.prefill(prompt), engines[kv_dtype].prefill(prompt)
+        assert torch.nn.functional.cosine_similarity(a.logits.float(), b.logits.float(), 0) >= least_cosine
+        assert a.logits.argmax() == b.logits.argmax()
+        engine.release(a), engines[kv_dtype].release(b)
+        ta = engine.generate(prompt, SamplingConfig(max_tokens=16, ignore_eos=True)).token_ids
+        tb = engines[kv_dtype].generate(prompt, SamplingConfig(max_tokens=16, ignore_eos=True)).token_ids
+        agreed.append(next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), 16))
+    assert sum(agreed) / len(agreed) >= 8, agreed
+
+
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
 @pytest.mark.parametrize("policy", ["full", "icecache"])
 def test_a_needle_is_found_as_with_the_model_dtype_pool(engine, engines, essays_text, kv_dtype, policy):

@@ -43,12 +43,22 @@ def sparse_decode_pool_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: 
     P, W] slots with page_len [Hkv, K] valid tokens (0: not attended). Rows in ``kv_format`` (fp32
     when not quantized), CPU -> [Hq, D] fp32."""
     out = np.empty(q.shape, dtype=np.float32)  # [Hq, D]
-    quantized = kv_format.quantized
-    words = lambda t: as_words(t).numpy() if quantized else None  # each row's scale, read in place
-    _decode(q.contiguous().numpy(), pool_layer.numpy(), words(pool_layer), page_ids.numpy(), ranges,
-            page_k.numpy(), words(page_k), page_v.numpy(), words(page_v), page_len.numpy(),
-            kv_format.lut().numpy() if quantized else None, q.shape[-1] ** -0.5, out)
+    _decode(q.contiguous().numpy(), pool_layer.numpy(), _words(pool_layer, kv_format), page_ids.numpy(), ranges,
+            page_k.numpy(), _words(page_k, kv_format), page_v.numpy(), _words(page_v, kv_format), page_len.numpy(),
+            _code_table(kv_format), q.shape[-1] ** -0.5, out)
     return torch.from_numpy(out)
+
+
+def _words(rows: torch.Tensor, kv_format: KVFormat) -> np.ndarray | None:
+    """Packed rows as float32 words (each row's scale, read in place); None when not quantized:
+    the kernels' signal to read plain values."""
+    return as_words(rows).numpy() if kv_format.quantized else None
+
+
+def _code_table(kv_format: KVFormat) -> np.ndarray | None:
+    """The fp8 code table; None for int8 codes (converted directly) and plain values."""
+    lut = kv_format.lut()
+    return None if lut is None else lut.numpy()
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
@@ -67,14 +77,14 @@ def _decode(q, pool, pool_w, page_ids, ranges, page_k, page_kw, page_v, page_vw,
         for r in range(ranges.shape[0]):
             for pos in range(ranges[r, 0], ranges[r, 1]):
                 page, slot = page_ids[pos // page_size], pos % page_size
-                if lut is None:  # the branch not taken is pruned per compiled signature
+                if pool_w is None:  # plain values; the branch not taken is pruned per compiled signature
                     scores[n] = _dot(q[h], pool[0, kv, page, slot]) * scale
                 else:
                     scores[n] = _dot(q[h], decode_row(pool[0, kv, page, slot], pool_w[0, kv, page, slot], lut, scratch)) * scale
                 n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):
-                if lut is None:
+                if pool_w is None:
                     scores[n] = _dot(q[h], page_k[kv, j, t]) * scale
                 else:
                     scores[n] = _dot(q[h], decode_row(page_k[kv, j, t], page_kw[kv, j, t], lut, scratch)) * scale
@@ -91,14 +101,14 @@ def _decode(q, pool, pool_w, page_ids, ranges, page_k, page_kw, page_v, page_vw,
         for r in range(ranges.shape[0]):
             for pos in range(ranges[r, 0], ranges[r, 1]):
                 page, slot = page_ids[pos // page_size], pos % page_size
-                if lut is None:
+                if pool_w is None:
                     _axpy(scores[n], pool[1, kv, page, slot], acc)
                 else:
                     _axpy(scores[n], decode_row(pool[1, kv, page, slot], pool_w[1, kv, page, slot], lut, scratch), acc)
                 n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):
-                if lut is None:
+                if pool_w is None:
                     _axpy(scores[n], page_v[kv, j, t], acc)
                 else:
                     _axpy(scores[n], decode_row(page_v[kv, j, t], page_vw[kv, j, t], lut, scratch), acc)
@@ -109,11 +119,16 @@ def _decode(q, pool, pool_w, page_ids, ranges, page_k, page_kw, page_v, page_vw,
 
 @numba.njit(inline="always")
 def decode_row(row, words, lut, scratch):
-    """scratch [D] = the values of a packed row: its codes decoded through ``lut`` [256] times its
-    scale (word D / 4 of ``words``, the row as float32 words). Returns scratch."""
+    """scratch [D] = the values of a packed row: its codes (int8 values, or fp8 bytes decoded
+    through ``lut`` [256]) times its scale (word D / 4 of ``words``, the row as float32 words).
+    Returns scratch."""
     scale = words[scratch.shape[0] // 4]
-    for i in range(scratch.shape[0]):
-        scratch[i] = lut[row[i] & 0xFF] * scale
+    if lut is None:  # int8: the code is the value
+        for i in range(scratch.shape[0]):
+            scratch[i] = np.float32(row[i]) * scale
+    else:
+        for i in range(scratch.shape[0]):
+            scratch[i] = lut[row[i] & 0xFF] * scale
     return scratch
 
 

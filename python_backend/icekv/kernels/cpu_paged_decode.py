@@ -16,8 +16,8 @@ import numba
 import numpy as np
 import torch
 
-from icekv.kernels.cpu_decode import _axpy, _dot, decode_row
-from icekv.kv.quant import KVFormat, as_words
+from icekv.kernels.cpu_decode import _axpy, _code_table, _dot, _words, decode_row
+from icekv.kv.quant import KVFormat
 
 
 def paged_decode_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
@@ -26,10 +26,8 @@ def paged_decode_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.
     pages] and starts [B] (request b's pages begin at ``page_ids[starts[b]]``), lengths [B] >= 1
     tokens -> [B, Hq, D]."""
     out = np.empty(q.shape, dtype=np.float32)  # [B, Hq, D]
-    quantized = kv_format.quantized
-    _paged_decode(q.contiguous().numpy(), pool_layer.numpy(), as_words(pool_layer).numpy() if quantized else None,
-                  page_ids.numpy(), starts.numpy(), lengths.numpy(), kv_format.lut().numpy() if quantized else None,
-                  q.shape[-1] ** -0.5, out)
+    _paged_decode(q.contiguous().numpy(), pool_layer.numpy(), _words(pool_layer, kv_format), page_ids.numpy(),
+                  starts.numpy(), lengths.numpy(), _code_table(kv_format), q.shape[-1] ** -0.5, out)
     return torch.from_numpy(out)
 
 
@@ -45,7 +43,7 @@ def _paged_decode(q, pool, pool_w, page_ids, starts, lengths, lut, scale, out):
         scratch = np.empty(d, dtype=np.float32)  # [D] a decoded row
         for pos in range(n):
             page, slot = page_ids[first + pos // page_size], pos % page_size
-            if lut is None:  # the branch not taken is pruned per compiled signature
+            if pool_w is None:  # plain values; the branch not taken is pruned per compiled signature
                 for g in range(group):
                     scores[g, pos] = _dot(q[i, kv * group + g], pool[0, kv, page, slot]) * scale
             else:
@@ -65,7 +63,7 @@ def _paged_decode(q, pool, pool_w, page_ids, starts, lengths, lut, scale, out):
             totals[g] = total
         for pos in range(n):
             page, slot = page_ids[first + pos // page_size], pos % page_size
-            if lut is None:
+            if pool_w is None:
                 for g in range(group):
                     _axpy(scores[g, pos], pool[1, kv, page, slot], acc[g])
             else:

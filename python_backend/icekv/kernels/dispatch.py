@@ -72,7 +72,7 @@ def _kernel_pages(k_pages: torch.Tensor, v_pages: torch.Tensor, kv_format: KVFor
     k, v = k_pages.contiguous(), v_pages.contiguous()
     if not kv_format.quantized:
         return dict(k_ptr=k, v_ptr=v, k_words_ptr=None, v_words_ptr=None, lut_ptr=None, QUANT=0)
-    lut = _code_table(kv_format, k.device) if kv_format.name == "fp8_e4m3" else None
+    lut = _code_table(kv_format, k.device) if kv_format.lut() is not None else None
     return dict(k_ptr=k, v_ptr=v, k_words_ptr=as_words(k), v_words_ptr=as_words(v), lut_ptr=lut,
                 QUANT=QUANT_CODES[kv_format.name])
 

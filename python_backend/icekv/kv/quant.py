@@ -90,13 +90,14 @@ class KVFormat:
         tail = rows[..., rows.shape[-1] - SCALE_BYTES:]
         return tail.view(torch.float32) if tail.stride(-1) == 1 else tail.contiguous().view(torch.float32)
 
-    def lut(self) -> torch.Tensor:
+    def lut(self) -> torch.Tensor | None:
         """[256] float32: the value of each code byte (read as an unsigned byte), for kernels that
-        decode codes by table lookup (numba, and Triton's fp8 path)."""
+        decode fp8 codes by table lookup; None where a code converts directly (int8) or there are
+        no codes (auto)."""
+        if self.name != "fp8_e4m3":
+            return None
         byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
-        if self.name == "fp8_e4m3":
-            return byte.view(torch.float8_e4m3fn).float()
-        return byte.float()
+        return byte.view(torch.float8_e4m3fn).float()
 
 
 def as_words(rows: torch.Tensor) -> torch.Tensor:
