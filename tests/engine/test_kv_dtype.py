@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SchedulerConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.eval.tasks import HaystackSampler
 from tests.engine.test_compile_loops import _signatures
@@ -129,11 +129,17 @@ def test_a_stored_int8_context_answers_like_its_twin(engine, engines, essays_tex
     assert answers["int8"][1] < 0.35 * answers["auto"][1]
 
 
-def test_the_same_pool_bytes_admit_about_four_times_the_tokens(smollm2_dir):
-    """A pool of the bytes that hold 512 fp32 tokens holds 1,920 tokens as int8 rows: requests of
-    308 tokens run one at a time over the first, six at once over the second."""
-    def running_at_once(kv_dtype: str, tokens: int) -> int:
-        engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(16, tokens, kv_dtype=kv_dtype)))
+@pytest.mark.parametrize("dtype,kv_dtype,model_tokens,alone,quantized", [
+    ("float32", "int8", 512, 1, 6),  # 68 bytes a row against 256: 1,920 tokens in the bytes of 512
+    ("bfloat16", "fp8_e4m3", 1024, 3, 6),  # 68 against 128: 1,920 tokens in the bytes of 1,024
+])
+def test_the_same_pool_bytes_admit_about_twice_or_four_times_the_tokens(smollm2_dir, dtype, kv_dtype, model_tokens,
+                                                                        alone, quantized):
+    """A pool of the bytes that hold ``model_tokens`` tokens in the model's dtype, then as
+    quantized rows: requests of 308 tokens run ``alone`` then ``quantized`` at once."""
+    def running_at_once(kv: str, tokens: int) -> int:
+        engine = Engine(EngineConfig(model_dir=str(smollm2_dir), dtype=dtype, paging=PagingConfig(16, tokens, kv_dtype=kv),
+                                     scheduler=SchedulerConfig(max_queue_wait_s=3600)))  # bf16 on a CPU is slow
         seqs = [engine.submit([i + 1] * 300, replace(GREEDY, max_tokens=8)) for i in range(8)]
         engine.step()
         n = len(engine.scheduler.running)
@@ -142,11 +148,12 @@ def test_the_same_pool_bytes_admit_about_four_times_the_tokens(smollm2_dir):
         assert all(s.error is None for s in seqs)
         return n
 
-    fp32_bytes = 512 * 30 * 2 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads, head dim 64
-    int8_tokens = fp32_bytes // (30 * 2 * 3 * 68) // 16 * 16
-    assert int8_tokens == 1920
-    assert running_at_once("auto", 512) == 1
-    assert running_at_once("int8", int8_tokens) == 6
+    element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    pool_bytes = model_tokens * 30 * 2 * 3 * 64 * element  # SmolLM2: 30 layers, 3 KV heads, head dim 64
+    quantized_tokens = pool_bytes // (30 * 2 * 3 * 68) // 16 * 16
+    assert quantized_tokens == 1920
+    assert running_at_once("auto", model_tokens) == alone
+    assert running_at_once(kv_dtype, quantized_tokens) == quantized
 
 
 def test_a_quantized_decode_after_engine_load_compiles_nothing(engines, essays_text):

@@ -47,9 +47,10 @@ def compile_loops(kv_dtype: torch.dtype, kv_format: KVFormat = KVFormat()) -> No
     DevicePageCache(1, 1, 4, width, storage).plan(one, one, one)  # slot plan
     DevicePageCache(1, 1, 4, width, storage).fill_from_pool(one, one, one, torch.zeros(1, 4, dtype=torch.long),
                                                             cache.pool[0], cache.page_ids(0))  # plan + copy
+    # the decode kernels read fp32 values or packed rows, whatever the model's dtype
+    pool = torch.zeros_like(cache.pool[0], dtype=kv_format.storage_dtype(torch.float32))  # [2, Hkv, pages, P, W]
     rows = torch.zeros(1, 1, 8)  # [Hkv, 1, D]
-    pages = cache.pool[0, :, :, :1]  # [2, Hkv, 1, P, W] stored rows
-    sparse_decode_cpu(torch.zeros(2, 8), rows, rows, pages[0], pages[1], torch.ones(1, 1, dtype=torch.long), rows,
-                      rows, kv_format)  # decode attention (fp32; also the pool-tail kernel)
+    sparse_decode_cpu(torch.zeros(2, 8), rows, rows, pool[0, :, :1], pool[1, :, :1], torch.ones(1, 1, dtype=torch.long),
+                      rows, rows, kv_format)  # decode attention (also the pool-tail kernel)
     one_page = torch.zeros(1, dtype=torch.long)
-    paged_decode_cpu(torch.zeros(1, 2, 8), cache.pool[0], one_page, one_page, one_page + 1, kv_format)  # full decode
+    paged_decode_cpu(torch.zeros(1, 2, 8), pool, one_page, one_page, one_page + 1, kv_format)  # full decode

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step, paged_prefix_attention
+from icekv.attention import (causal_attention, decode_attention_chunks, is_decode_step, paged_prefix_attention,
+                             sparse_paged_attention)
 from icekv.compress import CompressedContext
 from icekv.compress.evict import CONTEXT_SINKS
 from icekv.config import SelectionConfig
@@ -123,12 +124,12 @@ class ContextPages(RequestPages):
         self.n_pref = [torch.tensor(layer.kept_per_head) - CONTEXT_SINKS for layer in context.layers]  # [Hkv]
 
     def prefix(self, layer: int) -> tuple:
-        """The layer's kept pages per head on the compute device: k, v [Hkv, K, P, D] values,
-        page_len [Hkv, K]. Made at the layer's first whole attention: a budgeted layer never needs
-        them there (it selects from the host copy and keeps only the sinks on the device)."""
+        """The layer's kept pages per head on the compute device: k, v [Hkv, K, P, W] stored rows
+        (the pool's format), page_len [Hkv, K]. Made at the layer's first whole attention: a
+        budgeted layer never needs them there (it selects from the host copy and keeps only the
+        sinks on the device)."""
         if layer not in self._prefix:
-            k, v, page_len = (self.cache.to_compute(t) for t in self.context.layers[layer].padded())
-            self._prefix[layer] = self._values(k), self._values(v), page_len
+            self._prefix[layer] = tuple(self.cache.to_compute(t) for t in self.context.layers[layer].padded())
         return self._prefix[layer]
 
     def _values(self, rows: torch.Tensor) -> torch.Tensor:
@@ -136,7 +137,12 @@ class ContextPages(RequestPages):
         return self.cache.kv_format.unpack(rows, self.cache.dtype)
 
     def attend_all(self, layer, q, positions):
-        return paged_prefix_attention(q, *self.prefix(layer), *self.own_tokens(layer))  # own: [Hkv, S, D]
+        k, v, page_len = self.prefix(layer)
+        own_k, own_v = self.own_tokens(layer)  # [Hkv, S, D] values
+        if q.shape[0] == 1:  # a decode step: the kernels read the rows, dequantized inside the attention
+            none = own_k[:, :0]  # [Hkv, 0, D] no sink apart from the pages
+            return sparse_paged_attention(q[0], none, none, k, v, page_len, own_k, own_v, self.cache.kv_format)[None]
+        return paged_prefix_attention(q, self._values(k), self._values(v), page_len, own_k, own_v)  # values for this call
 
     def context_bytes(self, layers) -> int:
         """Bytes of the kept pages held on the compute device, of ``layers``."""
