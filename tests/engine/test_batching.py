@@ -35,21 +35,39 @@ def context(engine, essays_text):
     return engine.compress(ids, "keydiff", 0.5)
 
 
+def context_questions(context) -> list[dict]:
+    """Requests over a compressed context, one per policy that selects over one."""
+    return [dict(prompt=" Question: what is the essay about? Answer:", context=context,
+                 selection=SelectionConfig(policy=pol, budget=64)) for pol in ("full", "icecache")]
+
+
+def alone_tokens(engine, requests: list[dict]) -> list[list[int]]:
+    """Each request's greedy tokens, run alone."""
+    return [engine.generate(r["prompt"], GREEDY, selection=r["selection"], context=r.get("context")).token_ids
+            for r in requests]
+
+
+def run_joining(engine, requests: list[dict], first: int, steps: int) -> list:
+    """The first ``first`` requests submitted and stepped ``steps`` times, then the others join
+    them; every one run to its end. Returns their sequences, in order."""
+    submit = lambda rs: [engine.submit(r["prompt"], GREEDY, r["selection"], r.get("context")) for r in rs]
+    early = submit(requests[:first])
+    for _ in range(steps):
+        engine.step()
+    later = submit(requests[first:])
+    assert not any(s.done for s in later)
+    _drain(engine, early + later)
+    return early + later
+
+
 def test_batched_greedy_output_equals_each_request_alone(engine, essays_text, context):
     prompts = _prompts(essays_text, (90, 420, 160, 610, 300))
     requests = [dict(prompt=p, selection=SelectionConfig(policy=pol, budget=64)) for p, pol in zip(prompts, POLICIES)]
-    requests += [dict(prompt=" Question: what is the essay about? Answer:", context=context,
-                      selection=SelectionConfig(policy=pol, budget=64)) for pol in ("full", "icecache")]
-    alone = [engine.generate(r["prompt"], GREEDY, selection=r["selection"], context=r.get("context")).token_ids
-             for r in requests]
+    requests += context_questions(context)
+    alone = alone_tokens(engine, requests)
     free = engine.cache.pages_available
-    first = [engine.submit(r["prompt"], GREEDY, r["selection"], r.get("context")) for r in requests[:4]]
-    for _ in range(6):  # the first four are prefilled and decoding when the others join
-        engine.step()
-    later = [engine.submit(r["prompt"], GREEDY, r["selection"], r.get("context")) for r in requests[4:]]
-    assert not any(s.done for s in later)
-    _drain(engine, first + later)
-    for seq, expected, r in zip(first + later, alone, requests):
+    seqs = run_joining(engine, requests, 4, 6)  # the first four are prefilled and decoding when the others join
+    for seq, expected, r in zip(seqs, alone, requests):
         assert seq.error is None, seq.error
         assert seq.result.token_ids == expected, r["selection"].policy
     assert engine.cache.pages_available == free  # every request gave its pages back

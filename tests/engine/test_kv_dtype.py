@@ -10,12 +10,12 @@ import torch
 from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SchedulerConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.eval.tasks import HaystackSampler
+from tests.engine.test_batching import GREEDY, alone_tokens, context_questions, run_joining
 from tests.engine.test_compile_loops import _signatures
 
 pytestmark = pytest.mark.model
 
 QUANTIZED = ("int8", "fp8_e4m3")
-GREEDY = SamplingConfig(max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -88,17 +88,10 @@ def test_quantized_requests_batched_equal_each_alone_and_free_their_pages(engine
     context = engine.compress(engine.tokenizer.encode(" ".join(words[3000:3300])), "keydiff", 0.5)
     requests = [dict(prompt=p, selection=SelectionConfig(policy=pol, budget=64))
                 for p, pol in zip(prompts, ("full", "icecache", "quest", "magicpig"))]
-    requests += [dict(prompt=" Question: what is the essay about? Answer:", context=context,
-                      selection=SelectionConfig(policy=pol, budget=64)) for pol in ("full", "icecache")]
-    alone = [engine.generate(r["prompt"], GREEDY, selection=r["selection"], context=r.get("context")).token_ids
-             for r in requests]
+    requests += context_questions(context)
+    alone = alone_tokens(engine, requests)
     free = engine.cache.pages_available
-    seqs = [engine.submit(r["prompt"], GREEDY, r["selection"], r.get("context")) for r in requests[:3]]
-    for _ in range(3):  # the others join while these decode
-        engine.step()
-    seqs += [engine.submit(r["prompt"], GREEDY, r["selection"], r.get("context")) for r in requests[3:]]
-    while not all(s.done for s in seqs):
-        engine.step()
+    seqs = run_joining(engine, requests, 3, 3)  # the others join while the first three decode
     assert all(s.error is None for s in seqs)
     exact = [i for i, r in enumerate(requests) if r["selection"].policy != "magicpig"]
     assert [seqs[i].result.token_ids for i in exact] == [alone[i] for i in exact]

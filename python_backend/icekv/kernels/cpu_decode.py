@@ -8,8 +8,9 @@ tail is read straight from the request's pages in the host pool, by position ran
 or from given tensors (:func:`sparse_decode_cpu`). At decode sizes (a few hundred tokens per head)
 torch's dozen calls cost ~0.3 ms in dispatch; this is one call. fp32 queries (numba has no
 bf16); query heads run in parallel. Pages and pool may hold packed quantized rows
-(:mod:`icekv.kv.quant`): codes are then decoded by table lookup and each token's scale folded
-into its score and its weight, inside the loop (no dequantized copy).
+(:mod:`icekv.kv.quant`): each row is then decoded as it is read (int8 codes converted, fp8 codes
+looked up in a table, times the row's scale) into one row of scratch, inside the loop (no
+dequantized copy of the pages).
 """
 
 from __future__ import annotations
