@@ -35,7 +35,7 @@ class RecordingAttention(DenseAttention):
         super().__init__(source)
         self.queries: dict[int, list[torch.Tensor]] = {}
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, selection=None):
         self.queries.setdefault(layer, []).append(q[0].clone())  # [Hq, D]
         return super().attend(layer, q, k, v)
 

@@ -16,6 +16,7 @@ from icekv.config_paths import build_config
 from icekv.errors import ConfigError
 from icekv.method_settings import (CENTROID_SCORING, RESCORING, SCORE_DTYPES, SEARCHES, ArkValeConfig,  # noqa: F401
                                    IceCacheConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig, SnapKVConfig)
+from icekv.request_config import MAX_TOP_LOGPROBS, PromptCaching, SamplingConfig  # noqa: F401
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_POOLS = ("auto", "host", "device")  # where the KV page pool lives, see EngineConfig
@@ -61,80 +62,6 @@ class PagingConfig:
     def num_pages(self) -> int:
         """Pages per layer in the preallocated pool."""
         return math.ceil(self.max_context_tokens / self.page_size)
-
-
-MAX_TOP_LOGPROBS = 20  # alternatives reported per token, as OpenAI allows
-
-
-@dataclass(frozen=True)
-class PromptCaching:
-    """What the prefix cache may do with one request's prompt: serve it and keep its pages
-    (``enabled``), and keep them ahead of the LRU order for ``retention_s`` seconds after the
-    request ends (an agent's context across a tool call); pool pressure still evicts them."""
-
-    enabled: bool = True
-    retention_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.retention_s >= 0:
-            raise ConfigError(f"cache_retention_s must be >= 0, got {self.retention_s}")
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How the next token is picked. ``temperature == 0`` means greedy decoding.
-
-    ``logprobs`` reports the model's own log-probabilities (of the logits before any penalty, bias
-    or temperature, as vLLM's default). Before sampling, the logits are adjusted as OpenAI's API and
-    vLLM define (:func:`icekv.engine.sampling.
-    adjusted_logits`): ``repetition_penalty`` divides the positive logits (multiplies the negative
-    ones) of every token seen in the prompt or the output; ``frequency_penalty`` is subtracted once
-    per time a token was generated, ``presence_penalty`` once if it was; ``logit_bias`` adds to
-    the logits of the token ids it names.
-    """
-
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
-    logprobs: int | None = None  # None: none; k: each new token's log-probability and the k most likely ones
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first (the whole prompt is prefilled)
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (0.0 <= self.temperature <= 100.0) or math.isnan(self.temperature):
-            raise ConfigError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise ConfigError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-                raise ConfigError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
-        for token, bias in self.logit_bias:
-            if token < 0 or not -100.0 <= bias <= 100.0:
-                raise ConfigError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Does any penalty or bias change the logits? (Requests without them skip the step.)"""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -257,6 +184,8 @@ class EngineConfig:
     # prefill; None: the cores the forward pass leaves free (0 where it uses them all: on shared
     # cores the build slows prefill by about what it saves)
     index_threads: int | None = None
+    # threads running a decode step's page searches of one layer, a request each; 0 or 1: one after another
+    search_threads: int = 0
 
     def __post_init__(self) -> None:
         if not DEVICE_PATTERN.fullmatch(self.device):
@@ -275,6 +204,8 @@ class EngineConfig:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.index_threads is not None and self.index_threads < 0:
             raise ConfigError(f"index_threads must be >= 0, got {self.index_threads}")
+        if self.search_threads < 0:
+            raise ConfigError(f"search_threads must be >= 0, got {self.search_threads}")
         if self.selection.page_size != self.paging.page_size:
             raise ConfigError(
                 f"selection.page_size {self.selection.page_size} differs from paging.page_size "

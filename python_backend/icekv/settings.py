@@ -132,6 +132,8 @@ SETTINGS = (
     Setting("num_threads", ("engine.num_threads",), "threads of the forward pass", default_doc="torch's default"),
     Setting("index_threads", ("engine.index_threads",), "threads building a page index during prefill; 0: after it",
             least=0, default_doc="cores the forward pass leaves free"),
+    Setting("search_threads", ("engine.search_threads",), "threads running the page searches of a decode step's "
+            "requests in parallel, one request each; 0 or 1: one after another", least=0),
     Setting("store", ("store",), "context store of compressed contexts, shared by replicas: a directory or "
             "`redis://host:port/db`", str, configmap=True, default_doc="none"),
     Setting("store_max_bytes", ("store_max_bytes",), "context store size limit, bytes", least=0,

@@ -99,6 +99,36 @@ def test_every_baseline_batched_equals_alone_and_cancelling_frees_its_memory(eng
         assert engine.cache.pages_available == free, s.policy
 
 
+def test_searches_on_threads_equal_one_after_another_and_a_failed_search_fails_alone(smollm2_dir, engine, essays_text):
+    """With search_threads, a layer's selecting requests search in parallel: each request's greedy
+    tokens are what it gives alone on an engine searching one after another; a search that raises
+    fails its own request only."""
+    threaded = Engine(EngineConfig(model_dir=str(smollm2_dir), search_threads=2))
+    # magicpig samples in its own attention (no search); its LSH hashes are not batch-invariant
+    # here: in this mix it differs from alone with search_threads 0 too
+    policies = [p for p in policy_names() if p != "magicpig"]
+    prompts = _prompts(essays_text, [240 + 30 * i for i in range(len(policies))])
+    selections = [SelectionConfig(policy=p, budget=64) for p in policies]
+    alone = [engine.generate(p, GREEDY, selection=s).token_ids for p, s in zip(prompts, selections)]
+    free = threaded.cache.pages_available
+    seqs = [threaded.submit(p, GREEDY, s) for p, s in zip(prompts, selections)]
+    broken = seqs[policies.index("icecache")]
+    while not broken.decoder_ready:
+        threaded.step()
+
+    def fail(layer, q, k):
+        raise RuntimeError("search failed")
+
+    broken.backend.selector.select = fail
+    _drain(threaded, seqs)
+    assert isinstance(broken.error, RuntimeError)
+    for seq, expected, s in zip(seqs, alone, selections):
+        if seq is not broken:
+            assert seq.error is None, seq.error
+            assert seq.result.token_ids == expected, s.policy
+    assert threaded.cache.pages_available == free
+
+
 def test_requests_of_different_lengths_leave_mid_run(engine, essays_text):
     prompts = _prompts(essays_text, (50, 200, 120))
     budgets = (3, 12, 7)  # they finish at different steps

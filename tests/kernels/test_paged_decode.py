@@ -7,9 +7,9 @@ import torch
 
 from icekv.attention import decode_attention
 from icekv.kernels import paged_decode_attention
-from icekv.kernels.dispatch import request_pages
 from icekv.kernels.cpu_paged_decode import paged_decode_cpu
 from icekv.kernels.reference import paged_decode_reference
+from icekv.kv import PageTable
 from icekv.kv.quant import KVFormat
 
 
@@ -26,6 +26,12 @@ def _batch(lengths, hq=6, hkv=2, d=16, page_size=4, pool_pages=64, seed=0):
         at += pages
     q = torch.randn(len(lengths), hq, d, generator=g)  # [B, Hq, D]
     return q, pool, torch.cat(ids), torch.tensor(starts), torch.tensor(lengths)
+
+
+def _table(ids, starts, lens, page_size=4) -> PageTable:
+    """The batch's page table, as the engine hands it to the dispatch."""
+    return PageTable.build([ids[int(s) : int(s) + -(-int(n) // page_size)].tolist() for s, n in zip(starts, lens)],
+                           lens.tolist(), page_size)
 
 
 @pytest.mark.parametrize("lengths", [[1], [4], [5], [1, 9, 4, 17], [33, 2]])  # one token, full and partial pages
@@ -56,14 +62,14 @@ def test_a_request_gets_the_same_bits_alone_and_in_a_batch():
 
 def test_dispatch_falls_back_to_the_reference_off_fp32():
     q, pool, ids, starts, lens = _batch([6, 11])
-    half = paged_decode_attention(q.double(), pool.double(), ids, starts, lens)  # not fp32: the reference
+    half = paged_decode_attention(q.double(), pool.double(), _table(ids, starts, lens))  # not fp32: the reference
     torch.testing.assert_close(half.float(), paged_decode_cpu(q, pool, ids, starts, lens), rtol=1e-5, atol=1e-5)
     assert half.dtype == torch.float64
 
 
-def test_request_pages_names_each_requests_pages_per_head():
+def test_per_head_table_names_each_requests_pages_per_head():
     q, pool, ids, starts, lens = _batch([5, 1, 8])  # partial, one token, two full pages (P = 4)
-    page_ids, page_lens = request_pages(ids, starts, lens, num_kv_heads=2, page_size=4)
+    page_ids, page_lens = _table(ids, starts, lens).per_head(num_kv_heads=2)
     assert page_ids.shape == page_lens.shape == (3, 2, 2) and page_ids.dtype == torch.int32
     assert page_lens[:, 0].tolist() == [[4, 1], [1, 0], [4, 4]]
     assert page_ids[1, :, 1].tolist() == [-1, -1]  # padding past a request's pages
@@ -77,7 +83,7 @@ def test_triton_paged_decode_matches_reference(kdev, lengths, hq, hkv):
     """Under triton (the CUDA path; here the interpreter) the full decode runs the sparse decode
     kernel over every page of each request."""
     q, pool, ids, starts, lens = _batch(lengths, hq, hkv)
-    out = paged_decode_attention(q.to(kdev), pool.to(kdev), ids, starts, lens)
+    out = paged_decode_attention(q.to(kdev), pool.to(kdev), _table(ids, starts, lens))
     torch.testing.assert_close(out.cpu(), paged_decode_reference(q, pool, ids, starts, lens), rtol=1e-4, atol=1e-4)
 
 
@@ -102,7 +108,7 @@ def test_quantized_paged_decode_matches_reference(backend_device, kv_format, len
     q, pool, ids, starts, lens = _batch(lengths, hq, hkv)
     packed = kv_format.pack(pool)
     dev = backend_device
-    out = paged_decode_attention(q.to(dev), packed.to(dev), ids, starts, lens, kv_format=kv_format)
+    out = paged_decode_attention(q.to(dev), packed.to(dev), _table(ids, starts, lens), kv_format=kv_format)
     torch.testing.assert_close(out.cpu(), paged_decode_reference(q, packed, ids, starts, lens, kv_format),
                                rtol=1e-4, atol=1e-4)
 
@@ -113,5 +119,5 @@ def test_quantized_paged_decode_compiled_on_cpu(monkeypatch, kv_format):
     monkeypatch.setenv("ICEKV_KERNELS", "numba")
     q, pool, ids, starts, lens = _batch([1, 9, 4, 17])
     packed = kv_format.pack(pool)
-    torch.testing.assert_close(paged_decode_attention(q, packed, ids, starts, lens, kv_format=kv_format),
+    torch.testing.assert_close(paged_decode_attention(q, packed, _table(ids, starts, lens), kv_format=kv_format),
                                paged_decode_reference(q, packed, ids, starts, lens, kv_format), rtol=1e-5, atol=1e-5)

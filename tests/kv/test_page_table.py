@@ -56,3 +56,13 @@ def test_allocator_free_list_stays_bounded_under_runs_continued_in_place():
         alloc.free(run)
     assert len(alloc._order) <= 2 * 6 and alloc.num_free == 6
     assert sorted(alloc.allocate(6)) == list(range(6))
+
+
+def test_subset_and_last_tokens_of_a_step_table():
+    table = PageTable.build([[4, 1], [], [7, 2, 9]], [20, 0, 33], page_size=16)
+    part = table.subset((2, 0))
+    assert part.indptr.tolist() == [0, 3, 5] and part.indices.tolist() == [7, 2, 9, 4, 1]
+    assert part.lengths.tolist() == [33, 20]
+    assert table.subset((2, 0)) is part  # made once per table
+    pages, slots = part.last_tokens()  # where each request's last token lies
+    assert pages.tolist() == [9, 1] and slots.tolist() == [0, 3]

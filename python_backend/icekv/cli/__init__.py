@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--policies", default="full,icecache")
     bb.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget)
     bb.add_argument("--steps", type=_positive_int("--steps"), default=32)
+    _setting_flag(bb, "search_threads")
     _icecache_flags(bb)
     _model_flag(bb)
     _device_flags(bb, random_weights=True)

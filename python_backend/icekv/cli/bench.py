@@ -154,7 +154,9 @@ def _run_group(args, plan, scheduler, pool_settings: dict, part, run, seed_text:
     from icekv.config import EngineConfig
     from icekv.engine import Engine
 
-    engine = Engine(EngineConfig(model_dir=args.model, paging=plan.paging, scheduler=scheduler, **pool_settings))
+    threads = {"search_threads": args.search_threads} if getattr(args, "search_threads", None) is not None else {}
+    engine = Engine(EngineConfig(model_dir=args.model, paging=plan.paging, scheduler=scheduler, **pool_settings,
+                                 **threads))
     _check_device_free(engine, plan)
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:

@@ -92,7 +92,7 @@ class Engine:
                                   kv_format=KVFormat(config.paging.kv_dtype))
         self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.prefill_chunk_tokens)
-        self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads)
+        self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads, config.search_threads)
         self._seq_ids = itertools.count()
         compile_loops(dtype, self.cache.kv_format)  # here, not in the first request's first decode step
 
@@ -139,25 +139,43 @@ class Engine:
     def submit(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(),
                selection: SelectionConfig | None = None, context: CompressedContext | None = None,
                on_text: OnText | None = None, on_progress: OnProgress | None = None, *,
-               prefilled: Prefilled | None = None, prefill_only: bool = False, probe: bool = False,
                caching: PromptCaching = PromptCaching()) -> Sequence:
         """Queue a request; it runs as :meth:`step` is called. Raises IcekvError for a request that
         could never run (empty, too long, a policy that cannot take its context) or BusyError.
         ``caching``: whether the prefix cache serves its prompt and keeps its pages, and for how long."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self._submit(ids, sampling, selection, context, on_text, on_progress, caching=caching)
+
+    def submit_decode(self, req: Prefilled, sampling: SamplingConfig = SamplingConfig(),
+                      selection: SelectionConfig | None = None, suffix: list[int] = (),
+                      on_text: OnText | None = None, probe: bool = False) -> Sequence:
+        """Queue a decode over a prefilled prompt (:meth:`decode`'s), after prefilling ``suffix``
+        over it; ``probe``: measure attention recall at each decode step."""
+        return self._submit(req.prompt_ids + list(suffix), sampling, selection, req.context, on_text, None,
+                            prefilled=req, probe=probe)
+
+    def submit_prefill(self, ids: list[int], selection: SelectionConfig | None = None,
+                       on_progress: OnProgress | None = None) -> Sequence:
+        """Queue a prefill-only request (:meth:`prefill`'s); its result is a :class:`Prefilled`."""
+        return self._submit(list(ids), SamplingConfig(max_tokens=1), selection or FULL, None, None, on_progress,
+                            prefill_only=True)
+
+    def _submit(self, ids: list[int], sampling: SamplingConfig, selection: SelectionConfig | None,
+                context: CompressedContext | None, on_text: OnText | None, on_progress: OnProgress | None,
+                **kind) -> Sequence:
+        """The one way in: the request checked, charged its worst case, queued. ``kind``: the
+        :class:`Request` fields that make it a decode over a prefilled prompt, a prefill only, a
+        probed decode, or set its prompt caching."""
         biased = max((t for t, _ in sampling.logit_bias), default=-1)
         if biased >= self.model.args.vocab_size:
             raise ConfigError(f"logit_bias names token {biased}; this model's vocabulary has "
                               f"{self.model.args.vocab_size} tokens")
         selection = selection or self.config.selection
-        context = prefilled.context if prefilled is not None else context
         policy = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
+        prefilled = kind.get("prefilled")
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
-        request = Request(ids, sampling, selection, policy, context, prefilled, prefill_only, probe, caching)
-        seq = Sequence(seq_id, request, on_text, on_progress)
-        if prefilled is not None:
-            if ids[:len(prefilled.prompt_ids)] != prefilled.prompt_ids:
-                raise ConfigError("a decode over a prefilled prompt must continue that prompt")
+        seq = Sequence(seq_id, Request(ids, sampling, selection, policy, context, **kind), on_text, on_progress)
+        if prefilled is not None:  # its prompt continues the prefilled one (submit_decode)
             seq.prefill_done = len(prefilled.prompt_ids)
         seq.admission = self.kv.admission(seq)
         self.scheduler.add(seq)
@@ -238,19 +256,12 @@ class Engine:
         first decode under that same selection (:mod:`icekv.engine.backends.prefill_index`)."""
         return self.run(self.submit_prefill(ids, selection, on_progress))
 
-    def submit_prefill(self, ids: list[int], selection: SelectionConfig | None = None,
-                       on_progress: OnProgress | None = None) -> Sequence:
-        """Queue a prefill-only request (:meth:`prefill`'s); its result is a :class:`Prefilled`."""
-        return self.submit(ids, SamplingConfig(max_tokens=1), selection or FULL, on_progress=on_progress,
-                           prefill_only=True)
-
     def decode(self, req: Prefilled, sampling: SamplingConfig = SamplingConfig(),
                selection: SelectionConfig | None = None, on_text: OnText | None = None,
                probe: bool = False, suffix: list[int] = ()) -> Generation:
         """Decode after a prefilled prompt under ``selection``, after prefilling ``suffix`` over it
         (a question asked of a prefilled context); leaves the prompt's KV as it was."""
-        return self.run(self.submit(req.prompt_ids + list(suffix), sampling, selection, on_text=on_text,
-                                    prefilled=req, probe=probe))
+        return self.run(self.submit_decode(req, sampling, selection, suffix, on_text, probe))
 
     def release(self, req: Prefilled) -> None:
         if req.index is not None:

@@ -2,7 +2,7 @@
 
 Each sequence contributes its next decode token or a chunk of its prompt. The dense layers run
 once over the flat batch ``[N]`` (tokens with their own positions); each layer's attention is
-split back by sequence (:class:`icekv.engine.batch_attention.BatchAttention`), so requests under
+split back by sequence (:class:`icekv.engine.decode_plan.DecodePlan`), so requests under
 different policies share a step.
 """
 
@@ -13,7 +13,7 @@ import time
 import torch
 
 from icekv.engine.backends import check_context, decode_backend, prefill_backend
-from icekv.engine.batch_attention import BatchAttention
+from icekv.engine.decode_plan import DecodePlan, SearchThreads
 from icekv.engine.sampling import token_logprobs
 from icekv.engine.sequence import Phase, Sequence
 from icekv.kv import PagedKVCache
@@ -26,8 +26,10 @@ class StepRunner:
     """Moves the scheduled sequences forward by one step: prepares their backends, runs the
     model once over all their tokens, then samples (or records prefill progress) per sequence."""
 
-    def __init__(self, model: Decoder, tokenizer: Tokenizer, cache: PagedKVCache, index_threads: int):
+    def __init__(self, model: Decoder, tokenizer: Tokenizer, cache: PagedKVCache, index_threads: int,
+                 search_threads: int = 0):
         self.model, self.tokenizer, self.cache, self.index_threads = model, tokenizer, cache, index_threads
+        self.searches = SearchThreads(search_threads)
         self.eos = set(model.args.eos_token_ids)
 
     def run(self, work: Work) -> None:
@@ -44,7 +46,7 @@ class StepRunner:
         if not ready:
             return
         sizes = [len(t) for t in tokens]
-        batch = BatchAttention(ready, sizes, self.cache)
+        batch = DecodePlan(ready, sizes, self.cache, self.searches)
         starts, ends = batch.bounds[:-1], batch.bounds[1:]
         wanted = {}  # sequence -> its rows whose logits it reads: its last (to sample), or all (prompt logprobs)
         for i, seq in enumerate(ready):

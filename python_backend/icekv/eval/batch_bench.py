@@ -63,7 +63,7 @@ def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig
     empty) and the rest of ``warmup_steps`` untimed, then ``steps`` timed ones; the first token
     comes from the prefill's logits."""
     sampling = SamplingConfig(max_tokens=1 + max(warmup_steps, 1) + steps, ignore_eos=True)
-    seqs = [engine.submit(r.prompt_ids, sampling, selection, prefilled=r) for r in reqs]
+    seqs = [engine.submit_decode(r, sampling, selection) for r in reqs]
     step_s, splits, first_s, untimed = [], [], None, 0
     with DevicePeak(engine.device) as peak:
         while not all(s.done for s in seqs):

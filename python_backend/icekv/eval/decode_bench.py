@@ -142,7 +142,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
     sel = selection_for(cfg, policy)
     prebuilt = req.prebuilt_index(sel) is not None  # this decode takes prefill's index
     with DevicePeak(engine.device) as peak:
-        seq = engine.submit(req.prompt_ids, sampling, sel, prefilled=req)
+        seq = engine.submit_decode(req, sampling, sel)
         warm = _step_until(engine, seq, cfg.warmup_steps)  # stage times after the warm-up
         gen = engine.run(seq)
     timed = seq.step_s[cfg.warmup_steps:] or seq.step_s[-1:]  # each timed step's wall time

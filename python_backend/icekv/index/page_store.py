@@ -36,6 +36,16 @@ class PageStore:
         self.num_pages = torch.zeros(heads, dtype=torch.long)  # [H] pages in use per head
         self._search_views: tuple | None = None  # numpy views for the compiled search; None: stale
 
+    @staticmethod
+    def slot_bytes(dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one token slot of a page: its key row, pad and member id."""
+        return row_width(dim, dtype) * dtype.itemsize + 4 + 8
+
+    @staticmethod
+    def page_bytes(dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one page beyond its slots: its centroid row and version."""
+        return row_width(dim, dtype) * dtype.itemsize + 8
+
     @property
     def capacity(self) -> int:
         return self.keys.shape[1]

@@ -15,6 +15,7 @@ import torch
 
 import icekv.kernels.launch as launch
 import icekv.kernels.reference as reference
+from icekv.kv.page_table import PageTable
 from icekv.kv.quant import KVFormat, as_words
 
 BACKENDS = ("auto", "triton", "numba", "torch")
@@ -169,38 +170,25 @@ def scatter_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor,
     )
 
 
-def paged_decode_attention(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
-                           lengths: torch.Tensor, backend: str | None = None,
+def paged_decode_attention(q: torch.Tensor, pool_layer: torch.Tensor, table: PageTable, backend: str | None = None,
                            kv_format: KVFormat = KVFormat()) -> torch.Tensor:
-    """Full decode attention of a batch of requests over their pages in the pool (contract in
+    """Full decode attention of a batch of requests (q [B, Hq, D]) over their pages in the pool,
+    ``table`` naming request ``b``'s (contract in
     :func:`icekv.kernels.reference.paged_decode_reference`, rows stored in ``kv_format``): compiled
     on a CPU for fp32 queries (over an fp32 or a packed pool), the sparse decode kernel over every
-    page of each request under triton, the reference elsewhere."""
+    page of each request under triton (the table's per-head form, made once per table), the
+    reference elsewhere."""
     choice = kernel_backend(q.device, backend)
     quantized = kv_format.quantized
+    csr = (table.indices, table.starts, table.lengths)
     if choice == "numba" and (q.dtype == torch.float32 if quantized else q.dtype == pool_layer.dtype == torch.float32):
         from icekv.kernels.cpu_paged_decode import paged_decode_cpu
 
         packed = {"kv_format": kv_format} if quantized else {}
-        return paged_decode_cpu(q, pool_layer, page_ids, starts, lengths, **packed)
+        return paged_decode_cpu(q, pool_layer, *csr, **packed)
     if choice != "triton":
-        return reference.paged_decode_reference(q, pool_layer, page_ids, starts, lengths, kv_format)
-    ids, lens = request_pages(page_ids, starts, lengths, pool_layer.shape[1], pool_layer.shape[3])
+        return reference.paged_decode_reference(q, pool_layer, *csr, kv_format)
+    ids, lens = table.per_head(pool_layer.shape[1])
     out, _ = sparse_decode_attention(q, pool_layer[0], pool_layer[1], ids.to(q.device), lens.to(q.device),
                                      backend=choice, kv_format=kv_format)
     return out
-
-
-def request_pages(page_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, num_kv_heads: int,
-                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's pages (``page_ids[starts[b]:]``, enough for ``lengths[b]`` tokens) as the
-    sparse kernels name pages: ids, lens [B, Hkv, K] int32, the same for every KV head, padded
-    with id -1 / 0 tokens to the longest request."""
-    counts = -(-lengths // page_size)  # [B] pages per request
-    k = int(counts.max()) if len(counts) else 0
-    at = torch.arange(k)  # [K]
-    valid = at[None, :] < counts[:, None]  # [B, K]
-    ids = torch.where(valid, page_ids[(starts[:, None] + at).clamp(max=max(len(page_ids) - 1, 0))], -1)  # [B, K]
-    lens = (lengths[:, None] - at * page_size).clamp(0, page_size)  # [B, K]
-    expand = lambda t: t[:, None].expand(-1, num_kv_heads, -1).to(torch.int32).contiguous()  # [B, Hkv, K]
-    return expand(ids), expand(lens)

@@ -115,6 +115,23 @@ class DevicePageCache:
         self.length.numpy()[h, s] = lengths.numpy()
         self.bytes_moved += len(plan) * self.page_bytes
 
+    def fill(self, selection, positions: Callable, pool_rows: tuple | None, gather: Callable) -> None:
+        """Make this step's ``selection`` (heads, pages, versions [n]) resident: straight from the
+        pool in one compiled pass when the pool and these slots are in CPU memory (``pool_rows``:
+        the pool layer and the request's page ids), else the missing pages gathered on the host
+        into the staging buffer and copied in bulk. ``positions(heads, pages)`` -> [m, P] their
+        tokens (-1: none); ``gather(heads, positions, out)`` -> [2, m, P, W] their stored rows."""
+        if pool_rows is not None:
+            self.fill_from_pool(selection.heads, selection.pages, selection.versions,
+                                positions(selection.heads, selection.pages), *pool_rows)
+            return
+        plan = self.plan(selection.heads, selection.pages, selection.versions)
+        if len(plan):
+            refs = positions(plan.heads, plan.pages)  # [m, P]
+            lengths = torch.from_numpy(np.count_nonzero(refs.numpy() >= 0, axis=1))  # [m]
+            staging = self.transfer.staging((2, *refs.shape, self.k.shape[-1]))  # [2, m, P, W]
+            self.load(plan, gather(plan.heads, refs, staging), lengths)
+
     def fill_from_pool(self, heads: torch.Tensor, pages: torch.Tensor, versions: torch.Tensor,
                        positions: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor) -> None:
         """:meth:`plan` + :meth:`load` in one compiled pass, for slots in CPU memory fed straight

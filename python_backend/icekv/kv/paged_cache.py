@@ -14,44 +14,17 @@ and kernels that carry or decode them.
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
-
 import torch
 
 from icekv.config import PagingConfig
 from icekv.errors import CacheFullError
 from icekv.kv.allocator import PageAllocator
+from icekv.kv.page_list import PageList
 from icekv.kv.page_table import PageTable
 from icekv.kv.pinned import pinned_empty
 from icekv.kv.prefix_cache import PrefixCache
 from icekv.kv.quant import KVFormat
 from icekv.kv.token_rows import as_bits, copy_rows, gather_tokens_reference
-
-
-@dataclass
-class _Sequence:
-    pages: list[int] = field(default_factory=list)
-    length: int = 0
-    shared: int = 0  # leading pages the prefix cache holds for it (its hit, its published prompt): never written
-    _ids: torch.Tensor | None = None  # [pages] the page list as a tensor; None = stale
-    _run_starts: list[int] | None = None  # index of the first page of each run of consecutive ids; None = stale
-
-    def set_pages(self, pages: list[int]) -> None:
-        self.pages, self._ids, self._run_starts = pages, None, None
-
-    def ids(self) -> torch.Tensor:
-        if self._ids is None:
-            self._ids = torch.tensor(self.pages, dtype=torch.long)
-        return self._ids
-
-    def run_starts(self) -> list[int]:
-        """Where each run of consecutive page ids begins (its tokens are one slice of the pool);
-        plain Python ints: read once per layer and step, where a torch call costs more."""
-        if self._run_starts is None:
-            p = self.pages
-            self._run_starts = [i for i in range(len(p)) if i == 0 or p[i] != p[i - 1] + 1]
-        return self._run_starts
 
 
 class PagedKVCache:
@@ -93,7 +66,7 @@ class PagedKVCache:
             self.pool = torch.empty(shape, dtype=storage, device=device)  # [L, 2, Hkv, num_pages, P, W]
         self.allocator = PageAllocator(paging.num_pages)
         self.prefix = prefix
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, PageList] = {}
 
     @property
     def pool_on_compute(self) -> bool:
@@ -113,9 +86,8 @@ class PagedKVCache:
         return self.to_pool(self.kv_format.pack(x))
 
     def as_stored(self, x: torch.Tensor) -> torch.Tensor:
-        """Values x [..., D] as reading them back from the pool gives them (x itself when not
-        quantized): for copies kept beside the pool, so a token reads the same from either."""
-        return self.kv_format.unpack(self.kv_format.pack(x), x.dtype) if self.kv_format.quantized else x
+        """Values x [..., D] as reading them back from the pool gives them (:meth:`KVFormat.as_stored`)."""
+        return self.kv_format.as_stored(x)
 
     def _values(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows [..., W] as values [..., D] in the model's dtype (the rows themselves, no
@@ -153,7 +125,7 @@ class PagedKVCache:
         prefix of ``prompt`` within ``most_cached`` tokens. Returns the tokens it starts with."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has a cache")
-        seq = self._seqs[seq_id] = _Sequence()
+        seq = self._seqs[seq_id] = PageList()
         if self.prefix is not None and most_cached > 0:
             seq.set_pages(self.prefix.match(list(prompt), most_cached))
             seq.shared, seq.length = len(seq.pages), len(seq.pages) * self.page_size
@@ -260,20 +232,12 @@ class PagedKVCache:
         them, never write them, and do not keep them past the request's next write."""
         if end <= start:
             return []
-        seq, p = self._seqs[seq_id], self.page_size
-        first, last = start // p, -(-end // p) - 1
-        starts = seq.run_starts()
-        at = bisect.bisect_right(starts, first) - 1  # the run holding page ``first``
-        out, page = [], first
-        while page <= last:
-            run_end = starts[at + 1] if at + 1 < len(starts) else len(seq.pages)
-            n = min(run_end, last + 1) - page
+        p, out = self.page_size, []
+        for page, n, p0 in self._seqs[seq_id].runs(start // p, -(-end // p) - 1):
             lo, hi = max(start, page * p), min(end, (page + n) * p)  # token range of this run
-            p0 = seq.pages[page]
             kv = self.pool[layer, :, :, p0 : p0 + n].flatten(2, 3)  # [2, Hkv, n*P, W] a view
             kv = self._values(kv[:, :, lo - page * p : hi - page * p])  # [2, Hkv, hi-lo, D]
             out.append((kv[0], kv[1]))
-            page, at = page + n, at + 1
         return out
 
     def view_range(self, layer: int, seq_id: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,6 +79,11 @@ class KVFormat:
             return rows
         return (self.codes(rows) * self.scales(rows)).to(dtype)  # [..., D]
 
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Values x [..., D] as storing and reading them back gives them (x itself when not
+        quantized): for copies kept beside the pool, so a token reads the same from either."""
+        return self.unpack(self.pack(x), x.dtype) if self.quantized else x
+
     def codes(self, rows: torch.Tensor) -> torch.Tensor:
         """The code values of rows [..., W], as float32 [..., D] (unscaled)."""
         codes = rows[..., : rows.shape[-1] - SCALE_BYTES]

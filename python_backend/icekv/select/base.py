@@ -49,8 +49,8 @@ class PageSelector(Protocol):
         """Append the next full page of keys [Hkv, P, D] (flushed out of the window)."""
 
     def select(self, layer: int, q: torch.Tensor, k: int) -> Selection:
-        """q [Hq, D] (on the compute device: the selector moves it where it scores) -> per KV
-        head, up to ``k`` pages (best first)."""
+        """q [Hq, D] (on :func:`query_device`, or moved there by the selector) -> per KV head, up
+        to ``k`` pages (best first)."""
 
     def page_positions(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Page ``pages[i]`` of KV head ``heads[i]`` ([m] each) -> positions [m, P] of its tokens
@@ -64,6 +64,13 @@ class PageSelector(Protocol):
 
     def bytes_to_device(self) -> int:
         """Bytes the selector has copied to the compute device for those copies, all layers."""
+
+
+def query_device(selector: PageSelector, compute: torch.device) -> torch.device:
+    """Where ``selector.select`` scores its query: the compute device for a selector that scores
+    there (its ``scores_on_device(device_type)`` says so), else the host, where the indexes live."""
+    on_device = getattr(selector, "scores_on_device", None)
+    return compute if on_device is not None and on_device(compute.type) else torch.device("cpu")
 
 
 class SequenceSelection:

@@ -67,6 +67,10 @@ class IceCacheSelector:
             if layer in self.device_centroids:
                 self.device_centroids[layer].refresh()
 
+    def scores_on_device(self, device_type: str) -> bool:
+        """Does the search score the query on the compute device (so it wants the query there)?"""
+        return self.config.scores_centroids_on_device(device_type)
+
     def select(self, layer, q, k):
         lead = self.leader(layer)
         if lead != layer:

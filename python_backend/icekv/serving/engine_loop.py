@@ -278,8 +278,7 @@ class EngineLoop:
             self.contexts.release(key)
         if sink is None:
             return  # a compression's prefill: its job takes the result
-        error = seq.error
-        if error is None:
+        if seq.error is None:
             result: Generation = seq.result
             self.stats.completed += 1
             self.stats.generated_tokens += result.new_tokens
@@ -287,7 +286,7 @@ class EngineLoop:
             self.stats.pages_moved += result.kv.pages_moved
             sink.done(result)
         else:
-            self._fail(sink, error)
+            self._fail(sink, seq.error)
 
     def _fail(self, sink: Sink, error: BaseException) -> None:
         """Tell the client why its request ended without a result (Triton needs a final response)."""

@@ -38,11 +38,18 @@ class DenseAttention:
         """Does ``layer`` attend every token (so a batch may attend it for this request)?"""
         return True
 
+    def selects(self, layer: int) -> bool:
+        """Does ``layer`` attend pages picked by a ``select(layer, q)`` (a step's selections are made
+        together; a backend that selects says where it wants ``q``: ``query_device``)?"""
+        return False
+
     def end_step(self) -> None:
         """Called after every layer has run the step: the step's stage times are added up."""
         self.clock.settle(self.timings)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection=None) -> torch.Tensor:
+        """q [n, Hq, D], k, v [n, Hkv, D] of this step's tokens -> [n, Hq, D]; ``selection``: the
+        layer's pages when it :meth:`selects` (None: picked here)."""
         if self.keep_queries:
             earlier = self.kept_queries.get(layer)
             queries = q if earlier is None else torch.cat([earlier, q])  # [n, Hq, D]

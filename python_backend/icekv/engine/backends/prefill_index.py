@@ -80,7 +80,7 @@ class IndexingPrefillAttention(DenseAttention):
         self.region_end = window_start(cfg, self.sink_end, prompt_tokens)
         self.final_at = min(self.region_end, prompt_tokens)  # written up to here, the region is final
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, selection=None):
         out = super().attend(layer, q, k, v)
         written = self.cache.length(self.seq_id)  # this chunk's end: the layer has written up to it
         if layer in self.layers and layer not in self.index.builds and written >= self.final_at:

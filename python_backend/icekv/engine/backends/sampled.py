@@ -15,15 +15,15 @@ from icekv.select.magicpig import Samples, sample_log_weights
 
 
 class SampledAttention(SparseAttention):
-    def attend(self, layer, q, k, v):
+    def selects(self, layer):
+        return False  # it samples tokens in its own attend
+
+    def attend(self, layer, q, k, v, selection=None):
         if layer not in self.device:
             return super().attend(layer, q, k, v)
         self.source.write(layer, self.start, k, v)
-        if layer in self.tails:  # sink and window kept on the device
-            self.tails[layer].append(self.start, self.cache.as_stored(k[0]), self.cache.as_stored(v[0]))
-            sink_k, sink_v, win_k, win_v = self.tails[layer].views()
-        else:  # the pool is where attention runs: read in place
-            sink_k, sink_v, win_k, win_v = self.source.sink_window(layer, self.sink_end, self.win_start, self.start + 1)
+        self.tails[layer].append(self.start, k[0], v[0])
+        sink_k, sink_v, win_k, win_v = self.tails[layer].views()  # [Hkv, n, D] each
         clock = self.clock
         t0 = clock.mark()
         query = q[0]  # [Hq, D]

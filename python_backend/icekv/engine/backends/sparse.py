@@ -14,23 +14,20 @@ import time
 from collections import defaultdict
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from icekv.attention import sparse_paged_attention
 from icekv.config import SelectionConfig
 from icekv.engine.backends.dense import DenseAttention
 from icekv.engine.backends.sources import RequestPages
-from icekv.engine.backends.tail import DeviceTail
+from icekv.engine.backends.tail import DeviceTail, PoolTail
 from icekv.engine.results import KVStats
 from icekv.kernels import scatter_pages
-from icekv.kernels.cpu_decode import sparse_decode_pool_cpu
 from icekv.kernels.dispatch import kernel_backend
 from icekv.kv import DevicePageCache
 from icekv.model import ModelArgs
 from icekv.policies import Policy, window_start
-from icekv.select import PageSelector
+from icekv.select import PageSelector, Selection, query_device
 
 
 class SparseAttention(DenseAttention):
@@ -73,57 +70,55 @@ class SparseAttention(DenseAttention):
         # pool and slots in CPU memory, fp32 values: the compiled kernel reads sink and window from
         # the pool in place; otherwise they are kept on the compute device (copied once, then appended)
         compiled_fp32 = self.cache.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
-        self.tail_from_pool = compiled_fp32 and all(source.pool_rows(layer) is not None for layer in self.sparse_layers)
+        in_place = compiled_fp32 and all(source.pool_rows(layer) is not None for layer in self.sparse_layers)
         window = (cfg.n_win_pages + 1) * cfg.page_size
-        self.tails = {} if self.tail_from_pool else {
-            layer: DeviceTail(*source.sink_window(layer, self.sink_end, self.win_start, length), self.win_start, window)
+        self.tails = {
+            layer: PoolTail(source, layer, self.sink_end, self.win_start, length) if in_place else
+            DeviceTail(*source.sink_window(layer, self.sink_end, self.win_start, length), self.win_start, window,
+                       self.cache.kv_format)
             for layer in self.sparse_layers
         }
 
     def attends_all(self, layer: int) -> bool:
         return layer not in self.device and layer not in self.watched  # the unlimited layers (a watched one observes)
 
-    def attend(self, layer, q, k, v):
+    def selects(self, layer):
+        return layer in self.device
+
+    @property
+    def query_device(self):
+        return query_device(self.selector, self.cache.compute)
+
+    def select(self, layer: int, q: torch.Tensor) -> Selection:
+        """The pages ``layer`` attends this step for its decode query q [Hq, D] (on :attr:`query_device`)."""
+        t0 = self.clock.mark()
+        selection = self.selector.select(layer, q, self.cfg.selected_pages)
+        self.clock.add(self.timings, "select_s", t0, self.clock.mark())
+        return selection
+
+    def attend(self, layer, q, k, v, selection=None):
         if layer not in self.device:
             if layer in self.watched:
                 self.selector.observe(layer, q[-1])
             return super().attend(layer, q, k, v)
         if q.shape[0] != 1:
             raise ValueError("sparse attention decodes one token per step")
+        if selection is None:
+            selection = self.select(layer, q[0].to(self.query_device))
         self.source.write(layer, self.start, k, v)
-        if layer in self.tails:
-            self.tails[layer].append(self.start, self.cache.as_stored(k[0]), self.cache.as_stored(v[0]))
-        length = self.start + 1
+        tail, dev = self.tails[layer], self.device[layer]
+        tail.append(self.start, k[0], v[0])
         clock = self.clock
-        t0 = clock.mark()
-        selection = self.selector.select(layer, q[0], self.cfg.selected_pages)
         t1 = clock.mark()
-        dev = self.device[layer]
-        rows = self.source.pool_rows(layer)
-        if rows is not None:  # pool and slots in CPU memory: one compiled pass, straight from the pool
-            positions = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P]
-            dev.fill_from_pool(selection.heads, selection.pages, selection.versions, positions, *rows)
-        else:
-            plan = dev.plan(selection.heads, selection.pages, selection.versions)
-            if len(plan):
-                positions = self.selector.page_positions(layer, plan.heads, plan.pages)  # [m, P]
-                lengths = torch.from_numpy(np.count_nonzero(positions.numpy() >= 0, axis=1))  # [m]
-                staging = dev.transfer.staging((2, *positions.shape, dev.k.shape[-1]))  # [2, m, P, D]
-                dev.load(plan, self.source.gather_pages(layer, plan.heads, positions, staging), lengths)
+        dev.fill(selection, lambda heads, pages: self.selector.page_positions(layer, heads, pages),
+                 self.source.pool_rows(layer), lambda heads, refs, out: self.source.gather_pages(layer, heads, refs, out))
         t2 = clock.mark()
-        if self.tail_from_pool:
-            tail = self.source.tail_ranges(self.sink_end, self.win_start, length)
-            out = sparse_decode_pool_cpu(q[0], *rows, tail, dev.k, dev.v, dev.attended_lengths(), self.cache.kv_format)
-        else:
-            sink_k, sink_v, win_k, win_v = self.tails[layer].views()
-            out = sparse_paged_attention(q[0], sink_k, sink_v, dev.k, dev.v, dev.attended_lengths(), win_k, win_v,
-                                         self.cache.kv_format)
+        out = tail.attend(q[0], dev)
         t3 = clock.mark()
-        clock.add(self.timings, "select_s", t0, t1)
         clock.add(self.timings, "transfer_s", t1, t2)
         clock.add(self.timings, "attention_s", t2, t3)
         if self.probe:
-            self._measure(layer, q[0], out, selection, length)
+            self._measure(layer, q[0], out, selection, self.start + 1)
         return out[None]
 
     def end_step(self) -> None:
