@@ -35,7 +35,8 @@ class SamplingConfig:
     adjusted_logits`): ``repetition_penalty`` divides the positive logits (multiplies the negative
     ones) of every token seen in the prompt or the output; ``frequency_penalty`` is subtracted once
     per time a token was generated, ``presence_penalty`` once if it was; ``logit_bias`` adds to
-    the logits of the token ids it names.
+    the logits of the token ids it names. ``json_schema`` (JSON text) holds the output to that
+    schema (:mod:`icekv.engine.grammar`): the tokens it forbids are masked before sampling.
     """
 
     max_tokens: int = 64
@@ -50,6 +51,7 @@ class SamplingConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     logprobs: int | None = None  # None: none; k: each new token's log-probability and the k most likely ones
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (the whole prompt is prefilled)
+    json_schema: str | None = None  # the output is JSON valid under this schema (checked by the engine at submit)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -21,6 +21,7 @@ from icekv.devices import pool_device, resolve_device
 from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compression import CompressionJob
 from icekv.engine.backends import DenseAttention, token_source
+from icekv.engine.grammar import Grammars
 from icekv.engine.kv_manager import KVCacheManager
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
@@ -93,6 +94,7 @@ class Engine:
         self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.prefill_chunk_tokens)
         self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads, config.search_threads)
+        self.grammars = Grammars(self.tokenizer.to_json(), list(args.eos_token_ids))
         self._seq_ids = itertools.count()
         compile_loops(dtype, self.cache.kv_format)  # here, not in the first request's first decode step
 
@@ -175,6 +177,8 @@ class Engine:
         prefilled = kind.get("prefilled")
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
         seq = Sequence(seq_id, Request(ids, sampling, selection, policy, context, **kind), on_text, on_progress)
+        if sampling.json_schema is not None:
+            seq.grammar = self.grammars.compile(sampling.json_schema)
         if prefilled is not None:  # its prompt continues the prefilled one (submit_decode)
             seq.prefill_done = len(prefilled.prompt_ids)
         seq.admission = self.kv.admission(seq)

@@ -13,6 +13,7 @@ import torch
 
 from icekv.compress import CompressedContext
 from icekv.config import PromptCaching, SamplingConfig, SelectionConfig
+from icekv.engine.grammar import JsonGrammar
 from icekv.engine.kv_manager import Admission
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.sampling import adjusted_logits, sample_next, token_logprobs
@@ -77,6 +78,7 @@ class Sequence:
     eos: set[int] = field(default_factory=set)
     logits: torch.Tensor | None = None  # [V] after the prompt (kept for a prefill-only request)
     generator: torch.Generator | None = None
+    grammar: JsonGrammar | None = None  # where its output is in its json_schema (set at submit)
     step_s: list[float] = field(default_factory=list)  # each decode step's wall time
     logprobs: list[dict] = field(default_factory=list)  # per sampled token (an end-of-sequence one too), when asked
     prompt_logprobs: list[dict] = field(default_factory=list)  # per prompt token (the first's logprob None), when asked
@@ -175,6 +177,8 @@ class Sequence:
         if s.adjusts_logits:
             logits = adjusted_logits(logits, s, torch.tensor(self.request.prompt_ids, dtype=torch.long),
                                      torch.tensor(self.stream.token_ids, dtype=torch.long))
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
         token = sample_next(logits, s, self.generator)
         if s.logprobs is not None:  # an end-of-sequence token too, as vLLM reports it
             self.logprobs += token_logprobs(raw[None], [token], s.logprobs, self.stream.tokenizer.decode)
@@ -182,7 +186,9 @@ class Sequence:
             self.finish_reason = "stop"
             return self._emit_last()
         self._emit(self.stream.push(token))
-        if self.stream.stopped:
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        if self.stream.stopped or (self.grammar is not None and self.grammar.complete):
             self.finish_reason = "stop"
             return self._emit_last()
         if len(self.stream.token_ids) >= self.request.sampling.max_tokens:

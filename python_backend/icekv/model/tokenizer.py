@@ -30,6 +30,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as its ``tokenizer.json`` text (for a grammar library's own tokenizer)."""
+        return self._tok.to_str()
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids, for a random-weight model (:mod:`icekv.model.random`), which has
@@ -40,3 +44,6 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
+
+    def to_json(self) -> None:
+        return None  # no tokenizer.json: no structured output

@@ -34,6 +34,7 @@ INPUTS = (
     ("frequency_penalty", "TYPE_FP32", "[ 1 ]", True),
     ("repetition_penalty", "TYPE_FP32", "[ 1 ]", True),
     ("logit_bias", "TYPE_STRING", "[ 1 ]", True),  # a JSON object: token id -> bias in [-100, 100]
+    ("json_schema", "TYPE_STRING", "[ 1 ]", True),  # the output is JSON valid under this schema
     ("logprobs", "TYPE_INT32", "[ 1 ]", True),  # report each new token's log-probability and this many alternatives
     ("prompt_logprobs", "TYPE_INT32", "[ 1 ]", True),  # ... and each prompt token's (the prompt is then prefilled whole)
     ("stop", "TYPE_STRING", "[ -1 ]", True),

@@ -23,7 +23,7 @@ TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton
 INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
                "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget", "cache_prompt",
                "cache_retention_s", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-               "logprobs", "prompt_logprobs")
+               "logprobs", "prompt_logprobs", "json_schema")
 
 
 MAX_LOGIT_BIAS = 300  # token ids one request may bias, as OpenAI allows
@@ -220,6 +220,7 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
             logprobs=None if "logprobs" not in fields else _int("logprobs", fields["logprobs"]),
             prompt_logprobs=None if "prompt_logprobs" not in fields else _int("prompt_logprobs",
                                                                               fields["prompt_logprobs"]),
+            json_schema=None if "json_schema" not in fields else _str("json_schema", fields["json_schema"]),
         )
         selection = engine_sel
         if "policy" in fields or "budget" in fields:

@@ -45,6 +45,36 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the output must satisfy (``strict`` is accepted:
+    the output is always held to the whole schema)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: plain text, JSON mode (any JSON object) or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema is required with type json_schema, and only then")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The schema the output is held to, as JSON text; None: free text."""
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        return None if self.json_schema is None else json.dumps(self.json_schema.schema_)
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -77,6 +107,7 @@ class _GenerateBody(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None  # JSON mode or a JSON schema: constrained decoding
     # vLLM's extra sampling field, and icekv's settings
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     policy: str | None = None
@@ -147,6 +178,7 @@ class _GenerateBody(_Strict):
                   "seed": self.seed, "stop": self.stop or None, "presence_penalty": self.presence_penalty,
                   "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                   "logit_bias": None if self.logit_bias is None else json.dumps(self.logit_bias),
+                  "json_schema": None if self.response_format is None else self.response_format.schema_text(),
                   "policy": self.policy, "budget": self.budget,
                   "context_key": self.context_key, "context": self.context, "kv_method": self.kv_method,
                   "kv_budget": self.kv_budget, "cache_prompt": self.cache_prompt,

@@ -1,0 +1,80 @@
+"""Constrained decoding: a request's output held to a JSON schema by masking its logits each step.
+
+The grammar library is llguidance (Microsoft's, used by vLLM, SGLang and llama.cpp): it compiles a
+JSON schema (most of draft 2020-12, with clear errors for what it cannot take), computes the
+next-token mask over the real tokenizer's vocabulary in a few tens of microseconds on the CPU, has
+no Python dependencies, and builds its tokenizer from the model folder's ``tokenizer.json``. A
+request without a schema never touches it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from icekv.errors import ConfigError
+
+
+# one space after separators, none elsewhere: the output reads as json.dumps writes it, and a model
+# cannot spend its tokens on whitespace between them
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class Grammars:
+    """Compiles schemas for one engine's tokenizer (``tokenizer_json``: the ``tokenizer.json``
+    text; ``eos``: the token ids that end a generation). The library's tokenizer is built at the
+    first schema: requests without one never pay for it."""
+
+    def __init__(self, tokenizer_json: str | None, eos: list[int]):
+        self._json, self._eos = tokenizer_json, eos
+        self._tokenizer = None
+
+    def compile(self, schema: str) -> JsonGrammar:
+        """A fresh matcher of ``schema`` (JSON text); ConfigError naming the problem when it is not
+        a schema the library can compile."""
+        import llguidance
+
+        if self._json is None:
+            raise ConfigError("structured output needs the model's tokenizer.json (this model has none)")
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.LLTokenizer(self._json, eos_token=self._eos)
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"the JSON schema is not valid JSON: {e.msg} at character {e.pos}") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError(f"the JSON schema must be a JSON object, got {type(parsed).__name__}")
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(parsed, defaults=COMPACT)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConfigError(f"the JSON schema cannot be compiled: {matcher.get_error()}")
+        return JsonGrammar(matcher, self._tokenizer.vocab_size)
+
+
+class JsonGrammar:
+    """One request's place in its grammar: which tokens may come next, and the ones it took."""
+
+    def __init__(self, matcher, vocab: int):
+        self._matcher, self._vocab = matcher, vocab
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] with every token the grammar forbids next at -inf (a new tensor; ids past the
+        tokenizer's vocabulary, a model's padding, are forbidden too)."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: self._vocab].astype(bool)  # [vocab]
+        keep = torch.zeros(logits.shape[0], dtype=torch.bool)  # [V]
+        keep[: len(allowed)] = torch.from_numpy(allowed[: logits.shape[0]])
+        return logits.float().masked_fill(~keep, float("-inf"))
+
+    def accept(self, token: int) -> None:
+        """Advance past ``token`` (one the mask allowed)."""
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+
+    @property
+    def complete(self) -> bool:
+        """Is the output whole (nothing may follow but the end)?"""
+        return self._matcher.is_stopped()
+
