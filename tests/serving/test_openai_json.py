@@ -39,13 +39,15 @@ def test_json_schema_outputs_satisfy_the_schema(client, seed):
     assert reply.choices[0].finish_reason == "stop"
 
 
-def test_json_mode_streamed_and_on_completions(client):
-    chunks = client.chat.completions.create(model="icekv", messages=ASK, max_tokens=60, stream=True,
-                                            response_format={"type": "json_object"})
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert isinstance(json.loads(text), dict)
-    done = client.completions.create(model="icekv", prompt="Paris as JSON:", max_tokens=60,
+def test_a_schema_streamed_and_json_mode_on_completions(client):
+    chunks = client.chat.completions.create(model="icekv", messages=ASK, max_tokens=80, stream=True,
+                                            response_format=SCHEMA_FORMAT)
+    _satisfies_place("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    # JSON mode bounds nothing: a prompt that shows the small model an object, and room to end it
+    prompt = 'Paris as JSON: {"name": "Paris", "country": "France"}\nBerlin as JSON:'
+    done = client.completions.create(model="icekv", prompt=prompt, max_tokens=200,
                                      extra_body={"response_format": {"type": "json_object"}})
+    assert done.choices[0].finish_reason == "stop", done.choices[0].text
     assert isinstance(json.loads(done.choices[0].text), dict)
 
 
