@@ -104,17 +104,19 @@ class DecodePlan:
         return set(members)
 
     def _select(self, layer: int, q: torch.Tensor, pooled: set[int]) -> dict[int, Selection]:
-        """The pages of every request selecting in ``layer``, searched together."""
-        members = [i for i in self.decoding
-                   if i not in pooled and i not in self.failed and self.seqs[i].backend.selects(layer)]
+        """The pages of every decoding request selecting in ``layer`` (over its own pages or a
+        compressed context), searched together."""
+        members = [i for i, seq in enumerate(self.seqs) if seq.phase is Phase.DECODE
+                   and i not in pooled and i not in self.failed and seq.backend.selects(layer)]
         if not members:
             return {}
         queries = q[[self.bounds[i + 1] - 1 for i in members]]  # [S, Hq, D] each one's decode query
-        on_host = queries.cpu()  # one copy for every selector that searches on the host
-        where = {i: self.seqs[i].backend.query_device for i in members}
+        wanted = [self.seqs[i].backend.query_device for i in members]
+        host = torch.device("cpu")
+        on_host = queries.cpu() if host in wanted else None  # one copy for the selectors searching on the host
         picked = self.searches.map(
-            lambda j: self._select_one(layer, members[j], queries[j] if where[members[j]] != on_host.device
-                                       else on_host[j]), list(range(len(members))))
+            lambda j: self._select_one(layer, members[j], on_host[j] if wanted[j] == host else queries[j]),
+            list(range(len(members))))
         return {i: s for i, s in zip(members, picked) if s is not None}
 
     def _select_one(self, layer: int, i: int, q: torch.Tensor) -> Selection | None:
