@@ -17,13 +17,11 @@ from icekv.compress.methods import COMPRESSORS
 from icekv.config import CompressionConfig, PromptCaching, SamplingConfig, SelectionConfig, ServingConfig, check_kv_budget
 from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError
+from icekv.serving.repository import INPUTS
 from icekv.store.format import StoreError, check_key
 
 TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton_enable_empty_final_response)
-INPUT_NAMES = ("text_input", "messages", "max_tokens", "stream", "temperature", "top_p", "seed", "stop",
-               "policy", "budget", "context_key", "context", "context_ids", "kv_method", "kv_budget", "cache_prompt",
-               "cache_retention_s", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-               "logprobs", "prompt_logprobs", "json_schema")
+INPUT_NAMES = tuple(name for name, *_ in INPUTS if name != "health")  # a request's fields (health: a probe)
 
 
 MAX_LOGIT_BIAS = 300  # token ids one request may bias, as OpenAI allows
