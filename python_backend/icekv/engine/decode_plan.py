@@ -54,6 +54,8 @@ def _in_inference_mode(fn):
 
 
 class DecodePlan:
+    """The step's attention over ``seqs`` (their token counts ``sizes``, in batch order)."""
+
     def __init__(self, seqs: list[Sequence], sizes: list[int], cache: PagedKVCache, searches: SearchThreads):
         self.seqs, self.cache, self.searches = seqs, cache, searches
         self.bounds = [0]
