@@ -34,11 +34,6 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def as_stored(fmt: KVFormat, t: torch.Tensor) -> torch.Tensor:
-    """Values as a pool in ``fmt`` gives them back."""
-    return fmt.unpack(fmt.pack(t), t.dtype)
-
-
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (8, 1)])
 @pytest.mark.parametrize("sink,n_pages,win", [(2, 3, 5), (0, 1, 1), (1, 0, 3), (4, 5, 16)])
 @pytest.mark.parametrize("head_dim", [16, 64])
@@ -54,7 +49,7 @@ def test_matches_reference_over_awkward_shapes(backend, hq, hkv, sink, n_pages, 
     sink_k, sink_v, win_k, win_v = rnd(hkv, sink, head_dim), rnd(hkv, sink, head_dim), rnd(hkv, win, head_dim), rnd(hkv, win, head_dim)
     page_k, page_v = fmt.pack(rnd(hkv, n_pages, p, head_dim)), fmt.pack(rnd(hkv, n_pages, p, head_dim))  # [Hkv, K, P, W]
     got = sparse_paged_attention(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v, fmt)
-    tail = [as_stored(fmt, t) for t in (sink_k, sink_v, win_k, win_v)]
+    tail = [fmt.as_stored(t) for t in (sink_k, sink_v, win_k, win_v)]
     want = reference(q, *tail[:2], fmt.unpack(page_k, q.dtype), fmt.unpack(page_v, q.dtype), page_len, *tail[2:])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -77,4 +77,3 @@ class JsonGrammar:
     def complete(self) -> bool:
         """Is the output whole (nothing may follow but the end)?"""
         return self._matcher.is_stopped()
-
