@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from icekv.config import SamplingConfig
 from icekv.engine.grammar import Grammars
 from icekv.model import ModelArgs, Tokenizer
 from icekv.engine.engine import resolve_model_dir
@@ -33,10 +34,10 @@ def measure(name: str) -> dict:
     tokenizer, args = Tokenizer(folder), ModelArgs.from_dir(folder)
     t0 = time.perf_counter()
     grammars = Grammars(tokenizer.to_json(), list(args.eos_token_ids))
-    grammars.compile(json.dumps({"type": "object"}))  # builds the library's tokenizer
+    grammars.for_request(SamplingConfig(json_schema='{"type": "object"}'))  # builds the library's tokenizer
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    grammar = grammars.compile(json.dumps(SCHEMA))
+    grammar = grammars.for_request(SamplingConfig(json_schema=json.dumps(SCHEMA)))
     compile_s = time.perf_counter() - t0
     logits = torch.randn(args.vocab_size)  # [V]
     mask_s, accept_s = [], []

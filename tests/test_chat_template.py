@@ -21,7 +21,7 @@ def test_embedded_model_matches_transformers(smollm2_dir, messages, add_generati
 
     hf = AutoTokenizer.from_pretrained(smollm2_dir)
     ours = ChatTemplate.load(smollm2_dir)
-    text = ours.render(messages, add_generation_prompt)
+    text = ours.render(messages, add_generation_prompt=add_generation_prompt)
     assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     ids = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, return_dict=True)["input_ids"]
     assert Tokenizer(smollm2_dir).encode(text) == list(ids)

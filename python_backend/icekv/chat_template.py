@@ -91,8 +91,32 @@ def message_text(content: Any, where: str) -> str:
     raise ChatTemplateError(f"{where}.content must be a string or a list of text parts")
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """Check OpenAI-style messages and flatten their content to text; raises ChatTemplateError."""
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` in OpenAI's shape, their ``arguments`` (JSON text)
+    parsed into the objects chat templates print."""
+    if not isinstance(calls, list):
+        raise ChatTemplateError(f"{where}.tool_calls must be a list")
+    out = []
+    for i, call in enumerate(calls):
+        at = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise ChatTemplateError(f'{at} must be {{"type": "function", "function": {{"name", "arguments"}}}}')
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            raise ChatTemplateError(f"{at}.function.arguments is not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise ChatTemplateError(f"{at}.function.arguments must be a JSON object")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check OpenAI-style messages and flatten their content to text; raises ChatTemplateError.
+    An assistant's ``tool_calls`` and a tool result's ``tool_call_id`` and ``name`` are kept."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list of {role, content} objects")
     out = []
@@ -103,8 +127,36 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in ROLES:
             raise ChatTemplateError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
-        out.append({"role": role, "content": message_text(message.get("content"), where)})
+        calls = message.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise ChatTemplateError(f"{where}: only an assistant message has tool_calls")
+        content = message.get("content")
+        normal = {"role": role, "content": "" if content is None and calls else message_text(content, where)}
+        if calls:
+            normal["tool_calls"] = _tool_calls(calls, where)
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                normal[key] = message[key]
+        out.append(normal)
     return out
+
+
+def normalize_tools(tools: Any) -> list[dict]:
+    """Check OpenAI-style ``tools``: a list of ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` with distinct names; raises ChatTemplateError."""
+    if not isinstance(tools, list):
+        raise ChatTemplateError("tools must be a list of function tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
+            raise ChatTemplateError(f'tools[{i}] must be {{"type": "function", "function": {{"name", ...}}}}')
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ChatTemplateError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if function["name"] in names:
+            raise ChatTemplateError(f"tools[{i}]: the function name {function['name']!r} is given twice")
+        names.add(function["name"])
+    return tools
 
 
 @dataclass(frozen=True)
@@ -123,15 +175,29 @@ class ChatTemplate:
         source = _template_source(model_dir, config)
         return None if source is None else cls(source, _special_tokens(config))
 
-    def render(self, messages: Any, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` (validated first), ending with the assistant's header."""
+    @property
+    def renders_tools(self) -> bool:
+        """Does the template read ``tools`` (and so can show a model the functions it may call)?"""
+        from jinja2 import meta
+
+        return "tools" in meta.find_undeclared_variables(_environment().parse(self.source))
+
+    def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` (validated first), ending with the assistant's header;
+        ``tools``: the functions the model may call, shown as the template shows them."""
         from jinja2 import TemplateError
 
         messages = normalize_messages(messages)
+        extra = {}
+        if tools:
+            if not self.renders_tools:
+                raise ChatTemplateError("this model's chat template does not render tools, so the model "
+                                        "cannot be offered functions to call; send the request without tools")
+            extra["tools"] = normalize_tools(tools)
         try:
             template = _environment().from_string(self.source)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens)
+                                   **extra, **self.special_tokens)
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
 

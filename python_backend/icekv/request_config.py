@@ -36,7 +36,8 @@ class SamplingConfig:
     ones) of every token seen in the prompt or the output; ``frequency_penalty`` is subtracted once
     per time a token was generated, ``presence_penalty`` once if it was; ``logit_bias`` adds to
     the logits of the token ids it names. ``json_schema`` (JSON text) holds the output to that
-    schema (:mod:`icekv.engine.grammar`): the tokens it forbids are masked before sampling.
+    schema, ``grammar`` to a Lark grammar (:mod:`icekv.engine.grammar`): the tokens they forbid
+    are masked before sampling.
     """
 
     max_tokens: int = 64
@@ -52,6 +53,7 @@ class SamplingConfig:
     logprobs: int | None = None  # None: none; k: each new token's log-probability and the k most likely ones
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (the whole prompt is prefilled)
     json_schema: str | None = None  # the output is JSON valid under this schema (checked by the engine at submit)
+    grammar: str | None = None  # the output matches this Lark grammar, llguidance's dialect (forced tool calls)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -69,6 +71,8 @@ class SamplingConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
                 raise ConfigError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        if self.json_schema is not None and self.grammar is not None:
+            raise ConfigError("an output is held to one grammar: send json_schema or grammar, not both")
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ConfigError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")

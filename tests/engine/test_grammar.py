@@ -55,8 +55,9 @@ def test_the_mask_allows_exactly_what_the_grammar_does(engine):
     model's padded vocabulary (ids past the tokenizer's) is forbidden."""
     tok = engine.tokenizer
     grammars = Grammars(tok.to_json(), list(engine.model.args.eos_token_ids))
-    grammar = grammars.compile(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
-                                           "required": ["a"], "additionalProperties": False}))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    grammar = grammars.for_request(SamplingConfig(json_schema=json.dumps(schema)))
     for token in tok.encode('{"a": '):
         grammar.accept(token)
     logits = torch.zeros(engine.model.args.vocab_size + 7)  # [V + padding]

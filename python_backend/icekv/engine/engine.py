@@ -111,9 +111,10 @@ class Engine:
         return int(DEVICE_SHARE * free)
 
     # ---- requests
-    def chat_prompt(self, messages) -> str:
-        """OpenAI-style ``messages`` as the prompt text of this model's chat template (ChatTemplateError if none)."""
-        return require_template(self.chat_template, self.model_name).render(messages)
+    def chat_prompt(self, messages, tools=None) -> str:
+        """OpenAI-style ``messages`` (and the ``tools`` the model may call) as the prompt text of
+        this model's chat template (ChatTemplateError if none, or if it cannot show tools)."""
+        return require_template(self.chat_template, self.model_name).render(messages, tools)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse up front a request the KV pool could never hold."""
@@ -177,8 +178,7 @@ class Engine:
         prefilled = kind.get("prefilled")
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
         seq = Sequence(seq_id, Request(ids, sampling, selection, policy, context, **kind), on_text, on_progress)
-        if sampling.json_schema is not None:
-            seq.grammar = self.grammars.compile(sampling.json_schema)
+        seq.grammar = self.grammars.for_request(sampling)
         if prefilled is not None:  # its prompt continues the prefilled one (submit_decode)
             seq.prefill_done = len(prefilled.prompt_ids)
         seq.admission = self.kv.admission(seq)

@@ -13,7 +13,7 @@ import torch
 
 from icekv.compress import CompressedContext
 from icekv.config import PromptCaching, SamplingConfig, SelectionConfig
-from icekv.engine.grammar import JsonGrammar
+from icekv.engine.grammar import Grammar
 from icekv.engine.kv_manager import Admission
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.sampling import adjusted_logits, sample_next, token_logprobs
@@ -78,7 +78,7 @@ class Sequence:
     eos: set[int] = field(default_factory=set)
     logits: torch.Tensor | None = None  # [V] after the prompt (kept for a prefill-only request)
     generator: torch.Generator | None = None
-    grammar: JsonGrammar | None = None  # where its output is in its json_schema (set at submit)
+    grammar: Grammar | None = None  # where its output is in its json_schema or grammar (set at submit)
     step_s: list[float] = field(default_factory=list)  # each decode step's wall time
     logprobs: list[dict] = field(default_factory=list)  # per sampled token (an end-of-sequence one too), when asked
     prompt_logprobs: list[dict] = field(default_factory=list)  # per prompt token (the first's logprob None), when asked

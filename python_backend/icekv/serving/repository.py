@@ -35,6 +35,9 @@ INPUTS = (
     ("repetition_penalty", "TYPE_FP32", "[ 1 ]", True),
     ("logit_bias", "TYPE_STRING", "[ 1 ]", True),  # a JSON object: token id -> bias in [-100, 100]
     ("json_schema", "TYPE_STRING", "[ 1 ]", True),  # the output is JSON valid under this schema
+    ("tools", "TYPE_STRING", "[ 1 ]", True),  # JSON list of OpenAI function tools, shown through the chat template
+    ("tool_choice", "TYPE_STRING", "[ 1 ]", True),  # none, auto, required, or the name of the function to call
+    ("parallel_tool_calls", "TYPE_BOOL", "[ 1 ]", True),  # false: a forced call is one call
     ("logprobs", "TYPE_INT32", "[ 1 ]", True),  # report each new token's log-probability and this many alternatives
     ("prompt_logprobs", "TYPE_INT32", "[ 1 ]", True),  # ... and each prompt token's (the prompt is then prefilled whole)
     ("stop", "TYPE_STRING", "[ -1 ]", True),

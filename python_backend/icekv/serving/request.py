@@ -16,8 +16,9 @@ import numpy as np
 from icekv.compress.methods import COMPRESSORS
 from icekv.config import CompressionConfig, PromptCaching, SamplingConfig, SelectionConfig, ServingConfig, check_kv_budget
 from icekv.errors import ConfigError, IcekvError
-from icekv.chat_template import ChatTemplateError
+from icekv.chat_template import ChatTemplateError, normalize_tools
 from icekv.serving.repository import INPUTS
+from icekv.serving.tool_calls import ToolCallError, call_grammar, tool_choice
 from icekv.store.format import StoreError, check_key
 
 TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton_enable_empty_final_response)
@@ -90,9 +91,44 @@ def _bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
-def _prompt(fields: dict[str, Any], chat_prompt: Callable[[Any], str] | None) -> str | None:
+@dataclass(frozen=True)
+class ToolUse:
+    """The functions a chat request offers the model, and how it may call them."""
+
+    tools: list[dict] | None  # shown to the model (None: no tools, or tool_choice none)
+    grammar: str | None  # the Lark grammar that makes it call (tool_choice required, or one function)
+
+
+def _tool_use(fields: dict[str, Any]) -> ToolUse:
+    """``tools`` (a JSON list of OpenAI function tools), ``tool_choice`` (none, auto, required or a
+    function's name) and ``parallel_tool_calls`` checked together."""
+    tools = None
+    if "tools" in fields:
+        try:
+            tools = normalize_tools(json.loads(_str("tools", fields["tools"])))
+        except json.JSONDecodeError as e:
+            raise RequestError(f"tools is not valid JSON: {e.msg} at character {e.pos}") from None
+        except ChatTemplateError as e:
+            raise RequestError(str(e)) from None
+        if "messages" not in fields:
+            raise RequestError("tools are offered in a chat: send messages, not text_input")
+    parallel = _bool("parallel_tool_calls", fields.get("parallel_tool_calls", True))
+    choice = fields.get("tool_choice")
+    try:
+        choice = tool_choice(None if choice is None else _str("tool_choice", choice), tools or [])
+    except ToolCallError as e:
+        raise RequestError(str(e)) from None
+    if choice == "none":
+        return ToolUse(None, None)
+    if choice != "auto" and "json_schema" in fields:
+        raise RequestError(f"tool_choice {choice} makes the output a tool call; it cannot also be held to "
+                           "json_schema (response_format)")
+    return ToolUse(tools, None if choice == "auto" else call_grammar(tools, choice, parallel))
+
+
+def _prompt(fields: dict[str, Any], chat_prompt: Callable[..., str] | None, tools: list[dict] | None) -> str | None:
     """The prompt text: ``text_input`` as is, or ``messages`` (a JSON list) through the chat
-    template; None for a request that only sends a context to compress."""
+    template with ``tools``; None for a request that only sends a context to compress."""
     if "text_input" in fields and "messages" in fields:
         raise RequestError("send exactly one of text_input (plain text) and messages (a JSON list of chat messages)")
     if "text_input" not in fields and "messages" not in fields:
@@ -111,7 +147,7 @@ def _prompt(fields: dict[str, Any], chat_prompt: Callable[[Any], str] | None) ->
     if chat_prompt is None:
         raise RequestError("this server does not accept messages; send text_input")
     try:
-        return chat_prompt(messages)
+        return chat_prompt(messages, tools)
     except ChatTemplateError as e:
         raise RequestError(str(e)) from None
 
@@ -176,20 +212,21 @@ def _caching(fields: dict[str, Any], cfg: ServingConfig) -> PromptCaching:
 
 
 def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingConfig,
-                  chat_prompt: Callable[[Any], str] | None = None) -> GenerateRequest:
+                  chat_prompt: Callable[..., str] | None = None) -> GenerateRequest:
     """inputs: name -> numpy array (absent inputs omitted); params: the request's parameters;
-    chat_prompt: renders ``messages`` with the model's chat template (Engine.chat_prompt)."""
+    chat_prompt: renders ``messages`` (and tools) with the model's chat template (Engine.chat_prompt)."""
     unknown = sorted(k for k in params if k not in INPUT_NAMES and not k.startswith(TRITON_PREFIX))
     if unknown:  # a misspelt setting would otherwise be dropped without a word
         raise RequestError(f"unknown parameters {unknown}; the model takes {sorted(INPUT_NAMES)}")
     fields = {k: v for k, v in params.items() if k in INPUT_NAMES}
     fields.update({k: _scalar(v) for k, v in inputs.items() if v is not None})
-    for name in ("text_input", "messages", "context"):
+    for name in ("text_input", "messages", "tools", "context"):
         size = len(fields[name]) if isinstance(fields.get(name), (str, bytes)) else 0
         if size > cfg.max_input_bytes:
             raise RequestError(f"{name} is {size} bytes, above this server's limit of {cfg.max_input_bytes} "
                                "(max_input_bytes)")
-    text = _prompt(fields, chat_prompt)
+    tool_use = _tool_use(fields)
+    text = _prompt(fields, chat_prompt, tool_use.tools)
     max_tokens = _int("max_tokens", fields.get("max_tokens", cfg.default_max_tokens))
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -219,6 +256,7 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
             prompt_logprobs=None if "prompt_logprobs" not in fields else _int("prompt_logprobs",
                                                                               fields["prompt_logprobs"]),
             json_schema=None if "json_schema" not in fields else _str("json_schema", fields["json_schema"]),
+            grammar=tool_use.grammar,
         )
         selection = engine_sel
         if "policy" in fields or "budget" in fields:

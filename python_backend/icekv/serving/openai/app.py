@@ -24,7 +24,7 @@ from starlette.routing import Route
 from icekv.serving.openai.config import OpenAIConfig
 from icekv.serving.client import Final
 from icekv.serving.openai.generate_api import GenerateAPI
-from icekv.serving.openai.shapes import Kind, final_logprobs, icekv_stats, usage
+from icekv.serving.openai.shapes import Kind, ToolDeltas, answer_calls, called, final_logprobs, icekv_stats, usage
 from icekv.serving.openai.streams import gather_closing, merged, starting_with
 from icekv.serving.openai.protocol import ChatCompletionBody, CompletionBody, OpenAIError, parse_body
 from icekv.serving.openai.triton_bridge import TritonBridge
@@ -163,14 +163,20 @@ class OpenAIFrontend:
                    for i in range(body.choice_count)]
         if not body.stream:
             results = await _unless_disconnected(request, gather_closing(self._collect(s) for s in streams))
-            choices = [kind.choice(i, body.echoed(i) + text, final.finish_reason,
-                                   final_logprobs(final, body.echoes_prompt) if wants_logprobs else None)
-                       for i, (text, final) in enumerate(results)]
+            choices = [self._choice(kind, body, i, text, final, wants_logprobs) for i, (text, final) in enumerate(results)]
             finals = [final for _, final in results]
             return JSONResponse({**meta, "object": kind.object, "choices": choices,
                                  "usage": usage(finals, body.n), "icekv": icekv_stats(finals[0])})
         return StreamingResponse(self._events(streams, meta, kind, body, wants_logprobs),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @staticmethod
+    def _choice(kind: Kind, body, index: int, text: str, final: Final, wants_logprobs: bool) -> dict:
+        logprobs = final_logprobs(final, body.echoes_prompt) if wants_logprobs else None
+        if kind.chat and body.calls_tools:
+            content, calls = answer_calls(text, body.tool_names, body.parallel_tool_calls is not False)
+            return kind.choice(index, content, final.finish_reason, logprobs, calls)
+        return kind.choice(index, body.echoed(index) + text, final.finish_reason, logprobs)
 
     async def _timed(self, pieces: AsyncIterator) -> AsyncIterator:
         """``pieces`` within the request timeout (the gRPC call is cancelled when it runs out).
@@ -212,6 +218,13 @@ class OpenAIFrontend:
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
         finals: dict[int, Final] = {}
+        calls = [ToolDeltas(body.tool_names, body.parallel_tool_calls is not False) if kind.chat and body.calls_tools
+                 else None for _ in streams]
+
+        def deltas(i: int, parts: list) -> list[str]:  # a choice's content pieces and tool call entries
+            return [event([kind.delta(i, None, None, calls=p) if isinstance(p, dict) else kind.delta(i, p, None)])
+                    for p in parts if p]
+
         stream = merged(streams)
         try:
             if kind.chat:
@@ -222,11 +235,14 @@ class OpenAIFrontend:
             async for i, piece in stream:
                 if isinstance(piece, Final):
                     finals[i] = piece
+                    for chunk in deltas(i, calls[i].finish() if calls[i] else []):
+                        yield chunk
                     logprobs = final_logprobs(piece, body.echoes_prompt) if wants_logprobs else None
-                    yield event([kind.delta(i, None, piece.finish_reason, logprobs=logprobs)],
-                                icekv=icekv_stats(piece))
+                    reason = called(piece.finish_reason, bool(calls[i] and calls[i].calls))
+                    yield event([kind.delta(i, None, reason, logprobs=logprobs)], icekv=icekv_stats(piece))
                 elif piece:
-                    yield event([kind.delta(i, piece, None)])
+                    for chunk in deltas(i, calls[i].feed(piece) if calls[i] else [piece]):
+                        yield chunk
             if body.include_usage:
                 yield event([], usage=usage([finals[i] for i in sorted(finals)], body.n))
         except OpenAIError as e:

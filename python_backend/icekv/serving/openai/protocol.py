@@ -1,9 +1,9 @@
 """The OpenAI request bodies icekv accepts, and OpenAI-shaped errors.
 
 Bodies are validated strictly (no string-to-number coercion, unknown fields refused, as the
-OpenAI API does); options icekv does not implement are accepted only at their neutral value, so a
-client that sends ``n: 1`` or ``presence_penalty: 0`` works and one that asks for more is told.
-icekv's own settings (``policy``, ``budget``, ``context``, ``context_key``, ``kv_method``,
+OpenAI API does); the few options icekv does not implement (``best_of``, ``suffix``) are accepted
+only at their neutral value. Tools are OpenAI's function tools, shown to the model through its chat
+template (:mod:`icekv.serving.tool_calls` reads its calls back). icekv's own settings (``policy``, ``budget``, ``context``, ``context_key``, ``kv_method``,
 ``kv_budget``) ride along as extra body fields.
 """
 
@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from icekv.config import MAX_TOP_LOGPROBS
+from icekv.serving.tool_calls import CHOICES as TOOL_CHOICES
 
 MAX_CHOICES = 16  # n per request
+MAX_TOOLS = 128  # functions per request, as OpenAI allows
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
@@ -80,14 +82,78 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text
+
+    @field_validator("arguments")
+    @classmethod
+    def _a_json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError("not valid JSON") from None
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object")
+        return arguments
+
+
+class MessageToolCall(_Strict):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's: the call it answers
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id (the call it answers), and only a tool message has one")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (an assistant message with tool_calls may leave it null)")
+        return self
 
     def for_template(self) -> dict:
-        content = self.content if isinstance(self.content, str) else [p.model_dump() for p in self.content]
-        return {"role": self.role, "content": content}
+        content = self.content if isinstance(self.content, str) or self.content is None else [
+            p.model_dump() for p in self.content]
+        message = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # accepted: a forced call's arguments are always held to the schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _GenerateBody(_Strict):
@@ -191,6 +257,9 @@ class ChatCompletionBody(_GenerateBody):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -198,9 +267,39 @@ class ChatCompletionBody(_GenerateBody):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_among_the_tools(cls, choice, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if choice not in (None, "none") and not names:
+            raise ValueError("only allowed when tools are given")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise ValueError(f"the function {choice.function.name!r} is not among the tools")
+            if choice.function.name in TOOL_CHOICES:
+                raise ValueError(f"a function named {choice.function.name!r} cannot be chosen by name "
+                                 "(the word is a tool_choice)")
+        return choice
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        forced = self.tools and self.tool_choice not in (None, "none", "auto")
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("a forced tool call cannot also be held to response_format; send one of them")
+        return self
+
     @property
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or ()]
+
+    @property
+    def calls_tools(self) -> bool:
+        """May the answer call tools (its text is then parsed for calls)?"""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @model_validator(mode="after")
     def _one_token_limit(self):
@@ -210,7 +309,15 @@ class ChatCompletionBody(_GenerateBody):
         return self
 
     def triton_fields(self, prompt: int = 0) -> dict[str, Any]:
-        return {**super().triton_fields(), "messages": json.dumps([m.for_template() for m in self.messages])}
+        fields = {**super().triton_fields(), "messages": json.dumps([m.for_template() for m in self.messages])}
+        if self.tools:
+            fields["tools"] = json.dumps([t.model_dump(exclude_none=True) for t in self.tools])
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            fields["tool_choice"] = choice.function.name if isinstance(choice, NamedToolChoice) else choice
+        if self.parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = self.parallel_tool_calls
+        return fields
 
 
 class CompletionBody(_GenerateBody):
@@ -269,7 +376,8 @@ def parse_body(model: type[_GenerateBody], raw: bytes, max_stop: int) -> _Genera
         body = model.model_validate_json(raw)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
-        loc = tuple(p for p in first["loc"] if p not in ("function-after", "str", "list[str]", "list[TextPart]"))
+        loc = tuple(p for p in first["loc"] if p not in ("function-after", "str", "list[str]", "list[TextPart]",
+                                                          "NamedToolChoice") and not str(p).startswith("literal["))
         kind, message = first["type"], first["msg"].removeprefix("Value error, ")
         if kind == "json_invalid":
             raise OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}") from None
@@ -279,7 +387,9 @@ def parse_body(model: type[_GenerateBody], raw: bytes, max_stop: int) -> _Genera
             raise OpenAIError(400, f"unrecognized request argument: {_param(loc)}", _param(loc)) from None
         if kind == "literal_error" and loc and loc[-1] in _GenerateBody.model_fields | CompletionBody.model_fields:
             message = f"icekv supports only {first['ctx']['expected']}"
-        if "content" in loc:  # the union's first branch's complaint would hide the second
+        if loc == ("tool_choice",) and kind != "value_error":  # the unions' first branch's complaint would hide the second
+            message = 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        if "content" in loc:
             message = 'a message\'s content must be a string or a list of {"type": "text", "text": ...} parts'
         where = _param(loc)
         raise OpenAIError(400, f"{where}: {message}" if where else message, where) from None

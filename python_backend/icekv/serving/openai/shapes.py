@@ -1,12 +1,14 @@
-"""OpenAI's response shapes: a choice, a streamed delta, usage, log-probabilities, and icekv's own
-statistics beside them."""
+"""OpenAI's response shapes: a choice, a streamed delta, tool calls, usage, log-probabilities, and
+icekv's own statistics beside them."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from itertools import accumulate
 
 from icekv.serving.client import Final
+from icekv.serving.tool_calls import ToolCall, ToolCallStream, split_calls
 
 
 def usage(finals: list[Final], n: int = 1) -> dict:
@@ -34,6 +36,49 @@ def icekv_stats(final: Final) -> dict:
     return stats
 
 
+def call_entry(call: ToolCall, index: int | None = None) -> dict:
+    """A tool call as a message's ``tool_calls`` entry (streamed: with its ``index`` in the message)."""
+    entry = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+    return entry if index is None else {"index": index, **entry}
+
+
+def called(finish_reason: str | None, calls: bool) -> str | None:
+    """OpenAI's finish reason: ``tool_calls`` when an answer that ended by itself called tools."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+class ToolDeltas:
+    """One streamed chat choice's text -> its deltas' content and ``tool_calls`` entries, each call
+    whole as it closes (``parallel`` false: the first call only)."""
+
+    def __init__(self, names: list[str], parallel: bool):
+        self._stream, self._parallel = ToolCallStream(names), parallel
+        self.calls = 0
+
+    def feed(self, text: str) -> list[str | dict]:
+        return self._entries(self._stream.feed(text))
+
+    def finish(self) -> list[str | dict]:
+        return self._entries(self._stream.finish())
+
+    def _entries(self, parts: list) -> list[str | dict]:
+        out = []
+        for part in parts:
+            if isinstance(part, str):
+                out.append(part)
+            elif self._parallel or not self.calls:
+                out.append(call_entry(part, self.calls))
+                self.calls += 1
+        return out
+
+
+def answer_calls(text: str, names: list[str], parallel: bool) -> tuple[str | None, list[ToolCall]]:
+    """A whole chat answer's content and the calls it made (``parallel`` false: the first only)."""
+    content, calls = split_calls(text, names)
+    return content, calls if parallel else calls[:1]
+
+
 class Kind:
     """What differs between the chat and the completion endpoints' responses."""
 
@@ -43,16 +88,23 @@ class Kind:
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
+    def choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: list | None = None,
+               calls: list[ToolCall] = ()) -> dict:
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [call_entry(c) for c in calls]
+            return {"index": index, "message": message, "logprobs": self.logprobs(logprobs),
+                    "finish_reason": called(finish_reason, bool(calls))}
         return {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
 
     def delta(self, index: int, text: str | None, finish_reason: str | None, first: bool = False,
-              logprobs: list | None = None) -> dict:
+              logprobs: list | None = None, calls: dict | None = None) -> dict:
+        """A streamed chunk's choice: text, or (chat) ``calls``, a delta's ``tool_calls`` entry."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            if calls is not None:
+                delta = {"tool_calls": [calls]}
             return {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         return {"index": index, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
 

@@ -1,0 +1,153 @@
+"""Tool calls in the Hermes format, the one Qwen2.5's chat template teaches (and Hermes', and many
+others'): each call is a JSON object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>``
+and ``</tool_call>`` in the assistant's text.
+
+- :class:`ToolCallStream` splits streamed text into content and calls as they close, holding back
+  only what may still become a call; :func:`split_calls` does the same for a whole text.
+- :func:`call_grammar` is the Lark grammar (llguidance's dialect) that makes a model call: for
+  ``tool_choice`` ``required``, or one named function.
+- :func:`tool_choice` checks a request's ``tool_choice`` against its tools.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Collection
+
+from icekv.engine.grammar import COMPACT
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CHOICES = ("none", "auto", "required")  # tool_choice's keywords; any other value names a function
+
+
+class ToolCallError(ValueError):
+    """A request's tools or tool_choice are malformed."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+def _parsed(body: str) -> ToolCall | None:
+    """The call a block's body holds; None when it is not one (the block then stays text)."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+        return None
+    arguments = value.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _held_back(text: str) -> int:
+    """How many of ``text``'s last characters may begin an OPEN still to come."""
+    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallStream:
+    """Streamed assistant text -> its content pieces (str) and its calls (ToolCall), in order.
+
+    Text is passed on as soon as it cannot be part of a call; a block is held until it closes. A
+    block whose body is not a call, or that never closes, is content. Whitespace before a call is
+    dropped (the format puts newlines there), so it is held until what follows it is known.
+
+    ``names``: the offered functions. Small models often answer with the call object alone, without
+    the tags; an output that is nothing but a call to one of ``names`` is that call. So an output
+    that starts with ``{`` is held to its end."""
+
+    def __init__(self, names: Collection[str] = ()):
+        self._held = ""
+        self._names = set(names)
+        self._bare = bool(names)  # may the whole output still be one untagged call?
+        self.calls = 0
+
+    def feed(self, piece: str) -> list[str | ToolCall]:
+        self._held += piece
+        if self._bare:
+            start = self._held.lstrip()[:1]
+            if start in ("", "{"):
+                return []
+            self._bare = False
+        return self._split()
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left at the end of the output (an unclosed block, as text)."""
+        if self._bare:
+            self._bare = False
+            call = _parsed(self._held)
+            if call is not None and call.name in self._names:
+                self._held, self.calls = "", self.calls + 1
+                return [call]
+        out = self._split()
+        text = self._take(len(self._held))
+        return out + ([text] if text.strip() or (text and not self.calls) else [])
+
+    def _split(self) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        while True:
+            start = self._held.find(OPEN)
+            if start < 0:
+                safe = self._held[: len(self._held) - _held_back(self._held)]
+                if safe.strip():  # trailing whitespace waits: it is dropped if a call follows it
+                    out.append(self._take(len(safe.rstrip())))
+                return out
+            text = self._take(start).rstrip()
+            if text:
+                out.append(text)
+            end = self._held.find(CLOSE)
+            if end < 0:
+                return out
+            block = self._take(end + len(CLOSE))
+            call = _parsed(block[len(OPEN): -len(CLOSE)])
+            out.append(block if call is None else call)
+            self.calls += call is not None
+
+    def _take(self, n: int) -> str:
+        text, self._held = self._held[:n], self._held[n:]
+        return text
+
+
+def split_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, list[ToolCall]]:
+    """A whole output's content (None when it is only calls) and its calls."""
+    stream = ToolCallStream(names)
+    parts = stream.feed(text) + stream.finish()
+    calls = [p for p in parts if isinstance(p, ToolCall)]
+    content = "".join(p for p in parts if isinstance(p, str))
+    return (content.strip() or None) if calls else content, calls
+
+
+def tool_choice(choice: str | None, tools: list[dict]) -> str:
+    """``choice`` checked: ``none``, ``auto`` (the default with tools), ``required``, or the name of
+    one of ``tools``."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if not tools and choice != "none":
+        raise ToolCallError(f"tool_choice {choice!r} needs tools")
+    names = [t["function"]["name"] for t in tools]
+    if choice not in CHOICES and choice not in names:
+        raise ToolCallError(f"tool_choice names the function {choice!r}, which is not among the tools "
+                            f"({', '.join(names)})")
+    return choice
+
+
+def call_grammar(tools: list[dict], choice: str, parallel: bool) -> str:
+    """The Lark grammar of the output ``choice`` forces: one call (or, ``parallel``, one or more)
+    to any of ``tools`` (``required``) or to the function ``choice`` names, each ``arguments``
+    held to that function's ``parameters`` schema."""
+    chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+             for f in chosen]
+    body = json.dumps({"x-guidance": COMPACT, "anyOf": calls})
+    more = ' ("\\n" call)*' if parallel else ""
+    # <tool_call> in angle brackets: the tokenizer's own token of that text, as the model writes it
+    return f'start: call{more}\ncall: {OPEN} "\\n" body "\\n" {CLOSE}\nbody: %json {body}\n'
