@@ -160,3 +160,55 @@ def test_bad_messages_are_refused(inputs, message):
 def test_messages_without_a_template_say_so():
     with pytest.raises(RequestError, match="does not accept messages"):
         parse_request({"messages": np.array([b'[{"role": "user", "content": "x"}]'], dtype=object)}, {}, CFG)
+
+
+TOOLS = '[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]'
+ASK = '[{"role": "user", "content": "weather?"}]'
+
+
+def _tool_template():
+    from icekv.chat_template import ChatTemplate
+
+    return ChatTemplate("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                        "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments | tojson }}>"
+                        "{% endfor %}|{% endfor %}", {})
+
+
+def test_tools_are_rendered_and_a_forced_choice_becomes_a_grammar():
+    template = _tool_template()
+    auto = parse_request({}, {"messages": ASK, "tools": TOOLS}, CFG, template.render)
+    assert auto.text == "[get_weather]user:weather?|" and auto.sampling.grammar is None
+    forced = parse_request({}, {"messages": ASK, "tools": TOOLS, "tool_choice": "get_weather",
+                                "parallel_tool_calls": False}, CFG, template.render)
+    assert '"const": "get_weather"' in forced.sampling.grammar and "call)*" not in forced.sampling.grammar
+    hidden = parse_request({}, {"messages": ASK, "tools": TOOLS, "tool_choice": "none"}, CFG, template.render)
+    assert hidden.text == "user:weather?|" and hidden.sampling.grammar is None
+    called = ('[{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", '
+              '"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}]}, '
+              '{"role": "tool", "tool_call_id": "c", "content": "18 C"}]')
+    turn = parse_request({}, {"messages": called, "tools": TOOLS}, CFG, template.render)
+    assert turn.text == '[get_weather]assistant:<get_weather {"city": "Paris"}>|tool:18 C|'
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"text_input": "x", "tools": TOOLS}, "tools are offered in a chat"),
+    ({"messages": ASK, "tools": "{"}, "tools is not valid JSON"),
+    ({"messages": ASK, "tools": '[{"type": "function", "function": {}}]'}, r"tools\[0\] must be"),
+    ({"messages": ASK, "tools": TOOLS[:-1] + ", " + TOOLS[1:]}, "given twice"),
+    ({"messages": ASK, "tools": TOOLS, "tool_choice": "get_rain"}, "'get_rain', which is not among the tools"),
+    ({"messages": ASK, "tool_choice": "required"}, "needs tools"),
+    ({"messages": ASK, "tools": TOOLS, "tool_choice": "required", "json_schema": "{}"}, "cannot also be held"),
+    ({"messages": ASK, "tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls must be true or false"),
+    ({"messages": '[{"role": "user", "content": "x", "tool_calls": []}]', "tools": TOOLS}, "only an assistant"),
+    ({"messages": '[{"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", '
+                  '"arguments": "[1]"}}]}]'}, "arguments must be a JSON object"),
+])
+def test_bad_tools_are_refused(params, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request({}, params, CFG, _tool_template().render)
+
+
+def test_a_template_without_tools_refuses_them():
+    with pytest.raises(RequestError, match="does not render tools"):
+        parse_request({}, {"messages": ASK, "tools": TOOLS}, CFG, _template().render)
