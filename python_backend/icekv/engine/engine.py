@@ -22,6 +22,7 @@ from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compression import CompressionJob
 from icekv.engine.backends import DenseAttention, token_source
 from icekv.engine.grammar import Grammars
+from icekv.engine.index_cache import IndexCache
 from icekv.engine.kv_manager import KVCacheManager
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
@@ -91,9 +92,11 @@ class Engine:
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
                                   device=pool, compute=self.device, prefix=prefix,
                                   kv_format=KVFormat(config.paging.kv_dtype))
-        self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type)
+        indexes = IndexCache(self.model_id, config.paging.page_size) if config.paging.prefix_cache else None
+        self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type, indexes)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.prefill_chunk_tokens)
-        self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads, config.search_threads)
+        self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads, config.search_threads,
+                                 indexes)
         self.grammars = Grammars(self.tokenizer.to_json(), list(args.eos_token_ids))
         self._seq_ids = itertools.count()
         compile_loops(dtype, self.cache.kv_format)  # here, not in the first request's first decode step

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from icekv.config import SchedulerConfig
+from icekv.engine.index_cache import IndexCache
 from icekv.errors import IcekvError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
@@ -39,8 +40,9 @@ class KVCacheManager:
     where device memory is not charged (the pool is on the compute device, allocated whole)."""
 
     def __init__(self, cache: PagedKVCache, args: ModelArgs, cfg: SchedulerConfig, device_limit: int | None,
-                 device_type: str):
+                 device_type: str, indexes: IndexCache | None = None):
         self.cache, self.args, self.device_type = cache, args, device_type
+        self.indexes = indexes  # finished requests' indexes, kept under index_limit beside the running ones
         pool_bytes = cache.capacity_tokens * cache.value_bytes_per_token
         self.index_limit = pool_bytes if cfg.max_index_bytes is None else cfg.max_index_bytes
         self.context_limit = pool_bytes if cfg.max_context_bytes is None else cfg.max_context_bytes
@@ -92,6 +94,11 @@ class KVCacheManager:
                 and (self.device_limit is None
                      or self.device_promised(running) + seq.admission.device_need.most <= self.device_limit))
 
+    def allocate(self, seq, running) -> None:
+        """``seq`` is admitted beside ``running``: kept indexes make room for the indexes they may build."""
+        if self.indexes is not None:
+            self.indexes.trim(self.index_limit - self.index_promised([*running, seq]))
+
     @staticmethod
     def device_promised(running) -> int:
         """Device bytes the ``running`` requests may hold: a prefill's prefill or decode, whichever
@@ -116,4 +123,14 @@ class KVCacheManager:
             return
         if seq.index is not None:
             seq.index.cancel()
+        self._keep_index(seq)
         self.cache.free_if_present(seq.seq_id, seq.tokens_to_cache(), seq.request.caching.retention_s)
+
+    def _keep_index(self, seq) -> None:
+        """A finished decode's index, kept for a request that continues its tokens."""
+        r, backend = seq.request, seq.backend
+        if (self.indexes is None or seq.error is not None or not seq.decoder_ready or not seq.uses_prefix_cache
+                or not r.policy.extends_index or not seq.selects):
+            return
+        self.indexes.keep(r.prompt_ids + seq.stream.token_ids, backend.win_start, r.selection, backend.selector)
+        self.indexes.trim(self.index_limit)

@@ -94,4 +94,5 @@ class Scheduler:
         while self.waiting and len(self.running) < self.cfg.max_running:
             if not self.kv.can_allocate(self.waiting[0], self.running):
                 break  # the head of the queue goes first: no starvation
+            self.kv.allocate(self.waiting[0], self.running)
             self.running.append(self.waiting.popleft())

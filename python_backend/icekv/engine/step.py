@@ -14,6 +14,7 @@ import torch
 
 from icekv.engine.backends import check_context, decode_backend, prefill_backend
 from icekv.engine.decode_plan import DecodePlan, SearchThreads
+from icekv.engine.index_cache import IndexCache
 from icekv.engine.sampling import token_logprobs
 from icekv.engine.sequence import Phase, Sequence
 from icekv.kv import PagedKVCache
@@ -27,8 +28,9 @@ class StepRunner:
     model once over all their tokens, then samples (or records prefill progress) per sequence."""
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, cache: PagedKVCache, index_threads: int,
-                 search_threads: int = 0):
+                 search_threads: int = 0, indexes: IndexCache | None = None):
         self.model, self.tokenizer, self.cache, self.index_threads = model, tokenizer, cache, index_threads
+        self.indexes = indexes  # finished requests' indexes, for decodes that continue them
         self.searches = SearchThreads(search_threads)
         self.eos = set(model.args.eos_token_ids)
 
@@ -83,21 +85,21 @@ class StepRunner:
             seq.start_decode(self.tokenizer, self.eos, seq.request.prefilled.logits)
         elif seq.phase is Phase.WAITING and seq.request.prefilled is not None:  # its suffix, over the prompt's KV
             seq.phase, seq.t_prefill = Phase.PREFILL, time.perf_counter()
-            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads)
+            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads, self.indexes)
         elif seq.phase is Phase.WAITING:
             if seq.request.context is not None:
                 check_context(seq.request.context, self.cache, self.model.args)
             most = seq.most_cached_tokens if seq.uses_prefix_cache else 0
             seq.cached_tokens = seq.prefill_done = self.cache.add(seq.seq_id, seq.request.prompt_ids, most)
             seq.phase, seq.t_prefill = Phase.PREFILL, time.perf_counter()
-            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads)
+            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads, self.indexes)
         if seq.phase is Phase.DONE:
             return None
         if seq.phase is Phase.PREFILL:
             return seq.request.prompt_ids[seq.prefill_done : seq.prefill_done + n]
         if not seq.decoder_ready:  # the first decode step: build (or take) its index, not decode time
             t0 = time.perf_counter()
-            seq.backend, seq.decoder_ready = decode_backend(self.cache, seq, self.model.args), True
+            seq.backend, seq.decoder_ready = decode_backend(self.cache, seq, self.model.args, self.indexes), True
             seq.t_decode += time.perf_counter() - t0
         return [seq.next_token]
 

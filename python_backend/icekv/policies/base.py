@@ -52,6 +52,9 @@ class Policy:
     window_queries: Callable[[SelectionConfig], int] = lambda cfg: 0
     # attention estimated from weighted samples (MagicPIG), not exact over the selected pages
     sampled: bool = False
+    # its index grows by insertion, in token order: a later request over a longer prompt may
+    # continue a finished request's index (:mod:`icekv.engine.index_cache`)
+    extends_index: bool = False
 
     @property
     def sparse(self) -> bool:

@@ -32,5 +32,6 @@ def _selector(layer_reuse: bool):
                                         first_sparse_layer=cfg.n_unlimited_layers)
 
 
-ICECACHE = Policy("icecache", selector=_selector(False), compressed_context=True, **_sizers(False))
-ICECACHE_R = Policy("icecache_r", selector=_selector(True), **_sizers(True))
+ICECACHE = Policy("icecache", selector=_selector(False), compressed_context=True, extends_index=True,
+                  **_sizers(False))
+ICECACHE_R = Policy("icecache_r", selector=_selector(True), extends_index=True, **_sizers(True))

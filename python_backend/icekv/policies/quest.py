@@ -12,4 +12,5 @@ def quest_index_bytes(args: ModelArgs, tokens: int, cfg: SelectionConfig, kv_dty
     return layers * args.num_kv_heads * (tokens // cfg.page_size) * 2 * args.head_dim * 4
 
 
-POLICY = Policy("quest", selector=lambda cfg: QuestSelector(cfg.page_size), index_bytes=quest_index_bytes)
+POLICY = Policy("quest", selector=lambda cfg: QuestSelector(cfg.page_size), index_bytes=quest_index_bytes,
+                extends_index=True)

@@ -17,6 +17,7 @@ from icekv.compress import parse_settings
 from icekv.settings import serving_config
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
+from icekv.engine.index_cache import IndexCacheStats
 from icekv.kv.prefix_cache import PrefixCacheStats
 from icekv.serving.error_kinds import tag
 from icekv.serving.repository import DTYPES, INPUTS
@@ -117,6 +118,7 @@ class Metrics:
         "icekv_contexts_in_memory": "compressed contexts held in memory (shared by the requests using them)",
         "icekv_context_bytes_in_memory": "bytes of the compressed contexts held in memory",
         "icekv_prefix_cache_pages": "KV pages the prefix cache holds (shared by requests, or idle until evicted)",
+        "icekv_index_cache_bytes": "host bytes of the page indexes kept for requests that continue a finished one",
     }
     COUNTERS = {
         "icekv_pages_moved_total": "(layer, KV head) pages copied from the host pool to device slots",
@@ -135,6 +137,9 @@ class Metrics:
         "icekv_prefix_cache_evictions_total": "cached pages evicted for room in the pool",
         "icekv_prefix_cache_retained_evictions_total": "of them, pages evicted before the retention a request asked "
                                                        "for ended (the pool had no other idle page)",
+        "icekv_index_cache_hits_total": "decodes that continued the page index a finished request left, not built anew",
+        "icekv_index_cache_reused_tokens_total": "tokens those decodes found indexed already",
+        "icekv_index_cache_evictions_total": "kept indexes dropped for the index memory of admitted requests",
     }
 
     def __init__(self, pb):
@@ -152,12 +157,14 @@ class Metrics:
         s, c, shared = loop.stats, loop.contexts.stats, loop.contexts.shared
         prefix = loop.engine.cache.prefix
         cached, pc = (prefix.pages, prefix.stats) if prefix is not None else (0, PrefixCacheStats())
+        indexes = loop.engine.kv.indexes
+        kept, ic = (indexes.nbytes, indexes.stats) if indexes is not None else (0, IndexCacheStats())
         gauges = (("icekv_kv_resident_bytes", resident), ("icekv_kv_host_bytes", host),
                   ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued),
                   ("icekv_index_bytes_promised", s.index_bytes_promised),
                   ("icekv_device_bytes_promised", s.device_bytes_promised),
                   ("icekv_contexts_in_memory", shared.count), ("icekv_context_bytes_in_memory", shared.nbytes),
-                  ("icekv_prefix_cache_pages", cached))
+                  ("icekv_prefix_cache_pages", cached), ("icekv_index_cache_bytes", kept))
         counters = (("icekv_pages_moved_total", s.pages_moved), ("icekv_selection_seconds_total", s.select_s),
                     ("icekv_requests_completed_total", s.completed), ("icekv_requests_failed_total", s.failed),
                     ("icekv_requests_cancelled_total", s.cancelled), ("icekv_generated_tokens_total", s.generated_tokens),
@@ -168,7 +175,9 @@ class Metrics:
                     ("icekv_prefix_cache_hit_tokens_total", pc.hit_tokens),
                     ("icekv_prefix_cache_miss_tokens_total", pc.miss_tokens),
                     ("icekv_prefix_cache_evictions_total", pc.evictions),
-                    ("icekv_prefix_cache_retained_evictions_total", pc.retained_evictions))
+                    ("icekv_prefix_cache_retained_evictions_total", pc.retained_evictions),
+                    ("icekv_index_cache_hits_total", ic.hits), ("icekv_index_cache_reused_tokens_total", ic.reused_tokens),
+                    ("icekv_index_cache_evictions_total", ic.evictions))
         snapshot = (gauges, counters)
         if snapshot == self._last.get("snapshot"):
             return

@@ -14,11 +14,12 @@ from icekv.engine.backends.sources import ContextPages, RequestPages, token_sour
 from icekv.engine.backends.sampled import SampledAttention
 from icekv.engine.backends.sparse import SparseAttention
 from icekv.engine.backends.prefill_index import IndexingPrefillAttention, PrefillIndex
+from icekv.engine.index_cache import IndexCache
 from icekv.engine.sequence import Sequence
 from icekv.errors import ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
-from icekv.policies import window_queries_kept
+from icekv.policies import sink_tokens, window_queries_kept, window_start
 
 
 def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelArgs) -> None:
@@ -29,16 +30,30 @@ def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelAr
                           f"{cache.kv_format.name}")
 
 
-def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_threads: int):
+def _continued_index(seq: Sequence, indexes: IndexCache | None, take: bool):
+    """A finished request's index that ``seq``'s decode may continue (``take``: the
+    :class:`KeptIndex`, now ``seq``'s; else its key), or None: it builds its own."""
+    r = seq.request
+    if indexes is None or not (seq.uses_prefix_cache and r.policy.extends_index and seq.selects):
+        return None
+    most = window_start(r.selection, sink_tokens(r.selection), len(r.prompt_ids))
+    if take:
+        return indexes.take(r.prompt_ids, most, r.selection)
+    return indexes.find(r.prompt_ids, most, r.selection)
+
+
+def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_threads: int,
+                    indexes: IndexCache | None = None):
     """Full attention over the prompt; with free index threads, a sparse policy's index is built
-    layer by layer meanwhile (``seq.index``), for the first decode under that same selection."""
+    layer by layer meanwhile (``seq.index``), for the first decode under that same selection,
+    unless the decode can continue a kept index (``indexes``)."""
     r = seq.request
     # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
     selects = seq.selects or (r.policy.sparse and r.prefill_only)
     # an index built here would miss the tokens already cached (a prefilled prompt's suffix), and
     # one built from the prompt's last queries waits for them
     if (r.context is not None or not selects or index_threads == 0 or r.prefilled is not None
-            or r.policy.window_queries(r.selection)):
+            or r.policy.window_queries(r.selection) or _continued_index(seq, indexes, take=False)):
         backend = DenseAttention(token_source(cache, seq.seq_id, r.context, len(r.prompt_ids)))
     else:
         seq.index = PrefillIndex(r.policy, r.selection, r.policy.make_selector(r.selection), index_threads,
@@ -50,9 +65,9 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
     return backend
 
 
-def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
+def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, indexes: IndexCache | None = None):
     """The backend for the request's decode steps under its policy (a sparse one builds its index
-    here, or takes the one prefill built for this selection)."""
+    here, takes the one prefill built for this selection, or continues a kept one)."""
     r = seq.request
     selection, prefilled = r.selection, r.prefilled
     index = seq.index if prefilled is None else prefilled.prebuilt_index(selection)  # built for this selection
@@ -66,11 +81,13 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs):
         if index is not None:
             index.cancel()
         return DenseAttention(source)
-    selector = index.selector if index is not None else r.policy.make_selector(selection)
+    kept = _continued_index(seq, indexes, take=True) if index is None else None
+    selector = (index or kept).selector if index or kept else r.policy.make_selector(selection)
     queries = seq.window_queries or (prefilled.window_queries if prefilled is not None else None)
     backend = SampledAttention if r.policy.sampled else SparseAttention
     return backend(source, args, r.policy, selection, selector, r.probe,
-                   prebuilt=index.wait if index is not None else None, window_queries=queries)
+                   prebuilt=index.wait if index is not None else None, window_queries=queries,
+                   indexed_until=kept.covered if kept is not None else None)
 
 
 __all__ = ["ContextPages", "DenseAttention", "RequestPages", "SampledAttention", "SparseAttention", "check_context", "decode_backend",

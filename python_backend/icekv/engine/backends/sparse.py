@@ -33,11 +33,13 @@ from icekv.select import PageSelector, Selection, query_device
 class SparseAttention(DenseAttention):
     """Built after prefill, from the request's cache; decodes one token per step. ``prebuilt``
     waits for the layers whose index prefill built and names them; ``window_queries`` (layer ->
-    [W, Hq, D]) are the prompt's last queries, for a selector that needs them before it builds."""
+    [W, Hq, D]) are the prompt's last queries, for a selector that needs them before it builds.
+    ``indexed_until``: ``selector`` is a finished request's index over this prompt's first tokens,
+    its region ending there; only the tokens from there to the window are inserted."""
 
     def __init__(self, source: RequestPages, args: ModelArgs, policy: Policy, cfg: SelectionConfig,
                  selector: PageSelector, probe: bool = False, prebuilt: Callable[[], set[int]] | None = None,
-                 window_queries: dict[int, torch.Tensor] | None = None):
+                 window_queries: dict[int, torch.Tensor] | None = None, indexed_until: int | None = None):
         super().__init__(source)
         self.cfg, self.selector, self.probe = cfg, selector, probe
         self.sparse_layers = policy.sparse_layers(cfg, args.num_layers)
@@ -59,7 +61,10 @@ class SparseAttention(DenseAttention):
                     raise ValueError(f"the {cfg.policy} policy needs the prompt's last queries: decode with a suffix "
                                      "or over a prompt prefilled for later decodes")
                 selector.observe_prompt(layer, queries, source.region_keys(layer, 0, length))
-            selector.build(layer, source.region_keys(layer, self.sink_end, self.win_start), self.sink_end)
+            if indexed_until is not None:
+                selector.insert(layer, source.region_keys(layer, indexed_until, self.win_start).cpu())
+            else:
+                selector.build(layer, source.region_keys(layer, self.sink_end, self.win_start), self.sink_end)
         self.timings["index_build_s"] = time.perf_counter() - t0
         pool = self.cache.pool  # [L, 2, Hkv, pages, P, W]: slots hold the same stored rows
         self.device = {
