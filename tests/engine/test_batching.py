@@ -42,9 +42,11 @@ def context_questions(context) -> list[dict]:
 
 
 def alone_tokens(engine, requests: list[dict]) -> list[list[int]]:
-    """Each request's greedy tokens, run alone."""
-    return [engine.generate(r["prompt"], GREEDY, selection=r["selection"], context=r.get("context")).token_ids
-            for r in requests]
+    """Each request's greedy tokens, run alone (their indexes not kept for the batched run to continue)."""
+    tokens = [engine.generate(r["prompt"], GREEDY, selection=r["selection"], context=r.get("context")).token_ids
+              for r in requests]
+    engine.kv.indexes.trim(0)
+    return tokens
 
 
 def run_joining(engine, requests: list[dict], first: int, steps: int) -> list:

@@ -61,8 +61,10 @@ class SparseAttention(DenseAttention):
                     raise ValueError(f"the {cfg.policy} policy needs the prompt's last queries: decode with a suffix "
                                      "or over a prompt prefilled for later decodes")
                 selector.observe_prompt(layer, queries, source.region_keys(layer, 0, length))
-            if indexed_until is not None:
-                selector.insert(layer, source.region_keys(layer, indexed_until, self.win_start).cpu())
+            if indexed_until is not None:  # the pages since, one at a time as decoding flushes them
+                keys = source.region_keys(layer, indexed_until, self.win_start).cpu()  # [Hkv, n, D]
+                for start in range(0, keys.shape[1], cfg.page_size):
+                    selector.insert(layer, keys[:, start: start + cfg.page_size])
             else:
                 selector.build(layer, source.region_keys(layer, self.sink_end, self.win_start), self.sink_end)
         self.timings["index_build_s"] = time.perf_counter() - t0
