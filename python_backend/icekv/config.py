@@ -274,7 +274,12 @@ class ServingConfig:
     max_stop_chars: int = 128  # ... and each one's length: every token is checked against them
     max_input_bytes: int = 4 << 20  # text_input, messages or context: larger ones are refused before tokenizing
     max_cache_retention_s: float = 600.0  # the longest cache_retention_s a request may ask
+    prefix_cache_spill: bool = False  # the prefix cache's pages also written to the store, read back on a miss
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_spill and not self.store:
+            raise ConfigError("prefix_cache_spill needs a store (store: a directory or redis://...)")
+        if self.prefix_cache_spill and not self.engine.paging.prefix_cache:
+            raise ConfigError("prefix_cache_spill needs the prefix cache (prefix_cache true)")
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
             raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")

@@ -136,6 +136,9 @@ SETTINGS = (
             "requests in parallel, one request each; 0 or 1: one after another", least=0),
     Setting("store", ("store",), "context store of compressed contexts, shared by replicas: a directory or "
             "`redis://host:port/db`", str, configmap=True, default_doc="none"),
+    Setting("prefix_cache_spill", ("prefix_cache_spill",), "write the prefix cache's KV pages to `store` as "
+            "they are cached, and read them back when a prompt's pages were evicted or cached by another process "
+            "(a restart, a replica over the same store); needs `store`", bool, configmap=True),
     Setting("store_max_bytes", ("store_max_bytes",), "context store size limit, bytes", least=0,
             default_doc="8 GiB"),
     Setting("max_compress_tokens", ("compression.max_tokens",), "longest context a request may have the server "

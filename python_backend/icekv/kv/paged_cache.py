@@ -159,6 +159,10 @@ class PagedKVCache:
         """Does the request have a cache (its prefill has started)?"""
         return seq_id in self._seqs
 
+    def allocate_pages(self, n: int) -> list[int]:
+        """``n`` pages for the prefix cache's own use (pages read back from its lower tier)."""
+        return self._allocate(n, None)
+
     def _allocate(self, n: int, after: int | None) -> list[int]:
         """``n`` pages, evicting idle cached ones when too few are free."""
         short = n - self.allocator.num_free

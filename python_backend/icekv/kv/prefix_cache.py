@@ -8,6 +8,8 @@ ever go to a request's own pages after its hit. Pages no request holds stay cach
 needs room, then are evicted oldest first: a running request never loses a page. A request may
 ask that its pages outlast others for a while (retention, a soft priority as TensorRT-LLM's and
 SGLang's): idle pages still retained go only when no other idle page is left, and that is counted.
+With a lower tier (:mod:`icekv.kv.prefix_tier`), pages are also written below as they are cached,
+and a chain that reaches a page the pool no longer holds reads it back from there.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class PrefixCacheStats:
     miss_tokens: int = 0  # prompt tokens prefilled by requests that looked
     evictions: int = 0  # cached pages dropped for room
     retained_evictions: int = 0  # of them, pages dropped while their retention lasted (the pool was short)
+    reloaded_pages: int = 0  # pages of a hit read back from the lower tier (evicted, or cached by another process)
 
 
 class PrefixCache:
@@ -54,6 +57,7 @@ class PrefixCache:
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, least recently used first
         self._retained: dict[int, float] = {}  # cached page -> the clock time its retention ends
         self.stats = PrefixCacheStats()
+        self.lower = None  # a PrefixTier: pages written below as they are cached, read back on a miss
 
     @property
     def pages(self) -> int:
@@ -71,12 +75,16 @@ class PrefixCache:
         pages = []
         for key in page_keys(self.model_id, ids[:most_tokens], self.page_size):
             page = self._page_of.get(key)
+            if page is None and self.lower is not None:
+                page = self.lower.fetch(key)  # may evict idle pages for room: the ones held so far are not
+                if page is not None:
+                    self._page_of[key], self._key_of[page], self._refs[page] = page, key, 0
+                    self.stats.reloaded_pages += 1
             if page is None:
                 break
-            pages.append(page)
-        for page in pages:
             self._refs[page] += 1
             self._idle.pop(page, None)
+            pages.append(page)
         hit = len(pages) * self.page_size
         self.stats.hit_tokens += hit
         self.stats.miss_tokens += len(ids) - hit
@@ -106,6 +114,7 @@ class PrefixCache:
                 continue
             self._page_of[key], self._key_of[page], self._refs[page] = page, key, 0
             self._idle[page] = None
+            self._keep_below(key, page)
         self._retain([self._page_of[key] for key in keys[first:]], retention_s)
         return dropped
 
@@ -126,8 +135,13 @@ class PrefixCache:
             if key in self._page_of:
                 break
             self._page_of[key], self._key_of[page], self._refs[page] = page, key, 1
+            self._keep_below(key, page)
             held += 1
         return held
+
+    def _keep_below(self, key: bytes, page: int) -> None:
+        if self.lower is not None:
+            self.lower.keep(key, page)
 
     def is_cached(self, page: int) -> bool:
         return page in self._key_of

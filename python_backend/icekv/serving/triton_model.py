@@ -19,6 +19,7 @@ from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
 from icekv.engine.index_cache import IndexCacheStats
 from icekv.kv.prefix_cache import PrefixCacheStats
+from icekv.store.prefix_pages import PrefixPageStats
 from icekv.serving.error_kinds import tag
 from icekv.serving.repository import DTYPES, INPUTS
 from icekv.serving.response import OUTPUTS, Final
@@ -137,6 +138,11 @@ class Metrics:
         "icekv_prefix_cache_evictions_total": "cached pages evicted for room in the pool",
         "icekv_prefix_cache_retained_evictions_total": "of them, pages evicted before the retention a request asked "
                                                        "for ended (the pool had no other idle page)",
+        "icekv_prefix_cache_reloaded_pages_total": "pages of a hit read back from the store (prefix_cache_spill)",
+        "icekv_prefix_cache_spilled_pages_total": "cached pages written to the store (prefix_cache_spill)",
+        "icekv_prefix_cache_spill_refused_total": "stored pages refused: corrupt (deleted), foreign or misshapen",
+        "icekv_prefix_cache_spill_failures_total": "page writes or reads the store failed, or writes skipped "
+                                                   "(too many pending)",
         "icekv_index_cache_hits_total": "decodes that continued the page index a finished request left, not built anew",
         "icekv_index_cache_reused_tokens_total": "tokens those decodes found indexed already",
         "icekv_index_cache_evictions_total": "kept indexes dropped for the index memory of admitted requests",
@@ -144,6 +150,7 @@ class Metrics:
 
     def __init__(self, pb):
         self.families, self.metrics, self._last = [], {}, {}
+        self.pages = None  # the prefix cache's pages in the store, when they are spilled there
         for kind, table in ((pb.MetricFamily.GAUGE, self.GAUGES), (pb.MetricFamily.COUNTER, self.COUNTERS)):
             for name, description in table.items():
                 family = pb.MetricFamily(name=name, description=description, kind=kind)
@@ -159,6 +166,7 @@ class Metrics:
         cached, pc = (prefix.pages, prefix.stats) if prefix is not None else (0, PrefixCacheStats())
         indexes = loop.engine.kv.indexes
         kept, ic = (indexes.nbytes, indexes.stats) if indexes is not None else (0, IndexCacheStats())
+        spill = self.pages.stats if self.pages is not None else PrefixPageStats()
         gauges = (("icekv_kv_resident_bytes", resident), ("icekv_kv_host_bytes", host),
                   ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued),
                   ("icekv_index_bytes_promised", s.index_bytes_promised),
@@ -176,6 +184,10 @@ class Metrics:
                     ("icekv_prefix_cache_miss_tokens_total", pc.miss_tokens),
                     ("icekv_prefix_cache_evictions_total", pc.evictions),
                     ("icekv_prefix_cache_retained_evictions_total", pc.retained_evictions),
+                    ("icekv_prefix_cache_reloaded_pages_total", pc.reloaded_pages),
+                    ("icekv_prefix_cache_spilled_pages_total", spill.written),
+                    ("icekv_prefix_cache_spill_refused_total", spill.refused),
+                    ("icekv_prefix_cache_spill_failures_total", spill.failed),
                     ("icekv_index_cache_hits_total", ic.hits), ("icekv_index_cache_reused_tokens_total", ic.reused_tokens),
                     ("icekv_index_cache_evictions_total", ic.evictions))
         snapshot = (gauges, counters)
@@ -238,15 +250,21 @@ class TritonModel:
         return tensor is not None and bool(tensor.as_numpy().reshape(-1)[0])
 
     def _contexts(self, engine: Engine) -> ContextService:
-        """The context service over this server's store (if any), bounded as admission bounds contexts."""
+        """The context service over this server's store (if any), bounded as admission bounds
+        contexts; with ``prefix_cache_spill``, the store under the prefix cache too."""
         store = None
         if self.cfg.store:
             from icekv.store import ContextStore
+            from icekv.store.prefix_pages import spill_prefixes
 
             store = ContextStore.open(self.cfg.store, engine.model_id, self.cfg.store_max_bytes)
+            if self.cfg.prefix_cache_spill:
+                self.metrics.pages = spill_prefixes(engine.cache, store.backend, engine.model_id, store.secret)
         return ContextService(engine, store, engine.kv.context_limit, self.cfg.compression.max_tokens,
                               {"kv2": parse_settings("kv2", self.cfg.compression.kv2)})
 
     def finalize(self) -> None:
         self.loop.stop()
+        if self.metrics.pages is not None:
+            self.metrics.pages.close()  # the pages still being written
         self.metrics = None

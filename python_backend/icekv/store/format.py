@@ -55,17 +55,17 @@ def check_key(key: str) -> str:
     return key
 
 
-def _digest(meta: dict[str, str], tensors: dict[str, torch.Tensor], secret: bytes | None) -> str:
+def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor], secret: bytes | None) -> str:
     """sha256 (no secret) or HMAC-SHA256 over the metadata (all but the digest) and every tensor."""
-    digest = hmac.new(secret, digestmod=hashlib.sha256) if secret else hashlib.sha256()
-    digest.update(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
+    h = hmac.new(secret, digestmod=hashlib.sha256) if secret else hashlib.sha256()
+    h.update(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
     for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
-def _scheme(secret: bytes | None) -> str:
+def digest_scheme(secret: bytes | None) -> str:
     return "hmac-sha256" if secret else "sha256"
 
 
@@ -75,8 +75,8 @@ def encode(ctx: CompressedContext, key: str, model_id: str, secret: bytes | None
     meta = {"format": FORMAT, "version": VERSION, "key": key, "model_id": model_id, "method": ctx.method,
             "kv_budget": repr(ctx.kv_budget), "length": str(ctx.length), "page_size": str(ctx.page_size),
             "layers": str(len(ctx.layers)), "full_bytes": str(ctx.full_bytes), "kv_dtype": ctx.kv_dtype,
-            "digest_scheme": _scheme(secret)}
-    meta["digest"] = _digest(meta, tensors, secret)
+            "digest_scheme": digest_scheme(secret)}
+    meta["digest"] = digest(meta, tensors, secret)
     return save(tensors, metadata=meta)
 
 
@@ -95,10 +95,10 @@ def decode(blob: bytes, key: str, model_id: str, secret: bytes | None = None) ->
         raise StoreError(f"entry {key[:12]}... has format version {meta.get('version')}, this icekv reads {VERSION}")
     if meta.get("key") != key or meta.get("model_id") != model_id:
         raise StoreError(f"entry {key[:12]}... belongs to another context or model")
-    if meta.get("digest_scheme") != _scheme(secret):
+    if meta.get("digest_scheme") != digest_scheme(secret):
         raise StoreError(f"entry {key[:12]}... is signed with {meta.get('digest_scheme')}, this store expects "
-                         f"{_scheme(secret)} (is the store key set alike on every replica?)")
-    if not hmac.compare_digest(_digest(meta, tensors, secret), str(meta.get("digest"))):
+                         f"{digest_scheme(secret)} (is the store key set alike on every replica?)")
+    if not hmac.compare_digest(digest(meta, tensors, secret), str(meta.get("digest"))):
         if secret:  # forged, or another key: not ours to delete
             raise StoreError(f"entry {key[:12]}... is not signed with this store's key")
         raise CorruptEntry(f"entry {key[:12]}... is corrupt (digest mismatch)")
