@@ -174,7 +174,7 @@ class OpenAIFrontend:
     def _choice(kind: Kind, body, index: int, text: str, final: Final, wants_logprobs: bool) -> dict:
         logprobs = final_logprobs(final, body.echoes_prompt) if wants_logprobs else None
         if kind.chat and body.calls_tools:
-            content, calls = answer_calls(text, body.tool_names, body.parallel_tool_calls is not False)
+            content, calls = answer_calls(text, body.tool_names, body.parallel_calls)
             return kind.choice(index, content, final.finish_reason, logprobs, calls)
         return kind.choice(index, body.echoed(index) + text, final.finish_reason, logprobs)
 
@@ -218,7 +218,7 @@ class OpenAIFrontend:
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
         finals: dict[int, Final] = {}
-        calls = [ToolDeltas(body.tool_names, body.parallel_tool_calls is not False) if kind.chat and body.calls_tools
+        calls = [ToolDeltas(body.tool_names, body.parallel_calls) if kind.chat and body.calls_tools
                  else None for _ in streams]
 
         def deltas(i: int, parts: list) -> list[str]:  # a choice's content pieces and tool call entries

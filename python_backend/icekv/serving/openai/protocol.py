@@ -2,9 +2,10 @@
 
 Bodies are validated strictly (no string-to-number coercion, unknown fields refused, as the
 OpenAI API does); the few options icekv does not implement (``best_of``, ``suffix``) are accepted
-only at their neutral value. Tools are OpenAI's function tools, shown to the model through its chat
-template (:mod:`icekv.serving.tool_calls` reads its calls back). icekv's own settings (``policy``, ``budget``, ``context``, ``context_key``, ``kv_method``,
-``kv_budget``) ride along as extra body fields.
+only at their neutral value. Tools are OpenAI's function tools, shown to the model through its
+chat template (:mod:`icekv.serving.tool_calls` reads its calls back). icekv's own settings
+(``policy``, ``budget``, ``context``, ``context_key``, ``kv_method``, ``kv_budget``, ...) ride
+along as extra body fields.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from icekv.config import MAX_TOP_LOGPROBS
+from icekv.serving.openai.messages import ChatMessage, NamedToolChoice, Strict, Tool
 from icekv.serving.tool_calls import CHOICES as TOOL_CHOICES
 
 MAX_CHOICES = 16  # n per request
@@ -39,15 +41,11 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     """``response_format.json_schema``: the schema the output must satisfy (``strict`` is accepted:
     the output is always held to the whole schema)."""
 
@@ -58,7 +56,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     """OpenAI's ``response_format``: plain text, JSON mode (any JSON object) or a JSON schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -77,86 +75,7 @@ class ResponseFormat(_Strict):
         return None if self.json_schema is None else json.dumps(self.json_schema.schema_)
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str  # a JSON object, as text
-
-    @field_validator("arguments")
-    @classmethod
-    def _a_json_object(cls, arguments: str) -> str:
-        try:
-            value = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise ValueError("not valid JSON") from None
-        if not isinstance(value, dict):
-            raise ValueError("must be a JSON object")
-        return arguments
-
-
-class MessageToolCall(_Strict):
-    """A call an earlier assistant turn made (sent back with the conversation)."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant's
-    tool_call_id: str | None = None  # a tool result's: the call it answers
-
-    @model_validator(mode="after")
-    def _fields_of_its_role(self):
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only an assistant message has tool_calls")
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise ValueError("a tool message needs tool_call_id (the call it answers), and only a tool message has one")
-        if self.content is None and not self.tool_calls:
-            raise ValueError("content is required (an assistant message with tool_calls may leave it null)")
-        return self
-
-    def for_template(self) -> dict:
-        content = self.content if isinstance(self.content, str) or self.content is None else [
-            p.model_dump() for p in self.content]
-        message = {"role": self.role, "content": content}
-        if self.tool_calls:
-            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        for key in ("name", "tool_call_id"):
-            if getattr(self, key) is not None:
-                message[key] = getattr(self, key)
-        return message
-
-
-class FunctionDefinition(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
-    strict: bool | None = None  # accepted: a forced call's arguments are always held to the schema
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class _GenerateBody(_Strict):
+class _GenerateBody(Strict):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
@@ -300,6 +219,11 @@ class ChatCompletionBody(_GenerateBody):
     def calls_tools(self) -> bool:
         """May the answer call tools (its text is then parsed for calls)?"""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def parallel_calls(self) -> bool:
+        """May one answer make several calls (OpenAI's default)?"""
+        return self.parallel_tool_calls is not False
 
     @model_validator(mode="after")
     def _one_token_limit(self):
