@@ -32,7 +32,7 @@ class PrefixTier:
         """``page`` now holds the prefix ``chain`` names: written below, unless it is there already."""
         if chain not in self._stored:
             self._stored.add(chain)
-            self.tier.save(chain, self.cache.pool[:, :, :, page].clone())  # [L, 2, Hkv, P, W]: final, copied now
+            self.tier.save(chain, self.cache.pool[:, :, :, page].to("cpu", copy=True))  # [L, 2, Hkv, P, W]: copied now
 
     def fetch(self, chain: bytes) -> int | None:
         """A pool page now holding the prefix ``chain`` names, read from below; None when the tier
