@@ -80,21 +80,23 @@ def encode(ctx: CompressedContext, key: str, model_id: str, secret: bytes | None
     return save(tensors, metadata=meta)
 
 
-def decode(blob: bytes, key: str, model_id: str, secret: bytes | None = None) -> CompressedContext:
-    """Parse and verify an entry (its HMAC under ``secret`` when given); raises StoreError (or
-    CorruptEntry) naming what is wrong."""
+def verified(blob: bytes, key: str, model_id: str, fmt: str, version: str, secret: bytes | None,
+             what: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An entry's metadata and tensors, once it is shown to be a ``fmt`` entry of ``version`` made
+    for ``key`` and ``model_id`` and signed as this store signs (``what`` names it in the errors:
+    "context", "prefix"); StoreError, or CorruptEntry when it is unreadable or fails its digest."""
     try:
         n_header = int.from_bytes(blob[:8], "little")
         meta = json.loads(blob[8 : 8 + n_header]).get("__metadata__", {})
         tensors = load(blob)
     except Exception as e:
         raise CorruptEntry(f"entry {key[:12]}... is not a readable safetensors blob ({type(e).__name__})") from None
-    if meta.get("format") != FORMAT:
-        raise StoreError(f"entry {key[:12]}... is not an icekv compressed context")
-    if meta.get("version") != VERSION:
-        raise StoreError(f"entry {key[:12]}... has format version {meta.get('version')}, this icekv reads {VERSION}")
+    if meta.get("format") != fmt:
+        raise StoreError(f"entry {key[:12]}... is not an {fmt} entry")
+    if meta.get("version") != version:
+        raise StoreError(f"entry {key[:12]}... has format version {meta.get('version')}, this icekv reads {version}")
     if meta.get("key") != key or meta.get("model_id") != model_id:
-        raise StoreError(f"entry {key[:12]}... belongs to another context or model")
+        raise StoreError(f"entry {key[:12]}... belongs to another {what} or model")
     if meta.get("digest_scheme") != digest_scheme(secret):
         raise StoreError(f"entry {key[:12]}... is signed with {meta.get('digest_scheme')}, this store expects "
                          f"{digest_scheme(secret)} (is the store key set alike on every replica?)")
@@ -102,6 +104,13 @@ def decode(blob: bytes, key: str, model_id: str, secret: bytes | None = None) ->
         if secret:  # forged, or another key: not ours to delete
             raise StoreError(f"entry {key[:12]}... is not signed with this store's key")
         raise CorruptEntry(f"entry {key[:12]}... is corrupt (digest mismatch)")
+    return meta, tensors
+
+
+def decode(blob: bytes, key: str, model_id: str, secret: bytes | None = None) -> CompressedContext:
+    """Parse and verify an entry (its HMAC under ``secret`` when given); raises StoreError (or
+    CorruptEntry) naming what is wrong."""
+    meta, tensors = verified(blob, key, model_id, FORMAT, VERSION, secret, "context")
     layers = [CompressedLayer(**{f: tensors[f"{i}.{f}"] for f in FIELDS}) for i in range(int(meta["layers"]))]
     return CompressedContext(int(meta["length"]), int(meta["page_size"]), layers, meta["method"],
                              float(meta["kv_budget"]), int(meta["full_bytes"]), meta.get("kv_dtype", "auto"))

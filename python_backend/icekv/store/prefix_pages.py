@@ -13,18 +13,16 @@ waits for its pages).
 from __future__ import annotations
 
 import hashlib
-import hmac
-import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import save
 
 from icekv.kv.prefix_tier import PrefixTier
-from icekv.store.format import CorruptEntry, StoreError, StoreUnavailable, digest, digest_scheme
+from icekv.store.format import CorruptEntry, StoreError, StoreUnavailable, digest, digest_scheme, verified
 
 log = logging.getLogger(__name__)
 FORMAT = "icekv-prefix-page"
@@ -48,25 +46,9 @@ def encode_page(rows: torch.Tensor, key: str, model_id: str, secret: bytes | Non
 def decode_page(blob: bytes, key: str, model_id: str, shape: tuple, dtype: torch.dtype,
                 secret: bytes | None = None) -> torch.Tensor:
     """The page's rows, verified; StoreError (CorruptEntry: unreadable or failing its digest)."""
-    try:
-        n_header = int.from_bytes(blob[:8], "little")
-        meta = json.loads(blob[8: 8 + n_header]).get("__metadata__", {})
-        rows = load(blob)["rows"]
-    except Exception as e:
-        raise CorruptEntry(f"page {key[:12]}... is not a readable safetensors blob ({type(e).__name__})") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise StoreError(f"entry {key[:12]}... is not an icekv prefix page of format version {VERSION}")
-    if meta.get("key") != key or meta.get("model_id") != model_id:
-        raise StoreError(f"page {key[:12]}... belongs to another prefix or model")
-    if meta.get("digest_scheme") != digest_scheme(secret):
-        raise StoreError(f"page {key[:12]}... is signed with {meta.get('digest_scheme')}, this store expects "
-                         f"{digest_scheme(secret)}")
-    if not hmac.compare_digest(digest(meta, {"rows": rows}, secret), str(meta.get("digest"))):
-        if secret:
-            raise StoreError(f"page {key[:12]}... is not signed with this store's key")
-        raise CorruptEntry(f"page {key[:12]}... is corrupt (digest mismatch)")
+    rows = verified(blob, key, model_id, FORMAT, VERSION, secret, "prefix")[1]["rows"]
     if tuple(rows.shape) != tuple(shape) or rows.dtype != dtype:
-        raise StoreError(f"page {key[:12]}... has rows {tuple(rows.shape)} {rows.dtype}, this pool "
+        raise StoreError(f"entry {key[:12]}... has rows {tuple(rows.shape)} {rows.dtype}, this pool "
                          f"{tuple(shape)} {dtype}")
     return rows
 
