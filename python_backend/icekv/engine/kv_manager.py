@@ -129,8 +129,7 @@ class KVCacheManager:
     def _keep_index(self, seq) -> None:
         """A finished decode's index, kept for a request that continues its tokens."""
         r, backend = seq.request, seq.backend
-        if (self.indexes is None or seq.error is not None or not seq.decoder_ready or not seq.uses_prefix_cache
-                or not r.policy.extends_index or not seq.selects):
+        if self.indexes is None or seq.error is not None or not seq.decoder_ready or not seq.shares_index:
             return
         self.indexes.keep(r.prompt_ids + seq.stream.token_ids, backend.win_start, r.selection, backend.selector)
         self.indexes.trim(self.index_limit)

@@ -125,6 +125,13 @@ class Sequence:
         return r.policy.sparse and (r.context is not None or r.policy.selects(r.selection, self.tokens_held))
 
     @property
+    def shares_index(self) -> bool:
+        """May its decode continue a finished request's page index, and leave its own for the next
+        (:mod:`icekv.engine.index_cache`)? When it uses the prefix cache and selects under a
+        policy whose index grows by insertion."""
+        return self.uses_prefix_cache and self.request.policy.extends_index and self.selects
+
+    @property
     def uses_prefix_cache(self) -> bool:
         """May the prefix cache serve its prompt and keep its pages? A plain prompt only: not one
         over a compressed context or a prefilled prompt (their positions and pages are their own),

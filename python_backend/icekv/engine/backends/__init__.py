@@ -34,7 +34,7 @@ def _continued_index(seq: Sequence, indexes: IndexCache | None, take: bool):
     """A finished request's index that ``seq``'s decode may continue (``take``: the
     :class:`KeptIndex`, now ``seq``'s; else its key), or None: it builds its own."""
     r = seq.request
-    if indexes is None or not (seq.uses_prefix_cache and r.policy.extends_index and seq.selects):
+    if indexes is None or not seq.shares_index:
         return None
     most = window_start(r.selection, sink_tokens(r.selection), len(r.prompt_ids))
     if take:

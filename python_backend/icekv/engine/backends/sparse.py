@@ -61,10 +61,8 @@ class SparseAttention(DenseAttention):
                     raise ValueError(f"the {cfg.policy} policy needs the prompt's last queries: decode with a suffix "
                                      "or over a prompt prefilled for later decodes")
                 selector.observe_prompt(layer, queries, source.region_keys(layer, 0, length))
-            if indexed_until is not None:  # the pages since, one at a time as decoding flushes them
-                keys = source.region_keys(layer, indexed_until, self.win_start).cpu()  # [Hkv, n, D]
-                for start in range(0, keys.shape[1], cfg.page_size):
-                    selector.insert(layer, keys[:, start: start + cfg.page_size])
+            if indexed_until is not None:
+                self._insert_pages(layer, indexed_until, self.win_start)
             else:
                 selector.build(layer, source.region_keys(layer, self.sink_end, self.win_start), self.sink_end)
         self.timings["index_build_s"] = time.perf_counter() - t0
@@ -137,12 +135,18 @@ class SparseAttention(DenseAttention):
         while self.win_start < target:
             t0 = time.perf_counter()
             for layer in self.index_layers:
-                keys, _ = self.cache.gather_range(layer, self.seq_id, self.win_start, self.win_start + self.cfg.page_size)
-                self.selector.insert(layer, keys.cpu())
+                self._insert_pages(layer, self.win_start, self.win_start + self.cfg.page_size)
             self.timings["insert_s"] += time.perf_counter() - t0
             self.win_start += self.cfg.page_size
         for tail in self.tails.values():
             tail.advance(self.win_start)
+
+    def _insert_pages(self, layer: int, start: int, end: int) -> None:
+        """The request's own tokens [start, end) into ``layer``'s index, a page at a time (as a
+        selector's ``insert`` takes them)."""
+        for page in range(start, end, self.cfg.page_size):
+            keys, _ = self.cache.gather_range(layer, self.seq_id, page, page + self.cfg.page_size)  # [Hkv, P, D]
+            self.selector.insert(layer, keys.cpu())
 
     # ---- statistics
     def resident_bytes(self) -> int:
