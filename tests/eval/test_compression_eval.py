@@ -41,3 +41,36 @@ def test_compression_eval_reports_every_cell(tmp_path, smollm2_dir):
         by_task.setdefault(r["task"], set()).add(r["prefill_s"])
     assert all(len(p) == 1 for p in by_task.values())
     assert "95% interval" in (out / "report.md").read_text()
+
+
+@pytest.mark.model
+def test_a_long_compression_run_logs_each_context_and_resumes(tmp_path, smollm2_dir):
+    """Each context is one log line written as it finishes (its answers and each cell's cost);
+    --resume keeps it and runs only the contexts the grown grid adds, a line cut by an
+    interruption runs again, and a different grid is refused."""
+    out = tmp_path / "run"
+    grid = ["--compress", "snapkv", "--task", "niah_multikey", "--kv-budgets", "0.25", "--lengths", "600",
+            "--questions", "2", "--out", str(out)]
+    proc = icekv("eval", *grid, "--samples", "1")
+    assert proc.returncode == 0, proc.stderr
+    log = out / "runs.jsonl"
+    first = log.read_text().splitlines()
+    assert len(first) == 2 and "config" in json.loads(first[0])
+    entry = json.loads(first[1])
+    assert entry["context"] == "niah_multikey/600/0" and len(entry["expected"]) == 2
+    assert {(c["method"], c["kv_budget"]) for c in entry["cells"]} == {("full", 1.0), ("snapkv", 0.25)}
+    assert all(len(c["answers"]) == len(c["right"]) == 2 for c in entry["cells"])
+
+    log.write_text("\n".join(first) + "\n" + first[1][:50])  # an interrupted write of a second context
+    proc = icekv("eval", *grid, "--samples", "3", "--resume")
+    assert proc.returncode == 0, proc.stderr
+    lines = log.read_text().splitlines()
+    assert lines[:2] == first  # kept as it was, not run again
+    assert [json.loads(line)["context"] for line in lines[2:]] == ["niah_multikey/600/1", "niah_multikey/600/2"]
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert {(r["n"], r["contexts"]) for r in records} == {(6, 3)}
+    full = next(r for r in records if r["method"] == "full")
+    assert full["accuracy"] == sum(s for line in lines[1:] for s in json.loads(line)["cells"][0]["right"]) / 6
+
+    proc = icekv("eval", *grid[:-2], "--kv-budgets", "0.1", "--out", str(out), "--resume")
+    assert proc.returncode == 2 and "different evaluation grid" in proc.stderr, proc.stderr

@@ -13,10 +13,10 @@ def _cmd_eval(args) -> int:
     from icekv.eval.report import write_report
     from icekv.eval.runner import EvalConfig, run_eval
 
-    if args.compress:
-        return _cmd_eval_compression(args)
     if args.resume and not (args.out / "runs.jsonl").is_file():
         raise IcekvError(f"--resume: {args.out / 'runs.jsonl'} does not exist")
+    if args.compress:
+        return _cmd_eval_compression(args)
     depths = _csv("--depths", args.depths, float) if args.depths else None
     if depths and not all(0 <= d <= 1 for d in depths):
         raise IcekvError("--depths must lie in 0..1")
@@ -54,8 +54,12 @@ def _cmd_eval_compression(args) -> int:
         haystack=args.haystack, lengths=_csv("--lengths", args.lengths, int), samples=args.samples,
         questions=args.questions or 4, seed=args.seed, chat_template=args.chat_template,
     )
-    return _run_and_report(args, lambda engine, text, progress, meta: run_compression_eval(engine, cfg, text, progress),
-                           write_compression_report, "compression")
+
+    def run(engine, text, progress, meta):
+        return run_compression_eval(engine, cfg, text, progress, log=args.out / "runs.jsonl", resume=args.resume,
+                                    on_context=lambda records: write_compression_report(records, args.out, meta))
+
+    return _run_and_report(args, run, write_compression_report, "context", pool_tokens=cfg.pool_tokens)
 
 
 def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:

@@ -16,6 +16,7 @@ import time
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import psutil
@@ -26,8 +27,9 @@ from icekv.config import SamplingConfig, check_kv_budget
 from icekv.engine import Engine
 from icekv.engine.compression import scoring_context
 from icekv.errors import ConfigError
+from icekv.eval.run_log import RunLog, grid_of
 from icekv.eval.stats import wilson_interval
-from icekv.eval.tasks import REUSABLE_TASKS, HaystackSampler, PromptFormat, make_reusable
+from icekv.eval.tasks import QUESTION_ROOM, REUSABLE_TASKS, HaystackSampler, PromptFormat, make_reusable
 
 FULL = "full"
 
@@ -56,6 +58,15 @@ class CompressionEvalConfig:
     seed: int = 0
     max_tokens: int = 12
     chat_template: bool = False  # the context and each question inside one user turn of the chat template
+
+    @property
+    def pool_tokens(self) -> int:
+        """KV pool capacity one context needs: its length, a question and the answer."""
+        return max(self.lengths) + QUESTION_ROOM + self.max_tokens
+
+    def contexts(self) -> list[tuple[str, int, int]]:
+        """Every (task, length, sample) of the grid, in the order they run."""
+        return [(t, n, i) for t in self.tasks for n in self.lengths for i in range(self.samples)]
 
     def __post_init__(self) -> None:
         for b in self.kv_budgets:
@@ -137,51 +148,83 @@ def _generate_all(engine: Engine, asked: list[tuple[list[int], CompressedContext
 
 
 def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_text: str,
-                         progress: Callable[[int, int], None] | None = None) -> list[dict]:
+                         progress: Callable[[int, int], None] | None = None, log: Path | None = None,
+                         resume: bool = False, on_context: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """One record per (task, length, method, budget) over every question. With ``log``, each
+    finished context is appended there (:class:`icekv.eval.run_log.RunLog`); ``resume`` keeps the
+    contexts it already holds; ``on_context`` gets the records so far after each context run here."""
+    run_log = RunLog(log, grid_of(cfg, ("tasks", "lengths", "samples")))
+    finished = run_log.start(resume)
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
     form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
-    sampling = SamplingConfig(max_tokens=cfg.max_tokens, stop=("\n",))
+    contexts = cfg.contexts()
+    for done, (task, length, i) in enumerate(contexts, 1):
+        key = f"{task}/{length}/{i}"
+        if key not in finished:
+            finished[key] = _run_context(engine, cfg, sampler, form, task, length, i)
+            run_log.append(finished[key])
+            if on_context:
+                on_context(_records(cfg, [finished[k] for k in _keys(contexts) if k in finished]))
+        if progress:
+            progress(done, len(contexts))
+    return _records(cfg, [finished[k] for k in _keys(contexts)])
+
+
+def _keys(contexts: list[tuple[str, int, int]]) -> list[str]:
+    return [f"{task}/{length}/{i}" for task, length, i in contexts]
+
+
+def _run_context(engine: Engine, cfg: CompressionEvalConfig, sampler: HaystackSampler, form: PromptFormat,
+                 task: str, length: int, i: int) -> dict:
+    """Prefill one context, compress it with every variant at every budget, ask each question of
+    each compressed copy; the context's log entry."""
+    seed = zlib.crc32(f"{cfg.seed}/{cfg.haystack}/reuse/{task}/{length}/{i}".encode())
+    sample = make_reusable(sampler, length, seed, cfg.questions, task)
+    ids = engine.tokenizer.encode(form.context(sample.context))
+    t0 = time.perf_counter()
+    prefilled = engine.prefill(ids)
+    prefill_s = time.perf_counter() - t0
+    try:
+        runs = {FULL: compress_prefilled(engine, prefilled, ids, Variant(FULL, "streaming"), (1.0,))}
+        for v in cfg.variants:
+            runs[v.label] = compress_prefilled(engine, prefilled, ids, v, cfg.kv_budgets)
+    finally:
+        engine.release(prefilled)
+    cells = [(label, budget, ctx, compress_s, growth) for label, by_budget in runs.items()
+             for budget, (ctx, compress_s, growth) in by_budget.items()]
+    asked = [(engine.tokenizer.encode(form.question(q)), ctx) for _, _, ctx, _, _ in cells for q, _ in sample.questions]
+    texts = iter(_generate_all(engine, asked, SamplingConfig(max_tokens=cfg.max_tokens, stop=("\n",))))
+    out = []
+    for label, budget, ctx, compress_s, growth in cells:
+        answers = [next(texts) for _ in sample.questions]
+        out.append({"method": label, "kv_budget": budget, "answers": answers,
+                    "right": [float(expected in text) for (_, expected), text in zip(sample.questions, answers)],
+                    "compress_s": compress_s, "peak_memory_growth_bytes": growth,
+                    "kv_bytes": ctx.kv_bytes, "full_kv_bytes": ctx.full_bytes})
+    return {"context": f"{task}/{length}/{i}", "task": task, "length": length, "seed": seed,
+            "context_tokens": len(ids), "expected": [a for _, a in sample.questions], "prefill_s": prefill_s,
+            "cells": out}
+
+
+def _records(cfg: CompressionEvalConfig, entries: list[dict]) -> list[dict]:
+    """The table's rows, one per (task, length, method, budget), over the contexts of ``entries``."""
     rows: dict[tuple, list] = defaultdict(list)
-    total = len(cfg.tasks) * len(cfg.lengths) * cfg.samples
-    done = 0
-    for task in cfg.tasks:
-        for length in cfg.lengths:
-            for i in range(cfg.samples):
-                seed = zlib.crc32(f"{cfg.seed}/{cfg.haystack}/reuse/{task}/{length}/{i}".encode())
-                sample = make_reusable(sampler, length, seed, cfg.questions, task)
-                ids = engine.tokenizer.encode(form.context(sample.context))
-                t0 = time.perf_counter()
-                prefilled = engine.prefill(ids)
-                prefill_s = time.perf_counter() - t0
-                try:
-                    runs = {FULL: compress_prefilled(engine, prefilled, ids, Variant(FULL, "streaming"), (1.0,))}
-                    for v in cfg.variants:
-                        runs[v.label] = compress_prefilled(engine, prefilled, ids, v, cfg.kv_budgets)
-                finally:
-                    engine.release(prefilled)
-                cells = [(label, budget, ctx, compress_s, growth) for label, by_budget in runs.items()
-                         for budget, (ctx, compress_s, growth) in by_budget.items()]
-                asked = [(engine.tokenizer.encode(form.question(q)), ctx) for _, _, ctx, _, _ in cells
-                         for q, _ in sample.questions]
-                texts = iter(_generate_all(engine, asked, sampling))
-                for label, budget, ctx, compress_s, growth in cells:
-                    right = [float(answer in next(texts)) for _, answer in sample.questions]
-                    rows[(task, length, label, budget)].append(
-                        (right, prefill_s, compress_s, growth, ctx.kv_bytes, ctx.full_bytes))
-                done += 1
-                if progress:
-                    progress(done, total)
+    for e in entries:
+        for c in e["cells"]:
+            rows[(e["task"], e["length"], c["method"], c["kv_budget"])].append((e, c))
     variants = {v.label: v for v in cfg.variants} | {FULL: Variant(FULL, "streaming")}
     records = []
-    for (task, length, label, budget), rs in rows.items():
-        right = [s for r in rs for s in r[0]]
-        mean = lambda i: sum(r[i] for r in rs) / len(rs)
+    for (task, length, label, budget), cells in rows.items():
+        right = [s for _, c in cells for s in c["right"]]
+        mean = lambda get: sum(get(e, c) for e, c in cells) / len(cells)
         low, high = wilson_interval(sum(right), len(right))
         records.append({
             "task": task, "haystack": cfg.haystack, "length": length, "method": label,
             "base_method": variants[label].method, "settings": variants[label].settings, "kv_budget": budget,
-            "accuracy": sum(right) / len(right), "ci95": [low, high], "n": len(right), "contexts": len(rs),
-            "prefill_s": mean(1), "compress_s": mean(2), "peak_memory_growth_bytes": max(r[3] for r in rs),
-            "kv_bytes": mean(4), "full_kv_bytes": mean(5), "chat_template": cfg.chat_template,
+            "accuracy": sum(right) / len(right), "ci95": [low, high], "n": len(right), "contexts": len(cells),
+            "prefill_s": mean(lambda e, c: e["prefill_s"]), "compress_s": mean(lambda e, c: c["compress_s"]),
+            "peak_memory_growth_bytes": max(c["peak_memory_growth_bytes"] for _, c in cells),
+            "kv_bytes": mean(lambda e, c: c["kv_bytes"]), "full_kv_bytes": mean(lambda e, c: c["full_kv_bytes"]),
+            "chat_template": cfg.chat_template,
         })
     return records

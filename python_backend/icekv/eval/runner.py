@@ -9,21 +9,18 @@ resumed after an interruption (``resume``) without redoing a finished context.
 
 from __future__ import annotations
 
-import json
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
+from icekv.eval.run_log import RunLog, grid_of
 from icekv.eval.stats import aggregate
-from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
+from icekv.eval.tasks import QUESTION_ROOM, TASKS, HaystackSampler, PromptFormat
 from icekv.policies import resolve
-
-QUESTION_ROOM = 512  # tokens a context's prompt may run past its length (a question, a chat template's tail)
-
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -88,10 +85,8 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
     With ``log``, each finished context's runs are appended there as one JSON line (flushed);
     ``resume`` keeps the contexts the log already holds (it must come from the same grid);
     ``on_context`` gets the records so far after each context run here."""
-    finished = _read_log(log, cfg) if resume and log is not None and log.exists() else {}
-    if log is not None:  # rewritten whole: a line an interruption cut is dropped, not appended to
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text("".join(json.dumps(e) + "\n" for e in [{"config": _grid(cfg)}, *finished.values()]))
+    run_log = RunLog(log, _grid(cfg))
+    finished = run_log.start(resume)
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
     form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
     selections = cfg.selections()
@@ -110,9 +105,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
             on_run(len(finished[key]["runs"]))
         else:
             finished[key] = _run_context(engine, cfg, sampler, form, selections, task, length, i, on_run)
-            if log is not None:
-                with open(log, "a") as f:
-                    f.write(json.dumps(finished[key]) + "\n")
+            run_log.append(finished[key])
             if on_context:
                 on_context(aggregate(runs + finished[key]["runs"], cfg.haystack, cfg.chat_template))
         runs += finished[key]["runs"]
@@ -151,24 +144,6 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
 
 
 def _grid(cfg: EvalConfig) -> dict:
-    """What a log's contexts depend on: a resumed run must match it."""
-    grid = asdict(cfg)
-    grown = ("tasks", "lengths") + (("samples",) if cfg.questions > 1 or cfg.depths else ())
-    for name in grown:  # a resumed run may grow the grid (samples: unless they spread a lone needle's depth)
-        grid.pop(name)
-    return json.loads(json.dumps(grid))
-
-
-def _read_log(log: Path, cfg: EvalConfig) -> dict[str, dict]:
-    lines = log.read_text().splitlines()
-    head = json.loads(lines[0]) if lines else {}
-    if head.get("config") != _grid(cfg):
-        raise ConfigError(f"--resume: {log} was written by a different evaluation grid; use another --out")
-    entries = {}
-    for line in lines[1:]:
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by an interruption: that context runs again
-            continue
-        entries[entry["context"]] = entry
-    return entries
+    """What a log's contexts depend on: a resumed run may grow the tasks, lengths and samples
+    (samples: unless they spread a lone needle's depth)."""
+    return grid_of(cfg, ("tasks", "lengths") + (("samples",) if cfg.questions > 1 or cfg.depths else ()))

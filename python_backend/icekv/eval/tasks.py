@@ -36,6 +36,7 @@ VAR_QUESTION = (
     "\nWhich variables are assigned the value {value} in the text above? According to the chain of "
     "variables assigned in the text above, {n} variables are assigned the value {value}, they are:"
 )
+QUESTION_ROOM = 512  # tokens a context's prompt may run past its length (a question, a chat template's tail)
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "passkey")
 # Our own small vocabulary for needle keys ("word-word"), so keys are ordinary tokens.
 KEY_WORDS = (
