@@ -32,8 +32,7 @@ def _device_bytes(seq) -> int:
     """What the request's backend really holds on the compute device: mirrors, slots, tails and
     the selector's copies."""
     backend = seq.backend
-    mirror = backend.source.mirror
-    held = sum(kv.nbytes for kv in mirror.kv.values()) if mirror else 0
+    held = sum(kv.nbytes for kv in getattr(backend.source.whole, "kv", {}).values())  # a mirror's copies
     for name in ("device", "tails"):
         held += sum(getattr(d, "resident_bytes", getattr(d, "nbytes", 0)) for d in getattr(backend, name, {}).values())
     selector = getattr(backend, "selector", None)

@@ -8,7 +8,7 @@ import torch
 
 from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
-from icekv.engine.backends.mirror import ComputeMirror
+from icekv.engine.backends.whole_tokens import ComputeMirror
 from icekv.kv import PagedKVCache
 
 SELECTIONS = [SelectionConfig(), SelectionConfig(policy="icecache", budget=64),

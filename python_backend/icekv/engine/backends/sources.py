@@ -12,12 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from icekv.attention import (causal_attention, decode_attention_chunks, is_decode_step, paged_prefix_attention,
-                             sparse_paged_attention)
+from icekv.attention import paged_prefix_attention, sparse_paged_attention
 from icekv.compress import CompressedContext
 from icekv.compress.evict import CONTEXT_SINKS
 from icekv.config import SelectionConfig
-from icekv.engine.backends.mirror import ComputeMirror
+from icekv.engine.backends.whole_tokens import ComputeMirror, PoolTokens
 from icekv.engine.results import KVStats
 from icekv.kv import PagedKVCache
 from icekv.policies import sink_tokens
@@ -32,8 +31,8 @@ class RequestPages:
         self.offset = 0  # RoPE position of the request's first own token
         self.context: CompressedContext | None = None
         self._pool_layers: dict[int, torch.Tensor] = {}
-        # a pool off the compute device: the layers attended whole read a device copy of the tokens
-        self.mirror = None if cache.pool_on_compute else ComputeMirror(cache, seq_id, tokens)
+        # the layers attended whole read the pool in place, or a copy of the tokens on the compute device
+        self.whole = PoolTokens(cache, seq_id) if cache.pool_on_compute else ComputeMirror(cache, seq_id, tokens)
 
     def length(self) -> int:
         """Own tokens in the pool."""
@@ -41,24 +40,15 @@ class RequestPages:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache.write(layer, self.seq_id, start, k, v)
-        if self.mirror is not None:
-            self.mirror.write(layer, start, k, v)
+        self.whole.write(layer, start, k, v)
 
     def attend_all(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D] of the newest N tokens (own positions ``positions``) over every token."""
-        length = self.length()
-        if self.mirror is not None:
-            return causal_attention(q, *self.mirror.read(layer, length), positions)
-        if is_decode_step(positions, length):  # read the pages in place, run by run
-            return decode_attention_chunks(q[0], self.cache.view_runs(layer, self.seq_id, 0, length))[None]
-        keys, values = self.cache.view_range(layer, self.seq_id, 0, length)  # [Hkv, L, D]
-        return causal_attention(q, keys, values, positions)
+        return self.whole.attend(layer, q, positions, self.length())
 
     def own_tokens(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every own token's K and V on the compute device: two [Hkv, length, D]."""
-        if self.mirror is not None:
-            return self.mirror.read(layer, self.length())
-        return self.cache.gather(layer, self.seq_id)
+        return self.whole.read(layer, self.length())
 
     def context_bytes(self, layers) -> int:
         """Bytes of a compressed context's pages in ``layers`` (none here)."""

@@ -1,7 +1,9 @@
-"""A request's own K/V of the layers it attends whole, kept on the compute device while the page
-pool lives elsewhere (host memory, for a GPU under a sparse policy).
+"""Where a request's layers attended whole read its own tokens: the pool itself when it is on the
+compute device (:class:`PoolTokens`), or a copy kept there (:class:`ComputeMirror`) while the pool
+lives elsewhere (host memory, for a GPU under a sparse policy). Chosen once per request, both offer
+``write`` / ``attend`` / ``read``, so the backends' control flow is the same on a CPU and a GPU.
 
-Without it, every step of a layer attended whole (a prefill chunk, full attention, a sparse
+Without a mirror, every step of a layer attended whole (a prefill chunk, full attention, a sparse
 policy's unlimited layers) would copy all the request's tokens to the device. The mirror keeps
 each token's K/V as the model wrote it (on the device already) when it extends what the mirror
 holds, and otherwise copies what it lacks from the pool once, on the next read. It is allocated
@@ -14,7 +16,29 @@ from __future__ import annotations
 
 import torch
 
+from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step
 from icekv.kv import PagedKVCache
+
+
+class PoolTokens:
+    """The request's tokens read in place from a pool on the compute device."""
+
+    def __init__(self, cache: PagedKVCache, seq_id: int):
+        self.cache, self.seq_id = cache, seq_id
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Nothing to keep: the pool holds what was written."""
+
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """q [N, Hq, D] at own ``positions`` over own tokens ``0 .. length-1``."""
+        if is_decode_step(positions, length):  # read the pages in place, run by run
+            return decode_attention_chunks(q[0], self.cache.view_runs(layer, self.seq_id, 0, length))[None]
+        keys, values = self.cache.view_range(layer, self.seq_id, 0, length)  # [Hkv, L, D]
+        return causal_attention(q, keys, values, positions)
+
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of own tokens ``0 .. length-1``: two [Hkv, length, D]."""
+        return self.cache.gather(layer, self.seq_id)
 
 
 class ComputeMirror:
@@ -22,6 +46,9 @@ class ComputeMirror:
         self.cache, self.seq_id, self.tokens = cache, seq_id, tokens  # tokens: the most it will hold
         self.kv: dict[int, torch.Tensor] = {}  # layer -> [2, Hkv, capacity, D] on the compute device
         self.filled: dict[int, int] = {}  # layer -> tokens copied
+
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        return causal_attention(q, *self.read(layer, length), positions)
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of own positions ``0 .. length-1``: two [Hkv, length, D] device views.
