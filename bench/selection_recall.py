@@ -1,13 +1,14 @@
-"""Page-selection recall of the IceCache searches vs the exact top-k pages, on real SmolLM2 keys/queries.
+"""Page-selection recall of the IceCache searches vs the exact top-k pages, on a real model's keys/queries.
 
 For a needle prompt from the essays, prefill with full attention, record every layer's decode
 queries for a few steps, build each (layer, KV head) tree over the indexed region and compare each
 search's top-k pages (per query head, before the GQA merge) to the exact top-k pages by max q.k:
 the DCI-tree walk (the paper's) and the centroids search at several candidate counts (the default
-``IceCacheConfig.candidates(k)`` is 96 for budgets up to 256).
+``IceCacheConfig.candidates(k)`` is 96 for budgets up to 256). Several budgets share one prefill,
+and one tree per (layer, KV head) where their indexed regions agree.
 
-    .venv/bin/python bench/selection_recall.py [--length 4000] [--budget 256] [--candidates 48,96,192]
-        [--score-dtypes bfloat16,int8] [--out bench/results]
+    .venv/bin/python bench/selection_recall.py [--model smollm2-135m] [--length 4000] [--budget 256|64,256,1024]
+        [--candidates 48,96,192] [--score-dtypes bfloat16,int8] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -42,16 +43,17 @@ class RecordingAttention(DenseAttention):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a registry name or model folder (default: the engine's)")
     ap.add_argument("--length", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--budget", default="256", help="one budget, or a comma list measured over one prefill")
     ap.add_argument("--candidates", default="48,96,192", help="centroids search: pages rescored per query head")
     ap.add_argument("--score-dtypes", default="",
                     help="also the centroids search over a copy of the index with its page keys in these score "
                          "dtypes (e.g. bfloat16,int8), per candidate count")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    engine = Engine(EngineConfig())
+    engine = Engine(EngineConfig(model_dir=args.model) if args.model else EngineConfig())
     sample = HaystackSampler(Assets().haystack_text("essays"), engine.tokenizer).make("niah_single", args.length, seed=1)
     ids = engine.tokenizer.encode(sample.prompt)
     req = engine.prefill(ids)
@@ -60,19 +62,46 @@ def main() -> None:
     for _ in range(args.steps):
         token = int(logits.argmax())
         logits = engine.model(torch.tensor([token]), backend.begin_step(1), backend)[-1]
-    sel = SelectionConfig(policy="icecache", budget=args.budget)
-    k, p = sel.selected_pages, sel.page_size
-    region = (sel.n_sink_pages * p, (len(ids) // p - sel.n_win_pages) * p)
     cfg = IceCacheConfig()
     u = torch.randn(engine.model.args.head_dim + 1, generator=torch.Generator().manual_seed(cfg.seed))
     u /= u.norm()
     fov = cfg.field_of_view(len(ids))
-    searches = {"walk": lambda tree, q: tree.page_scores(q, fov)}
-    for c in (int(x) for x in args.candidates.split(",")):
-        searches[f"centroids_c{c}"] = lambda tree, q, c=c: tree.centroid_page_scores(q, c)
     narrow = [d for d in args.score_dtypes.split(",") if d]
+    budgets = [int(b) for b in args.budget.split(",")]
+    by_budget = {b: measure(engine, req, len(ids), backend, SelectionConfig(policy="icecache", budget=b), cfg, u, fov,
+                            [int(x) for x in args.candidates.split(",")], narrow) for b in budgets}
+    engine.release(req)
+    results = {b: {"k_pages": SelectionConfig(policy="icecache", budget=b).selected_pages, **r} for b, r in by_budget.items()}
+    result = {
+        "command": "bench/selection_recall.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in ("", None)),
+        "prompt_tokens": len(ids), "steps": args.steps, "page_size": SelectionConfig().page_size, "field_of_view": fov,
+    }
+    if len(budgets) == 1:
+        result |= results[budgets[0]]
+    else:
+        result["budgets"] = {str(b): r for b, r in results.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = f"{args.model}_" if args.model else ""
+    suffix = "".join(f"_{d}" for d in narrow)
+    name = f"selection_recall_{model}{args.length}_b{args.budget.replace(',', '-')}{suffix}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
+    for b, r in results.items():
+        print(f"budget {b} ({r['k_pages']} pages):", json.dumps(r["mean_recall"]))
+        for search, per_layer in r["per_layer_recall"].items():
+            print(f"  {search} per layer:", " ".join(f"{l}:{x:.2f}" for l, x in per_layer.items()))
+
+
+def measure(engine, req, prompt_tokens: int, backend, sel: SelectionConfig, cfg: IceCacheConfig, u: torch.Tensor, fov: int,
+            candidates: list[int], narrow: list[str]) -> dict:
+    """Each search's share of the exact top-k pages, per budgeted layer and on average, at ``sel``'s budget."""
+    k, p = sel.selected_pages, sel.page_size
+    region = (sel.n_sink_pages * p, (prompt_tokens // p - sel.n_win_pages) * p)
+    searches = {"walk": lambda tree, q: tree.page_scores(q, fov)}
+    for c in candidates:
+        searches[f"centroids_c{c}"] = lambda tree, q, c=c: tree.centroid_page_scores(q, c)
     for dtype in narrow:  # the same searches over an index that holds its page keys in that dtype
-        for c in (int(x) for x in args.candidates.split(",")):
+        for c in candidates:
             searches[f"centroids_c{c}_{dtype}"] = lambda tree, q, c=c, d=dtype: tree.narrow[d].centroid_page_scores(q, c)
     per_layer = {name: {} for name in searches}
     query_s = dict.fromkeys(searches, 0.0)
@@ -99,21 +128,8 @@ def main() -> None:
                         hits[name].append(len(a & b) / k)
         for name, h in hits.items():
             per_layer[name][layer] = sum(h) / len(h)
-    engine.release(req)
-    result = {
-        "command": "bench/selection_recall.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != ""),
-        "prompt_tokens": len(ids), "steps": args.steps, "k_pages": k, "page_size": p,
-        "field_of_view": fov,
-        "mean_recall": {name: sum(r.values()) / len(r) for name, r in per_layer.items()},
-        "query_s_total": query_s, "tree_build_s_total": build_s, "per_layer_recall": per_layer,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "".join(f"_{d}" for d in narrow)
-    (args.out / f"selection_recall_{args.length}_b{args.budget}{suffix}.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "per_layer_recall"}, indent=1))
-    for name, r in per_layer.items():
-        print(f"{name} per layer:", " ".join(f"{l}:{x:.2f}" for l, x in r.items()))
+    return {"mean_recall": {name: sum(r.values()) / len(r) for name, r in per_layer.items()},
+            "query_s_total": query_s, "tree_build_s_total": build_s, "per_layer_recall": per_layer}
 
 
 if __name__ == "__main__":
