@@ -20,13 +20,10 @@ import json
 from pathlib import Path
 
 import torch
-from selection_recall import RecordingAttention
+from selection_recall import record_decode_queries
 
-from icekv.assets import Assets
 from icekv.config import EngineConfig
 from icekv.engine import Engine
-from icekv.engine.backends import RequestPages
-from icekv.eval.tasks import HaystackSampler
 from icekv.kv.quant import _LARGEST, KVFormat
 
 
@@ -67,13 +64,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     engine = Engine(EngineConfig(model_dir=args.model) if args.model else EngineConfig())
-    sample = HaystackSampler(Assets().haystack_text("essays"), engine.tokenizer).make("niah_single", args.length, seed=1)
-    ids = engine.tokenizer.encode(sample.prompt)
-    req = engine.prefill(ids)
-    backend = RecordingAttention(RequestPages(engine.cache, req.seq_id))
-    logits = req.logits
-    for _ in range(args.steps):
-        logits = engine.model(torch.tensor([int(logits.argmax())]), backend.begin_step(1), backend)[-1]
+    ids, req, backend = record_decode_queries(engine, args.length, args.steps)
     ways = {f"{fmt}_{name}": (fmt, fn) for fmt in ("int8", "fp8_e4m3")
             for name, fn in (("token", per_token), ("page", per_page))}
     stats = {way: {"k_rel_err": [], "v_rel_err": [], "out_cosine": []} for way in ways}

@@ -41,6 +41,19 @@ class RecordingAttention(DenseAttention):
         return super().attend(layer, q, k, v)
 
 
+def record_decode_queries(engine: Engine, length: int, steps: int):
+    """Prefill a ``length``-token needle prompt from the essays and decode ``steps`` greedy tokens
+    with full attention: (prompt ids, the prefilled request, the backend holding each layer's queries)."""
+    sample = HaystackSampler(Assets().haystack_text("essays"), engine.tokenizer).make("niah_single", length, seed=1)
+    ids = engine.tokenizer.encode(sample.prompt)
+    req = engine.prefill(ids)
+    backend = RecordingAttention(RequestPages(engine.cache, req.seq_id))
+    logits = req.logits
+    for _ in range(steps):
+        logits = engine.model(torch.tensor([int(logits.argmax())]), backend.begin_step(1), backend)[-1]
+    return ids, req, backend
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="a registry name or model folder (default: the engine's)")
@@ -54,14 +67,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     engine = Engine(EngineConfig(model_dir=args.model) if args.model else EngineConfig())
-    sample = HaystackSampler(Assets().haystack_text("essays"), engine.tokenizer).make("niah_single", args.length, seed=1)
-    ids = engine.tokenizer.encode(sample.prompt)
-    req = engine.prefill(ids)
-    backend = RecordingAttention(RequestPages(engine.cache, req.seq_id))
-    logits = req.logits
-    for _ in range(args.steps):
-        token = int(logits.argmax())
-        logits = engine.model(torch.tensor([token]), backend.begin_step(1), backend)[-1]
+    ids, req, backend = record_decode_queries(engine, args.length, args.steps)
     cfg = IceCacheConfig()
     u = torch.randn(engine.model.args.head_dim + 1, generator=torch.Generator().manual_seed(cfg.seed))
     u /= u.norm()
