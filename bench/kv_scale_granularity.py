@@ -67,7 +67,7 @@ def main() -> None:
     ids, req, backend = record_decode_queries(engine, args.length, args.steps)
     ways = {f"{fmt}_{name}": (fmt, fn) for fmt in ("int8", "fp8_e4m3")
             for name, fn in (("token", per_token), ("page", per_page))}
-    stats = {way: {"k_rel_err": [], "v_rel_err": [], "out_cosine": []} for way in ways}
+    stats = {way: {"k_rel_err": [], "v_rel_err": [], "out_cosine": [], "out_cosine_min": []} for way in ways}
     for layer in range(engine.model.args.num_layers):
         k, v = engine.cache.gather(layer, req.seq_id)  # [Hkv, n, D] what the decode steps attended (prompt only)
         k, v = k[:, : len(ids)].float(), v[:, : len(ids)].float()
@@ -81,6 +81,7 @@ def main() -> None:
                 # the layer's output for one step, all heads as o_proj reads them (a lone head's output
                 # can be near zero when it rests on the sink, leaving its cosine meaningless)
                 stats[way]["out_cosine"].append(float(torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), 0)))
+            stats[way]["out_cosine_min"].append(min(stats[way]["out_cosine"][-len(exact):]))
     engine.release(req)
     summary = {way: {"k_rel_err_mean": sum(s["k_rel_err"]) / len(s["k_rel_err"]), "k_rel_err_max": max(s["k_rel_err"]),
                      "v_rel_err_mean": sum(s["v_rel_err"]) / len(s["v_rel_err"]), "v_rel_err_max": max(s["v_rel_err"]),
@@ -89,7 +90,7 @@ def main() -> None:
     command = "bench/kv_scale_granularity.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out")
     result = {"command": command, "prompt_tokens": len(ids), "steps": args.steps, "page_size": args.page_size,
-              "summary": summary, "per_layer": {w: {k: s[k] for k in ("k_rel_err", "v_rel_err")} for w, s in stats.items()}}
+              "summary": summary, "per_layer": {w: {k: s[k] for k in ("k_rel_err", "v_rel_err", "out_cosine_min")} for w, s in stats.items()}}
     model = (args.model or "smollm2-135m").rstrip("/").split("/")[-1]
     out = args.out or Path(f"bench/results/kv_scale_granularity_{model}_{args.length}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
