@@ -106,7 +106,7 @@ def main() -> int:
     engine = Engine(EngineConfig())
     text = Assets().haystack_text(args.haystack)
     t0 = time.perf_counter()
-    records = run_compression_eval(engine, cfg, text, lambda done, total: print(f"{done}/{total} contexts",
+    records = run_compression_eval(engine, cfg, text, lambda done, total, resumed: print(f"{done}/{total} contexts",
                                                                                   file=sys.stderr, flush=True))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"command": " ".join(["python", *sys.argv]), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -88,3 +88,21 @@ def test_a_context_the_pool_cannot_hold_is_refused_before_its_prefill(smollm2_di
     with pytest.raises(CacheFullError, match="exceeds the KV cache capacity"):
         run_eval(engine, cfg, essays_text[:20000])
     assert engine.cache.pages_available == engine.cache.allocator.num_pages  # nothing was prefilled
+
+
+@pytest.mark.model
+def test_progress_tells_kept_contexts_from_run_ones(tmp_path, smollm2_dir, essays_text):
+    """A resumed run reports the contexts kept from its log as such (the bar leaves them out of
+    its rate, else a resumed run of hours would show an ETA of seconds)."""
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+    from icekv.eval.runner import EvalConfig, run_eval
+
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir)))
+    log = tmp_path / "runs.jsonl"
+    grid = dict(tasks=("niah_multikey",), lengths=(400,), policies=("full",), questions=2, num_needles=3)
+    run_eval(engine, EvalConfig(samples=1, **grid), essays_text[:40000], log=log)
+    calls = []
+    run_eval(engine, EvalConfig(samples=2, **grid), essays_text[:40000], lambda *a: calls.append(a), log=log,
+             resume=True)
+    assert calls == [(2, 4, True), (3, 4, False), (4, 4, False)]

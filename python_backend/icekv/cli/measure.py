@@ -74,10 +74,14 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     text = Assets().haystack_text(args.haystack)
     paging = PagingConfig(max_context_tokens=max(PagingConfig.max_context_tokens, pool_tokens), kv_dtype=_kv_dtype(args))
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
-    bar = tqdm(desc="eval", unit=unit, file=sys.stderr)
+    # the mean rate since the start (units differ in cost: one policy's decode takes 100x another's),
+    # over this run's units only (those kept from a resumed log took no time)
+    bar = tqdm(desc="eval", unit=unit, file=sys.stderr, smoothing=0)
 
-    def progress(done: int, total: int) -> None:
+    def progress(done: int, total: int, resumed: bool = False) -> None:
         bar.total = total
+        if resumed:
+            bar.initial = done
         bar.update(done - bar.n)
 
     records, meta = _timed(engine, lambda meta: run(engine, text, progress, meta))

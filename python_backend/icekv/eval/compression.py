@@ -148,11 +148,12 @@ def _generate_all(engine: Engine, asked: list[tuple[list[int], CompressedContext
 
 
 def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_text: str,
-                         progress: Callable[[int, int], None] | None = None, log: Path | None = None,
+                         progress: Callable[[int, int, bool], None] | None = None, log: Path | None = None,
                          resume: bool = False, on_context: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One record per (task, length, method, budget) over every question. With ``log``, each
     finished context is appended there (:class:`icekv.eval.run_log.RunLog`); ``resume`` keeps the
-    contexts it already holds; ``on_context`` gets the records so far after each context run here."""
+    contexts it already holds; ``on_context`` gets the records so far after each context run here;
+    ``progress`` gets (done, total, whether the latest was kept from the log)."""
     run_log = RunLog(log, grid_of(cfg, ("tasks", "lengths", "samples")))
     finished = run_log.start(resume)
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
@@ -160,13 +161,14 @@ def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_te
     contexts = cfg.contexts()
     for done, (task, length, i) in enumerate(contexts, 1):
         key = f"{task}/{length}/{i}"
-        if key not in finished:
+        resumed = key in finished
+        if not resumed:
             finished[key] = _run_context(engine, cfg, sampler, form, task, length, i)
             run_log.append(finished[key])
             if on_context:
                 on_context(_records(cfg, [finished[k] for k in _keys(contexts) if k in finished]))
         if progress:
-            progress(done, len(contexts))
+            progress(done, len(contexts), resumed)
     return _records(cfg, [finished[k] for k in _keys(contexts)])
 
 

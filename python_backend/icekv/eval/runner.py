@@ -79,12 +79,13 @@ def _sample_seed(cfg: EvalConfig, task: str, length: int, i: int) -> int:
 
 
 def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
-             progress: Callable[[int, int], None] | None = None, log: Path | None = None,
+             progress: Callable[[int, int, bool], None] | None = None, log: Path | None = None,
              resume: bool = False, on_context: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Returns one record per (task, length, policy, budget) with accuracy over every question.
     With ``log``, each finished context's runs are appended there as one JSON line (flushed);
     ``resume`` keeps the contexts the log already holds (it must come from the same grid);
-    ``on_context`` gets the records so far after each context run here."""
+    ``on_context`` gets the records so far after each context run here; ``progress`` gets (done,
+    total, whether the latest were kept from the log)."""
     run_log = RunLog(log, _grid(cfg))
     finished = run_log.start(resume)
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
@@ -93,16 +94,16 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
     total = len(cfg.contexts()) * cfg.questions * len(selections)
     count = {"done": 0}
 
-    def on_run(n: int = 1) -> None:
+    def on_run(n: int = 1, resumed: bool = False) -> None:
         count["done"] += n
         if progress:
-            progress(count["done"], total)
+            progress(count["done"], total, resumed)
 
     runs = []
     for task, length, i in cfg.contexts():
         key = f"{task}/{length}/{i}"
         if key in finished:
-            on_run(len(finished[key]["runs"]))
+            on_run(len(finished[key]["runs"]), resumed=True)
         else:
             finished[key] = _run_context(engine, cfg, sampler, form, selections, task, length, i, on_run)
             run_log.append(finished[key])
