@@ -27,9 +27,9 @@ from icekv.config import SamplingConfig, check_kv_budget
 from icekv.engine import Engine
 from icekv.engine.compression import scoring_context
 from icekv.errors import ConfigError
-from icekv.eval.run_log import RunLog, grid_of
+from icekv.eval.run_log import ContextGrid, RunLog, context_key, grid_of
 from icekv.eval.stats import wilson_interval
-from icekv.eval.tasks import QUESTION_ROOM, REUSABLE_TASKS, HaystackSampler, PromptFormat, make_reusable
+from icekv.eval.tasks import REUSABLE_TASKS, HaystackSampler, PromptFormat, make_reusable
 
 FULL = "full"
 
@@ -47,7 +47,7 @@ class Variant:
 
 
 @dataclass(frozen=True)
-class CompressionEvalConfig:
+class CompressionEvalConfig(ContextGrid):
     variants: tuple[Variant, ...] = (Variant("kv2", "kv2"), Variant("kvzip", "kvzip"))
     kv_budgets: tuple[float, ...] = (0.05,)
     tasks: tuple[str, ...] = ("niah_multikey",)
@@ -58,15 +58,6 @@ class CompressionEvalConfig:
     seed: int = 0
     max_tokens: int = 12
     chat_template: bool = False  # the context and each question inside one user turn of the chat template
-
-    @property
-    def pool_tokens(self) -> int:
-        """KV pool capacity one context needs: its length, a question and the answer."""
-        return max(self.lengths) + QUESTION_ROOM + self.max_tokens
-
-    def contexts(self) -> list[tuple[str, int, int]]:
-        """Every (task, length, sample) of the grid, in the order they run."""
-        return [(t, n, i) for t in self.tasks for n in self.lengths for i in range(self.samples)]
 
     def __post_init__(self) -> None:
         for b in self.kv_budgets:
@@ -159,21 +150,17 @@ def run_compression_eval(engine: Engine, cfg: CompressionEvalConfig, haystack_te
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
     form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
     contexts = cfg.contexts()
-    for done, (task, length, i) in enumerate(contexts, 1):
-        key = f"{task}/{length}/{i}"
+    keys = [context_key(*c) for c in contexts]
+    for done, ((task, length, i), key) in enumerate(zip(contexts, keys), 1):
         resumed = key in finished
         if not resumed:
             finished[key] = _run_context(engine, cfg, sampler, form, task, length, i)
             run_log.append(finished[key])
             if on_context:
-                on_context(_records(cfg, [finished[k] for k in _keys(contexts) if k in finished]))
+                on_context(_records(cfg, [finished[k] for k in keys if k in finished]))
         if progress:
             progress(done, len(contexts), resumed)
-    return _records(cfg, [finished[k] for k in _keys(contexts)])
-
-
-def _keys(contexts: list[tuple[str, int, int]]) -> list[str]:
-    return [f"{task}/{length}/{i}" for task, length, i in contexts]
+    return _records(cfg, [finished[k] for k in keys])
 
 
 def _run_context(engine: Engine, cfg: CompressionEvalConfig, sampler: HaystackSampler, form: PromptFormat,
@@ -203,7 +190,7 @@ def _run_context(engine: Engine, cfg: CompressionEvalConfig, sampler: HaystackSa
                     "right": [float(expected in text) for (_, expected), text in zip(sample.questions, answers)],
                     "compress_s": compress_s, "peak_memory_growth_bytes": growth,
                     "kv_bytes": ctx.kv_bytes, "full_kv_bytes": ctx.full_bytes})
-    return {"context": f"{task}/{length}/{i}", "task": task, "length": length, "seed": seed,
+    return {"context": context_key(task, length, i), "task": task, "length": length, "seed": seed,
             "context_tokens": len(ids), "expected": [a for _, a in sample.questions], "prefill_s": prefill_s,
             "cells": out}
 

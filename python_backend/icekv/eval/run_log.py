@@ -12,6 +12,26 @@ from dataclasses import asdict
 from pathlib import Path
 
 from icekv.errors import ConfigError
+from icekv.eval.tasks import QUESTION_ROOM
+
+
+class ContextGrid:
+    """What both evaluation grids (dataclasses with ``tasks``, ``lengths``, ``samples`` and
+    ``max_tokens``) derive alike: the contexts they run and the pool one context needs."""
+
+    @property
+    def pool_tokens(self) -> int:
+        """KV pool capacity one context needs: its length, a question's overshoot and the answer."""
+        return max(self.lengths) + QUESTION_ROOM + self.max_tokens
+
+    def contexts(self) -> list[tuple[str, int, int]]:
+        """Every (task, length, sample) of the grid, in the order they run."""
+        return [(t, n, i) for t in self.tasks for n in self.lengths for i in range(self.samples)]
+
+
+def context_key(task: str, length: int, sample: int) -> str:
+    """A context's key in the log."""
+    return f"{task}/{length}/{sample}"
 
 
 def grid_of(cfg, growable: tuple[str, ...]) -> dict:

@@ -17,13 +17,13 @@ from typing import Callable
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
-from icekv.eval.run_log import RunLog, grid_of
+from icekv.eval.run_log import ContextGrid, RunLog, context_key, grid_of
 from icekv.eval.stats import aggregate
-from icekv.eval.tasks import QUESTION_ROOM, TASKS, HaystackSampler, PromptFormat
+from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
 from icekv.policies import resolve
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(ContextGrid):
     """One evaluation grid. ``depths`` None spreads a lone needle's depth evenly over 0..1 per
     sample; ``questions`` are asked of each context (each its own needle, key or chain)."""
 
@@ -64,15 +64,6 @@ class EvalConfig:
         return out + [SelectionConfig(policy=p, budget=b, icecache=self.icecache)
                       for p in self.policies if p != "full" for b in self.budgets]
 
-    @property
-    def pool_tokens(self) -> int:
-        """KV pool capacity one context needs: its length, a question's overshoot and the answer."""
-        return max(self.lengths) + QUESTION_ROOM + self.max_tokens
-
-    def contexts(self) -> list[tuple[str, int, int]]:
-        """Every (task, length, sample) of the grid, in the order they run."""
-        return [(t, n, i) for t in self.tasks for n in self.lengths for i in range(self.samples)]
-
 
 def _sample_seed(cfg: EvalConfig, task: str, length: int, i: int) -> int:
     return zlib.crc32(f"{cfg.seed}/{cfg.haystack}/{task}/{length}/{i}".encode())
@@ -101,7 +92,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
 
     runs = []
     for task, length, i in cfg.contexts():
-        key = f"{task}/{length}/{i}"
+        key = context_key(task, length, i)
         if key in finished:
             on_run(len(finished[key]["runs"]), resumed=True)
         else:
@@ -140,7 +131,7 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
                 on_run()
     finally:
         engine.release(req)
-    return {"context": f"{task}/{length}/{i}", "seed": seed, "context_tokens": len(context_ids),
+    return {"context": context_key(task, length, i), "seed": seed, "context_tokens": len(context_ids),
             "depths": list(sample.depths), "prefill_s": req.prefill_s, "runs": runs}
 
 
