@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from icekv.attention.sampled import attention_lse, merge_lse
+from icekv.index.lsh import simhash
 from icekv.method_settings import ArkValeConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig, SnapKVConfig
 from icekv.select.arkvale import ArkValeSelector, digest_scores, digest_scores_reference, page_digests
-from icekv.select.magicpig import MagicPIGSelector, Samples, hyperplanes, sample_log_weights, sampling_probability, simhash
+from icekv.select.magicpig import MagicPIGSelector, Samples, hyperplanes, sample_log_weights, sampling_probability
 from icekv.select.omnikv import OmniKVSelector, filter_scores
 from icekv.select.pqcache import PQCacheSelector, estimate, estimate_reference, kmeans, nearest
 from icekv.select.snapkv import window_votes

@@ -19,22 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from icekv.index.lsh import collision_counts, simhash
 from icekv.method_settings import MagicPIGConfig
-
-COMPARE_CHUNK = 4096  # tokens whose buckets are compared with the query's at once
 
 
 def hyperplanes(dim: int, cfg: MagicPIGConfig) -> torch.Tensor:
     """[D, tables * bits] Gaussian hyperplanes."""
     return torch.randn(dim, cfg.tables * cfg.bits, generator=torch.Generator().manual_seed(cfg.seed))
-
-
-def simhash(x: torch.Tensor, planes: torch.Tensor, bits: int) -> torch.Tensor:
-    """x [..., D] -> bucket per table [..., tables] (int16): table j's bits are the signs of x on
-    hyperplanes j*bits .. j*bits + bits - 1."""
-    signs = (x.float() @ planes > 0).view(*x.shape[:-1], planes.shape[1] // bits, bits)  # [..., L, K]
-    weights = 2 ** torch.arange(bits, dtype=torch.int32)
-    return (signs.to(torch.int32) * weights).sum(-1).to(torch.int16)
 
 
 def sampling_probability(cos: torch.Tensor, cfg: MagicPIGConfig) -> torch.Tensor:
@@ -109,11 +100,8 @@ class MagicPIGSelector:
         codes = self.codes[layer]  # [Hkv, n, L]
         hkv, n, _ = codes.shape
         hq = q.shape[0]
-        q_codes = simhash(q.cpu(), self.planes, self.config.bits).view(hkv, hq // hkv, 1, -1)  # [Hkv, G, 1, L]
-        counts = torch.empty(hkv, hq // hkv, n, dtype=torch.int16)
-        for a in range(0, n, COMPARE_CHUNK):  # the comparison is [Hq, chunk, L] at a time
-            counts[:, :, a: a + COMPARE_CHUNK] = (codes[:, None, a: a + COMPARE_CHUNK] == q_codes).sum(-1, dtype=torch.int16)
-        hits = counts.view(hq, n) >= self.config.min_collisions  # [Hq, n]
+        q_codes = simhash(q.cpu(), self.planes, self.config.bits).view(hkv, hq // hkv, -1)  # [Hkv, G, L]
+        hits = collision_counts(codes, q_codes).view(hq, n) >= self.config.min_collisions  # [Hq, n]
         width = min(cap, n)
         positions = torch.full((hq, width), -1, dtype=torch.long)
         share = torch.ones(hq)
