@@ -20,7 +20,7 @@ import torch
 from icekv.config import SamplingConfig
 from icekv.engine.grammar import Grammars
 from icekv.model import ModelArgs, Tokenizer
-from icekv.engine.engine import resolve_model_dir
+from icekv.engine.model_dir import resolve_model_dir
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                            "population": {"type": "integer", "minimum": 0},

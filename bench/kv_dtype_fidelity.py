@@ -23,7 +23,7 @@ import torch
 from icekv.assets import Assets
 from icekv.config import EngineConfig, PagingConfig, SamplingConfig
 from icekv.engine import Engine
-from icekv.engine.engine import resolve_model_dir
+from icekv.engine.model_dir import resolve_model_dir
 
 
 def short_prompts(ids: list[int], count: int, length: int) -> list[list[int]]:

@@ -48,7 +48,7 @@ def test_parts_are_joined_in_order_and_checked(tmp_path):
 
 
 def test_names_resolve_and_unknown_ones_are_refused(assets, tmp_path):
-    from icekv.engine.engine import resolve_model_dir
+    from icekv.engine.model_dir import resolve_model_dir
 
     assert DEFAULT_MODEL in KNOWN_MODELS and known_model("qwen2.5-coder-0.5b").trained_context == 32768
     assert all(len(m.gguf_sha256) == 64 and m.gguf_bytes > 0 for m in KNOWN_MODELS.values())

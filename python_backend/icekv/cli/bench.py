@@ -130,7 +130,7 @@ def _model_args(args):
         from icekv.model.random import shape_args
 
         return shape_args(args.random_weights)
-    from icekv.engine.engine import resolve_model_dir
+    from icekv.engine.model_dir import resolve_model_dir
 
     return ModelArgs.from_dir(resolve_model_dir(args.model))
 

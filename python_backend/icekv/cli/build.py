@@ -11,7 +11,7 @@ from icekv.errors import IcekvError
 
 def _cmd_build(args) -> int:
     from icekv.config import EngineConfig, PagingConfig, SelectionConfig
-    from icekv.engine.engine import resolve_model_dir
+    from icekv.engine.model_dir import resolve_model_dir
     from icekv.model import ModelArgs
     from icekv.policies import resolve
     from icekv.trt.build import build_engines, tensorrt_unavailable, write_kernels

@@ -93,7 +93,7 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
 
 def _cmd_size(args) -> int:
     from icekv.config import IceCacheConfig, SelectionConfig
-    from icekv.engine.engine import resolve_model_dir
+    from icekv.engine.model_dir import resolve_model_dir
     from icekv.model import ModelArgs
     from icekv.policies import resolve
     from icekv.sizing import size

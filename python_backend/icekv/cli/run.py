@@ -101,7 +101,7 @@ def _cmd_generate(args) -> int:
 def _cmd_demo(args) -> int:
     from icekv.assets import Assets
     from icekv.serving.openai.config import OpenAIConfig
-    from icekv.engine.engine import resolve_model_dir
+    from icekv.engine.model_dir import resolve_model_dir
     from icekv.eval.tasks import HaystackSampler
     from icekv.model import Tokenizer
     from icekv.serving.client import Final, stream_generate

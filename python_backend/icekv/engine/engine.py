@@ -7,10 +7,8 @@ submitted to the scheduler; :meth:`Engine.step` runs one step over every running
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
-from pathlib import Path
 from typing import Generator
 
 import torch
@@ -24,6 +22,7 @@ from icekv.engine.backends import DenseAttention, token_source
 from icekv.engine.grammar import Grammars
 from icekv.engine.index_cache import IndexCache
 from icekv.engine.kv_manager import KVCacheManager
+from icekv.engine.model_dir import model_identity, resolve_model_dir
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
 from icekv.engine.sequence import OnProgress, OnText, Phase, Request, Sequence
@@ -34,31 +33,9 @@ from icekv.kv.quant import KVFormat
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import Policy, resolve
-from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
 
 FULL = SelectionConfig(policy="full")
 DEVICE_SHARE = 0.9  # of the device memory free once loaded, for requests (the rest: a step's activations)
-
-
-def model_identity(model_dir: Path, dtype: str) -> str:
-    """A stable id for stored artefacts: the config's hash, the weights' sizes and the dtype."""
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    return f"{digest.hexdigest()[:24]}:{dtype}"
-
-
-def resolve_model_dir(model: str | None) -> Path:
-    """A model folder, or a known model's name (:mod:`icekv.registry`: fetched and converted on
-    first use); None is the default model."""
-    if model is None or model in KNOWN_MODELS:
-        from icekv.assets import Assets
-
-        return Assets().model_dir(model or DEFAULT_MODEL)
-    path = Path(model)
-    if not path.is_dir():
-        raise not_a_model(model)
-    return path
 
 
 class Engine:

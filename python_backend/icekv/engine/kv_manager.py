@@ -124,7 +124,8 @@ class KVCacheManager:
         if seq.index is not None:
             seq.index.cancel()
         self._keep_index(seq)
-        self.cache.free_if_present(seq.seq_id, seq.tokens_to_cache(), seq.request.caching.retention_s)
+        if self.cache.has(seq.seq_id):  # none before its prefill started
+            self.cache.free(seq.seq_id, seq.tokens_to_cache(), seq.request.caching.retention_s)
 
     def _keep_index(self, seq) -> None:
         """A finished decode's index, kept for a request that continues its tokens."""

@@ -150,11 +150,6 @@ class PagedKVCache:
             self.prefix.release(seq.pages[: seq.shared], retention_s if cache_tokens is not None else 0.0)
         self.allocator.free(own)
 
-    def free_if_present(self, seq_id: int, cache_tokens: list[int] | None = None, retention_s: float = 0.0) -> None:
-        """:meth:`free` for a request that may not have a cache yet (failed before its prefill)."""
-        if self.has(seq_id):
-            self.free(seq_id, cache_tokens, retention_s)
-
     def has(self, seq_id: int) -> bool:
         """Does the request have a cache (its prefill has started)?"""
         return seq_id in self._seqs
