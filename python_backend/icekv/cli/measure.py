@@ -68,12 +68,15 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     from tqdm import tqdm
 
     from icekv.assets import Assets
-    from icekv.config import EngineConfig, PagingConfig
+    from icekv.config import EngineConfig, PagingConfig, SchedulerConfig
     from icekv.engine import Engine
 
     text = Assets().haystack_text(args.haystack)
     paging = PagingConfig(max_context_tokens=max(PagingConfig.max_context_tokens, pool_tokens), kv_dtype=_kv_dtype(args))
-    engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
+    # an evaluation submits its answers in waves and each waits its turn however long the ones
+    # before it take (serving's queue limit would fail a long context's later answers as busy)
+    scheduler = SchedulerConfig(max_queue_wait_s=float("inf"))
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler))
     # the mean rate since the start (units differ in cost: one policy's decode takes 100x another's),
     # over this run's units only (those kept from a resumed log took no time)
     bar = tqdm(desc="eval", unit=unit, file=sys.stderr, smoothing=0)
