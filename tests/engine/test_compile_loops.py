@@ -3,7 +3,7 @@
 import pytest
 
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
-from icekv.index import dci_tree, device_rescoring, fused_search, page_store, tree_walk
+from icekv.index import dci_tree, device_rescoring, fused_search, lsh, page_store, tree_walk
 from icekv.kernels import cpu_decode
 from icekv.kv import device_cache, token_rows
 
@@ -31,3 +31,14 @@ def test_a_sparse_decode_after_engine_load_compiles_nothing(engine, essays_text,
     assert out.new_tokens == 24 and out.timings["insert_s"] > 0  # window pages were flushed into the index
     assert out.kv.pages_moved > 0  # pages went through the plan and the row gather
     assert _signatures() == before
+
+
+def test_a_magicpig_decode_after_engine_load_compiles_no_hashing_loop(engine, essays_text):
+    loops = (lsh._pack_signs, lsh._count)
+    before = [list(f.signatures) for f in loops]
+    assert all(before)  # compiled at load
+    prompt = engine.tokenizer.encode(essays_text)[:700]
+    out = engine.generate(prompt, SamplingConfig(max_tokens=24, ignore_eos=True),
+                          selection=SelectionConfig(policy="magicpig", budget=64))
+    assert out.new_tokens == 24 and out.timings["insert_s"] > 0  # tokens leaving the window were hashed too
+    assert [list(f.signatures) for f in loops] == before

@@ -1,8 +1,9 @@
 """Compile the engine's numba loops at load time instead of in a request's first decode step.
 
 The CPU paths of the page index (insertion bookkeeping, token placement, page rows, tree walk,
-centroids search), of the transfer (slot plan, row gather, the fused CPU fill) and the sparse
-decode attention are numba functions compiled on first call: seconds right after an install,
+centroids search, MagicPIG's hashing and collision counts), of the transfer (slot plan, row
+gather, the fused CPU fill) and the sparse decode attention are numba functions compiled on
+first call: seconds right after an install,
 ~0.1 s each from numba's disk cache afterwards. Either is too much for a request's first token.
 Running each once on tiny inputs of the dtypes a request will pass compiles exactly the
 signatures the requests use (tested: a sparse decode after this compiles nothing).
@@ -17,6 +18,7 @@ from icekv.config import SCORE_DTYPES, IceCacheConfig, PagingConfig
 from icekv.index import DCITree
 from icekv.index.device_rescoring import DeviceRescoring
 from icekv.index.fused_search import candidate_search, centroid_search
+from icekv.index.lsh import collision_counts, simhash
 from icekv.kernels.cpu_decode import sparse_decode_cpu
 from icekv.kernels.cpu_paged_decode import paged_decode_cpu
 from icekv.kv import DevicePageCache, PagedKVCache
@@ -37,6 +39,8 @@ def compile_loops(kv_dtype: torch.dtype, kv_format: KVFormat = KVFormat()) -> No
         DeviceRescoring(tree.store, torch.device("cpu"), kv_dtype, 8).search(q, picks, 2)  # or there
         tree.store.positions(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 0)  # selected pages' tokens
         tree.page_scores(q[0], 4)  # the walk
+    codes = simhash(torch.randn(1, 2, 8, generator=g), torch.randn(8, 6, generator=g), 3)  # MagicPIG's buckets
+    collision_counts(codes, codes[:, :1])  # and a query's collisions with them
     cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype, kv_format=kv_format)
     cache.add(0)
     cache.extend(0, 4)
