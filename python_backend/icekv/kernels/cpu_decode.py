@@ -18,6 +18,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba.core import types
+from numba.extending import overload
 
 from icekv.kv.quant import KVFormat, as_words
 
@@ -66,71 +68,106 @@ def _code_table(kv_format: KVFormat) -> np.ndarray | None:
 def _decode(q, pool, pool_w, page_ids, ranges, page_k, page_kw, page_v, page_vw, page_len, lut, scale, out):
     hq, d = q.shape
     hkv, n_slots, slot_size, _ = page_k.shape
+    group = hq // hkv
     page_size = pool.shape[3]
     n_tail = 0
     for r in range(ranges.shape[0]):
         n_tail += max(ranges[r, 1] - ranges[r, 0], 0)
-    for h in numba.prange(hq):
-        kv = h // (hq // hkv)
-        scores = np.empty(n_tail + n_slots * slot_size, dtype=np.float32)  # [L] attended tokens: tail, pages
+    for kv in numba.prange(hkv):  # each KV head reads (and decodes) its rows once for its query heads
+        qs = q[kv * group : (kv + 1) * group]  # [G, D]
+        scores = np.empty((group, n_tail + n_slots * slot_size), dtype=np.float32)  # [G, L] tail, then pages
         scratch = np.empty(d, dtype=np.float32)  # [D] a decoded row
         n = 0
         for r in range(ranges.shape[0]):
             for pos in range(ranges[r, 0], ranges[r, 1]):
                 page, slot = page_ids[pos // page_size], pos % page_size
-                if pool_w is None:  # plain values; the branch not taken is pruned per compiled signature
-                    scores[n] = _dot(q[h], pool[0, kv, page, slot]) * scale
-                else:
-                    scores[n] = _dot(q[h], decode_row(pool[0, kv, page, slot], pool_w[0, kv, page, slot], lut, scratch)) * scale
+                _score(qs, stored_row(pool[0, kv, page, slot], pool_w, (0, kv, page, slot), lut, scratch), scale, scores, n)
                 n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):
-                if pool_w is None:
-                    scores[n] = _dot(q[h], page_k[kv, j, t]) * scale
-                else:
-                    scores[n] = _dot(q[h], decode_row(page_k[kv, j, t], page_kw[kv, j, t], lut, scratch)) * scale
+                _score(qs, stored_row(page_k[kv, j, t], page_kw, (kv, j, t), lut, scratch), scale, scores, n)
                 n += 1
-        top = -np.inf
-        for i in range(n):
-            top = max(top, scores[i])
-        total = np.float32(0.0)
-        for i in range(n):
-            scores[i] = np.exp(scores[i] - top)
-            total += scores[i]
-        acc = np.zeros(d, dtype=np.float32)  # [D]
+        totals = _softmax(scores, n)  # [G]
+        acc = np.zeros((group, d), dtype=np.float32)  # [G, D]
         n = 0
         for r in range(ranges.shape[0]):
             for pos in range(ranges[r, 0], ranges[r, 1]):
                 page, slot = page_ids[pos // page_size], pos % page_size
-                if pool_w is None:
-                    _axpy(scores[n], pool[1, kv, page, slot], acc)
-                else:
-                    _axpy(scores[n], decode_row(pool[1, kv, page, slot], pool_w[1, kv, page, slot], lut, scratch), acc)
+                _accumulate(scores, n, stored_row(pool[1, kv, page, slot], pool_w, (1, kv, page, slot), lut, scratch), acc)
                 n += 1
         for j in range(n_slots):
             for t in range(page_len[kv, j]):
-                if pool_w is None:
-                    _axpy(scores[n], page_v[kv, j, t], acc)
-                else:
-                    _axpy(scores[n], decode_row(page_v[kv, j, t], page_vw[kv, j, t], lut, scratch), acc)
+                _accumulate(scores, n, stored_row(page_v[kv, j, t], page_vw, (kv, j, t), lut, scratch), acc)
                 n += 1
-        for i in range(d):
-            out[h, i] = acc[i] / total
+        for g in range(group):
+            for i in range(d):
+                out[kv * group + g, i] = acc[g, i] / totals[g]
+
+
+def stored_row(row, words, at, lut, scratch):
+    """The values [D] of a stored row: the row itself when plain (``words`` None), else scratch
+    [D] filled with its codes (int8 values, or fp8 bytes looked up in ``lut`` [256]) times its
+    scale, word D / 4 of ``words[at]`` (the row as float32 words). Compiled callers get the
+    variant of their argument types (:func:`_stored_row_variant`): one kernel source serves plain
+    and packed pools."""
+    if words is None:
+        return row
+    scale = words[at][scratch.shape[0] // 4]
+    scratch[:] = (row if lut is None else lut[row.view(np.uint8)]) * scale
+    return scratch
+
+
+@overload(stored_row, inline="always")
+def _stored_row_variant(row, words, at, lut, scratch):
+    if isinstance(words, types.NoneType):
+        return lambda row, words, at, lut, scratch: row
+    if isinstance(lut, types.NoneType):
+        return lambda row, words, at, lut, scratch: _int8_row(row, words[at][scratch.shape[0] // 4], scratch)
+    return lambda row, words, at, lut, scratch: _fp8_row(row, words[at][scratch.shape[0] // 4], lut, scratch)
 
 
 @numba.njit(inline="always")
-def decode_row(row, words, lut, scratch):
-    """scratch [D] = the values of a packed row: its codes (int8 values, or fp8 bytes decoded
-    through ``lut`` [256]) times its scale (word D / 4 of ``words``, the row as float32 words).
-    Returns scratch."""
-    scale = words[scratch.shape[0] // 4]
-    if lut is None:  # int8: the code is the value
-        for i in range(scratch.shape[0]):
-            scratch[i] = np.float32(row[i]) * scale
-    else:
-        for i in range(scratch.shape[0]):
-            scratch[i] = lut[row[i] & 0xFF] * scale
+def _int8_row(row, scale, scratch):
+    for i in range(scratch.shape[0]):
+        scratch[i] = np.float32(row[i]) * scale
     return scratch
+
+
+@numba.njit(inline="always")
+def _fp8_row(row, scale, lut, scratch):
+    for i in range(scratch.shape[0]):
+        scratch[i] = lut[row[i] & 0xFF] * scale
+    return scratch
+
+
+@numba.njit(inline="always", fastmath={"reassoc", "contract"})
+def _score(qs, key, scale, scores, n):
+    """scores[:, n] = each query head's q . key, scaled."""
+    for g in range(qs.shape[0]):
+        scores[g, n] = _dot(qs[g], key) * scale
+
+
+@numba.njit(inline="always", fastmath={"reassoc", "contract"})
+def _softmax(scores, n):
+    """Each row of scores[:, :n] exponentiated from its max, in place -> the rows' sums [G]."""
+    totals = np.empty(scores.shape[0], dtype=np.float32)
+    for g in range(scores.shape[0]):
+        top = -np.inf
+        for i in range(n):
+            top = max(top, scores[g, i])
+        total = np.float32(0.0)
+        for i in range(n):
+            scores[g, i] = np.exp(scores[g, i] - top)
+            total += scores[g, i]
+        totals[g] = total
+    return totals
+
+
+@numba.njit(inline="always", fastmath={"reassoc", "contract"})
+def _accumulate(scores, n, value, acc):
+    """acc[g] += scores[g, n] * value for each query head g."""
+    for g in range(acc.shape[0]):
+        _axpy(scores[g, n], value, acc[g])
 
 
 @numba.njit(inline="always", fastmath={"reassoc", "contract"})

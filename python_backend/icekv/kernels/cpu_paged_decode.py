@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import torch
 
-from icekv.kernels.cpu_decode import _axpy, _code_table, _dot, _words, decode_row
+from icekv.kernels.cpu_decode import _accumulate, _code_table, _score, _softmax, _words, stored_row
 from icekv.kv.quant import KVFormat
 
 
@@ -39,37 +39,17 @@ def _paged_decode(q, pool, pool_w, page_ids, starts, lengths, lut, scale, out):
     for row in numba.prange(b * hkv):  # each (request, KV head) reads its keys and values once
         i, kv = row // hkv, row % hkv
         n, first = lengths[i], starts[i]
+        qs = q[i, kv * group : (kv + 1) * group]  # [G, D]
         scores = np.empty((group, n), dtype=np.float32)  # [G, L]
         scratch = np.empty(d, dtype=np.float32)  # [D] a decoded row
         for pos in range(n):
             page, slot = page_ids[first + pos // page_size], pos % page_size
-            if pool_w is None:  # plain values; the branch not taken is pruned per compiled signature
-                for g in range(group):
-                    scores[g, pos] = _dot(q[i, kv * group + g], pool[0, kv, page, slot]) * scale
-            else:
-                key = decode_row(pool[0, kv, page, slot], pool_w[0, kv, page, slot], lut, scratch)  # [D] once per group
-                for g in range(group):
-                    scores[g, pos] = _dot(q[i, kv * group + g], key) * scale
+            _score(qs, stored_row(pool[0, kv, page, slot], pool_w, (0, kv, page, slot), lut, scratch), scale, scores, pos)
+        totals = _softmax(scores, n)  # [G]
         acc = np.zeros((group, d), dtype=np.float32)  # [G, D]
-        totals = np.empty(group, dtype=np.float32)
-        for g in range(group):
-            top = -np.inf
-            for pos in range(n):
-                top = max(top, scores[g, pos])
-            total = np.float32(0.0)
-            for pos in range(n):
-                scores[g, pos] = np.exp(scores[g, pos] - top)
-                total += scores[g, pos]
-            totals[g] = total
         for pos in range(n):
             page, slot = page_ids[first + pos // page_size], pos % page_size
-            if pool_w is None:
-                for g in range(group):
-                    _axpy(scores[g, pos], pool[1, kv, page, slot], acc[g])
-            else:
-                value = decode_row(pool[1, kv, page, slot], pool_w[1, kv, page, slot], lut, scratch)  # [D]
-                for g in range(group):
-                    _axpy(scores[g, pos], value, acc[g])
+            _accumulate(scores, pos, stored_row(pool[1, kv, page, slot], pool_w, (1, kv, page, slot), lut, scratch), acc)
         for g in range(group):
             for t in range(d):
                 out[i, kv * group + g, t] = acc[g, t] / totals[g]
