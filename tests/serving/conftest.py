@@ -1,6 +1,7 @@
 """A real tritonserver with the icekv model on 127.0.0.1, shared by the serving tests."""
 
 import json
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -24,12 +25,28 @@ def server(smollm2_dir, tmp_path_factory):
                         "max_compress_tokens": str(MAX_COMPRESS_TOKENS)},
                        log_path=log)
     srv.store_dir = store
+    crashes = stub_crashes()
     srv.start()
     yield srv
     srv.stop()
     # Triton unloads the model within its exit timeout: nothing the tests did (cancellations,
     # disconnects, errors, the frontend's streams) may keep a request or the model alive
     assert srv.process.returncode == 0, f"tritonserver did not stop cleanly:\n{srv.log_tail(5)}"
+    # and the model's process exits without crashing (Triton's exit status does not tell)
+    after = stub_crashes()
+    assert crashes is None or after is None or after <= crashes, "the Python backend's stub crashed (kernel log)"
+
+
+def stub_crashes() -> int | None:
+    """Segfaults of Triton's Python-backend stub in the kernel log so far; None where the log
+    cannot be read."""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if log.returncode:
+        return None
+    return sum("triton_python_b" in line and "segfault" in line for line in log.stdout.splitlines())
 
 
 @pytest.fixture(scope="session")

@@ -157,6 +157,16 @@ class Metrics:
                 self.families.append(family)
                 self.metrics[name] = family.Metric(labels={"model": "icekv"})
 
+    def close(self) -> None:
+        """Finish the pages still being written, and release the metrics now, while the backend's
+        stub is alive: a family still referenced (the engine loop's tick holds this object) would
+        be released in the stub's own teardown, which then crashes (triton-inference-server/server
+        issue 8662)."""
+        if self.pages is not None:
+            self.pages.close()
+        self.metrics.clear()
+        self.families.clear()
+
     def update(self, loop: EngineLoop) -> None:
         """Push changed values only: an idle server sends nothing to Triton, so a shutdown never
         races a metrics message (seen: unload hanging while a background update was in flight)."""
@@ -265,6 +275,4 @@ class TritonModel:
 
     def finalize(self) -> None:
         self.loop.stop()
-        if self.metrics.pages is not None:
-            self.metrics.pages.close()  # the pages still being written
-        self.metrics = None
+        self.metrics.close()
