@@ -7,7 +7,8 @@ tail is read straight from the request's pages in the host pool, by position ran
 (:func:`sparse_decode_pool_cpu`, the decode loop's path: no views or copies to build per layer),
 or from given tensors (:func:`sparse_decode_cpu`). At decode sizes (a few hundred tokens per head)
 torch's dozen calls cost ~0.3 ms in dispatch; this is one call. fp32 queries (numba has no
-bf16); query heads run in parallel. Pages and pool may hold packed quantized rows
+bf16); KV heads run in parallel, each reading (and decoding) its rows once for all the query heads
+that share it (GQA). Pages and pool may hold packed quantized rows
 (:mod:`icekv.kv.quant`): each row is then decoded as it is read (int8 codes converted, fp8 codes
 looked up in a table, times the row's scale) into one row of scratch, inside the loop (no
 dequantized copy of the pages).
