@@ -26,6 +26,8 @@ def _cmd_bench(args) -> int:
     from icekv.policies import resolve
 
     contexts = _csv("--contexts", args.contexts, int)
+    if min(contexts) < 2:
+        raise IcekvError(f"--contexts values must be >= 2 tokens, got {args.contexts}")
     policies = _csv("--policies", args.policies, str)
     warmup = {} if args.warmup_steps is None else {"warmup_steps": args.warmup_steps}
     if args.bench_command == "batch":
@@ -33,8 +35,8 @@ def _cmd_bench(args) -> int:
         from icekv.eval.batch_report import write_batch_report as write_report
 
         batches = _csv("--batch", args.batch, int)
-        if min(batches) < 1 or min(contexts) < 2:
-            raise IcekvError("--batch values must be >= 1 and --contexts >= 2 tokens")
+        if min(batches) < 1:
+            raise IcekvError(f"--batch values must be >= 1, got {args.batch}")
         for policy in policies:
             resolve(SelectionConfig(policy=policy, budget=args.budget))  # errors early
         cfg = BatchBenchConfig(contexts, batches, policies, args.budget, args.steps, icecache=_icecache_config(args),
