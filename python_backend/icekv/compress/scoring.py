@@ -126,10 +126,15 @@ class ScoringAttention:
         keys, values = torch.cat([ctx_k, fed_k], 1), torch.cat([ctx_v, fed_v], 1)  # [Hkv, K+F, D]
         at = torch.arange(f, device=q.device)
         causal = at[None, :] <= at[f - n :, None]  # [N, F]
-        qh = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*N, D]
-        logits = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, kk + f) * d**-0.5  # [Hkv, G, N, K+F]
+        qh = q.permute(1, 0, 2).reshape(hkv, -1, d) * d**-0.5  # [Hkv, G*N, D], scaled here: the logits are large
+        logits = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, kk + f)  # [Hkv, G, N, K+F]
+        output_logits = None  # the outputs' own softmax, where they attend more of the context than is scored
+        if not self._one_softmax:
+            seen = torch.cat([torch.ones(n, kk, dtype=torch.bool, device=q.device), causal], 1)  # [N, K+F]
+            output_logits = logits.masked_fill(~seen, float("-inf"))
         score_mask = torch.cat([self._scored.to(q.device)[None, :].expand(n, -1), causal], 1)  # [N, K+F]
-        score_probs = logits.masked_fill(~score_mask, float("-inf")).softmax(-1)  # [Hkv, G, N, K+F]
+        score_probs = logits.masked_fill_(~score_mask, float("-inf")).softmax(-1)  # [Hkv, G, N, K+F]
+        del logits
         weights = score_probs[..., :kk]  # [Hkv, G, N, K]
         if self.out_proj is not None:
             value_norm = self._value_norm(layer, ctx_v, q.shape[1]).view(hkv, -1, 1, kk)  # [Hkv, G, 1, K]
@@ -137,10 +142,8 @@ class ScoringAttention:
         score = torch.zeros(hkv, self.length)
         score[:, self.read_at] = weights.amax(dim=(1, 2)).float().cpu()  # [Hkv, T]
         self.scores[layer] = score if self.scores[layer] is None else torch.maximum(self.scores[layer], score)
-        probs = score_probs
-        if not self._one_softmax:  # the outputs attend more of the context than is scored
-            seen = torch.cat([torch.ones(n, kk, dtype=torch.bool, device=q.device), causal], 1)  # [N, K+F]
-            probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
+        del weights
+        probs = score_probs if output_logits is None else output_logits.softmax(-1)
         out = torch.bmm(probs.view(hkv, -1, kk + f), values)  # [Hkv, G*N, D]
         return out.reshape(-1, n, d).transpose(0, 1)
 
