@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from icekv.assets import Assets
+from icekv.devices import use_huge_pages
 
+use_huge_pages()  # as the CLI and the server run: set before the first tensor
 
 # Kernel tests on CPU run triton's interpreter, which must be chosen before anything imports triton
 # (its functions are decorated at import). Set here, as this file loads: pytest imports the

@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from icekv.devices import use_huge_pages
+
+    use_huge_pages()  # before the first tensor
     parser = build_parser()
     args = parser.parse_args(argv)
     from icekv.cli.build import _cmd_build

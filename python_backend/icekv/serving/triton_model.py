@@ -14,6 +14,7 @@ from dataclasses import asdict, replace
 import numpy as np
 
 from icekv.compress import parse_settings
+from icekv.devices import use_huge_pages
 from icekv.settings import serving_config
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
@@ -222,6 +223,7 @@ class TritonModel:
         if not self.pb.using_decoupled_model_transaction_policy(model_config):
             raise IcekvError("the icekv model must be decoupled (model_transaction_policy { decoupled: true })")
         self.cfg = serving_config(model_config.get("parameters", {}))
+        use_huge_pages()  # before the engine's first tensor
         t0 = time.perf_counter()
         self.metrics = Metrics(self.pb)
         self.loop = EngineLoop(lambda: Engine(self.cfg.engine), on_tick=self.metrics.update,
