@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from icekv.assets import Assets
+from icekv.devices import use_huge_pages
 from icekv.config import CompressionConfig, EngineConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.eval.tasks import HaystackSampler, make_reusable
@@ -124,4 +125,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    use_huge_pages()  # as the CLI and the server run
     main()

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from icekv.assets import Assets
+from icekv.devices import use_huge_pages
 from icekv.compress import resolved_settings
 from icekv.config import EngineConfig, PagingConfig
 from icekv.engine import Engine
@@ -98,4 +99,5 @@ def write(out: Path, records: list[dict], engine: Engine) -> None:
 
 
 if __name__ == "__main__":
+    use_huge_pages()  # as the CLI and the server run
     raise SystemExit(main())
