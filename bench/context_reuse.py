@@ -24,8 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from icekv.assets import Assets
-from icekv.devices import use_huge_pages
 from icekv.config import CompressionConfig, EngineConfig, SamplingConfig, SelectionConfig
+from icekv.devices import use_huge_pages
 from icekv.engine import Engine
 from icekv.eval.tasks import HaystackSampler, make_reusable
 from icekv.serving.client import Final, stream_generate

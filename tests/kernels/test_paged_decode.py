@@ -7,7 +7,7 @@ import torch
 
 from icekv.attention import decode_attention
 from icekv.kernels import paged_decode_attention
-from icekv.kernels.cpu_paged_decode import paged_decode_cpu
+from icekv.kernels.cpu_decode import paged_decode_cpu
 from icekv.kernels.reference import paged_decode_reference
 from icekv.kv import PageTable
 from icekv.kv.quant import KVFormat

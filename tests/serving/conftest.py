@@ -25,28 +25,28 @@ def server(smollm2_dir, tmp_path_factory):
                         "max_compress_tokens": str(MAX_COMPRESS_TOKENS)},
                        log_path=log)
     srv.store_dir = store
-    crashes = stub_crashes()
     srv.start()
+    stubs = subprocess.run(["pgrep", "-g", str(srv.process.pid), "-f", "triton_python_backend_stub"],
+                           capture_output=True, text=True).stdout.split()
     yield srv
     srv.stop()
     # Triton unloads the model within its exit timeout: nothing the tests did (cancellations,
     # disconnects, errors, the frontend's streams) may keep a request or the model alive
     assert srv.process.returncode == 0, f"tritonserver did not stop cleanly:\n{srv.log_tail(5)}"
     # and the model's process exits without crashing (Triton's exit status does not tell)
-    after = stub_crashes()
-    assert crashes is None or after is None or after <= crashes, "the Python backend's stub crashed (kernel log)"
+    crashes = stub_crashes(stubs)
+    assert not crashes, f"the Python backend's stub crashed:\n{crashes}"
 
 
-def stub_crashes() -> int | None:
-    """Segfaults of Triton's Python-backend stub in the kernel log so far; None where the log
-    cannot be read."""
+def stub_crashes(pids: list[str]) -> str:
+    """The kernel log's segfault lines of the processes ``pids`` (a crash of their main thread, as
+    in a teardown), or "" where there are none or the log cannot be read: a best-effort check."""
     try:
         log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    if log.returncode:
-        return None
-    return sum("triton_python_b" in line and "segfault" in line for line in log.stdout.splitlines())
+        return ""
+    tags = tuple(f"[{pid}]: segfault" for pid in pids)
+    return "\n".join(line for line in log.stdout.splitlines() if any(tag in line for tag in tags))
 
 
 @pytest.fixture(scope="session")

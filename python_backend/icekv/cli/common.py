@@ -177,7 +177,8 @@ def _meta(engine) -> dict:
             "device": str(engine.device), "kv_pool": str(engine.cache.pool.device),
             "dtype": str(engine.cache.dtype), "kv_dtype": engine.cache.kv_format.name,
             "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"}
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
+                       f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}"}
 
 
 def _timed(engine, run) -> tuple[list[dict], dict]:

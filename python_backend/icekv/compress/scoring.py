@@ -126,7 +126,7 @@ class ScoringAttention:
         keys, values = torch.cat([ctx_k, fed_k], 1), torch.cat([ctx_v, fed_v], 1)  # [Hkv, K+F, D]
         at = torch.arange(f, device=q.device)
         causal = at[None, :] <= at[f - n :, None]  # [N, F]
-        qh = q.permute(1, 0, 2).reshape(hkv, -1, d) * d**-0.5  # [Hkv, G*N, D], scaled here: the logits are large
+        qh = q.permute(1, 0, 2).reshape(hkv, -1, d) * d**-0.5  # [Hkv, G*N, D], scaled here, not the context-sized logits
         logits = torch.bmm(qh, keys.transpose(1, 2)).view(hkv, -1, n, kk + f)  # [Hkv, G, N, K+F]
         output_logits = None  # the outputs' own softmax, where they attend more of the context than is scored
         if not self._one_softmax:

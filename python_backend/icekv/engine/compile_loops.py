@@ -19,8 +19,7 @@ from icekv.index import DCITree
 from icekv.index.device_rescoring import DeviceRescoring
 from icekv.index.fused_search import candidate_search, centroid_search
 from icekv.index.lsh import collision_counts, simhash
-from icekv.kernels.cpu_decode import sparse_decode_cpu
-from icekv.kernels.cpu_paged_decode import paged_decode_cpu
+from icekv.kernels.cpu_decode import paged_decode_cpu, sparse_decode_cpu
 from icekv.kv import DevicePageCache, PagedKVCache
 from icekv.kv.quant import KVFormat
 

@@ -1,5 +1,6 @@
-"""Sparse paged decode attention on a CPU, compiled (numba): the CPU twin of the OpenAI-Triton
-decode kernel, with :func:`icekv.attention.sparse.paged_prefix_attention` as its reference.
+"""Decode attention on a CPU, compiled (numba): the sparse paged decode (the CPU twin of the
+OpenAI-Triton decode kernel, with :func:`icekv.attention.sparse.paged_prefix_attention` as its
+reference) and the full paged decode of a batch (:func:`paged_decode_cpu`).
 
 One decode query per head reads its KV head's selected page slots and its *tail* (sink and
 window tokens) in place, two passes: scores and their max, then the weighted sum of values. The
@@ -8,10 +9,20 @@ tail is read straight from the request's pages in the host pool, by position ran
 or from given tensors (:func:`sparse_decode_cpu`). At decode sizes (a few hundred tokens per head)
 torch's dozen calls cost ~0.3 ms in dispatch; this is one call. fp32 queries (numba has no
 bf16); KV heads run in parallel, each reading (and decoding) its rows once for all the query heads
-that share it (GQA). Pages and pool may hold packed quantized rows
+that share it (GQA), at the price of leaving cores idle where there are more cores than KV heads
+(the call is short: a few hundred rows per head). Pages and pool may hold packed quantized rows
 (:mod:`icekv.kv.quant`): each row is then decoded as it is read (int8 codes converted, fp8 codes
 looked up in a table, times the row's scale) into one row of scratch, inside the loop (no
 dequantized copy of the pages).
+
+:func:`paged_decode_cpu` serves the requests of an engine step that attend a layer in full, in one
+call: each reads its whole sequence in place, page by page, through the batch's page table
+(FlashInfer's CSR form: request ``b`` owns ``page_ids[starts[b] : starts[b] + pages_b]``); its
+reference is :func:`icekv.kernels.reference.paged_decode_reference`. (request, KV head) pairs run
+in parallel, and each pair's arithmetic does not depend on the other requests in the batch.
+
+Both kernels share their row reader and softmax steps, and live in this one module: numba's disk
+cache of a compiled function is invalidated by its own file's changes only.
 """
 
 from __future__ import annotations
@@ -51,6 +62,41 @@ def sparse_decode_pool_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: 
             page_k.numpy(), _words(page_k, kv_format), page_v.numpy(), _words(page_v, kv_format), page_len.numpy(),
             _code_table(kv_format), q.shape[-1] ** -0.5, out)
     return torch.from_numpy(out)
+
+
+def paged_decode_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
+                     lengths: torch.Tensor, kv_format: KVFormat = KVFormat()) -> torch.Tensor:
+    """q [B, Hq, D]; pool_layer [2, Hkv, pool pages, P, W] rows in ``kv_format``; page_ids [total
+    pages] and starts [B] (request b's pages begin at ``page_ids[starts[b]]``), lengths [B] >= 1
+    tokens -> [B, Hq, D]."""
+    out = np.empty(q.shape, dtype=np.float32)  # [B, Hq, D]
+    _paged_decode(q.contiguous().numpy(), pool_layer.numpy(), _words(pool_layer, kv_format), page_ids.numpy(),
+                  starts.numpy(), lengths.numpy(), _code_table(kv_format), q.shape[-1] ** -0.5, out)
+    return torch.from_numpy(out)
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
+def _paged_decode(q, pool, pool_w, page_ids, starts, lengths, lut, scale, out):
+    b, hq, d = q.shape
+    hkv, page_size = pool.shape[1], pool.shape[3]
+    group = hq // hkv
+    for row in numba.prange(b * hkv):  # each (request, KV head) reads its keys and values once
+        i, kv = row // hkv, row % hkv
+        n, first = lengths[i], starts[i]
+        qs = q[i, kv * group : (kv + 1) * group]  # [G, D]
+        scores = np.empty((group, n), dtype=np.float32)  # [G, L]
+        scratch = np.empty(d, dtype=np.float32)  # [D] a decoded row
+        for pos in range(n):
+            page, slot = page_ids[first + pos // page_size], pos % page_size
+            _score(qs, stored_row(pool[0, kv, page, slot], pool_w, (0, kv, page, slot), lut, scratch), scale, scores, pos)
+        totals = _softmax(scores, n)  # [G]
+        acc = np.zeros((group, d), dtype=np.float32)  # [G, D]
+        for pos in range(n):
+            page, slot = page_ids[first + pos // page_size], pos % page_size
+            _accumulate(scores, pos, stored_row(pool[1, kv, page, slot], pool_w, (1, kv, page, slot), lut, scratch), acc)
+        for g in range(group):
+            for t in range(d):
+                out[i, kv * group + g, t] = acc[g, t] / totals[g]
 
 
 def _words(rows: torch.Tensor, kv_format: KVFormat) -> np.ndarray | None:
@@ -114,12 +160,12 @@ def stored_row(row, words, at, lut, scratch):
     if words is None:
         return row
     scale = words[at][scratch.shape[0] // 4]
-    scratch[:] = (row if lut is None else lut[row.view(np.uint8)]) * scale
-    return scratch
+    return _int8_row(row, scale, scratch) if lut is None else _fp8_row(row, scale, lut, scratch)
 
 
 @overload(stored_row, inline="always")
 def _stored_row_variant(row, words, at, lut, scratch):
+    """stored_row for compiled callers: the plain, int8 or fp8 reader, by argument types."""
     if isinstance(words, types.NoneType):
         return lambda row, words, at, lut, scratch: row
     if isinstance(lut, types.NoneType):
@@ -129,6 +175,7 @@ def _stored_row_variant(row, words, at, lut, scratch):
 
 @numba.njit(inline="always")
 def _int8_row(row, scale, scratch):
+    """scratch [D] = int8 codes (the row's first D bytes) times scale."""
     for i in range(scratch.shape[0]):
         scratch[i] = np.float32(row[i]) * scale
     return scratch
@@ -136,6 +183,7 @@ def _int8_row(row, scale, scratch):
 
 @numba.njit(inline="always")
 def _fp8_row(row, scale, lut, scratch):
+    """scratch [D] = fp8 e4m3 codes (the row's first D bytes, looked up in lut [256]) times scale."""
     for i in range(scratch.shape[0]):
         scratch[i] = lut[row[i] & 0xFF] * scale
     return scratch

@@ -182,7 +182,7 @@ def paged_decode_attention(q: torch.Tensor, pool_layer: torch.Tensor, table: Pag
     quantized = kv_format.quantized
     csr = (table.indices, table.starts, table.lengths)
     if choice == "numba" and (q.dtype == torch.float32 if quantized else q.dtype == pool_layer.dtype == torch.float32):
-        from icekv.kernels.cpu_paged_decode import paged_decode_cpu
+        from icekv.kernels.cpu_decode import paged_decode_cpu
 
         packed = {"kv_format": kv_format} if quantized else {}
         return paged_decode_cpu(q, pool_layer, *csr, **packed)

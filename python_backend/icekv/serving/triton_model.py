@@ -107,7 +107,8 @@ class TritonSink:
 
 
 class Metrics:
-    """icekv_* Prometheus metrics on Triton's /metrics (families must stay referenced)."""
+    """icekv_* Prometheus metrics on Triton's /metrics (families must stay referenced until
+    :meth:`close`)."""
 
     GAUGES = {
         "icekv_kv_resident_bytes": "KV cache bytes on the compute device, all live requests",
@@ -219,11 +220,11 @@ class TritonModel:
         self.pb = pb
 
     def initialize(self, args: dict) -> None:
+        use_huge_pages()  # before the stub process's first tensor
         model_config = json.loads(args["model_config"])
         if not self.pb.using_decoupled_model_transaction_policy(model_config):
             raise IcekvError("the icekv model must be decoupled (model_transaction_policy { decoupled: true })")
         self.cfg = serving_config(model_config.get("parameters", {}))
-        use_huge_pages()  # before the engine's first tensor
         t0 = time.perf_counter()
         self.metrics = Metrics(self.pb)
         self.loop = EngineLoop(lambda: Engine(self.cfg.engine), on_tick=self.metrics.update,
