@@ -46,6 +46,7 @@ def test_compress_then_answer_from_the_store(tmp_path, smollm2_dir):
     (["bench", "decode", "--policies", "magic"], "unknown policy"),
     (["bench", "batch", "--batch", "0,2"], "--batch values must be >= 1"),
     (["bench", "decode", "--contexts", "0"], "--contexts values must be >= 2 tokens"),
+    (["bench", "batch", "--contexts", "4096,1"], "--contexts values must be >= 2 tokens"),
     (["bench", "batch", "--batch", "two"], "--batch: cannot read"),
     (["bench", "batch", "--policies", "full,nope"], "unknown policy"),
     (["eval", "--compress", "zip", "--out", "/tmp/x"], "--compress: unknown method"),
