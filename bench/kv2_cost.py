@@ -26,7 +26,7 @@ from pathlib import Path
 from icekv.assets import Assets
 from icekv.compress import resolved_settings
 from icekv.config import EngineConfig, PagingConfig
-from icekv.devices import use_huge_pages
+from icekv.devices import huge_pages_setting, use_huge_pages
 from icekv.engine import Engine
 from icekv.eval.compression import PeakRSS, Variant, compress_prefilled
 
@@ -78,8 +78,8 @@ def main() -> int:
 def write(out: Path, records: list[dict], engine: Engine) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"command": " ".join(["python", *sys.argv]), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                       f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}", "model": engine.model_name,
+            "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {huge_pages_setting()}",
+            "model": engine.model_name,
             "dtype": str(engine.cache.pool.dtype)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))

@@ -13,16 +13,24 @@ import torch
 from icekv.errors import ConfigError
 
 
+HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"  # PyTorch's switch: large CPU tensors on transparent huge pages
+
+
 def use_huge_pages() -> None:
     """Back torch's large CPU tensors (2 MiB and up) with transparent huge pages, unless the
     environment says otherwise (``THP_MEM_ALLOC_ENABLE=0``).
 
     Prefill attention and compression scoring allocate temporaries of hundreds of MiB per layer;
-    each fresh allocation is mapped anew and faulted in 4 KiB at a time, which on a CPU spent a
-    third of a long compression's time in the kernel. Huge pages take 512x fewer faults. PyTorch
-    reads the setting at its first allocation, so a process's entry point calls this before it
-    makes a tensor (the CLI, the Triton model's initialize)."""
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    each fresh allocation is mapped anew and faulted in 4 KiB at a time, and in a long compression
+    those faults can cost more kernel time than the arithmetic. Huge pages take 512x fewer faults.
+    PyTorch reads the setting at its first allocation, so a process's entry point calls this
+    before it makes a tensor (the CLI, the Triton model's initialize)."""
+    os.environ.setdefault(HUGE_PAGES, "1")
+
+
+def huge_pages_setting() -> str:
+    """``THP_MEM_ALLOC_ENABLE=<value>`` as this process runs, for results' machine line."""
+    return f"{HUGE_PAGES}={os.environ.get(HUGE_PAGES, '0')}"
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -26,8 +26,7 @@ def server(smollm2_dir, tmp_path_factory):
                        log_path=log)
     srv.store_dir = store
     srv.start()
-    stubs = subprocess.run(["pgrep", "-g", str(srv.process.pid), "-f", "triton_python_backend_stub"],
-                           capture_output=True, text=True).stdout.split()
+    stubs = stub_pids(srv)
     yield srv
     srv.stop()
     # Triton unloads the model within its exit timeout: nothing the tests did (cancellations,
@@ -36,6 +35,12 @@ def server(smollm2_dir, tmp_path_factory):
     # and the model's process exits without crashing (Triton's exit status does not tell)
     crashes = stub_crashes(stubs)
     assert not crashes, f"the Python backend's stub crashed:\n{crashes}"
+
+
+def stub_pids(server: TritonServer) -> list[str]:
+    """The model's Python stub processes, in the server's process group."""
+    return subprocess.run(["pgrep", "-g", str(server.process.pid), "-f", "triton_python_backend_stub"],
+                          capture_output=True, text=True).stdout.split()
 
 
 def stub_crashes(pids: list[str]) -> str:

@@ -3,7 +3,6 @@ generate body past ~4 MiB (why icekv serve keeps its HTTP on loopback), and its 
 behind, would keep the model's memory until the container ends."""
 
 import json
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -11,6 +10,7 @@ import urllib.request
 import pytest
 
 from icekv.serving.launcher import TritonServer
+from tests.serving.conftest import stub_pids
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 
@@ -24,8 +24,7 @@ def _state(pid: str) -> str:
 
 def test_a_crashed_server_leaves_no_stub_running(smollm2_dir):
     server = TritonServer({"host_pool_tokens": "4096"}).start()
-    stubs = subprocess.run(["pgrep", "-g", str(server.process.pid), "-f", "triton_python_backend_stub"],
-                           capture_output=True, text=True).stdout.split()
+    stubs = stub_pids(server)
     assert stubs, "the model's Python stub runs in the server's process group"
     body = json.dumps({"text_input": "a" * 4_500_000}).encode()  # reaches tritonserver's own HTTP
     with pytest.raises(OSError):

@@ -173,12 +173,14 @@ def _meta(engine) -> dict:
 
     import torch
 
+    from icekv.devices import huge_pages_setting
+
     return {"command": "icekv " + " ".join(sys.argv[1:]), "model": engine.model_name,
             "device": str(engine.device), "kv_pool": str(engine.cache.pool.device),
             "dtype": str(engine.cache.dtype), "kv_dtype": engine.cache.kv_format.name,
             "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
-                       f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}"}
+                       f"{huge_pages_setting()}"}
 
 
 def _timed(engine, run) -> tuple[list[dict], dict]:
