@@ -26,21 +26,26 @@ def engines(smollm2_dir):
             for kv in QUANTIZED}
 
 
-@pytest.mark.parametrize("kv_dtype,mean_gap,same_share", [("int8", 0.06, 0.97), ("fp8_e4m3", 0.15, 0.92)])
+@pytest.mark.parametrize("kv_dtype,mean_gap,same_share", [("int8", 0.06, 0.96), ("fp8_e4m3", 0.15, 0.92)])
 def test_next_token_predictions_follow_the_model_dtype_pool(engine, engines, essays_text, kv_dtype, mean_gap,
                                                             same_share):
     """Every position of a 1,000-token prompt scored (its prefill reads back the quantized K/V of
     the chunks before and of its own): the log-probability of the text's next token stays within
-    ``mean_gap`` nats on average, and the most likely token is the same at ``same_share`` of the
-    positions (e4m3 keeps 3 mantissa bits against int8's 7 bits per row's scale: it strays more)."""
+    ``mean_gap`` nats on average; the most likely token is the same wherever the model-dtype pool's
+    leads its runner-up by half a nat (quantization noise may only swap near-tied tokens), and at
+    ``same_share`` of all positions (e4m3 keeps 3 mantissa bits against int8's 7 bits per row's
+    scale: it strays more)."""
     ids = engine.tokenizer.encode(essays_text)[:1000]
-    scored = SamplingConfig(max_tokens=1, prompt_logprobs=1)
+    scored = SamplingConfig(max_tokens=1, prompt_logprobs=2)
     ref = engine.generate(ids, scored).prompt_logprobs[1:]
     got = engines[kv_dtype].generate(ids, scored).prompt_logprobs[1:]
     gap = torch.tensor([abs(a["logprob"] - b["logprob"]) for a, b in zip(ref, got)])
-    same_top = sum(a["top_logprobs"][0]["token_id"] == b["top_logprobs"][0]["token_id"] for a, b in zip(ref, got))
     assert 0 < gap.mean() <= mean_gap  # above 0: the pool does quantize
-    assert same_top / len(ref) >= same_share, (same_top, float(gap.mean()))
+    same_top = [a["top_logprobs"][0]["token_id"] == b["top_logprobs"][0]["token_id"] for a, b in zip(ref, got)]
+    lead = [a["top_logprobs"][0]["logprob"] - a["top_logprobs"][1]["logprob"] for a in ref]
+    clear = [same for same, nats in zip(same_top, lead) if nats >= 0.5]
+    assert len(clear) > len(ref) / 2 and all(clear), (sum(clear), len(clear))
+    assert sum(same_top) / len(ref) >= same_share, (sum(same_top), float(gap.mean()))
 
 
 @pytest.mark.parametrize("kv_dtype,least_cosine", [("int8", 0.999), ("fp8_e4m3", 0.995)])
