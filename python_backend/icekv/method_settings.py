@@ -19,6 +19,7 @@ SCORE_DTYPES = ("auto", "float32", "bfloat16", "int8")  # the IceCache index's p
 SEARCHES = ("walk", "exhaustive", "centroids")  # IceCache page searches
 CENTROID_SCORING = ("auto", "host", "device")  # where the centroids search scores the centroids
 RESCORING = ("host", "device")  # where the centroids search rescores its candidates
+GQA_MERGES = ("head_order", "score_order")  # how the query heads of a KV head share its pages
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,13 @@ class IceCacheConfig:
     layer in the compute dtype, flat in the context length), refilled only with the pages it
     lacks; the centroids are then scored there too. For a GPU: on a CPU the "device" scoring is
     the kernels' torch reference, slower than the host's compiled search.
+
+    ``gqa_merge``: how the query heads that share a KV head share its ``k`` pages. Each query head
+    ranks the pages; the rankings are interleaved by rank (every head's best page, then every
+    head's second, ...) until ``k`` distinct pages are taken. Within a rank, ``head_order`` takes
+    the heads in their order (the authors' code), so when ``k`` is below the group size the last
+    heads get no page of their own; ``score_order`` takes them best score first, so the few pages
+    go to the heads whose best page scores highest. Every search merges the same way.
     """
 
     ratio_1: float = 0.02
@@ -74,6 +82,7 @@ class IceCacheConfig:
     # "bfloat16" (half fp32's memory) | "int8" (about a quarter)
     centroid_scoring: str = "auto"  # centroids search: "auto" | "host" | "device" (see above)
     rescoring: str = "host"  # centroids search: "host" | "device" (see above)
+    gqa_merge: str = "head_order"  # "head_order" (the authors') | "score_order" (see above)
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:
@@ -81,6 +90,8 @@ class IceCacheConfig:
         if self.centroid_scoring not in CENTROID_SCORING:
             raise ConfigError(f"centroid_scoring must be one of {', '.join(CENTROID_SCORING)}, "
                               f"got {self.centroid_scoring!r}")
+        if self.gqa_merge not in GQA_MERGES:
+            raise ConfigError(f"gqa_merge must be one of {', '.join(GQA_MERGES)}, got {self.gqa_merge!r}")
         if self.rescoring not in RESCORING:
             raise ConfigError(f"rescoring must be one of {', '.join(RESCORING)}, got {self.rescoring!r}")
         if self.rescoring == "device" and self.centroid_scoring == "host":
@@ -123,6 +134,11 @@ class IceCacheConfig:
     def rescores_on_device(self) -> bool:
         """Does the search rescore its candidates on the compute device?"""
         return self.search == "centroids" and self.rescoring == "device"
+
+    @property
+    def merges_by_score(self) -> bool:
+        """Are a rank's query heads taken best score first (else in head order)?"""
+        return self.gqa_merge == "score_order"
 
     def field_of_view(self, seq_len: int) -> int:
         return max(int(self.fov_fraction * seq_len), self.fov_min)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from icekv.config import (CENTROID_SCORING, DTYPES, KV_DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES, SERVING_PROFILE,
-                          ServingConfig)
+from icekv.config import (CENTROID_SCORING, DTYPES, GQA_MERGES, KV_DTYPES, KV_POOLS, RESCORING, SCORE_DTYPES, SEARCHES,
+                          SERVING_PROFILE, ServingConfig)
 from icekv.config_paths import build_config, field_value
 from icekv.errors import ConfigError
 
@@ -100,6 +100,9 @@ SETTINGS = (
     Setting("rescoring", ("engine.selection.icecache.rescoring",), "where `centroids` rescores its candidates: "
             "`host` (from the index), `device` (a cache of recent candidates' keys there, refilled with the pages it "
             "lacks; ranks there too)", str, RESCORING),
+    Setting("gqa_merge", ("engine.selection.icecache.gqa_merge",), "how the query heads of a KV head share its "
+            "pages: interleaved by rank, a rank's heads in head order (the authors') or best score first (the few "
+            "pages of a small budget go to the heads that score them highest)", str, GQA_MERGES, configmap=True),
     Setting("host_pool_tokens", ("engine.paging.max_context_tokens",), "KV page pool capacity, tokens, all requests",
             configmap=True),
     Setting("prefix_cache", ("engine.paging.prefix_cache",), "keep finished requests' full KV pages for later "

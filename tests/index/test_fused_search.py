@@ -22,15 +22,15 @@ def _layer(sizes, d=32, page_size=16, seed=2, dtype=torch.float32):
     return store, trees
 
 
-def _search(store, q, candidates, k):
+def _search(store, q, candidates, k, by_score=False):
     """The compiled search's picks per KV head."""
-    heads, pages, versions = centroid_search(store, q, candidates, k)
+    heads, pages, versions = centroid_search(store, q, candidates, k, by_score)
     assert heads.dtype == pages.dtype == versions.dtype == "int64" and (heads[1:] >= heads[:-1]).all()  # by head
     assert versions.tolist() == store.version[heads, pages].tolist()
     return Selection(*map(torch.from_numpy, (heads, pages, versions))).per_head(q.shape[0])
 
 
-def _reference(store, q, candidates, k):
+def _reference(store, q, candidates, k, by_score):
     """The torch/numpy search, on an fp32 copy of the store (bf16 and int8 pages decoded: what the
     compiled search computes with; the reference would round q to bf16 instead)."""
     heads, _, page_size = store.pad.shape
@@ -38,7 +38,7 @@ def _reference(store, q, candidates, k):
     wide.keys, wide.centroid = decode(store.keys), decode(store.centroid)
     wide.pad, wide.num_pages = store.pad, store.num_pages
     ids, scores = wide.centroid_candidates(q, candidates)  # [H, c], [H, G, c]
-    return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k))]
+    return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k, by_score))]
 
 
 @pytest.mark.parametrize("sizes, group, candidates, k", [
@@ -49,13 +49,14 @@ def _reference(store, q, candidates, k):
     ([300, 200], 3, 6, 40),  # k above the candidates' union: only candidates come back
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_compiled_search_equals_the_reference(sizes, group, candidates, k, dtype):
+@pytest.mark.parametrize("by_score", [False, True])
+def test_compiled_search_equals_the_reference(sizes, group, candidates, k, dtype, by_score):
     store, trees = _layer(sizes, dtype=dtype)
     for tree in trees[:1]:  # inserts leave partial pages and spare capacity behind
         tree.insert(torch.randn(24, 32, generator=torch.Generator().manual_seed(5)))
     q = torch.randn(len(sizes), group, 32, generator=torch.Generator().manual_seed(9))  # [H, G, D]
-    fused = _search(store, q, candidates, k)
-    want = _reference(store, q, candidates, k)
+    fused = _search(store, q, candidates, k, by_score)
+    want = _reference(store, q, candidates, k, by_score)
     assert [p.tolist() for p in fused] == [p.tolist() for p in want]
     for picks, n in zip(fused, store.num_pages.tolist()):
         assert picks.dtype == torch.long and len(picks) <= min(k, n) and len(set(picks.tolist())) == len(picks)

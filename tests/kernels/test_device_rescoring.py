@@ -22,15 +22,17 @@ def _picks(store, q, candidates, device):
 
 @pytest.mark.parametrize("sizes, group, candidates, k", SEARCH_SHAPES)
 @pytest.mark.parametrize("score_dtype", [torch.float32, torch.int8])
-def test_rescoring_on_the_device_selects_what_the_host_does(backend_device, sizes, group, candidates, k, score_dtype):
+@pytest.mark.parametrize("by_score", [False, True])
+def test_rescoring_on_the_device_selects_what_the_host_does(backend_device, sizes, group, candidates, k, score_dtype,
+                                                            by_score):
     store, trees = index_layer(sizes, dtype=score_dtype)
     rescoring = DeviceRescoring(store, torch.device(backend_device), torch.float32, max_slots=group * candidates)
     g = torch.Generator().manual_seed(9)
     for step in range(3):  # inserts change pages (new versions), add pages and grow the store
         q = torch.randn(len(sizes), group, 32, generator=g)  # [H, G, D]
         picks = _picks(store, q, candidates, backend_device)
-        host = candidate_search(store, q, picks, k)
-        on_device = rescoring.search(q.to(backend_device), picks, k)
+        host = candidate_search(store, q, picks, k, by_score)
+        on_device = rescoring.search(q.to(backend_device), picks, k, by_score)
         for a, b in zip(host, on_device):
             assert a.tolist() == b.tolist()
         for tree in trees[:2]:

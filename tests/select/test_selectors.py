@@ -17,6 +17,16 @@ def test_merge_interleaves_by_rank_and_drops_duplicates():
     assert merge_ranked(scores, 3).tolist() == [0, 2, 1]
 
 
+def test_merge_by_score_takes_a_rank_best_score_first():
+    scores = torch.tensor([[5.0, 4.0, 0.0, 0.0], [0.0, 0.0, 9.0, 1.0], [0.0, 6.0, 0.0, 8.0]])
+    # best pages: head 0 -> 0 (5), head 1 -> 2 (9), head 2 -> 3 (8); seconds: 1 (4), 3 (1), 1 (6)
+    assert merge_ranked(scores, 2).tolist() == [0, 2]  # head order: the first two heads' best
+    assert merge_ranked(scores, 2, by_score=True).tolist() == [2, 3]  # the two best of the heads' best
+    assert merge_ranked(scores, 4, by_score=True).tolist() == [2, 3, 0, 1]  # second rank: 1 (6), 1, 3: taken
+    tied = torch.tensor([[0.0, 3.0], [3.0, 0.0]])
+    assert merge_ranked(tied, 1, by_score=True).tolist() == [1]  # a tie keeps head order
+
+
 def test_merge_skips_unvisited_pages_and_handles_empty():
     scores = torch.tensor([[float("-inf"), 2.0, float("-inf")]])
     assert merge_ranked(scores, 3).tolist() == [1]
@@ -29,8 +39,9 @@ def test_merge_of_every_head_at_once_equals_one_head_at_a_time():
     scores[1, :, 10:] = float("-inf")  # a head with few candidates
     scores[2] = float("-inf")  # and one with none
     for k in (1, 12, 60):
-        batched = merge_ranked_heads(scores, k)
-        assert [p.tolist() for p in batched] == [merge_ranked(s, k).tolist() for s in scores]
+        for by_score in (False, True):
+            batched = merge_ranked_heads(scores, k, by_score)
+            assert [p.tolist() for p in batched] == [merge_ranked(s, k, by_score).tolist() for s in scores]
     assert [len(p) for p in merge_ranked_heads(scores, 12)] == [12, 10, 0]
 
 
@@ -83,14 +94,15 @@ def test_full_needs_no_selector():
     assert make_selector(SelectionConfig(policy="icecache_r")).layer_reuse
 
 
-def test_icecache_exhaustive_search_picks_the_exact_top_pages():
+@pytest.mark.parametrize("gqa_merge", ["head_order", "score_order"])
+def test_icecache_exhaustive_search_picks_the_exact_top_pages(gqa_merge):
     from icekv.config import IceCacheConfig
 
     g = torch.Generator().manual_seed(5)
     keys = torch.randn(2, 3000, 32, generator=g)  # [Hkv, n, D]
     q = torch.randn(6, 32, generator=g)  # 3 query heads per KV head
-    configs = {s: IceCacheConfig(search=s) for s in ("walk", "exhaustive", "centroids")}
-    configs["centroids_all"] = IceCacheConfig(search="centroids", rerank=50)  # 600 candidates: every page
+    configs = {s: IceCacheConfig(search=s, gqa_merge=gqa_merge) for s in ("walk", "exhaustive", "centroids")}
+    configs["centroids_all"] = IceCacheConfig(search="centroids", rerank=50, gqa_merge=gqa_merge)  # every page
     searches = {s: make_selector(SelectionConfig(policy="icecache", budget=256, icecache=c)) for s, c in configs.items()}
     for sel in searches.values():
         sel.build(2, keys, base=16)
@@ -102,7 +114,7 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages():
     for h, tree in enumerate(searches["exhaustive"].trees[2]):
         scores = torch.stack([(q[3 * h:3 * h + 3] @ keys[h, tree.page_tokens[p, : tree.page_len[p]]].T).amax(-1)
                               for p in range(tree.num_pages)], 1)  # [G, pages] brute force
-        assert picks_exact[h].tolist() == merge_ranked(scores, 12).tolist()
+        assert picks_exact[h].tolist() == merge_ranked(scores, 12, gqa_merge == "score_order").tolist()
         assert len(picks_walk[h]) == 12  # the walk picks as many, from the pages it visited
     # positions and versions of several heads' pages in one lookup, each from its own head's tree
     for name, selection in selections.items():  # every search hands over its pages' versions
@@ -117,6 +129,8 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages():
         assert positions[i].tolist() == torch.where(toks >= 0, toks + 16, -1).tolist()
     with pytest.raises(ConfigError, match="search"):
         IceCacheConfig(search="beam")
+    with pytest.raises(ConfigError, match="gqa_merge"):
+        IceCacheConfig(gqa_merge="max")
 
 
 def test_index_memory_holds_each_key_about_once():

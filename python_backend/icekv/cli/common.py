@@ -126,11 +126,12 @@ def _icecache_flags(parser) -> None:
     _setting_flag(parser, "score_dtype", IceCacheConfig.score_dtype)
     _setting_flag(parser, "centroid_scoring", IceCacheConfig.centroid_scoring)
     _setting_flag(parser, "rescoring", IceCacheConfig.rescoring)
+    _setting_flag(parser, "gqa_merge", IceCacheConfig.gqa_merge)
 
 
 def _icecache_config(args):
     return IceCacheConfig(search=args.search, rerank=args.rerank, score_dtype=args.score_dtype,
-                          centroid_scoring=args.centroid_scoring, rescoring=args.rescoring)
+                          centroid_scoring=args.centroid_scoring, rescoring=args.rescoring, gqa_merge=args.gqa_merge)
 
 
 def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:

@@ -62,19 +62,20 @@ class DeviceCentroids:
         m = int(self.store.num_pages.max()) if q.shape[0] else 0
         if len(self._ids) < m:
             self._ids = torch.arange(self.centroid.shape[1], dtype=torch.int32, device=self.device)
-        return best_per_query_head(q, self.centroid, self._ids[:m], self.live[:, :m], min(candidates, m))
+        return best_per_query_head(q, self.centroid, self._ids[:m], self.live[:, :m], min(candidates, m))[0]
 
 
 def best_per_query_head(q: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor,
-                        k: int) -> torch.Tensor:
+                        k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [H, G, D], pages [H, S, P, D], each KV head's candidates: slots ids [H, m] (or [m], the
-    same for every head) and their valid tokens lens [H, m], int32 on the device -> [H, G, k]
-    int32: each query head's best ``k`` candidates by max q.k over their tokens, best first (ties:
-    the earlier candidate), -1 past those with tokens. ``select_pages`` with each query head a row
+    same for every head) and their valid tokens lens [H, m], int32 on the device -> (slots [H, G,
+    k] int32, scores [H, G, k] fp32): each query head's best ``k`` candidates by max q.k over their
+    tokens, best first (ties: the earlier candidate), -1 (and -inf) past those with tokens; ``k``
+    at most m. ``select_pages`` with each query head a row
     of its own (batch G, group 1): grouped, it would rank by the GQA group's shared score."""
     heads, group, _ = q.shape
     m = ids.shape[-1]
     rows = q.transpose(0, 1).to(pages.dtype).contiguous()  # [G, H, D]
     ids, lens = (t.expand(group, heads, m).contiguous() for t in (ids, lens))  # [G, H, m] each
-    best, _, _ = select_pages(rows, pages, ids, lens, k)  # [G, H, k]
-    return best.transpose(0, 1)
+    best, _, scores = select_pages(rows, pages, ids, lens, k)  # [G, H, k], _, [G, H, m]
+    return best.transpose(0, 1), scores.topk(k, dim=-1).values.transpose(0, 1)  # [H, G, k] each

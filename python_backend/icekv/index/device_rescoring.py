@@ -54,16 +54,18 @@ class DeviceRescoring:
         """Device memory of the copy."""
         return self.k.nbytes
 
-    def search(self, q: torch.Tensor, picks: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def search(self, q: torch.Tensor, picks: np.ndarray, k: int,
+               by_score: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q [H, G, D] on the device, each query head's candidates picks [H, G, c] (-1: none) ->
-        (heads, pages, versions) as :func:`icekv.index.fused_search.candidate_search` returns them."""
+        (heads, pages, versions) as :func:`icekv.index.fused_search.candidate_search` returns them
+        (``by_score``: its merge)."""
         cand, n_cand = union_of_picks(np.ascontiguousarray(picks, dtype=np.int64))  # [H, G * c], [H]
         most = int(n_cand.max(initial=0))
         if k <= 0 or most == 0:
             nothing = np.zeros(0, dtype=np.int64)
             return nothing, nothing, nothing
         slots = self._load(np.ascontiguousarray(cand[:, :most]), n_cand)  # [H, m] each candidate's slot, -1 past n_cand
-        return merge_ranked_picks(self._rank(q, slots, k), self.store.version.numpy(), k)
+        return merge_ranked_picks(*self._rank(q, slots, k), self.store.version.numpy(), k, by_score)
 
     def _load(self, cand: np.ndarray, n_cand: np.ndarray) -> np.ndarray:
         """Make every candidate resident; cand [H, m] ascending page ids, the first n_cand[h] of
@@ -89,13 +91,14 @@ class DeviceRescoring:
             self.bytes_moved += staged.nbytes
         return slots
 
-    def _rank(self, q: torch.Tensor, slots: np.ndarray, k: int) -> np.ndarray:
-        """Each query head's best ``min(k, m)`` candidates by exact score -> ranked [H, G, kk] page ids."""
+    def _rank(self, q: torch.Tensor, slots: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each query head's best ``min(k, m)`` candidates by exact score -> (ranked [H, G, kk] page
+        ids, their scores [H, G, kk])."""
         heads = np.arange(q.shape[0])
         lens = np.where(slots >= 0, self.length[heads[:, None], slots], 0)  # [H, m]
         ids, lens = (torch.from_numpy(t.astype(np.int32)).to(self.k.device) for t in (slots, lens))  # [H, m] each
-        best = best_per_query_head(q, self.k, ids, lens, min(k, slots.shape[1])).cpu().numpy()  # [H, G, kk] slots
-        return np.where(best >= 0, self.page[heads[:, None, None], best], -1)
+        best, scores = (t.cpu().numpy() for t in best_per_query_head(q, self.k, ids, lens, min(k, slots.shape[1])))
+        return np.where(best >= 0, self.page[heads[:, None, None], best], -1), scores  # [H, G, kk] each
 
     def _grow(self, n_slots: int, capacity: int) -> None:
         """Slots for at least ``n_slots`` pages per head (doubling, up to ``max_slots``); a slot map

@@ -4,7 +4,7 @@ Same result as :meth:`PageStore.centroid_candidates` followed by :func:`merge_ra
 reference, tested against this over awkward shapes): per KV head, every query head ranks the
 pages by ``q.centroid``, the union of each query head's best ``candidates`` is rescored exactly
 (best ``q.k`` over the page's tokens), and the query heads' exact rankings are interleaved by rank
-into ``k`` distinct pages, handed back flat (heads, pages, versions) for the slot plan. In torch
+(within a rank in head order, or best score first: ``by_score``) into ``k`` distinct pages, handed back flat (heads, pages, versions) for the slot plan. In torch
 and numpy that is about twenty calls on arrays of a few thousand entries, each costing more in
 dispatch than in arithmetic; here it is one call that reads the centroids once and only the
 candidates' keys.
@@ -37,8 +37,8 @@ from icekv.index.score_rows import dots
 _jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # no nnan/ninf: -inf marks holes
 
 
-def centroid_search(store: PageStore, q: torch.Tensor, candidates: int,
-                    k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int,
+                    by_score: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q [H, G, D] -> (heads [n], pages [n], versions [n]) int64: up to ``k`` page ids per KV
     head, grouped by head, each head's in the merge's order, with the pages' versions."""
     if not store.num_pages.shape[0] or k <= 0:
@@ -47,11 +47,11 @@ def centroid_search(store: PageStore, q: torch.Tensor, candidates: int,
     centroid, keys, pad, num_pages, version = store.search_views()
     parts = numba.get_num_threads()
     cand, n_cand = _candidates(qf, centroid, num_pages, candidates, parts)
-    return _rescore(qf, keys, pad, version, cand, n_cand, k, parts)
+    return _rescore(qf, keys, pad, version, cand, n_cand, k, by_score, parts)
 
 
-def candidate_search(store: PageStore, q: torch.Tensor, picks: np.ndarray,
-                     k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def candidate_search(store: PageStore, q: torch.Tensor, picks: np.ndarray, k: int,
+                     by_score: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`centroid_search` with each query head's candidates already picked (by scoring the
     centroids elsewhere: on the compute device): q [H, G, D], picks [H, G, c] page ids (-1: none).
     Only the candidates' keys are read here."""
@@ -59,16 +59,20 @@ def candidate_search(store: PageStore, q: torch.Tensor, picks: np.ndarray,
         return _nothing()
     _, keys, pad, _, version = store.search_views()
     cand, n_cand = union_of_picks(np.ascontiguousarray(picks, dtype=np.int64))
-    return _rescore(q.float().contiguous().numpy(), keys, pad, version, cand, n_cand, k, numba.get_num_threads())
+    return _rescore(q.float().contiguous().numpy(), keys, pad, version, cand, n_cand, k, by_score,
+                    numba.get_num_threads())
 
 
-def merge_ranked_picks(ranked: np.ndarray, version: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def merge_ranked_picks(ranked: np.ndarray, scores: np.ndarray, version: np.ndarray, k: int,
+                       by_score: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each query head's pages already ranked exactly (elsewhere: on the compute device), ranked
-    [H, G, kk] page ids best first (-1: none), version [H, cap] -> (heads, pages, versions) as
-    :func:`centroid_search` returns them: the query heads' rankings interleaved into ``k`` pages."""
+    [H, G, kk] page ids best first (-1: none) with their scores [H, G, kk], version [H, cap] ->
+    (heads, pages, versions) as :func:`centroid_search` returns them: the query heads' rankings
+    interleaved into ``k`` pages."""
     if ranked.shape[0] == 0 or k <= 0:
         return _nothing()
-    return _interleave_heads(np.ascontiguousarray(ranked, dtype=np.int64), version, k)
+    return _interleave_heads(np.ascontiguousarray(ranked, dtype=np.int64),
+                             np.ascontiguousarray(scores, dtype=np.float32), version, k, by_score)
 
 
 def _nothing() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,7 +123,7 @@ def union_of_picks(picks):
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
-def _rescore(q, keys, pad, version, cand, n_cand, k, parts):
+def _rescore(q, keys, pad, version, cand, n_cand, k, by_score, parts):
     """q [H, G, D], keys [H, cap, P, W], pad [H, cap, P], version [H, cap], each head's candidates
     ``cand[h, :n_cand[h]]`` ascending -> (heads [n], pages [n], versions [n]): the candidates
     rescored exactly (best q.k over the page's tokens, the reads split like the centroids') and
@@ -133,19 +137,20 @@ def _rescore(q, keys, pad, version, cand, n_cand, k, parts):
     ids = np.empty((h_n, k), dtype=np.int64)  # [H, k]
     counts = np.zeros(h_n, dtype=np.int64)  # [H]
     for h in numba.prange(h_n):
-        counts[h] = _merge(exact[h, :, : n_cand[h]], cand[h, : n_cand[h]], ids[h])
+        counts[h] = _merge(exact[h, :, : n_cand[h]], cand[h, : n_cand[h]], by_score, ids[h])
     return _flatten(ids, counts, version)
 
 
 @_jit
-def _interleave_heads(ranked, version, k):
-    """ranked [H, G, kk] page ids best first (-1: none) -> (heads, pages, versions): each head's
-    query heads' rankings interleaved into up to ``k`` pages (see :func:`_interleave`)."""
+def _interleave_heads(ranked, scores, version, k, by_score):
+    """ranked [H, G, kk] page ids best first (-1: none), their scores [H, G, kk] -> (heads, pages,
+    versions): each head's query heads' rankings interleaved into up to ``k`` pages (see
+    :func:`_interleave`)."""
     h_n = ranked.shape[0]
     ids = np.empty((h_n, k), dtype=np.int64)  # [H, k]
     counts = np.zeros(h_n, dtype=np.int64)  # [H]
     for h in range(h_n):
-        counts[h] = _interleave(ranked[h], ids[h])
+        counts[h] = _interleave(ranked[h], scores[h], by_score, ids[h])
     return _flatten(ids, counts, version)
 
 
@@ -220,31 +225,36 @@ def _union(estimate, cut, ties, out):
 
 
 @_jit
-def _merge(exact, cand, out):
+def _merge(exact, cand, by_score, out):
     """exact [G, n] scores of pages cand [n] -> out [k]: each query head's ranking of the pages
     (:func:`_ranked`), interleaved (:func:`_interleave`). Returns how many it wrote."""
     g_n, n = exact.shape
     kk = min(out.shape[0], n)
     order = np.empty((g_n, kk), dtype=np.int64)  # [G, kk] best first; ties keep page order; -1: none
     ranked = np.full((g_n, kk), -1, dtype=np.int64)  # [G, kk] the same as page ids
+    score = np.full((g_n, kk), -np.inf, dtype=np.float32)  # [G, kk] and their scores
     for g in range(g_n):
         _ranked(exact[g], kk, order[g])
         for r in range(kk):
             if order[g, r] >= 0:
-                ranked[g, r] = cand[order[g, r]]
-    return _interleave(ranked, out)
+                ranked[g, r], score[g, r] = cand[order[g, r]], exact[g, order[g, r]]
+    return _interleave(ranked, score, by_score, out)
 
 
 @_jit
-def _interleave(ranked, out):
-    """ranked [G, kk] page ids best first (-1: none) -> out [k]: the query heads' rankings
-    interleaved by rank (every head's best, then every head's second, ...), duplicates dropped.
-    Returns how many it wrote."""
+def _interleave(ranked, score, by_score, out):
+    """ranked [G, kk] page ids best first (-1: none), their scores [G, kk] -> out [k]: the query
+    heads' rankings interleaved by rank (every head's best, then every head's second, ...), a
+    rank's heads in head order or, ``by_score``, best score first (ties in head order); duplicates
+    dropped. Returns how many it wrote."""
     g_n, kk = ranked.shape
     k = out.shape[0]
     count = 0
+    heads = np.arange(g_n)
     for r in range(kk):
-        for g in range(g_n):
+        if by_score:
+            heads = np.argsort(-score[:, r], kind="mergesort")
+        for g in heads:
             page = ranked[g, r]
             if count == k or page < 0:
                 continue

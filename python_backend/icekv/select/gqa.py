@@ -6,16 +6,17 @@ import numpy as np
 import torch
 
 
-def merge_ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
+def merge_ranked(scores: torch.Tensor, k: int, by_score: bool = False) -> torch.Tensor:
     """scores [G, n] (``-inf`` = not a candidate) -> up to ``k`` page ids [k'] (long).
 
     Each query head ranks its pages; the lists are interleaved by rank (every head's best, then
-    every head's second, ...), duplicates dropped, and the first ``k`` kept.
+    every head's second, ...), duplicates dropped, and the first ``k`` kept. Within a rank the
+    heads come in head order, or ``by_score``: best score first (ties in head order).
     """
-    return merge_ranked_heads(scores[None], k)[0]
+    return merge_ranked_heads(scores[None], k, by_score)[0]
 
 
-def merge_ranked_heads(scores: torch.Tensor, k: int) -> list[torch.Tensor]:
+def merge_ranked_heads(scores: torch.Tensor, k: int, by_score: bool = False) -> list[torch.Tensor]:
     """:func:`merge_ranked` for every KV head at once: scores [H, G, n] -> per head [k_h] ids.
 
     Runs in numpy and ranks all heads in one pass: it is called per layer every step, on arrays
@@ -30,6 +31,9 @@ def merge_ranked_heads(scores: torch.Tensor, k: int) -> list[torch.Tensor]:
     vals = np.take_along_axis(s, top, 2)
     order = np.argsort(-vals, axis=2, kind="stable")  # best first within each query head
     top, vals = np.take_along_axis(top, order, 2), np.take_along_axis(vals, order, 2)
+    if by_score:  # within each rank, the query heads best score first
+        heads = np.argsort(-vals, axis=1, kind="stable")  # [H, G, kk]
+        top, vals = np.take_along_axis(top, heads, 1), np.take_along_axis(vals, heads, 1)
     top, finite = top.transpose(0, 2, 1).reshape(h, -1), np.isfinite(vals.transpose(0, 2, 1).reshape(h, -1))
     picks = []
     for ids, ok in zip(top, finite):  # rank-major per KV head, candidates only
