@@ -4,8 +4,9 @@
 # context's one prefill. Runs of hours: each context is appended to runs.jsonl as it finishes and
 # report.md is rewritten; rerun the same command to resume where it stopped.
 #   bash bench/longctx_eval.sh 16384 [SAMPLES]   -> bench/results/longctx_16k_essays_niah_multikey/
-# Environment: TASK (niah_multikey), HAYSTACK (essays), BUDGETS (64,128,256). A resumed run must keep
-# the grid it started with (the saved report.md names its command).
+# Environment: TASK (niah_multikey), HAYSTACK (essays), BUDGETS (64,128,256), POLICIES
+# (full,icecache,icecache_r,quest,streaming), GQA_MERGE (head_order; another merge writes to a folder
+# named after it). A resumed run must keep the grid it started with (the saved report.md names its command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LENGTH=${1:?usage: bench/longctx_eval.sh LENGTH [SAMPLES]}
@@ -13,9 +14,12 @@ SAMPLES=${2:-5}
 TASK=${TASK:-niah_multikey}
 BUDGETS=${BUDGETS:-64,128,256}
 HAYSTACK=${HAYSTACK:-essays}
+POLICIES=${POLICIES:-full,icecache,icecache_r,quest,streaming}
+GQA_MERGE=${GQA_MERGE:-head_order}
 OUT="bench/results/longctx_$((LENGTH / 1024))k_${HAYSTACK}_${TASK}"
+[ "$GQA_MERGE" = head_order ] || OUT="${OUT}_${GQA_MERGE}"
 RESUME=()
 [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
 .venv/bin/icekv eval --model qwen2.5-coder-0.5b --task "$TASK" --haystack "$HAYSTACK" --lengths "$LENGTH" \
-  --questions 8 --num-needles 10 --policies full,icecache,icecache_r,quest,streaming --budgets "$BUDGETS" \
-  --search centroids --samples "$SAMPLES" --seed 0 --out "$OUT" "${RESUME[@]}"
+  --questions 8 --num-needles 10 --policies "$POLICIES" --budgets "$BUDGETS" \
+  --search centroids --gqa-merge "$GQA_MERGE" --samples "$SAMPLES" --seed 0 --out "$OUT" "${RESUME[@]}"
