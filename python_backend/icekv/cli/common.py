@@ -119,19 +119,22 @@ def _kv2_flag(parser, what: str) -> None:
 
 
 def _icecache_flags(parser) -> None:
-    """The IceCache search knobs shared by ``eval`` and ``bench decode | batch`` (the engine's defaults)."""
-    _setting_flag(parser, "search", IceCacheConfig.search)
-    parser.add_argument("--rerank", type=_positive_int("--rerank"), default=IceCacheConfig.rerank,
-                        help="icecache --search centroids: pages rescored exactly per query head, times k")
-    _setting_flag(parser, "score_dtype", IceCacheConfig.score_dtype)
-    _setting_flag(parser, "centroid_scoring", IceCacheConfig.centroid_scoring)
-    _setting_flag(parser, "rescoring", IceCacheConfig.rescoring)
-    _setting_flag(parser, "gqa_merge", IceCacheConfig.gqa_merge)
+    """The server's IceCache settings as flags of ``eval`` and ``bench decode | batch``, with the
+    engine's defaults."""
+    for setting, field in _icecache_settings():
+        _setting_flag(parser, setting.name, getattr(IceCacheConfig, field))
 
 
 def _icecache_config(args):
-    return IceCacheConfig(search=args.search, rerank=args.rerank, score_dtype=args.score_dtype,
-                          centroid_scoring=args.centroid_scoring, rescoring=args.rescoring, gqa_merge=args.gqa_merge)
+    return IceCacheConfig(**{field: getattr(args, setting.dest) for setting, field in _icecache_settings()})
+
+
+def _icecache_settings() -> list:
+    """(setting, IceCacheConfig field) of every server setting that sets one."""
+    from icekv.settings import SETTINGS
+
+    prefix = "engine.selection.icecache."
+    return [(s, s.fields[0].removeprefix(prefix)) for s in SETTINGS if s.fields[0].startswith(prefix)]
 
 
 def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
