@@ -14,8 +14,9 @@ from pathlib import Path
 
 from icekv.config_paths import build_config
 from icekv.errors import ConfigError
-from icekv.method_settings import (CENTROID_SCORING, GQA_MERGES, RESCORING, SCORE_DTYPES, SEARCHES, ArkValeConfig,  # noqa: F401
-                                   IceCacheConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig, SnapKVConfig)
+from icekv.method_settings import (CENTROID_SCORING, GQA_MERGES, RESCORING, SCORE_DTYPES, SEARCHES,  # noqa: F401
+                                   ArkValeConfig, IceCacheConfig, MagicPIGConfig, OmniKVConfig, PQCacheConfig,
+                                   SnapKVConfig)
 from icekv.request_config import MAX_TOP_LOGPROBS, PromptCaching, SamplingConfig  # noqa: F401
 
 DTYPES = ("float32", "bfloat16", "float16")

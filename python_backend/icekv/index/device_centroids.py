@@ -71,8 +71,8 @@ def best_per_query_head(q: torch.Tensor, pages: torch.Tensor, ids: torch.Tensor,
     same for every head) and their valid tokens lens [H, m], int32 on the device -> (slots [H, G,
     k] int32, scores [H, G, k] fp32): each query head's best ``k`` candidates by max q.k over their
     tokens, best first (ties: the earlier candidate), -1 (and -inf) past those with tokens; ``k``
-    at most m. ``select_pages`` with each query head a row
-    of its own (batch G, group 1): grouped, it would rank by the GQA group's shared score."""
+    at most m. ``select_pages`` with each query head a row of its own (batch G, group 1):
+    grouped, it would rank by the GQA group's shared score."""
     heads, group, _ = q.shape
     m = ids.shape[-1]
     rows = q.transpose(0, 1).to(pages.dtype).contiguous()  # [G, H, D]

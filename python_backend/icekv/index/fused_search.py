@@ -4,10 +4,10 @@ Same result as :meth:`PageStore.centroid_candidates` followed by :func:`merge_ra
 reference, tested against this over awkward shapes): per KV head, every query head ranks the
 pages by ``q.centroid``, the union of each query head's best ``candidates`` is rescored exactly
 (best ``q.k`` over the page's tokens), and the query heads' exact rankings are interleaved by rank
-(within a rank in head order, or best score first: ``by_score``) into ``k`` distinct pages, handed back flat (heads, pages, versions) for the slot plan. In torch
-and numpy that is about twenty calls on arrays of a few thousand entries, each costing more in
-dispatch than in arithmetic; here it is one call that reads the centroids once and only the
-candidates' keys.
+(a rank's heads in head order, or best score first: ``by_score``) into ``k`` distinct pages,
+handed back flat (heads, pages, versions) for the slot plan. In torch and numpy that is about
+twenty calls on arrays of a few thousand entries, each costing more in dispatch than in
+arithmetic; here it is one call that reads the centroids once and only the candidates' keys.
 In the decode loop the index comes from DRAM (the dense layers evict it): at 32k a layer reads
 ~1.7 MB of centroids and ~2.2 MB of candidate keys, and that, not arithmetic, sets its time.
 
