@@ -5,8 +5,9 @@
 # report.md is rewritten; rerun the same command to resume where it stopped.
 #   bash bench/longctx_eval.sh 16384 [SAMPLES]   -> bench/results/longctx_16k_essays_niah_multikey/
 # Environment: TASK (niah_multikey), HAYSTACK (essays), BUDGETS (64,128,256), POLICIES
-# (full,icecache,icecache_r,quest,streaming), GQA_MERGE (head_order; another merge writes to a folder
-# named after it). A resumed run must keep the grid it started with (the saved report.md names its command).
+# (full,icecache,icecache_r,quest,streaming), GQA_MERGE (head_order, the authors' merge, which the saved
+# results in the plain folders used; another merge, such as the engine's default score_order, writes
+# to a folder named after it). A resumed run must keep the grid it started with (the saved report.md names its command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LENGTH=${1:?usage: bench/longctx_eval.sh LENGTH [SAMPLES]}
