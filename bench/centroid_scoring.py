@@ -69,7 +69,8 @@ def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int,
     from icekv.index.fused_search import candidate_search, centroid_search, union_of_picks
 
     store = store_of(tokens, heads, dim, page, getattr(torch, score_dtype))
-    candidates = IceCacheConfig().candidates(k)
+    config = IceCacheConfig()
+    candidates, by_score = config.candidates(k), config.merges_by_score
     t0 = time.perf_counter()
     centroids = DeviceCentroids(store, device, dtype)
     copy_s = time.perf_counter() - t0
@@ -79,10 +80,10 @@ def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int,
     rescoring = DeviceRescoring(store, device, dtype, group * candidates)
     fresh = iter(range(len(others)))  # each cold call a query of its own
 
-    host = lambda: centroid_search(store, q_dev.cpu().float(), candidates, k)  # noqa: E731
+    host = lambda: centroid_search(store, q_dev.cpu().float(), candidates, k, by_score=by_score)  # noqa: E731
     ranked = lambda q=q_dev: centroids.candidates(q, candidates)  # noqa: E731
-    on_device = lambda: candidate_search(store, q_dev.cpu().float(), ranked().cpu().numpy(), k)  # noqa: E731
-    rescored = lambda q=q_dev: rescoring.search(q, ranked(q).cpu().numpy(), k)  # noqa: E731
+    on_device = lambda: candidate_search(store, q_dev.cpu().float(), ranked().cpu().numpy(), k, by_score=by_score)  # noqa: E731
+    rescored = lambda q=q_dev: rescoring.search(q, ranked(q).cpu().numpy(), k, by_score=by_score)  # noqa: E731
     cold = lambda: rescored(others[next(fresh)])  # noqa: E731
     picks_host, picks_device, picks_rescored = host(), on_device(), rescored()
 

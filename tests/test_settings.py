@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from icekv.cli import _serving_parameters, build_parser
-from icekv.config import SERVING_PROFILE, EngineConfig, SelectionConfig, ServingConfig
+from icekv.config import SERVING_PROFILE, EngineConfig, IceCacheConfig, SelectionConfig, ServingConfig
 from icekv.config_paths import build_config, field_value
 from icekv.errors import ConfigError
 from icekv.settings import SETTINGS, choices, readme_table, serving_config
@@ -97,3 +97,15 @@ def test_build_config_derives_dependent_defaults_from_the_values_it_is_given():
     assert (built.selection.n_sink_pages, built.selection.n_win_pages) == (1, 1)  # a quarter of 4 pages each
     one_page_size = serving_config({"page_size": "32", "budget": "512"}).engine
     assert one_page_size.paging.page_size == one_page_size.selection.page_size == 32
+
+
+@pytest.mark.parametrize("command", [["eval", "--out", "x"], ["bench", "decode"], ["bench", "batch"]])
+def test_eval_and_bench_take_every_icecache_setting(command):
+    """The server's IceCache settings are flags of eval and bench too, defaulting to the engine's."""
+    from icekv.cli.common import _icecache_config
+
+    assert _icecache_config(build_parser().parse_args(command)) == IceCacheConfig()
+    args = build_parser().parse_args([*command, "--gqa-merge", "head_order", "--rerank", "4", "--search", "centroids"])
+    assert _icecache_config(args) == IceCacheConfig(gqa_merge="head_order", rerank=4, search="centroids")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--gqa-merge", "random"])

@@ -66,9 +66,7 @@ class IceCacheConfig:
     the heads in their order (the authors' code), so when ``k`` is below the group size the last
     heads get no page of their own; ``score_order`` takes them best score first, so the few pages
     go to the heads whose best page scores highest. Every search merges the same way.
-    ``score_order`` is the default: on a model with 7 query heads per KV head it kept far more of
-    the full cache's answers at a 64-token budget, and the same at 256 (docs/benchmarks.md, "The
-    GQA merge").
+    docs/benchmarks.md ("The GQA merge") compares the two at small budgets.
     """
 
     ratio_1: float = 0.02

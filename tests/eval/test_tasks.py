@@ -5,6 +5,7 @@ import re
 import pytest
 
 from icekv.errors import ConfigError
+from icekv.eval.runner import EvalConfig
 from icekv.eval.tasks import TASKS, HaystackSampler
 
 pytestmark = pytest.mark.model
@@ -81,6 +82,10 @@ def test_a_context_asks_each_of_its_needles_once(sampler, task):
     assert len(c.depths) == needles
     for q in c.questions:
         assert q.score(" ".join(q.answers)) == 1.0 and q.score("none") == 0.0
+        listed = sampler.tokenizer.encode(" " + ", ".join(q.answers) + ".")
+        assert len(listed) <= q.answer_room  # the whole answer fits the tokens decoded for it
+        if task in ("niah_single", "niah_multikey"):
+            assert q.answer_room <= EvalConfig.max_tokens  # one value: the default limit holds
         if task == "variable_tracking":  # the chain's statements come in order, from its value on
             value = q.text.split("the value ")[1].split(" ")[0]
             at = [c.context.index(f"VAR {q.answers[0]} = {value}.")]

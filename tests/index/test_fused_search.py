@@ -24,7 +24,7 @@ def _layer(sizes, d=32, page_size=16, seed=2, dtype=torch.float32):
 
 def _search(store, q, candidates, k, by_score=False):
     """The compiled search's picks per KV head."""
-    heads, pages, versions = centroid_search(store, q, candidates, k, by_score)
+    heads, pages, versions = centroid_search(store, q, candidates, k, by_score=by_score)
     assert heads.dtype == pages.dtype == versions.dtype == "int64" and (heads[1:] >= heads[:-1]).all()  # by head
     assert versions.tolist() == store.version[heads, pages].tolist()
     return Selection(*map(torch.from_numpy, (heads, pages, versions))).per_head(q.shape[0])
@@ -38,7 +38,7 @@ def _reference(store, q, candidates, k, by_score):
     wide.keys, wide.centroid = decode(store.keys), decode(store.centroid)
     wide.pad, wide.num_pages = store.pad, store.num_pages
     ids, scores = wide.centroid_candidates(q, candidates)  # [H, c], [H, G, c]
-    return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k, by_score))]
+    return [row[p] for row, p in zip(ids, merge_ranked_heads(scores, k, by_score=by_score))]
 
 
 @pytest.mark.parametrize("sizes, group, candidates, k", [
@@ -62,6 +62,20 @@ def test_compiled_search_equals_the_reference(sizes, group, candidates, k, dtype
         assert picks.dtype == torch.long and len(picks) <= min(k, n) and len(set(picks.tolist())) == len(picks)
     if 0 in sizes:
         assert len(fused[sizes.index(0)]) == 0
+
+
+@pytest.mark.parametrize("by_score", [False, True])
+def test_equal_scores_take_the_lower_page_ids(by_score):
+    """Every key equal: every page scores the same for a query head, and the compiled search, like
+    the reference, takes the lowest page ids."""
+    u = torch.ones(33) / 33 ** 0.5
+    store = PageStore(2, 16, 32, torch.float32)
+    for h in range(2):
+        DCITree(torch.ones(200, 32), 16, IceCacheConfig(), u, store, h)
+    q = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(3))  # [H, G, D]
+    fused = _search(store, q, 96, 4, by_score)
+    assert [p.tolist() for p in fused] == [p.tolist() for p in _reference(store, q, 96, 4, by_score)]
+    assert [sorted(p.tolist()) for p in fused] == [[0, 1, 2, 3]] * 2
 
 
 def test_nothing_to_select():

@@ -14,10 +14,10 @@ from tests.kernels.conftest import NATIVE, SEARCH_SHAPES, index_layer
 
 
 def _both(store, centroids, q, candidates, k):
-    host = centroid_search(store, q, candidates, k)
+    host = centroid_search(store, q, candidates, k, by_score=True)
     picks = centroids.candidates(q.to(centroids.device), candidates)  # [H, G, c]
     assert picks.device == centroids.device and picks.shape[:2] == q.shape[:2]
-    return host, candidate_search(store, q, picks.cpu().numpy(), k)
+    return host, candidate_search(store, q, picks.cpu().numpy(), k, by_score=True)
 
 
 @pytest.mark.parametrize("sizes, group, candidates, k", SEARCH_SHAPES)
@@ -56,7 +56,7 @@ def test_nothing_to_select(backend_device):
     q = torch.randn(2, 3, 32)
     picks = centroids.candidates(q.to(backend_device), 8)
     assert picks.shape == (2, 3, 0)
-    assert all(len(x) == 0 for x in candidate_search(empty, q, picks.cpu().numpy(), 4))
+    assert all(len(x) == 0 for x in candidate_search(empty, q, picks.cpu().numpy(), 4, by_score=True))
 
 
 @pytest.mark.skipif(not NATIVE, reason="bf16 tl.dot is wrong in triton's CPU interpreter")

@@ -31,8 +31,8 @@ def test_rescoring_on_the_device_selects_what_the_host_does(backend_device, size
     for step in range(3):  # inserts change pages (new versions), add pages and grow the store
         q = torch.randn(len(sizes), group, 32, generator=g)  # [H, G, D]
         picks = _picks(store, q, candidates, backend_device)
-        host = candidate_search(store, q, picks, k, by_score)
-        on_device = rescoring.search(q.to(backend_device), picks, k, by_score)
+        host = candidate_search(store, q, picks, k, by_score=by_score)
+        on_device = rescoring.search(q.to(backend_device), picks, k, by_score=by_score)
         for a, b in zip(host, on_device):
             assert a.tolist() == b.tolist()
         for tree in trees[:2]:
@@ -46,9 +46,9 @@ def test_only_pages_new_to_the_candidates_are_copied(backend_device):
     picks = _picks(store, q, 12, backend_device)
     cand, n_cand = union_of_picks(picks)
     page_bytes = 16 * 32 * 4
-    rescoring.search(q.to(backend_device), picks, 4)
+    rescoring.search(q.to(backend_device), picks, 4, by_score=True)
     assert rescoring.bytes_moved == n_cand.sum() * page_bytes and rescoring.hits == 0
-    rescoring.search(q.to(backend_device), picks, 4)
+    rescoring.search(q.to(backend_device), picks, 4, by_score=True)
     assert rescoring.bytes_moved == n_cand.sum() * page_bytes  # the same candidates: nothing moved
     assert rescoring.hits == n_cand.sum() and rescoring.lookups == 2 * n_cand.sum()
 
@@ -56,10 +56,10 @@ def test_only_pages_new_to_the_candidates_are_copied(backend_device):
     held = [(h, p) for h in range(2) for p in cand[h, : n_cand[h]]]
     changed = sum(store.version[h, p].item() != rescoring.version[h, rescoring.slot_of[h, p]] for h, p in held)
     moved = rescoring.bytes_moved
-    after = rescoring.search(q.to(backend_device), picks, 4)
+    after = rescoring.search(q.to(backend_device), picks, 4, by_score=True)
     assert 0 < changed < len(held)
     assert rescoring.bytes_moved - moved == changed * page_bytes  # exactly the changed candidates reloaded
-    assert all(a.tolist() == b.tolist() for a, b in zip(candidate_search(store, q, picks, 4), after))
+    assert all(a.tolist() == b.tolist() for a, b in zip(candidate_search(store, q, picks, 4, by_score=True), after))
 
 
 def test_the_least_recently_used_page_makes_room(backend_device):
@@ -71,7 +71,7 @@ def test_the_least_recently_used_page_makes_room(backend_device):
                               ([0, 4], 1, {0, 2, 3, 4}),  # 1 was read least recently: 4 replaces it
                               ([2, 3], 2, {0, 2, 3, 4}), ([1, 5], 0, {1, 2, 3, 5})):  # 0 and 4, read before 2 and 3
         before = rescoring.hits
-        rescoring.search(q, np.array([[picks]]), 1)
+        rescoring.search(q, np.array([[picks]]), 1, by_score=True)
         assert rescoring.hits - before == hits and resident() == held, (picks, resident())
 
 
@@ -85,8 +85,8 @@ def test_holes_and_pages_without_members(backend_device):
     q = torch.randn(1, 2, 32)  # [H, G, D]
     picks = np.arange(store.num_pages.item())[None, None].repeat(2, 1)  # every page a candidate
     rescoring = DeviceRescoring(store, torch.device(backend_device), torch.float32, max_slots=2 * picks.shape[-1])
-    host = candidate_search(store, q, picks, 3)
-    on_device = rescoring.search(q.to(backend_device), picks, 3)
+    host = candidate_search(store, q, picks, 3, by_score=True)
+    on_device = rescoring.search(q.to(backend_device), picks, 3, by_score=True)
     assert [a.tolist() for a in host] == [b.tolist() for b in on_device]
     assert 1 not in on_device[1].tolist()
     slot = rescoring.slot_of[0, 0]
@@ -102,7 +102,7 @@ def test_the_copied_keys_are_the_index_keys_in_the_compute_dtype(monkeypatch, dt
     store, _ = index_layer([300, 150], dtype=score_dtype)
     rescoring = DeviceRescoring(store, torch.device("cpu"), dtype, max_slots=64)
     picks = np.stack([np.arange(16).reshape(2, 8)] * 2)  # [H, G, c]: 16 pages of each head
-    rescoring.search(torch.randn(2, 2, 32), picks, 4)
+    rescoring.search(torch.randn(2, 2, 32), picks, 4, by_score=True)
     for h in range(2):
         for p in range(16):
             keys, member = decode(store.keys[h, p]), store.pad[h, p] == 0  # [P, D], [P]
@@ -115,7 +115,8 @@ def test_nothing_to_rescore(backend_device):
     empty = PageStore(2, 16, 32)
     rescoring = DeviceRescoring(empty, torch.device(backend_device), torch.float32, max_slots=8)
     picks = np.full((2, 3, 4), -1)
-    assert all(len(x) == 0 for x in rescoring.search(torch.randn(2, 3, 32, device=backend_device), picks, 4))
+    q = torch.randn(2, 3, 32, device=backend_device)
+    assert all(len(x) == 0 for x in rescoring.search(q, picks, 4, by_score=True))
     assert rescoring.nbytes == 0
 
 
@@ -125,6 +126,7 @@ def test_a_bf16_copy_selects_nearly_the_same_pages(kdev):
     q = torch.randn(2, 4, 128)
     picks = _picks(store, q, 96, kdev)
     rescoring = DeviceRescoring(store, torch.device(kdev), torch.bfloat16, max_slots=4 * 96)
-    host, on_device = candidate_search(store, q, picks, 12), rescoring.search(q.to(kdev), picks, 12)
+    host = candidate_search(store, q, picks, 12, by_score=True)
+    on_device = rescoring.search(q.to(kdev), picks, 12, by_score=True)
     same = len(set(zip(*host[:2])) & set(zip(*on_device[:2])))
     assert same >= 0.9 * len(host[0])

@@ -13,24 +13,34 @@ from icekv.select.gqa import merge_ranked, merge_ranked_heads
 def test_merge_interleaves_by_rank_and_drops_duplicates():
     scores = torch.tensor([[9.0, 8.0, 1.0, 0.0, 7.0], [0.0, 1.0, 9.0, 8.0, 7.5]])
     # head 0 ranks 0,1,4,...; head 1 ranks 2,3,4,... -> 0,2,1,3,4
-    assert merge_ranked(scores, 5).tolist() == [0, 2, 1, 3, 4]
-    assert merge_ranked(scores, 3).tolist() == [0, 2, 1]
+    assert merge_ranked(scores, 5, by_score=False).tolist() == [0, 2, 1, 3, 4]
+    assert merge_ranked(scores, 3, by_score=False).tolist() == [0, 2, 1]
 
 
 def test_merge_by_score_takes_a_rank_best_score_first():
     scores = torch.tensor([[5.0, 4.0, 0.0, 0.0], [0.0, 0.0, 9.0, 1.0], [0.0, 6.0, 0.0, 8.0]])
     # best pages: head 0 -> 0 (5), head 1 -> 2 (9), head 2 -> 3 (8); seconds: 1 (4), 3 (1), 1 (6)
-    assert merge_ranked(scores, 2).tolist() == [0, 2]  # head order: the first two heads' best
+    assert merge_ranked(scores, 2, by_score=False).tolist() == [0, 2]  # head order: the first two heads' best
     assert merge_ranked(scores, 2, by_score=True).tolist() == [2, 3]  # the two best of the heads' best
     assert merge_ranked(scores, 4, by_score=True).tolist() == [2, 3, 0, 1]  # second rank: 1 (6), 1, 3: taken
     tied = torch.tensor([[0.0, 3.0], [3.0, 0.0]])
     assert merge_ranked(tied, 1, by_score=True).tolist() == [1]  # a tie keeps head order
 
 
+@pytest.mark.parametrize("by_score", [False, True])
+def test_merge_ranks_equal_scores_lower_page_first(by_score):
+    scores = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.5]])
+    assert merge_ranked(scores, 3, by_score=by_score).tolist() == [1, 2, 3]
+    assert merge_ranked(scores, 2, by_score=by_score).tolist() == [1, 2]  # a tie at the cut: the lower ids
+    level = torch.full((3, 6), 4.0)
+    level[:, 0] = float("nan")  # not a candidate
+    assert merge_ranked(level, 2, by_score=by_score).tolist() == [1, 2]
+
+
 def test_merge_skips_unvisited_pages_and_handles_empty():
     scores = torch.tensor([[float("-inf"), 2.0, float("-inf")]])
-    assert merge_ranked(scores, 3).tolist() == [1]
-    assert merge_ranked(torch.zeros(2, 0), 4).numel() == 0
+    assert merge_ranked(scores, 3, by_score=False).tolist() == [1]
+    assert merge_ranked(torch.zeros(2, 0), 4, by_score=False).numel() == 0
 
 
 def test_merge_of_every_head_at_once_equals_one_head_at_a_time():
@@ -40,9 +50,9 @@ def test_merge_of_every_head_at_once_equals_one_head_at_a_time():
     scores[2] = float("-inf")  # and one with none
     for k in (1, 12, 60):
         for by_score in (False, True):
-            batched = merge_ranked_heads(scores, k, by_score)
-            assert [p.tolist() for p in batched] == [merge_ranked(s, k, by_score).tolist() for s in scores]
-    assert [len(p) for p in merge_ranked_heads(scores, 12)] == [12, 10, 0]
+            batched = merge_ranked_heads(scores, k, by_score=by_score)
+            assert [p.tolist() for p in batched] == [merge_ranked(s, k, by_score=by_score).tolist() for s in scores]
+    assert [len(p) for p in merge_ranked_heads(scores, 12, by_score=False)] == [12, 10, 0]
 
 
 def test_streaming_picks_the_most_recent_pages():
@@ -102,7 +112,10 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages(gqa_merge):
     keys = torch.randn(2, 3000, 32, generator=g)  # [Hkv, n, D]
     q = torch.randn(6, 32, generator=g)  # 3 query heads per KV head
     configs = {s: IceCacheConfig(search=s, gqa_merge=gqa_merge) for s in ("walk", "exhaustive", "centroids")}
-    configs["centroids_all"] = IceCacheConfig(search="centroids", rerank=50, gqa_merge=gqa_merge)  # every page
+    every_page = dict(search="centroids", rerank=50, gqa_merge=gqa_merge)  # every page a candidate:
+    configs["centroids_all"] = IceCacheConfig(**every_page)  # scored on the host,
+    configs["centroids_device"] = IceCacheConfig(**every_page, centroid_scoring="device")  # or the device,
+    configs["rescored_device"] = IceCacheConfig(**every_page, rescoring="device")  # rescored there too
     searches = {s: make_selector(SelectionConfig(policy="icecache", budget=256, icecache=c)) for s, c in configs.items()}
     for sel in searches.values():
         sel.build(2, keys, base=16)
@@ -110,11 +123,12 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages(gqa_merge):
     picks = {s: selection.per_head(2) for s, selection in selections.items()}
     picks_walk, picks_exact = picks["walk"], picks["exhaustive"]
     assert all(len(p) == 12 for p in picks["centroids"])
-    assert [p.tolist() for p in picks["centroids_all"]] == [p.tolist() for p in picks_exact]
+    for name in ("centroids_all", "centroids_device", "rescored_device"):
+        assert [p.tolist() for p in picks[name]] == [p.tolist() for p in picks_exact], name
     for h, tree in enumerate(searches["exhaustive"].trees[2]):
         scores = torch.stack([(q[3 * h:3 * h + 3] @ keys[h, tree.page_tokens[p, : tree.page_len[p]]].T).amax(-1)
                               for p in range(tree.num_pages)], 1)  # [G, pages] brute force
-        assert picks_exact[h].tolist() == merge_ranked(scores, 12, gqa_merge == "score_order").tolist()
+        assert picks_exact[h].tolist() == merge_ranked(scores, 12, by_score=gqa_merge == "score_order").tolist()
         assert len(picks_walk[h]) == 12  # the walk picks as many, from the pages it visited
     # positions and versions of several heads' pages in one lookup, each from its own head's tree
     for name, selection in selections.items():  # every search hands over its pages' versions
@@ -129,6 +143,22 @@ def test_icecache_exhaustive_search_picks_the_exact_top_pages(gqa_merge):
         assert positions[i].tolist() == torch.where(toks >= 0, toks + 16, -1).tolist()
     with pytest.raises(ConfigError, match="search"):
         IceCacheConfig(search="beam")
+
+
+def test_the_gqa_merges_share_few_pages_differently():
+    """2 pages for 3 query heads: head order serves heads 0 and 1, score order the best two heads' best."""
+    from icekv.config import IceCacheConfig
+
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3000, 32, generator=g)  # [Hkv, n, D]
+    q = torch.randn(6, 32, generator=g) * torch.tensor([1.0, 1.0, 4.0] * 2)[:, None]  # head 2 of each group sharpest
+    picks = {}
+    for merge in ("head_order", "score_order"):
+        config = IceCacheConfig(search="exhaustive", gqa_merge=merge)
+        sel = make_selector(SelectionConfig(policy="icecache", budget=64, icecache=config))
+        sel.build(2, keys, base=16)
+        picks[merge] = [p.tolist() for p in sel.select(2, q, 2).per_head(2)]
+    assert picks["head_order"] != picks["score_order"]
     with pytest.raises(ConfigError, match="gqa_merge"):
         IceCacheConfig(gqa_merge="max")
 

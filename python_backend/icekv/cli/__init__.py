@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-hops", type=_positive_int("--num-hops"), default=4,
                     help="variable_tracking: assignments after the first in each chain")
     ev.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=None,
-                    help="tokens decoded per answer (default 12; variable_tracking needs more)")
+                    help="least tokens decoded per answer (default 12); an expected answer that is longer "
+                         "(several values, a chain of names) always gets room for all of it")
     ev.add_argument("--resume", action="store_true",
                     help="keep the contexts --out/runs.jsonl already holds (same grid) and run the rest")
     ev.add_argument("--compress", default=None,

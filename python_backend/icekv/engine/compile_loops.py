@@ -32,10 +32,10 @@ def compile_loops(kv_dtype: torch.dtype, kv_format: KVFormat = KVFormat()) -> No
         tree = DCITree(torch.randn(40, 8, generator=g), 4, IceCacheConfig(score_dtype=score_dtype), torch.ones(9) / 3)
         tree.insert(torch.randn(4, 8, generator=g))  # parents, placement, page rows
         q = torch.randn(1, 2, 8, generator=g)
-        centroid_search(tree.store, q, 4, 2)
+        centroid_search(tree.store, q, 4, 2, by_score=True)
         picks = np.zeros((1, 2, 4), dtype=np.int64)  # candidates scored on a GPU,
-        candidate_search(tree.store, q, picks, 2)  # rescored on the host
-        DeviceRescoring(tree.store, torch.device("cpu"), kv_dtype, 8).search(q, picks, 2)  # or there
+        candidate_search(tree.store, q, picks, 2, by_score=True)  # rescored on the host
+        DeviceRescoring(tree.store, torch.device("cpu"), kv_dtype, 8).search(q, picks, 2, by_score=True)  # or there
         tree.store.positions(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 0)  # selected pages' tokens
         tree.page_scores(q[0], 4)  # the walk
     codes = simhash(torch.randn(1, 2, 8, generator=g), torch.randn(8, 6, generator=g), 3)  # MagicPIG's buckets

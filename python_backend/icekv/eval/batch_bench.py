@@ -125,8 +125,10 @@ def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
                     reqs.append(copy_prefilled(engine, reqs[0]))
                 for policy in cfg.policies:
                     selection = selection_for(cfg, policy)
+                    ice = policy.startswith("icecache")
                     record = {"context": length, "batch": batch, "policy": policy,
-                              "search": cfg.icecache.search if policy.startswith("icecache") else None,
+                              "search": cfg.icecache.search if ice else None,
+                              "gqa_merge": cfg.icecache.gqa_merge if ice else None,
                               **time_batch(engine, reqs[:batch], selection, cfg.steps, cfg.warmup_steps)}
                     records.append(record)
                     if emit:

@@ -158,6 +158,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
         "score_dtype": cfg.icecache.page_keys(engine.cache.dtype) if ice else None,
         "centroid_scoring": cfg.icecache.centroid_scoring if ice else None,
         "rescoring": cfg.icecache.rescoring if ice else None,
+        "gqa_merge": cfg.icecache.gqa_merge if ice else None,
         "tpot_s": tpot, "tpot_median_s": statistics.median(timed), "step_max_s": max(timed),
         "first_step_s": gen.first_step_s, "warmup_steps": len(seq.step_s) - steps, **split,
         "other_s": max(tpot - sum(split.values()), 0.0),

@@ -36,7 +36,7 @@ class EvalConfig(ContextGrid):
     questions: int = 1  # per context
     seed: int = 0
     depths: tuple[float, ...] | None = None
-    max_tokens: int = 12
+    max_tokens: int = 12  # least room for an answer; a longer answer gets its Question.answer_room
     num_needles: int = 2  # niah_multikey: needles with distinct keys in all (the asked ones, then distractors)
     num_values: int = 2  # niah_multivalue: values of each asked key, all expected
     num_hops: int = 4  # variable_tracking: assignments after the first in each chain
@@ -114,12 +114,13 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
                                   cfg.num_needles, cfg.num_values, cfg.num_hops)
     context_ids = engine.tokenizer.encode(form.context(sample.context))
     suffixes = [engine.tokenizer.encode(form.question(q.text)) for q in sample.questions]
-    engine.check_fits(len(context_ids) + max(map(len, suffixes)), cfg.max_tokens)  # before a long prefill
+    max_tokens = [max(cfg.max_tokens, q.answer_room) for q in sample.questions]  # cfg's is a floor
+    engine.check_fits(len(context_ids) + max(map(len, suffixes)), max(max_tokens))  # before a long prefill
     req = engine.prefill(context_ids)
     runs = []
     try:
-        for q, (question, suffix) in enumerate(zip(sample.questions, suffixes)):
-            sampling = SamplingConfig(max_tokens=cfg.max_tokens, stop=question.stop)
+        for q, (question, suffix, limit) in enumerate(zip(sample.questions, suffixes, max_tokens)):
+            sampling = SamplingConfig(max_tokens=limit, stop=question.stop)
             for sel in selections:
                 gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full", suffix=suffix)
                 runs.append({"task": task, "length": length, "sample": i, "question": q,

@@ -58,6 +58,13 @@ class Question:
     answers: tuple[str, ...]  # every one must appear in the output
     stop: tuple[str, ...] = ("\n",)  # where the answer ends (a list of names may span lines)
 
+    @property
+    def answer_room(self) -> int:
+        """Tokens the full answer may take: its answers listed, plus a leading space, a separator and
+        a period to spare. Counted in characters, since no tokenizer spends more than one token on a
+        character, so a list of values or names is never cut short by the token limit."""
+        return len(", ".join(self.answers)) + 4
+
     def score(self, output: str) -> float:
         """1.0 when every expected answer appears in the output, else the share that did."""
         return sum(a in output for a in self.answers) / len(self.answers)

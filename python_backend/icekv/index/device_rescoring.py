@@ -54,18 +54,18 @@ class DeviceRescoring:
         """Device memory of the copy."""
         return self.k.nbytes
 
-    def search(self, q: torch.Tensor, picks: np.ndarray, k: int,
-               by_score: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def search(self, q: torch.Tensor, picks: np.ndarray, k: int, *,
+               by_score: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q [H, G, D] on the device, each query head's candidates picks [H, G, c] (-1: none) ->
         (heads, pages, versions) as :func:`icekv.index.fused_search.candidate_search` returns them
-        (``by_score``: its merge)."""
+        (``by_score``: a rank's query heads taken best score first, ``gqa_merge="score_order"``)."""
         cand, n_cand = union_of_picks(np.ascontiguousarray(picks, dtype=np.int64))  # [H, G * c], [H]
         most = int(n_cand.max(initial=0))
         if k <= 0 or most == 0:
             nothing = np.zeros(0, dtype=np.int64)
             return nothing, nothing, nothing
         slots = self._load(np.ascontiguousarray(cand[:, :most]), n_cand)  # [H, m] each candidate's slot, -1 past n_cand
-        return merge_ranked_picks(*self._rank(q, slots, k), self.store.version.numpy(), k, by_score)
+        return merge_ranked_picks(*self._rank(q, slots, k), self.store.version.numpy(), k, by_score=by_score)
 
     def _load(self, cand: np.ndarray, n_cand: np.ndarray) -> np.ndarray:
         """Make every candidate resident; cand [H, m] ascending page ids, the first n_cand[h] of

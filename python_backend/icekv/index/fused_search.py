@@ -37,8 +37,8 @@ from icekv.index.score_rows import dots
 _jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # no nnan/ninf: -inf marks holes
 
 
-def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int,
-                    by_score: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int, *,
+                    by_score: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q [H, G, D] -> (heads [n], pages [n], versions [n]) int64: up to ``k`` page ids per KV
     head, grouped by head, each head's in the merge's order, with the pages' versions."""
     if not store.num_pages.shape[0] or k <= 0:
@@ -50,8 +50,8 @@ def centroid_search(store: PageStore, q: torch.Tensor, candidates: int, k: int,
     return _rescore(qf, keys, pad, version, cand, n_cand, k, by_score, parts)
 
 
-def candidate_search(store: PageStore, q: torch.Tensor, picks: np.ndarray, k: int,
-                     by_score: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def candidate_search(store: PageStore, q: torch.Tensor, picks: np.ndarray, k: int, *,
+                     by_score: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`centroid_search` with each query head's candidates already picked (by scoring the
     centroids elsewhere: on the compute device): q [H, G, D], picks [H, G, c] page ids (-1: none).
     Only the candidates' keys are read here."""
@@ -63,12 +63,12 @@ def candidate_search(store: PageStore, q: torch.Tensor, picks: np.ndarray, k: in
                     numba.get_num_threads())
 
 
-def merge_ranked_picks(ranked: np.ndarray, scores: np.ndarray, version: np.ndarray, k: int,
-                       by_score: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def merge_ranked_picks(ranked: np.ndarray, scores: np.ndarray, version: np.ndarray, k: int, *,
+                       by_score: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each query head's pages already ranked exactly (elsewhere: on the compute device), ranked
     [H, G, kk] page ids best first (-1: none) with their scores [H, G, kk], version [H, cap] ->
     (heads, pages, versions) as :func:`centroid_search` returns them: the query heads' rankings
-    interleaved into ``k`` pages."""
+    interleaved into ``k`` pages, a rank's heads in head order or ``by_score`` best first."""
     if ranked.shape[0] == 0 or k <= 0:
         return _nothing()
     return _interleave_heads(np.ascontiguousarray(ranked, dtype=np.int64),
@@ -252,6 +252,8 @@ def _interleave(ranked, score, by_score, out):
     count = 0
     heads = np.arange(g_n)
     for r in range(kk):
+        if count == k:
+            break
         if by_score:
             heads = np.argsort(-score[:, r], kind="mergesort")
         for g in heads:

@@ -91,17 +91,17 @@ class IceCacheSelector:
                 if layer not in self.device_rescoring:
                     slots = q.shape[1] * candidates  # the most a step's union can hold
                     self.device_rescoring[layer] = DeviceRescoring(store, q.device, q.dtype, slots)
-                return Selection(*map(torch.from_numpy, self.device_rescoring[layer].search(q, picks, k, by_score)))
-            return Selection(*map(torch.from_numpy, candidate_search(store, q.cpu(), picks, k, by_score)))
+                return Selection(*map(torch.from_numpy, self.device_rescoring[layer].search(q, picks, k, by_score=by_score)))
+            return Selection(*map(torch.from_numpy, candidate_search(store, q.cpu(), picks, k, by_score=by_score)))
         q = q.cpu()  # the rest of the index is on the host
         if search == "centroids":  # compiled, one call per layer
-            return Selection(*map(torch.from_numpy, centroid_search(store, q, candidates, k, by_score)))
+            return Selection(*map(torch.from_numpy, centroid_search(store, q, candidates, k, by_score=by_score)))
         versions = store.version.numpy()  # [Hkv, cap]
         if search == "walk":  # one walk per head: each visits different nodes
             trees = self.trees[layer]
             fov = self.config.field_of_view(self.base[layer] + trees[0].n)
-            return Selection.ranked([merge_ranked(tree.page_scores(qh, fov), k, by_score) for tree, qh in zip(trees, q)], versions)
-        return Selection.ranked(merge_ranked_heads(store.exact_scores(q), k, by_score), versions)  # exhaustive
+            return Selection.ranked([merge_ranked(tree.page_scores(qh, fov), k, by_score=by_score) for tree, qh in zip(trees, q)], versions)
+        return Selection.ranked(merge_ranked_heads(store.exact_scores(q), k, by_score=by_score), versions)  # exhaustive
 
     def page_positions(self, layer, heads, pages):
         return torch.from_numpy(self.stores[self.leader(layer)].positions(heads.numpy(), pages.numpy(), self.base[layer]))

@@ -45,7 +45,9 @@ class QuestSelector(SequenceSelection):
     def select(self, layer, q, k):
         bounds = self.upper_bounds(layer, q.cpu())  # [Hq, n] the bounds are on the host
         hkv = self.key_min[layer].shape[0]
-        return Selection.ranked([merge_ranked(g, k) for g in bounds.chunk(hkv, dim=0)])  # pages never change
+        # Quest's authors rank each head alone (MHA models): a KV head's query heads merge in head order
+        merged = [merge_ranked(g, k, by_score=False) for g in bounds.chunk(hkv, dim=0)]
+        return Selection.ranked(merged)  # pages never change
 
     def index_bytes(self) -> int:
         return sum(t.nbytes for t in (*self.key_min.values(), *self.key_max.values()))
