@@ -6,7 +6,8 @@ decodes the chosen questions under one (policy, budget) with the probe on. At ev
 and budgeted layer the probe knows which tokens each query head attended; this reports, per
 generated token, the share of (budgeted layer, query head) pairs whose attended tokens include
 the asked needle's sentence (and its value's tokens), and the same for the best-covered other
-needle.
+needle. Under icecache a KV head's query heads attend its pages together, so this is also the
+share of (layer, KV head) pairs. Multi-question niah contexts only (``--questions`` > 1 in the log).
 
     .venv/bin/python bench/needle_pages.py RUNS_JSONL CONTEXT QUESTION[,QUESTION...] \
         [--model qwen2.5-coder-0.5b] [--policy icecache] [--budget 64] [--out FILE.md]
@@ -41,7 +42,7 @@ def needle_spans(context: str, encode) -> dict[str, tuple[int, int, int]]:
     """value -> token positions (a, v, b) of its needle sentence in the encoded context: the
     sentence is [a, b), its value [v, b). Every needle: the asked ones and the distractors."""
     pattern = re.escape(NEEDLE.split("{key}")[0]) + r"\S+ is: (\d+)\."
-    at = lambda i: len(encode(context[:i]))  # noqa: E731
+    at = lambda i: len(encode(context[:i].rstrip()))  # noqa: E731  (a space may join the next word's token)
     return {m.group(1): (at(m.start()), at(m.start(1)), at(m.end())) for m in re.finditer(pattern, context)}
 
 
@@ -93,9 +94,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     grid, entry = read_context(args.log, args.context)
-    if grid.get("chat_template"):
-        raise SystemExit("chat-template runs are not supported here")
     task, length, _ = entry["context"].split("/")
+    if grid.get("chat_template") or grid["questions"] < 2 or task not in ("niah_single", "niah_multikey"):
+        raise SystemExit("only logs of niah_single / niah_multikey with several questions per context, "
+                         "without the chat template, are replayed here")
     length = int(length)
     engine = Engine(EngineConfig(model_dir=args.model, paging=PagingConfig(
         max_context_tokens=max(PagingConfig.max_context_tokens, length + QUESTION_ROOM + 64))))
@@ -117,8 +119,9 @@ def main() -> None:
             if question.answers != tuple(logged[0]["expected"]):
                 raise SystemExit(f"rebuilt question {q} expects {question.answers}, the log {logged[0]['expected']}")
             with AttendedLog() as seen:
-                gen = engine.decode(req, SamplingConfig(max_tokens=12, stop=question.stop), selection, probe=True,
-                                    suffix=encode(form.question(question.text)))
+                limit = max(grid["max_tokens"], question.answer_room)  # as the eval decoded it
+                gen = engine.decode(req, SamplingConfig(max_tokens=limit, stop=question.stop), selection,
+                                    probe=True, suffix=encode(form.question(question.text)))
             right = question.answers[0]
             lines += [f"question {q}: expected {right}, answered {gen.text.strip()!r} ({len(seen.steps())} "
                       f"probed steps, {len(gen.token_ids)} tokens, {len(spans)} needles)", "",
@@ -128,7 +131,7 @@ def main() -> None:
             for i, step in enumerate(seen.steps()):
                 if i + 1 >= len(gen.token_ids):
                     break
-                others = {v: coverage(step, a, b) for v, (a, _, b) in spans.items() if v != right}
+                others = {v: coverage(step, a, b) for v, (a, _, b) in spans.items() if v != right} or {"-": 0.0}
                 best = max(others, key=others.get)
                 token = engine.tokenizer.decode([gen.token_ids[i + 1]])
                 a, v, b = spans[right]

@@ -25,7 +25,8 @@ def test_every_needle_is_found_where_its_tokens_are(engine, essays_text):
     assert len(spans) == 4 and {a for q in sample.questions for a in q.answers} <= set(spans)
     for value, (a, v, b) in spans.items():
         assert 0 <= a < v < b <= len(ids)
-        assert value in tok.decode(ids[v:b]) and "special magic number" in tok.decode(ids[a:v])
+        assert tok.decode(ids[v:b]).strip() == f"{value}."
+        assert tok.decode(ids[a:v]).strip().startswith("One of the special magic numbers for ")
 
 
 def test_masks_group_into_steps_and_coverage_counts_layer_head_pairs():

@@ -84,8 +84,12 @@ def test_a_context_asks_each_of_its_needles_once(sampler, task):
         assert q.score(" ".join(q.answers)) == 1.0 and q.score("none") == 0.0
         listed = sampler.tokenizer.encode(" " + ", ".join(q.answers) + ".")
         assert len(listed) <= q.answer_room  # the whole answer fits the tokens decoded for it
+        grid = EvalConfig(tasks=(task,), num_values=2, num_hops=3)
+        assert q.answer_room <= grid.answer_tokens  # the pool a grid sizes holds every answer
         if task in ("niah_single", "niah_multikey"):
-            assert q.answer_room <= EvalConfig.max_tokens  # one value: the default limit holds
+            assert grid.answer_tokens == EvalConfig.max_tokens  # one value: the default limit holds
+        if task == "niah_multivalue":  # asked for every value of its key, not for one
+            assert "What are all the special magic numbers" in q.text and len(q.answers) == 2
         if task == "variable_tracking":  # the chain's statements come in order, from its value on
             value = q.text.split("the value ")[1].split(" ")[0]
             at = [c.context.index(f"VAR {q.answers[0]} = {value}.")]

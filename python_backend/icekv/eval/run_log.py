@@ -20,9 +20,14 @@ class ContextGrid:
     ``max_tokens``) derive alike: the contexts they run and the pool one context needs."""
 
     @property
+    def answer_tokens(self) -> int:
+        """The most tokens an answer of the grid is decoded to."""
+        return self.max_tokens
+
+    @property
     def pool_tokens(self) -> int:
         """KV pool capacity one context needs: its length, a question's overshoot and the answer."""
-        return max(self.lengths) + QUESTION_ROOM + self.max_tokens
+        return max(self.lengths) + QUESTION_ROOM + self.answer_tokens
 
     def contexts(self) -> list[tuple[str, int, int]]:
         """Every (task, length, sample) of the grid, in the order they run."""

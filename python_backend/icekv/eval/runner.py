@@ -19,7 +19,7 @@ from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.eval.run_log import ContextGrid, RunLog, context_key, grid_of
 from icekv.eval.stats import aggregate
-from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
+from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat, Question
 from icekv.policies import resolve
 
 @dataclass(frozen=True)
@@ -58,6 +58,14 @@ class EvalConfig(ContextGrid):
         for pol in self.policies:  # validates policy names and budgets early, with their messages
             for b in self.budgets:
                 resolve(SelectionConfig(policy=pol, budget=b))
+
+    @property
+    def answer_tokens(self) -> int:
+        """``max_tokens``, or the longest :attr:`Question.answer_room` a task here may need (values of
+        7 digits, variable names of 5 letters), whichever is more."""
+        answers = {"niah_multivalue": (self.num_values, 7), "variable_tracking": (self.num_hops + 1, 5)}
+        shapes = [answers.get(t, (1, 7)) for t in self.tasks]  # (answers, characters each)
+        return max([self.max_tokens] + [Question("", ("x" * width,) * n).answer_room for n, width in shapes])
 
     def selections(self) -> list[SelectionConfig]:
         out = [SelectionConfig(policy="full")] if "full" in self.policies else []
@@ -125,7 +133,7 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
                 gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full", suffix=suffix)
                 runs.append({"task": task, "length": length, "sample": i, "question": q,
                              "policy": sel.policy, "budget": gen.budget,
-                             "score": question.score(gen.text), "output": gen.text,
+                             "score": question.score(gen.text), "output": gen.text, "max_tokens": limit,
                              "expected": list(question.answers), "prompt_tokens": gen.prompt_tokens,
                              "tpot_s": gen.tpot_s, "timings": gen.timings, "layers": gen.layer_stats,
                              "resident_bytes": gen.kv.resident_bytes, "total_bytes": gen.kv.total_bytes})

@@ -24,6 +24,8 @@ QUESTION = (
     "\nWhat is the special magic number for {key} mentioned in the provided text? "
     "The special magic number for {key} mentioned in the provided text is"
 )
+MULTIVALUE_QUESTION = ("\nWhat are all the special magic numbers for {key} mentioned in the provided text? The "
+                       "special magic numbers for {key} mentioned in the provided text are")  # every value of a key
 PASSKEY_PREAMBLE = (
     "There is an important piece of information hidden inside a lot of irrelevant text. Find it "
     "and memorize it. I will quiz you about it afterwards.\n"
@@ -60,9 +62,8 @@ class Question:
 
     @property
     def answer_room(self) -> int:
-        """Tokens the full answer may take: its answers listed, plus a leading space, a separator and
-        a period to spare. Counted in characters, since no tokenizer spends more than one token on a
-        character, so a list of values or names is never cut short by the token limit."""
+        """Tokens the whole answer may take: its answers listed, and a space and a period to spare, in
+        characters (no tokenizer spends more than a token on one), so no list is cut short."""
         return len(", ".join(self.answers)) + 4
 
     def score(self, output: str) -> float:
@@ -261,7 +262,8 @@ def _needles(rng: random.Random, task: str, questions: int, num_needles: int,
         key = _key(rng, keys_used)
         values = [_value(rng, values_used) for _ in range(num_values if task == "niah_multivalue" else 1)]
         pairs += [(key, v) for v in values]
-        asked.append(Question(QUESTION.format(key=key), tuple(values)))
+        asked.append(Question((MULTIVALUE_QUESTION if task == "niah_multivalue" else QUESTION).format(key=key),
+                              tuple(values)))
     if task == "niah_multikey":
         pairs += [(_key(rng, keys_used), _value(rng, values_used)) for _ in range(num_needles - questions)]
     return [NEEDLE.format(key=k, value=v) for k, v in pairs], asked
