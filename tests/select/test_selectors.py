@@ -34,7 +34,8 @@ def test_merge_ranks_equal_scores_lower_page_first(by_score):
     assert merge_ranked(scores, 2, by_score=by_score).tolist() == [1, 2]  # a tie at the cut: the lower ids
     level = torch.full((3, 6), 4.0)
     level[:, 0] = float("nan")  # not a candidate
-    assert merge_ranked(level, 2, by_score=by_score).tolist() == [1, 2]
+    level[:, 1] = float("inf")  # nor is an overflow, which must not take a finite page's place
+    assert merge_ranked(level, 2, by_score=by_score).tolist() == [2, 3]
 
 
 def test_merge_skips_unvisited_pages_and_handles_empty():

@@ -24,7 +24,7 @@ def merge_ranked_heads(scores: torch.Tensor, k: int, *, by_score: bool) -> list[
     small enough for call overhead to dominate.
     """
     s = scores.float().numpy()
-    s = np.where(np.isnan(s), -np.inf, s)  # NaN: not a candidate
+    s = np.where(np.isfinite(s), s, -np.inf)  # NaN or inf: not a candidate (as the compiled search)
     h, g, n = s.shape
     if n == 0 or k == 0:
         return [torch.zeros(0, dtype=torch.long) for _ in range(h)]
