@@ -90,6 +90,8 @@ def test_a_context_asks_each_of_its_needles_once(sampler, task):
             assert grid.answer_tokens == EvalConfig.max_tokens  # one value: the default limit holds
         if task == "niah_multivalue":  # asked for every value of its key, not for one
             assert "What are all the special magic numbers" in q.text and len(q.answers) == 2
+            numbered = sampler.tokenizer.encode(":\n" + "\n".join(f"{i}. {a}" for i, a in enumerate(q.answers, 1)))
+            assert q.stop == () and len(numbered) <= q.answer_room  # a numbered list is not cut short
         if task == "variable_tracking":  # the chain's statements come in order, from its value on
             value = q.text.split("the value ")[1].split(" ")[0]
             at = [c.context.index(f"VAR {q.answers[0]} = {value}.")]

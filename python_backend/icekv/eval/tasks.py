@@ -26,10 +26,8 @@ QUESTION = (
 )
 MULTIVALUE_QUESTION = ("\nWhat are all the special magic numbers for {key} mentioned in the provided text? The "
                        "special magic numbers for {key} mentioned in the provided text are")  # every value of a key
-PASSKEY_PREAMBLE = (
-    "There is an important piece of information hidden inside a lot of irrelevant text. Find it "
-    "and memorize it. I will quiz you about it afterwards.\n"
-)
+PASSKEY_PREAMBLE = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it "
+                    "and memorize it. I will quiz you about it afterwards.\n")
 PASSKEY_FILLER = "The river runs to the sea. The hills are quiet. The day is long. On we go. "
 PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key. "
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
@@ -62,9 +60,11 @@ class Question:
 
     @property
     def answer_room(self) -> int:
-        """Tokens the whole answer may take: its answers listed, and a space and a period to spare, in
-        characters (no tokenizer spends more than a token on one), so no list is cut short."""
-        return len(", ".join(self.answers)) + 4
+        """Tokens the whole answer may take, in characters (a token holds at least one): a value and 4 to
+        spare, or a list in its longest usual form, a numbered line per answer after a lead-in (":")."""
+        if len(self.answers) == 1:
+            return len(self.answers[0]) + 4
+        return len("\n".join(f"{i}. {a}" for i, a in enumerate(self.answers, 1))) + 8
 
     def score(self, output: str) -> float:
         """1.0 when every expected answer appears in the output, else the share that did."""
@@ -135,12 +135,11 @@ class HaystackSampler:
                      num_needles: int = 1, num_values: int = 1, num_hops: int = 4) -> ContextSample:
         """A context of about ``length`` tokens (with a question) and ``questions`` questions of it.
 
-        ``niah_single``: one needle per question, each with its own key; ``niah_multikey``: as
-        many, plus distractor needles up to ``num_needles`` in all, never asked;
-        ``niah_multivalue``: per question one key with ``num_values`` values, all asked;
-        ``variable_tracking``: per question a chain of ``num_hops`` + 1 variables
-        (``VAR A = 12345.``, ``VAR B = VAR A.``, ...) in order through the text, every name asked.
-        ``depth`` places a lone needle; otherwise depths are drawn from the seed.
+        ``niah_single``: one needle per question, each with its own key; ``niah_multikey``: as many,
+        plus distractors up to ``num_needles`` in all, never asked; ``niah_multivalue``: per question
+        one key with ``num_values`` values, all asked; ``variable_tracking``: per question a chain of
+        ``num_hops`` + 1 variables (``VAR A = 12345.``, ``VAR B = VAR A.``, ...) in order through the
+        text, every name asked. ``depth`` places a lone needle; otherwise depths come from the seed.
         """
         if task not in TASKS or task == "passkey":
             choices = ", ".join(t for t in TASKS if t != "passkey")
@@ -262,8 +261,9 @@ def _needles(rng: random.Random, task: str, questions: int, num_needles: int,
         key = _key(rng, keys_used)
         values = [_value(rng, values_used) for _ in range(num_values if task == "niah_multivalue" else 1)]
         pairs += [(key, v) for v in values]
-        asked.append(Question((MULTIVALUE_QUESTION if task == "niah_multivalue" else QUESTION).format(key=key),
-                              tuple(values)))
+        many = task == "niah_multivalue"  # asks for every value: they may come one a line
+        asked.append(Question((MULTIVALUE_QUESTION if many else QUESTION).format(key=key), tuple(values),
+                              stop=() if many else ("\n",)))
     if task == "niah_multikey":
         pairs += [(_key(rng, keys_used), _value(rng, values_used)) for _ in range(num_needles - questions)]
     return [NEEDLE.format(key=k, value=v) for k, v in pairs], asked
