@@ -257,13 +257,13 @@ def _needles(rng: random.Random, task: str, questions: int, num_needles: int,
     keys_used: set[str] = set()
     values_used: set[str] = set()
     pairs, asked = [], []
+    many = task == "niah_multivalue"  # asks for every value of a key: they may come one a line
+    template, stop = (MULTIVALUE_QUESTION, ()) if many else (QUESTION, ("\n",))
     for _ in range(questions):
         key = _key(rng, keys_used)
-        values = [_value(rng, values_used) for _ in range(num_values if task == "niah_multivalue" else 1)]
+        values = [_value(rng, values_used) for _ in range(num_values if many else 1)]
         pairs += [(key, v) for v in values]
-        many = task == "niah_multivalue"  # asks for every value: they may come one a line
-        asked.append(Question((MULTIVALUE_QUESTION if many else QUESTION).format(key=key), tuple(values),
-                              stop=() if many else ("\n",)))
+        asked.append(Question(template.format(key=key), tuple(values), stop))
     if task == "niah_multikey":
         pairs += [(_key(rng, keys_used), _value(rng, values_used)) for _ in range(num_needles - questions)]
     return [NEEDLE.format(key=k, value=v) for k, v in pairs], asked
