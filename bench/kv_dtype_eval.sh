@@ -6,7 +6,8 @@
 #   bash bench/kv_dtype_eval.sh qwen      -> bench/results/kv_dtype_qwen2.5-coder-0.5b_16k_niah_multikey_<kv_dtype>/
 #   bash bench/kv_dtype_eval.sh decode    -> bench/results/kv_dtype_decode_32k/<kv_dtype>_r<round>/
 # decode: TPOT at 32k (SmolLM2, full and icecache, 3 interleaved repeats), the kv_dtypes alternating
-# over ROUNDS rounds so each quantized run has a model-dtype run beside it; alone on the cores.
+# over ROUNDS rounds, in reverse order in even rounds, so each quantized run has a model-dtype run
+# beside it and no format always runs last; alone on the cores.
 # Environment: KV_DTYPES (auto int8 fp8_e4m3), TASKS (smollm2: niah_single niah_multikey), SAMPLES (20
 # at 4k, 3 at 16k: 8 questions each), ROUNDS (decode: 2).
 set -euo pipefail
@@ -22,7 +23,9 @@ run() {  # out, then icekv eval's arguments
 }
 if [ "$WHICH" = decode ]; then
   for round in $(seq "${ROUNDS:-2}"); do
-    for kv in $KV_DTYPES; do
+    order=$KV_DTYPES
+    [ $((round % 2)) = 0 ] && order=$(echo $KV_DTYPES | tr ' ' '\n' | tac | tr '\n' ' ')  # even rounds reversed
+    for kv in $order; do
       .venv/bin/icekv bench decode --contexts 32768 --policies full,icecache --search centroids --repeats 3 \
         --kv-dtype "$kv" --out "bench/results/kv_dtype_decode_32k/${kv}_r$round"
     done

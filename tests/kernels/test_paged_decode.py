@@ -121,3 +121,18 @@ def test_quantized_paged_decode_compiled_on_cpu(monkeypatch, kv_format):
     packed = kv_format.pack(pool)
     torch.testing.assert_close(paged_decode_attention(q, packed, _table(ids, starts, lens), kv_format=kv_format),
                                paged_decode_reference(q, packed, ids, starts, lens, kv_format), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_loops_read_every_fp8_code_as_torch_does():
+    """The CPU kernels decode fp8 e4m3 codes through fp16 bits: every code but the two NaNs (never
+    stored: the quantizer clamps to +-448) reads exactly as torch decodes it, times the row's scale,
+    subnormals and -0.0 included."""
+    import numpy as np
+
+    from icekv.kernels.cpu_decode import _fp8_row
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float() * 0.375
+    got = torch.from_numpy(_fp8_row(codes.numpy(), np.float32(0.375), np.empty(len(codes), np.float32)))
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
