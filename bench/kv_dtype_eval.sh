@@ -2,7 +2,7 @@
 # Quantized KV pages against the model-dtype pool: the same contexts (seed 0) under full attention
 # and icecache at budget 256, once per kv_dtype. fp32 models on a CPU, so int8 / fp8 rows are
 # 0.27x the bytes. Resumable like bench/longctx_eval.sh (rerun the same command).
-#   bash bench/kv_dtype_eval.sh smollm2   -> bench/results/kv_dtype_smollm2-135m_4k_<task>_<kv_dtype>/
+#   bash bench/kv_dtype_eval.sh smollm2   -> bench/results/kv_dtype_smollm2-135m_4k_<task>_<kv_dtype>[_n<SAMPLES>]/
 #   bash bench/kv_dtype_eval.sh qwen      -> bench/results/kv_dtype_qwen2.5-coder-0.5b_16k_niah_multikey_<kv_dtype>/
 #   bash bench/kv_dtype_eval.sh decode    -> bench/results/kv_dtype_decode_32k/<kv_dtype>_r<round>/
 # decode: TPOT at 32k (SmolLM2, full and icecache, 3 interleaved repeats), the kv_dtypes alternating
@@ -37,7 +37,7 @@ for kv in $KV_DTYPES; do
     # one needle asked per context (SmolLM2 answers 1 of 4 keyed needles at 4k), 3 distractors for multikey
     for task in $TASKS; do
       needles=$([ "$task" = niah_multikey ] && echo 4 || echo 2)
-      run "bench/results/kv_dtype_smollm2-135m_4k_${task}_$kv" --model smollm2-135m --task "$task" \
+      run "bench/results/kv_dtype_smollm2-135m_4k_${task}_$kv${SAMPLES:+_n$SAMPLES}" --model smollm2-135m --task "$task" \
         --num-needles "$needles" --lengths 4096 --samples "${SAMPLES:-20}" --kv-dtype "$kv"
     done
   else  # the contexts of bench/longctx_eval.sh 16384 (its auto run holds the same first contexts)

@@ -26,7 +26,8 @@ from icekv.assets import Assets
 from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.backends.sparse import SparseAttention
-from icekv.eval.tasks import NEEDLE, QUESTION_ROOM, HaystackSampler, PromptFormat
+from icekv.eval.needles import NEEDLE
+from icekv.eval.tasks import QUESTION_ROOM, HaystackSampler, PromptFormat
 
 
 def read_context(log: Path, key: str) -> tuple[dict, dict]:

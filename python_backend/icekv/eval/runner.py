@@ -17,9 +17,10 @@ from typing import Callable
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
+from icekv.eval.needles import longest_answer_room
 from icekv.eval.run_log import ContextGrid, RunLog, context_key, grid_of
 from icekv.eval.stats import aggregate
-from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat, Question
+from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
 from icekv.policies import resolve
 
 @dataclass(frozen=True)
@@ -61,11 +62,9 @@ class EvalConfig(ContextGrid):
 
     @property
     def answer_tokens(self) -> int:
-        """``max_tokens``, or the longest :attr:`Question.answer_room` a task here may need (values of
-        7 digits, variable names of 5 letters), whichever is more."""
-        answers = {"niah_multivalue": (self.num_values, 7), "variable_tracking": (self.num_hops + 1, 5)}
-        shapes = [answers.get(t, (1, 7)) for t in self.tasks]  # (answers, characters each)
-        return max([self.max_tokens] + [Question("", ("x" * width,) * n).answer_room for n, width in shapes])
+        """``max_tokens``, or the longest :attr:`Question.answer_room` a task here may need, whichever
+        is more."""
+        return max([self.max_tokens] + [longest_answer_room(t, self.num_values, self.num_hops) for t in self.tasks])
 
     def selections(self) -> list[SelectionConfig]:
         out = [SelectionConfig(policy="full")] if "full" in self.policies else []

@@ -2,7 +2,8 @@
 
 A sample is a prompt (haystack with needles inserted at chosen depths, then the question) and the
 expected answers. Wording follows RULER's needle-in-a-haystack templates, which a 135M model can
-follow; lengths are measured in tokens of the model's own tokenizer.
+follow; lengths are measured in tokens of the model's own tokenizer. What a context hides and
+asks (needles, chains, questions) is :mod:`icekv.eval.needles`.
 """
 
 from __future__ import annotations
@@ -13,62 +14,20 @@ from dataclasses import dataclass
 from typing import Callable
 
 from icekv.errors import ConfigError
+from icekv.eval.needles import QUESTION, Question, keyed_needles, variable_chains
 from icekv.model import Tokenizer
 
 PREAMBLE = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the numbers afterwards.\n"
 )
-NEEDLE = "One of the special magic numbers for {key} is: {value}."
-QUESTION = (
-    "\nWhat is the special magic number for {key} mentioned in the provided text? "
-    "The special magic number for {key} mentioned in the provided text is"
-)
-MULTIVALUE_QUESTION = ("\nWhat are all the special magic numbers for {key} mentioned in the provided text? The "
-                       "special magic numbers for {key} mentioned in the provided text are")  # every value of a key
 PASSKEY_PREAMBLE = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it "
                     "and memorize it. I will quiz you about it afterwards.\n")
 PASSKEY_FILLER = "The river runs to the sea. The hills are quiet. The day is long. On we go. "
 PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key. "
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
-VAR_NEEDLE = "VAR {name} = {value}."
-VAR_QUESTION = (
-    "\nWhich variables are assigned the value {value} in the text above? According to the chain of "
-    "variables assigned in the text above, {n} variables are assigned the value {value}, they are:"
-)
 QUESTION_ROOM = 512  # tokens a context's prompt may run past its length (a question, a chat template's tail)
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "passkey")
-# Our own small vocabulary for needle keys ("word-word"), so keys are ordinary tokens.
-KEY_WORDS = (
-    "amber anchor apple arrow autumn badge basket beacon berry blanket bottle breeze bridge "
-    "brook candle canyon carpet castle cedar chimney clover comet copper coral cottage crystal "
-    "dawn desert falcon feather fern forest fountain garden glacier granite harbor hazel helmet "
-    "island ivory jacket jasmine kettle lantern lemon maple marble meadow mirror mountain needle "
-    "orchid otter pebble pepper pillow pine planet quartz rabbit raven ribbon river saddle "
-    "salmon silver spruce starling summit thistle thunder timber tulip velvet violet walnut "
-    "willow window winter"
-).split()
-
-
-@dataclass(frozen=True)
-class Question:
-    """One question asked of a context, and the answers it expects."""
-
-    text: str  # follows the context: the question, then its answer prefix
-    answers: tuple[str, ...]  # every one must appear in the output
-    stop: tuple[str, ...] = ("\n",)  # where the answer ends (a list of names may span lines)
-
-    @property
-    def answer_room(self) -> int:
-        """Tokens the whole answer may take, in characters (a token holds at least one): a value and 4 to
-        spare, or a list in its longest usual form, a numbered line per answer after a lead-in (":")."""
-        if len(self.answers) == 1:
-            return len(self.answers[0]) + 4
-        return len("\n".join(f"{i}. {a}" for i, a in enumerate(self.answers, 1))) + 8
-
-    def score(self, output: str) -> float:
-        """1.0 when every expected answer appears in the output, else the share that did."""
-        return sum(a in output for a in self.answers) / len(self.answers)
 
 
 @dataclass(frozen=True)
@@ -94,22 +53,6 @@ class Sample:
 
     def score(self, output: str) -> float:
         return Question(self.prompt, self.answers).score(output)
-
-
-def _key(rng: random.Random, used: set[str]) -> str:
-    while True:
-        key = f"{rng.choice(KEY_WORDS)}-{rng.choice(KEY_WORDS)}"
-        if key not in used:
-            used.add(key)
-            return key
-
-
-def _value(rng: random.Random, used: set[str]) -> str:
-    while True:
-        value = str(rng.randrange(1_000_000, 10_000_000))
-        if value not in used:
-            used.add(value)
-            return value
 
 
 class HaystackSampler:
@@ -148,9 +91,9 @@ class HaystackSampler:
             raise ConfigError(f"questions must be >= 1, got {questions}")
         rng = random.Random(seed)
         if task == "variable_tracking":
-            needles, asked = _chains(rng, questions, num_hops)
+            needles, asked = variable_chains(rng, questions, num_hops)
         else:
-            needles, asked = _needles(rng, task, questions, num_needles, num_values)
+            needles, asked = keyed_needles(rng, task, questions, num_needles, num_values)
         n_needles = len(needles)
         if task == "variable_tracking":  # each chain's statements in order through the text
             drawn, size = [rng.random() for _ in needles], num_hops + 1
@@ -249,46 +192,6 @@ class PromptFormat:
     def prompt(self, text: str) -> str:
         """A whole task prompt (context and question)."""
         return self.head + self.question(text) if self.chat else text
-
-
-def _needles(rng: random.Random, task: str, questions: int, num_needles: int,
-             num_values: int) -> tuple[list[str], list[Question]]:
-    """The needles' texts (asked ones first, then distractors) and one question per asked key."""
-    keys_used: set[str] = set()
-    values_used: set[str] = set()
-    pairs, asked = [], []
-    many = task == "niah_multivalue"  # asks for every value of a key: they may come one a line
-    template, stop = (MULTIVALUE_QUESTION, ()) if many else (QUESTION, ("\n",))
-    for _ in range(questions):
-        key = _key(rng, keys_used)
-        values = [_value(rng, values_used) for _ in range(num_values if many else 1)]
-        pairs += [(key, v) for v in values]
-        asked.append(Question(template.format(key=key), tuple(values), stop))
-    if task == "niah_multikey":
-        pairs += [(_key(rng, keys_used), _value(rng, values_used)) for _ in range(num_needles - questions)]
-    return [NEEDLE.format(key=k, value=v) for k, v in pairs], asked
-
-
-def _chains(rng: random.Random, questions: int, num_hops: int) -> tuple[list[str], list[Question]]:
-    """Per question a chain of variable assignments from one value; asked: every name in it."""
-    names: set[str] = set()
-    values_used: set[str] = set()
-    needles, asked = [], []
-    for _ in range(questions):
-        value = str(rng.randrange(10_000, 100_000))
-        while value in values_used:
-            value = str(rng.randrange(10_000, 100_000))
-        values_used.add(value)
-        chain = []
-        while len(chain) < num_hops + 1:
-            name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
-            if name not in names:
-                names.add(name)
-                chain.append(name)
-        needles.append(VAR_NEEDLE.format(name=chain[0], value=value))
-        needles += [VAR_NEEDLE.format(name=b, value=f"VAR {a}") for a, b in zip(chain, chain[1:])]
-        asked.append(Question(VAR_QUESTION.format(value=value, n=len(chain)), tuple(chain), stop=()))
-    return needles, asked
 
 
 def _insert_at_sentence(text: str, needle: str, depth: float) -> str:

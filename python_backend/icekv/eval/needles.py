@@ -1,0 +1,121 @@
+"""What a retrieval task hides in a context and asks of it: keyed needles ("One of the special magic
+numbers for amber-river is: 4821733."), variable chains ("VAR QWERT = VAR ASDFG."), the questions
+that ask for them, and how many tokens an answer may need (which sizes the tokens decoded and the
+pool). Drawn from a seeded RNG; the templates follow RULER's.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+QUESTION = (
+    "\nWhat is the special magic number for {key} mentioned in the provided text? "
+    "The special magic number for {key} mentioned in the provided text is"
+)
+MULTIVALUE_QUESTION = ("\nWhat are all the special magic numbers for {key} mentioned in the provided text? The "
+                       "special magic numbers for {key} mentioned in the provided text are")  # every value of a key
+VAR_NEEDLE = "VAR {name} = {value}."
+VAR_QUESTION = (
+    "\nWhich variables are assigned the value {value} in the text above? According to the chain of "
+    "variables assigned in the text above, {n} variables are assigned the value {value}, they are:"
+)
+VALUE_DIGITS = 7  # a needle's value
+NAME_LETTERS = 5  # a chain's variable name
+# Our own small vocabulary for needle keys ("word-word"), so keys are ordinary tokens.
+KEY_WORDS = (
+    "amber anchor apple arrow autumn badge basket beacon berry blanket bottle breeze bridge "
+    "brook candle canyon carpet castle cedar chimney clover comet copper coral cottage crystal "
+    "dawn desert falcon feather fern forest fountain garden glacier granite harbor hazel helmet "
+    "island ivory jacket jasmine kettle lantern lemon maple marble meadow mirror mountain needle "
+    "orchid otter pebble pepper pillow pine planet quartz rabbit raven ribbon river saddle "
+    "salmon silver spruce starling summit thistle thunder timber tulip velvet violet walnut "
+    "willow window winter"
+).split()
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question asked of a context, and the answers it expects."""
+
+    text: str  # follows the context: the question, then its answer prefix
+    answers: tuple[str, ...]  # every one must appear in the output
+    stop: tuple[str, ...] = ("\n",)  # where the answer ends (a list of names may span lines)
+
+    @property
+    def answer_room(self) -> int:
+        """Tokens the whole answer may take, in characters (a token holds at least one): a value and 4 to
+        spare, or a list in its longest usual form, a numbered line per answer after a lead-in (":")."""
+        if len(self.answers) == 1:
+            return len(self.answers[0]) + 4
+        return len("\n".join(f"{i}. {a}" for i, a in enumerate(self.answers, 1))) + 8
+
+    def score(self, output: str) -> float:
+        """1.0 when every expected answer appears in the output, else the share that did."""
+        return sum(a in output for a in self.answers) / len(self.answers)
+
+
+def longest_answer_room(task: str, num_values: int, num_hops: int) -> int:
+    """The most :attr:`Question.answer_room` any question of ``task`` may need: a key's
+    ``num_values`` values (niah_multivalue), a chain's ``num_hops`` + 1 names (variable_tracking),
+    else one value."""
+    answers, width = {"niah_multivalue": (num_values, VALUE_DIGITS),
+                      "variable_tracking": (num_hops + 1, NAME_LETTERS)}.get(task, (1, VALUE_DIGITS))
+    return Question("", ("x" * width,) * answers).answer_room
+
+
+def keyed_needles(rng: random.Random, task: str, questions: int, num_needles: int,
+                  num_values: int) -> tuple[list[str], list[Question]]:
+    """The needles' texts (asked ones first, then distractors) and one question per asked key."""
+    keys_used: set[str] = set()
+    values_used: set[str] = set()
+    pairs, asked = [], []
+    many = task == "niah_multivalue"  # asks for every value of a key: they may come one a line
+    template, stop = (MULTIVALUE_QUESTION, ()) if many else (QUESTION, ("\n",))
+    for _ in range(questions):
+        key = _key(rng, keys_used)
+        values = [_value(rng, values_used) for _ in range(num_values if many else 1)]
+        pairs += [(key, v) for v in values]
+        asked.append(Question(template.format(key=key), tuple(values), stop))
+    if task == "niah_multikey":
+        pairs += [(_key(rng, keys_used), _value(rng, values_used)) for _ in range(num_needles - questions)]
+    return [NEEDLE.format(key=k, value=v) for k, v in pairs], asked
+
+
+def variable_chains(rng: random.Random, questions: int, num_hops: int) -> tuple[list[str], list[Question]]:
+    """Per question a chain of variable assignments from one value; asked: every name in it."""
+    names: set[str] = set()
+    values_used: set[str] = set()
+    needles, asked = [], []
+    for _ in range(questions):
+        value = str(rng.randrange(10_000, 100_000))
+        while value in values_used:
+            value = str(rng.randrange(10_000, 100_000))
+        values_used.add(value)
+        chain = []
+        while len(chain) < num_hops + 1:
+            name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(NAME_LETTERS))
+            if name not in names:
+                names.add(name)
+                chain.append(name)
+        needles.append(VAR_NEEDLE.format(name=chain[0], value=value))
+        needles += [VAR_NEEDLE.format(name=b, value=f"VAR {a}") for a, b in zip(chain, chain[1:])]
+        asked.append(Question(VAR_QUESTION.format(value=value, n=len(chain)), tuple(chain), stop=()))
+    return needles, asked
+
+
+def _key(rng: random.Random, used: set[str]) -> str:
+    while True:
+        key = f"{rng.choice(KEY_WORDS)}-{rng.choice(KEY_WORDS)}"
+        if key not in used:
+            used.add(key)
+            return key
+
+
+def _value(rng: random.Random, used: set[str]) -> str:
+    while True:
+        value = str(rng.randrange(10 ** (VALUE_DIGITS - 1), 10 ** VALUE_DIGITS))
+        if value not in used:
+            used.add(value)
+            return value
