@@ -120,7 +120,7 @@ def main() -> None:
             if question.answers != tuple(logged[0]["expected"]):
                 raise SystemExit(f"rebuilt question {q} expects {question.answers}, the log {logged[0]['expected']}")
             with AttendedLog() as seen:
-                limit = max(grid["max_tokens"], question.answer_room)  # as the eval decoded it
+                limit = question.tokens_to_decode(grid["max_tokens"])  # as the eval decoded it
                 gen = engine.decode(req, SamplingConfig(max_tokens=limit, stop=question.stop), selection,
                                     probe=True, suffix=encode(form.question(question.text)))
             right = question.answers[0]

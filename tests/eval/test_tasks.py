@@ -86,6 +86,7 @@ def test_a_context_asks_each_of_its_needles_once(sampler, task):
         assert len(listed) <= q.answer_room  # the whole answer fits the tokens decoded for it
         grid = EvalConfig(tasks=(task,), num_values=2, num_hops=3)
         assert q.answer_room <= grid.answer_tokens  # the pool a grid sizes holds every answer
+        assert q.tokens_to_decode(1) == q.answer_room and q.tokens_to_decode(999) == 999  # a floor, not a cap
         if task in ("niah_single", "niah_multikey"):
             assert grid.answer_tokens == EvalConfig.max_tokens  # one value: the default limit holds
         if task == "niah_multivalue":  # asked for every value of its key, not for one

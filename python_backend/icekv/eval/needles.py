@@ -51,6 +51,11 @@ class Question:
             return len(self.answers[0]) + 4
         return len("\n".join(f"{i}. {a}" for i, a in enumerate(self.answers, 1))) + 8
 
+    def tokens_to_decode(self, floor: int) -> int:
+        """The token limit its answer is decoded under: its :attr:`answer_room`, at least ``floor``
+        (an evaluation's ``max_tokens``)."""
+        return max(floor, self.answer_room)
+
     def score(self, output: str) -> float:
         """1.0 when every expected answer appears in the output, else the share that did."""
         return sum(a in output for a in self.answers) / len(self.answers)

@@ -121,7 +121,7 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
                                   cfg.num_needles, cfg.num_values, cfg.num_hops)
     context_ids = engine.tokenizer.encode(form.context(sample.context))
     suffixes = [engine.tokenizer.encode(form.question(q.text)) for q in sample.questions]
-    max_tokens = [max(cfg.max_tokens, q.answer_room) for q in sample.questions]  # cfg's is a floor
+    max_tokens = [q.tokens_to_decode(cfg.max_tokens) for q in sample.questions]
     engine.check_fits(len(context_ids) + max(map(len, suffixes)), max(max_tokens))  # before a long prefill
     req = engine.prefill(context_ids)
     runs = []
