@@ -111,6 +111,20 @@ def test_bench_batch_reports_throughput_and_the_step_split(smollm2_dir, tmp_path
     assert (tmp_path / "report.md").read_text().count("| 400 |") == 4 and (tmp_path / "throughput.png").stat().st_size
 
 
+@pytest.mark.model
+def test_bench_batch_repeats_interleave_and_report_medians(smollm2_dir, tmp_path):
+    proc = icekv("bench", "batch", "--contexts", "300", "--batch", "1,2", "--policies", "icecache", "--budget", "64",
+                 "--steps", "2", "--repeats", "3", "--model", str(smollm2_dir), "--out", str(tmp_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if " x" in line and "tokens/s" in line]
+    assert [line.split(":")[0].split()[-2] for line in progress] == ["x1", "x2", "x2", "x1", "x1", "x2"]  # passes alternate
+    records = [x for x in map(json.loads, proc.stdout.splitlines()) if "policy" in x]
+    assert [r["batch"] for r in records] == [1, 2] and all(r["repeats"] == 3 for r in records)
+    assert all(len(r["tokens_per_s_runs"]) == 3 and min(r["tokens_per_s_runs"]) <= r["tokens_per_s"]
+               <= max(r["tokens_per_s_runs"]) for r in records)
+    assert "median of 3 interleaved runs" in (tmp_path / "report.md").read_text()
+
+
 def test_gpu_benches_time_each_policy_with_its_serving_pool_placement():
     from icekv.cli.bench import _pool_groups
 

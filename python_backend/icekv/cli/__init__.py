@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--policies", default="full,icecache")
     bb.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget)
     bb.add_argument("--steps", type=_positive_int("--steps"), default=32)
+    bb.add_argument("--repeats", type=_positive_int("--repeats"), default=1,
+                    help="timed runs per (batch, policy), interleaved (every other pass reversed); reports the medians")
     _setting_flag(bb, "search_threads")
     _icecache_flags(bb)
     _model_flag(bb)

@@ -40,7 +40,7 @@ def _cmd_bench(args) -> int:
         for policy in policies:
             resolve(SelectionConfig(policy=policy, budget=args.budget))  # errors early
         cfg = BatchBenchConfig(contexts, batches, policies, args.budget, args.steps, icecache=_icecache_config(args),
-                               **warmup)
+                               repeats=args.repeats, **warmup)
         run, peer = run_batch_bench, False
         line = lambda r: f"{r['context']:>6} x{r['batch']:<3} {r['policy']:<12} {r['tokens_per_s']:8.1f} tokens/s"
     else:

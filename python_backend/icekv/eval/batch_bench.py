@@ -35,6 +35,7 @@ class BatchBenchConfig:
     seed_tokens: int = 1024
     icecache: IceCacheConfig = IceCacheConfig()
     warmup_steps: int = 2  # untimed steps (the first included) before the timed ones
+    repeats: int = 1  # timed runs per (batch, policy), interleaved; records carry the medians
 
     @property
     def max_tokens(self) -> int:
@@ -117,26 +118,38 @@ def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
     """Every record, each handed to ``emit`` as soon as it is measured."""
     seed_ids = engine.tokenizer.encode(seed_text)[: cfg.seed_tokens]
     records = []
+    cells = [(batch, policy) for batch in cfg.batches for policy in cfg.policies]
     for length in cfg.contexts:
         reqs = [synthesize(engine, seed_ids, length)]
         try:
-            for batch in cfg.batches:
-                while len(reqs) < batch:
-                    reqs.append(copy_prefilled(engine, reqs[0]))
-                for policy in cfg.policies:
-                    selection = selection_for(cfg, policy)
-                    ice = policy.startswith("icecache")
-                    record = {"context": length, "batch": batch, "policy": policy,
-                              "search": cfg.icecache.search if ice else None,
-                              "gqa_merge": cfg.icecache.gqa_merge if ice else None,
-                              **time_batch(engine, reqs[:batch], selection, cfg.steps, cfg.warmup_steps)}
-                    records.append(record)
-                    if emit:
-                        emit(record)
+            while len(reqs) < max(cfg.batches):
+                reqs.append(copy_prefilled(engine, reqs[0]))
+            runs = {cell: [] for cell in cells}
+            for repeat in range(cfg.repeats):  # interleaved, every other pass reversed: drift falls on all alike
+                for batch, policy in cells if repeat % 2 == 0 else cells[::-1]:
+                    runs[batch, policy].append(time_batch(engine, reqs[:batch], selection_for(cfg, policy), cfg.steps,
+                                                          cfg.warmup_steps))
                     if progress:
-                        progress(f"{length} x{batch} {policy}: {record['tokens_per_s']:.1f} tokens/s, "
-                                 f"step {record['step_median_s'] * 1000:.1f} ms")
+                        progress(f"{length} x{batch} {policy}: {runs[batch, policy][-1]['tokens_per_s']:.1f} tokens/s, "
+                                 f"step {runs[batch, policy][-1]['step_median_s'] * 1000:.1f} ms")
+            for batch, policy in cells:
+                ice = policy.startswith("icecache")
+                records.append({"context": length, "batch": batch, "policy": policy,
+                                "search": cfg.icecache.search if ice else None,
+                                "gqa_merge": cfg.icecache.gqa_merge if ice else None,
+                                **median_run(runs[batch, policy])})
+                if emit:
+                    emit(records[-1])
         finally:
             for r in reqs:
                 engine.release(r)
     return records
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Repeated :func:`time_batch` results of one (batch, policy) -> one, with the median of every
+    rate and time (``repeats``: n) and each run's rate (``tokens_per_s_runs``, in repeat order)."""
+    out = dict(runs[0], repeats=len(runs), tokens_per_s_runs=[r["tokens_per_s"] for r in runs])
+    for key in ("tokens_per_s", "step_median_s", "step_p99_s", "mean_step_s", "first_step_s", "dense_other_s", *SPLIT):
+        out[key] = statistics.median(r[key] for r in runs)
+    return out
