@@ -7,8 +7,8 @@ single tokens between pages: a selection's virtual pages, a compressed context's
 regrouped per head, a prefix page copied on write and a decode token appended to a half-filled
 page all carry their scale along as plain bytes, with nothing to re-quantize. Every copy of rows
 (the pool, the slots, staging buffers, gathers) is then dtype-blind; only attention and the
-readers that compute with K/V decode them (:meth:`KVFormat.unpack`, or the kernels' lookup
-table). ``auto`` stores the model's dtype, unpacked: every method is then the identity.
+readers that compute with K/V decode them (:meth:`KVFormat.unpack`, or the kernels themselves:
+the GPU kernel through a code table, the CPU loops through fp16 bits). ``auto`` stores the model's dtype, unpacked: every method is then the identity.
 
 Keys are quantized after RoPE (the pool holds what attention reads).
 """
@@ -97,8 +97,8 @@ class KVFormat:
 
     def lut(self) -> torch.Tensor | None:
         """[256] float32: the value of each code byte (read as an unsigned byte), for kernels that
-        decode fp8 codes by table lookup; None where a code converts directly (int8) or there are
-        no codes (auto)."""
+        decode fp8 codes by table lookup (the OpenAI-Triton decode); None where a code converts
+        directly (int8) or there are no codes (auto)."""
         if self.name != "fp8_e4m3":
             return None
         byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
