@@ -127,11 +127,11 @@ def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
             runs = {cell: [] for cell in cells}
             for repeat in range(cfg.repeats):  # interleaved, every other pass reversed: drift falls on all alike
                 for batch, policy in cells if repeat % 2 == 0 else cells[::-1]:
-                    runs[batch, policy].append(time_batch(engine, reqs[:batch], selection_for(cfg, policy), cfg.steps,
-                                                          cfg.warmup_steps))
+                    run = time_batch(engine, reqs[:batch], selection_for(cfg, policy), cfg.steps, cfg.warmup_steps)
+                    runs[batch, policy].append(run)
                     if progress:
-                        progress(f"{length} x{batch} {policy}: {runs[batch, policy][-1]['tokens_per_s']:.1f} tokens/s, "
-                                 f"step {runs[batch, policy][-1]['step_median_s'] * 1000:.1f} ms")
+                        progress(f"{length} x{batch} {policy}: {run['tokens_per_s']:.1f} tokens/s, "
+                                 f"step {run['step_median_s'] * 1000:.1f} ms")
             for batch, policy in cells:
                 ice = policy.startswith("icecache")
                 records.append({"context": length, "batch": batch, "policy": policy,
