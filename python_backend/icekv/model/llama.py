@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from icekv.model.args import ModelArgs
+from icekv.model.linear import Linear
 
 
 class AttentionBackend(Protocol):
@@ -79,10 +80,10 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         h, d = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.n_heads * d, bias=args.qkv_bias)
+        self.k_proj = Linear(h, self.n_kv * d, bias=args.qkv_bias)
+        self.v_proj = Linear(h, self.n_kv * d, bias=args.qkv_bias)
+        self.o_proj = Linear(self.n_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
 
@@ -103,9 +104,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -133,7 +134,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = Rotary(args)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
