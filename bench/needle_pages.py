@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from icekv.assets import Assets
 from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.backends.sparse import SparseAttention
-from icekv.eval.needles import NEEDLE
+from icekv.eval.needles import find_needles
 from icekv.eval.tasks import QUESTION_ROOM, HaystackSampler, PromptFormat
 
 
@@ -42,9 +41,8 @@ def read_context(log: Path, key: str) -> tuple[dict, dict]:
 def needle_spans(context: str, encode) -> dict[str, tuple[int, int, int]]:
     """value -> token positions (a, v, b) of its needle sentence in the encoded context: the
     sentence is [a, b), its value [v, b). Every needle: the asked ones and the distractors."""
-    pattern = re.escape(NEEDLE.split("{key}")[0]) + r"\S+ is: (\d+)\."
     at = lambda i: len(encode(context[:i].rstrip()))  # noqa: E731  (a space may join the next word's token)
-    return {m.group(1): (at(m.start()), at(m.start(1)), at(m.end())) for m in re.finditer(pattern, context)}
+    return {m["value"]: (at(m.start()), at(m.start("value")), at(m.end())) for m in find_needles(context)}
 
 
 class AttendedLog:

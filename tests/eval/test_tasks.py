@@ -5,6 +5,7 @@ import re
 import pytest
 
 from icekv.errors import ConfigError
+from icekv.eval.needles import find_needles
 from icekv.eval.runner import EvalConfig
 from icekv.eval.tasks import TASKS, HaystackSampler
 
@@ -80,6 +81,9 @@ def test_a_context_asks_each_of_its_needles_once(sampler, task):
     pattern = r"VAR [A-Z]{5} = " if task == "variable_tracking" else r"One of the special magic numbers for "
     assert len(re.findall(pattern, c.context)) == needles
     assert len(c.depths) == needles
+    if task != "variable_tracking":  # every needle is found again, its values among them
+        found = [m["value"] for m in find_needles(c.context)]
+        assert len(found) == needles and set(answers) <= set(found)
     for q in c.questions:
         assert q.score(" ".join(q.answers)) == 1.0 and q.score("none") == 0.0
         listed = sampler.tokenizer.encode(" " + ", ".join(q.answers) + ".")

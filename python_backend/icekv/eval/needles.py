@@ -7,6 +7,8 @@ pool). Drawn from a seeded RNG; the templates follow RULER's.
 from __future__ import annotations
 
 import random
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
@@ -16,6 +18,14 @@ QUESTION = (
 )
 MULTIVALUE_QUESTION = ("\nWhat are all the special magic numbers for {key} mentioned in the provided text? The "
                        "special magic numbers for {key} mentioned in the provided text are")  # every value of a key
+
+
+def find_needles(text: str) -> Iterator[re.Match]:
+    """Every keyed needle in ``text``, in order; each match's groups are ``key`` and ``value``."""
+    pattern = re.escape(NEEDLE).replace(re.escape("{key}"), r"(?P<key>[\w-]+)").replace(re.escape("{value}"), r"(?P<value>\d+)")
+    return re.finditer(pattern, text)
+
+
 VAR_NEEDLE = "VAR {name} = {value}."
 VAR_QUESTION = (
     "\nWhich variables are assigned the value {value} in the text above? According to the chain of "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from icekv.errors import ConfigError
-from icekv.eval.needles import QUESTION, Question, keyed_needles, variable_chains
+from icekv.eval.needles import QUESTION, Question, find_needles, keyed_needles, variable_chains
 from icekv.model import Tokenizer
 
 PREAMBLE = (
@@ -147,8 +147,7 @@ def make_reusable(sampler: HaystackSampler, length: int, seed: int, num_question
         raise ConfigError(f"unknown reusable-context task {task!r}; choose from {', '.join(REUSABLE_TASKS)}")
     sample = sampler.make(task, length, seed, num_needles=num_questions if task == "niah_multikey" else 1)
     context = sample.prompt[: sample.prompt.rindex(QUESTION.split("{")[0])]
-    pairs = re.findall(r"One of the special magic numbers for ([\w-]+) is: (\d+)\.", context)
-    questions = tuple((QUESTION.format(key=k), v) for k, v in pairs)
+    questions = tuple((QUESTION.format(key=m["key"]), m["value"]) for m in find_needles(context))
     return ReusableSample(context, questions, len(sampler.tokenizer.encode(context)))
 
 
