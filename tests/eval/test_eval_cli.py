@@ -76,6 +76,48 @@ def test_a_long_run_logs_each_context_and_resumes(tmp_path, smollm2_dir):
 
 
 @pytest.mark.model
+def test_an_interrupted_context_resumes_from_its_next_question(tmp_path, smollm2_dir, essays_text):
+    """Each answered question is logged as it finishes; a run stopped inside a context asks it only
+    the questions not logged (the same answers as one uninterrupted run), and the finished
+    context's one entry replaces its question lines."""
+    from icekv.config import EngineConfig
+    from icekv.engine import Engine
+    from icekv.eval.runner import EvalConfig, run_eval
+
+    class Stop(Exception):
+        pass
+
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir)))
+    cfg = EvalConfig(tasks=("niah_multikey",), lengths=(400,), policies=("full", "icecache"), budgets=(64,),
+                     samples=1, questions=3, num_needles=4)
+    text = essays_text[:40000]
+    whole = run_eval(engine, cfg, text, log=tmp_path / "whole.jsonl")
+    log = tmp_path / "runs.jsonl"
+
+    def stop_after_four(done, total, resumed):  # 2 questions x 2 selections, then an interruption
+        if done == 4:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_eval(engine, cfg, text, stop_after_four, log=log)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["context"], e.get("question")) for e in lines[1:]] == [("niah_multikey/400/0", 0)]  # q1 cut
+    assert engine.cache.pages_available == engine.cache.allocator.num_pages  # the interrupted prefill freed
+
+    calls = []
+    resumed = run_eval(engine, cfg, text, lambda *a: calls.append(a), log=log, resume=True)
+    assert calls[0] == (2, 6, True) and calls[-1] == (6, 6, False) and len(calls) == 5  # questions 1, 2 run
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == 2 and "question" not in lines[1]  # one context entry, the question lines gone
+    assert sorted((r["question"], r["policy"]) for r in lines[1]["runs"]) == \
+        sorted((q, p) for q in range(3) for p in ("full", "icecache"))
+    outputs = lambda path: {(r["question"], r["policy"]): r["output"]  # noqa: E731
+                            for e in map(json.loads, path.read_text().splitlines()[1:]) for r in e["runs"]}
+    assert outputs(log) == outputs(tmp_path / "whole.jsonl")
+    assert [r["accuracy"] for r in resumed] == [r["accuracy"] for r in whole]
+
+
+@pytest.mark.model
 def test_a_context_the_pool_cannot_hold_is_refused_before_its_prefill(smollm2_dir, essays_text):
     from icekv.config import EngineConfig, PagingConfig
     from icekv.engine import Engine

@@ -8,6 +8,7 @@ grid (the fields that decide what a context holds); only the grid's extent may g
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,35 +49,72 @@ def grid_of(cfg, growable: tuple[str, ...]) -> dict:
 
 
 class RunLog:
-    """``path`` (None: no log) of a run over ``grid``; entries are keyed by their ``context``."""
+    """``path`` (None: no log) of a run over ``grid``; entries are keyed by their ``context``.
+
+    A context of hours may also log each question as it is answered (:meth:`append_question`):
+    a resumed run then asks that context only the questions not yet logged. Its entry, once
+    appended, replaces those question lines."""
 
     def __init__(self, path: Path | None, grid: dict):
         self.path, self.grid = path, grid
+        self._finished: dict[str, dict] = {}
+        self._asked: dict[str, dict[int, list[dict]]] = {}  # unfinished context -> question -> its runs
 
     def start(self, resume: bool) -> dict[str, dict]:
-        """The finished entries kept (``resume``) or none; the log is rewritten to hold just them,
-        so that a line an interruption cut is dropped, not appended to."""
-        finished = self._read() if resume and self.path is not None and self.path.exists() else {}
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("".join(json.dumps(e) + "\n" for e in [{"config": self.grid}, *finished.values()]))
-        return finished
+        """The finished entries kept (``resume``) or none; the log is rewritten to hold just them
+        and the questions of unfinished contexts, so that a line an interruption cut is dropped,
+        not appended to."""
+        if resume and self.path is not None and self.path.exists():
+            self._finished, self._asked = self._read()
+        self._rewrite()
+        return dict(self._finished)
+
+    def asked(self, context: str) -> dict[int, list[dict]]:
+        """The questions of an unfinished ``context`` a resumed log holds: question -> its runs."""
+        return self._asked.get(context, {})
+
+    def append_question(self, context: str, question: int, runs: list[dict]) -> None:
+        self._asked.setdefault(context, {})[question] = runs
+        self._write_line({"context": context, "question": question, "runs": runs})
 
     def append(self, entry: dict) -> None:
+        """A finished context's entry; its question lines, if any, leave the log."""
+        self._finished[entry["context"]] = entry
+        if self._asked.pop(entry["context"], None):
+            self._rewrite()
+        else:
+            self._write_line(entry)
+
+    def _write_line(self, entry: dict) -> None:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
-    def _read(self) -> dict[str, dict]:
+    def _rewrite(self) -> None:
+        """The log as the grid, the finished entries and the logged questions of unfinished ones,
+        replaced at once (an interruption leaves the old log or the new, whole)."""
+        if self.path is None:
+            return
+        lines = [{"config": self.grid}, *self._finished.values()]
+        lines += [{"context": c, "question": q, "runs": runs} for c, qs in self._asked.items() for q, runs in qs.items()]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(e) + "\n" for e in lines))
+        os.replace(tmp, self.path)
+
+    def _read(self) -> tuple[dict[str, dict], dict[str, dict[int, list[dict]]]]:
         lines = self.path.read_text().splitlines()
         head = json.loads(lines[0]) if lines else {}
         if head.get("config") != self.grid:
             raise ConfigError(f"--resume: {self.path} was written by a different evaluation grid; use another --out")
-        entries = {}
+        finished, asked = {}, {}
         for line in lines[1:]:
             try:
                 entry = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by an interruption: that context runs again
+            except json.JSONDecodeError:  # a line cut by an interruption: that context or question runs again
                 continue
-            entries[entry["context"]] = entry
-        return entries
+            if "question" in entry:
+                asked.setdefault(entry["context"], {})[entry["question"]] = entry["runs"]
+            else:
+                finished[entry["context"]] = entry
+        return finished, {c: qs for c, qs in asked.items() if c not in finished}

@@ -2,9 +2,10 @@
 every question asked of it is decoded from that one prefill under every (policy, budget).
 
 At length the prefill is the cost (minutes per 16k-token context on a CPU), so a context carries
-several questions (one per needle, or per key, or per variable chain) and a run appends one line
-per finished context to a log (``runs.jsonl``): a run of hours can be read while it runs, and
-resumed after an interruption (``resume``) without redoing a finished context.
+several questions (one per needle, or per key, or per variable chain) and a run logs each answered
+question, then each finished context, to ``runs.jsonl``: a run of hours can be read while it runs,
+and resumed after an interruption (``resume``) without redoing a finished context, nor a question
+of an unfinished one (its context is prefilled again).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
         if key in finished:
             on_run(len(finished[key]["runs"]), resumed=True)
         else:
-            finished[key] = _run_context(engine, cfg, sampler, form, selections, task, length, i, on_run)
+            finished[key] = _run_context(engine, cfg, sampler, form, selections, task, length, i, on_run, run_log)
             run_log.append(finished[key])
             if on_context:
                 on_context(aggregate(runs + finished[key]["runs"], cfg.haystack, cfg.chat_template))
@@ -113,8 +114,10 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
 
 def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form: PromptFormat,
                  selections: list[SelectionConfig], task: str, length: int, i: int,
-                 on_run: Callable[[], None]) -> dict:
-    """Prefill one context, ask each of its questions under every selection; the context's log entry."""
+                 on_run: Callable[..., None], run_log: RunLog) -> dict:
+    """Prefill one context, ask each of its questions under every selection (each question's runs
+    logged as it is answered; those an interrupted run logged are kept); the context's log entry."""
+    key = context_key(task, length, i)
     depth = cfg.depths[i % len(cfg.depths)] if cfg.depths else (i + 0.5) / cfg.samples
     seed = _sample_seed(cfg, task, length, i)
     sample = sampler.make_context(task, length, seed, cfg.questions, depth if cfg.questions == 1 else None,
@@ -122,25 +125,34 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
     context_ids = engine.tokenizer.encode(form.context(sample.context))
     suffixes = [engine.tokenizer.encode(form.question(q.text)) for q in sample.questions]
     max_tokens = [q.tokens_to_decode(cfg.max_tokens) for q in sample.questions]
-    engine.check_fits(len(context_ids) + max(map(len, suffixes)), max(max_tokens))  # before a long prefill
-    req = engine.prefill(context_ids)
-    runs = []
+    answered = dict(run_log.asked(key))  # question -> its runs
+    for runs in answered.values():
+        on_run(len(runs), resumed=True)
+    todo = [q for q in range(len(sample.questions)) if q not in answered]
+    if todo:
+        engine.check_fits(len(context_ids) + max(map(len, suffixes)), max(max_tokens))  # before a long prefill
+    req = engine.prefill(context_ids) if todo else None
     try:
-        for q, (question, suffix, limit) in enumerate(zip(sample.questions, suffixes, max_tokens)):
+        for q in todo:
+            question, suffix, limit = sample.questions[q], suffixes[q], max_tokens[q]
             sampling = SamplingConfig(max_tokens=limit, stop=question.stop)
+            answered[q] = []
             for sel in selections:
                 gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full", suffix=suffix)
-                runs.append({"task": task, "length": length, "sample": i, "question": q,
-                             "policy": sel.policy, "budget": gen.budget,
-                             "score": question.score(gen.text), "output": gen.text, "max_tokens": limit,
-                             "expected": list(question.answers), "prompt_tokens": gen.prompt_tokens,
-                             "tpot_s": gen.tpot_s, "timings": gen.timings, "layers": gen.layer_stats,
-                             "resident_bytes": gen.kv.resident_bytes, "total_bytes": gen.kv.total_bytes})
+                answered[q].append({"task": task, "length": length, "sample": i, "question": q,
+                                    "policy": sel.policy, "budget": gen.budget,
+                                    "score": question.score(gen.text), "output": gen.text, "max_tokens": limit,
+                                    "expected": list(question.answers), "prompt_tokens": gen.prompt_tokens,
+                                    "tpot_s": gen.tpot_s, "timings": gen.timings, "layers": gen.layer_stats,
+                                    "resident_bytes": gen.kv.resident_bytes, "total_bytes": gen.kv.total_bytes})
                 on_run()
+            run_log.append_question(key, q, answered[q])
     finally:
-        engine.release(req)
-    return {"context": context_key(task, length, i), "seed": seed, "context_tokens": len(context_ids),
-            "depths": list(sample.depths), "prefill_s": req.prefill_s, "runs": runs}
+        if req is not None:
+            engine.release(req)
+    return {"context": key, "seed": seed, "context_tokens": len(context_ids), "depths": list(sample.depths),
+            "prefill_s": req.prefill_s if req is not None else None,
+            "runs": [r for q in sorted(answered) for r in answered[q]]}
 
 
 def _grid(cfg: EvalConfig) -> dict:
