@@ -195,8 +195,7 @@ class PagedKVCache:
         """Store k, v [T, Hkv, D] of positions ``start .. start+T-1``."""
         if k.shape[0] == 1:  # a decode step: plain indexing (every layer, every step)
             page, slot = self._seqs[seq_id].pages[start // self.page_size], start % self.page_size
-            self.pool[layer, 0, :, page, slot] = self._rows(k[0])  # [Hkv, W]
-            self.pool[layer, 1, :, page, slot] = self._rows(v[0])
+            self.pool[layer, :, :, page, slot] = self._rows(torch.stack([k[0], v[0]]))  # [2, Hkv, W]
             return
         pos = torch.arange(start, start + k.shape[0])  # [T]
         self.write_rows(layer, self._seqs[seq_id].ids()[pos // self.page_size], pos % self.page_size, k, v)
@@ -205,8 +204,7 @@ class PagedKVCache:
         """Store k, v [T, Hkv, D] at pool page ``pages[t]``, slot ``slots[t]`` ([T] each): one copy
         for tokens of any requests (a batch's decode tokens)."""
         pages, slots = self.to_pool(pages), self.to_pool(slots)
-        self.pool[layer, 0, :, pages, slots] = self._rows(k).transpose(0, 1)  # indexed view: [Hkv, T, W]
-        self.pool[layer, 1, :, pages, slots] = self._rows(v).transpose(0, 1)
+        self.pool[layer, :, :, pages, slots] = self._rows(torch.stack([k, v])).transpose(1, 2)  # indexed view: [2, Hkv, T, W]
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's keys and values in sequence order: two [Hkv, length, D] tensors."""
