@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="least tokens decoded per answer (default 12); an expected answer that is longer "
                          "(several values, a chain of names) always gets room for all of it")
     ev.add_argument("--resume", action="store_true",
-                    help="keep the contexts --out/runs.jsonl already holds (same grid) and run the rest")
+                    help="keep the contexts (and questions) --out/runs.jsonl already holds (same grid) and run the rest")
     ev.add_argument("--compress", default=None,
                     help="reusable-context mode: comma list of kv2, kvzip, snapkv, keydiff, streaming")
     ev.add_argument("--kv-budgets", default="0.02,0.05,0.1,0.25", help="with --compress: shares of the KV kept")
