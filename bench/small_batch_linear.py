@@ -1,8 +1,8 @@
-"""A decode step's dense products on a CPU, in the two forms of ``icekv.model.linear``: ``F.linear``
-(``x @ W.T``) and the weight-streaming ``(W @ x.T).T``, for each number of rows (requests in the
-step). The weights have a model's shapes (every layer's q/k/v/o and MLP matrices, then the output
-head), fp32, random: only their size matters. The two forms alternate repeat by repeat, so that the
-machine's drift falls on both alike.
+"""A decode step's dense products on a CPU, in the forms of ``icekv.model.linear``: ``F.linear``
+(``x @ W.T``), the weight-streaming ``(W @ x.T).T`` and the compiled loop (timed up to twice the
+rows the model gives it), for each number of rows (requests in the step). The weights have a model's shapes (every layer's q/k/v/o and MLP matrices, then the output
+head), fp32, random: only their size matters. The forms alternate repeat by repeat, so that the
+machine's drift falls on all alike.
 
     .venv/bin/python bench/small_batch_linear.py [--model smollm2-135m] [--rows 1,2,4,8,16,64,256]
         [--repeats 6] [--out FILE.md]
@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 from icekv.engine.model_dir import resolve_model_dir
 from icekv.model.args import ModelArgs
-from icekv.model.linear import streamed_linear
+from icekv.model.linear import COMPILED_ROWS, compiled_linear, streamed_linear
 
-FORMS = {"F.linear": lambda x, w: F.linear(x, w), "streamed": lambda x, w: streamed_linear(x, w, None)}
+FORMS = {"F.linear": lambda x, w: F.linear(x, w), "streamed": lambda x, w: streamed_linear(x, w, None),
+         "compiled": lambda x, w: compiled_linear(x, w, None)}
+MOST_ROWS = {"compiled": 2 * COMPILED_ROWS}  # beyond this the form is compute-bound: not timed
 
 
 def weight_shapes(args: ModelArgs) -> list[tuple[int, int]]:
@@ -36,6 +38,7 @@ def weight_shapes(args: ModelArgs) -> list[tuple[int, int]]:
 
 def time_forms(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> dict[tuple[int, str], list[float]]:
     """(rows, form) -> each repeat's seconds for one pass over every weight."""
+    compiled_linear(torch.zeros(1, shapes[0][1]), torch.zeros(shapes[0]), None)  # compiled before timing
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=g) for o, i in shapes]
     inputs = {n: {i: torch.randn(n, i, generator=g) for i in {i for _, i in shapes}} for n in rows}
@@ -44,6 +47,8 @@ def time_forms(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> 
         order = list(FORMS) if r % 2 == 0 else list(reversed(FORMS))
         for n in rows:
             for form in order:
+                if n > MOST_ROWS.get(form, n):
+                    continue
                 t0 = time.perf_counter()
                 for w in weights:
                     FORMS[form](inputs[n][w.shape[1]], w)
@@ -57,10 +62,12 @@ def report(seconds: dict[tuple[int, str], list[float]], model: str, weight_bytes
              "```", command, "```", "",
              f"torch threads {torch.get_num_threads()}; median of {repeats} interleaved repeats, ms per pass over "
              "every weight; GB/s = weight bytes read per second", "",
-             "| rows | F.linear ms | streamed ms | streamed / F.linear | streamed GB/s |", "|---|---|---|---|---|"]
+             "| rows | F.linear ms | streamed ms | compiled ms | best / F.linear | best GB/s |", "|---|---|---|---|---|---|"]
     for n in sorted({n for n, _ in seconds}):
-        base, fast = statistics.median(seconds[(n, "F.linear")]), statistics.median(seconds[(n, "streamed")])
-        lines.append(f"| {n} | {base * 1e3:.1f} | {fast * 1e3:.1f} | {fast / base:.2f}x | {weight_bytes / fast / 1e9:.1f} |")
+        ms = {form: statistics.median(seconds[(n, form)]) * 1e3 for form in FORMS if (n, form) in seconds}
+        best = min(ms.values())
+        cells = " | ".join(f"{ms[form]:.1f}" if form in ms else "-" for form in FORMS)
+        lines.append(f"| {n} | {cells} | {best / ms['F.linear']:.2f}x | {weight_bytes / best / 1e6:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,13 +1,13 @@
-"""The few-row CPU linear form against F.linear, over the row counts and layouts a step produces."""
+"""The few-row CPU linear forms against F.linear, over the row counts and layouts a step produces."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from icekv.model.linear import STREAMED_ROWS, Linear, streams_weight
+from icekv.model.linear import COMPILED_ROWS, STREAMED_ROWS, Linear, compiled_linear, streamed_linear, streams_weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, STREAMED_ROWS, STREAMED_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, COMPILED_ROWS, COMPILED_ROWS + 1, STREAMED_ROWS, STREAMED_ROWS + 1, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_equals_f_linear(rows, bias):
     torch.manual_seed(rows)
@@ -26,11 +26,26 @@ def test_non_contiguous_input():
     torch.testing.assert_close(layer(x), F.linear(x.contiguous(), layer.weight), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_equals_its_row_in_a_pair():
-    """One row is computed as a two-column product, so it equals that row of a two-row batch."""
+@pytest.mark.parametrize("form", [compiled_linear, streamed_linear])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (33, 130), (5, 1000)])
+def test_each_form_equals_f_linear_on_awkward_shapes(form, shape):
+    """Odd widths, one output, one input feature; a strided weight view."""
+    torch.manual_seed(sum(shape))
+    out_features, in_features = shape
+    weight = torch.randn(in_features, out_features).T  # [out, in], not contiguous
+    bias = torch.randn(out_features)
+    for rows in (1, 3, 4, 6):
+        x = torch.randn(rows, in_features)
+        tolerance = 1e-6 * in_features  # fp32 sums of in_features products, in another order
+        torch.testing.assert_close(form(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=tolerance)
+
+
+def test_a_row_reads_the_same_alone_or_in_a_batch():
+    """The compiled loop computes each row on its own, so a request's row is the same whatever
+    else the step holds (up to the compiled form's row count)."""
     layer = Linear(96, 200, bias=True)
-    x = torch.randn(2, 96)
-    assert torch.equal(layer(x[:1]), layer(x)[:1])
+    x = torch.randn(COMPILED_ROWS, 96)
+    assert all(torch.equal(layer(x[:n])[:1], layer(x[:1])) for n in range(2, COMPILED_ROWS + 1))
 
 
 def test_which_inputs_stream():
