@@ -75,7 +75,7 @@ class RunLog:
 
     def append_question(self, context: str, question: int, runs: list[dict]) -> None:
         self._asked.setdefault(context, {})[question] = runs
-        self._write_line({"context": context, "question": question, "runs": runs})
+        self._write_line(_question_line(context, question, runs))
 
     def append(self, entry: dict) -> None:
         """A finished context's entry; its question lines, if any, leave the log."""
@@ -96,7 +96,7 @@ class RunLog:
         if self.path is None:
             return
         lines = [{"config": self.grid}, *self._finished.values()]
-        lines += [{"context": c, "question": q, "runs": runs} for c, qs in self._asked.items() for q, runs in qs.items()]
+        lines += [_question_line(c, q, runs) for c, qs in self._asked.items() for q, runs in qs.items()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(e) + "\n" for e in lines))
@@ -118,3 +118,8 @@ class RunLog:
             else:
                 finished[entry["context"]] = entry
         return finished, {c: qs for c, qs in asked.items() if c not in finished}
+
+
+def _question_line(context: str, question: int, runs: list[dict]) -> dict:
+    """One answered question of an unfinished context, as the log holds it."""
+    return {"context": context, "question": question, "runs": runs}
