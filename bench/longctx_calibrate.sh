@@ -7,7 +7,8 @@
 #     -> bench/results/calibration_<model>_<N>k/<task>_<haystack>_<settings>/
 # Environment: MODEL (qwen2.5-coder-0.5b), TASKS (niah_single,niah_multikey,niah_multivalue,
 # variable_tracking), HAYSTACKS (essays,kjv), QUESTIONS (4 asked per context), NUM_NEEDLES
-# (niah_multikey: needles in all, 6), NUM_VALUES (niah_multivalue: 2), NUM_HOPS (variable_tracking: 4).
+# (niah_multikey: needles in all, 6), NUM_VALUES (niah_multivalue: 2), NUM_HOPS (variable_tracking: 4),
+# DISTINCT_KEY_WORDS (1: no two keys share a word, --distinct-key-words; folder suffix _dk).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LENGTH=${1:?usage: bench/longctx_calibrate.sh LENGTH [SAMPLES]}
@@ -19,6 +20,9 @@ QUESTIONS=${QUESTIONS:-4}
 NUM_NEEDLES=${NUM_NEEDLES:-6}
 NUM_VALUES=${NUM_VALUES:-2}
 NUM_HOPS=${NUM_HOPS:-4}
+KEYS=()
+SUFFIX=""
+if [ "${DISTINCT_KEY_WORDS:-0}" = 1 ]; then KEYS=(--distinct-key-words); SUFFIX=_dk; fi
 ROOT="bench/results/calibration_${MODEL}_$((LENGTH / 1024))k"
 for task in ${TASKS//,/ }; do
   case "$task" in
@@ -28,11 +32,11 @@ for task in ${TASKS//,/ }; do
     *) settings=(); name="q${QUESTIONS}" ;;
   esac
   for haystack in ${HAYSTACKS//,/ }; do
-    OUT="$ROOT/${task}_${haystack}_${name}"
+    OUT="$ROOT/${task}_${haystack}_${name}${SUFFIX}"
     RESUME=()
     [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
     .venv/bin/icekv eval --model "$MODEL" --task "$task" --haystack "$haystack" --lengths "$LENGTH" \
-      --questions "$QUESTIONS" "${settings[@]}" --policies full --samples "$SAMPLES" --seed 0 \
+      --questions "$QUESTIONS" "${settings[@]}" "${KEYS[@]}" --policies full --samples "$SAMPLES" --seed 0 \
       --out "$OUT" "${RESUME[@]}"
   done
 done

@@ -103,7 +103,7 @@ def main() -> None:
     encode = engine.tokenizer.encode
     sampler = HaystackSampler(Assets().haystack_text(grid["haystack"]), engine.tokenizer)
     sample = sampler.make_context(task, length, entry["seed"], grid["questions"], None, grid["num_needles"],
-                                  grid["num_values"], grid["num_hops"])
+                                  grid["num_values"], grid["num_hops"], grid.get("distinct_key_words", False))
     form = PromptFormat()
     spans = needle_spans(form.context(sample.context), encode)
     selection = SelectionConfig(policy=args.policy, budget=args.budget, icecache=IceCacheConfig(**grid["icecache"]))

@@ -35,6 +35,7 @@ def test_small_eval_writes_results_report_and_plot(tmp_path, smollm2_dir):
         (["--task", "summarize"], "--task: unknown task"),
         (["--lengths", "2k"], "--lengths"),
         (["--depths", "1.5"], "--depths"),
+        (["--task", "niah_multikey", "--num-needles", "45", "--distinct-key-words"], "45 keys need 90 words"),
     ],
 )
 def test_bad_eval_flags(tmp_path, args, message):

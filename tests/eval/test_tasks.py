@@ -104,6 +104,26 @@ def test_a_context_asks_each_of_its_needles_once(sampler, task):
             assert at == sorted(at) and q.stop == ()
 
 
+def test_keys_share_words_unless_asked_not_to(sampler):
+    """By default two keys of a context may share a word (the contexts logged so far were drawn so);
+    with distinct_key_words every word of a context's keys is used once."""
+    def words(distinct: bool, seed: int) -> list[str]:
+        c = sampler.make_context("niah_multikey", 1500, seed=seed, questions=8, num_needles=10,
+                                 distinct_key_words=distinct)
+        return [w for m in find_needles(c.context) for w in m["key"].split("-")]
+
+    assert any(len(set(words(False, seed))) < 20 for seed in range(5))  # 20 words of 80: shared in most contexts
+    for seed in range(5):
+        drawn = words(True, seed)
+        assert len(drawn) == 20 and len(set(drawn)) == 20
+    assert words(True, 3) == words(True, 3) and words(True, 3) != words(True, 4)  # seeded
+
+
+def test_distinct_key_words_refuse_more_keys_than_the_vocabulary_holds(sampler):
+    with pytest.raises(ConfigError, match="--distinct-key-words: 41 keys need 82 words"):
+        sampler.make_context("niah_multikey", 4000, seed=0, questions=1, num_needles=41, distinct_key_words=True)
+
+
 def test_a_context_refuses_what_it_cannot_ask(sampler):
     with pytest.raises(ConfigError, match="unknown context task"):
         sampler.make_context("passkey", 1000, seed=0, questions=2)

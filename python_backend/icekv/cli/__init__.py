@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--num-needles", type=_positive_int("--num-needles"), default=2,
                     help="niah_multikey: needles in all, the asked ones and distractors")
+    ev.add_argument("--distinct-key-words", action="store_true",
+                    help="niah tasks: no two keys of a context share a word (by default they may, which makes "
+                         "keys easier to mistake for one another)")
     ev.add_argument("--num-values", type=_positive_int("--num-values"), default=2,
                     help="niah_multivalue: values of each asked key")
     ev.add_argument("--num-hops", type=_positive_int("--num-hops"), default=4,

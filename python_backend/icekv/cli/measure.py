@@ -26,6 +26,7 @@ def _cmd_eval(args) -> int:
         lengths=_csv("--lengths", args.lengths, int), policies=_csv("--policies", args.policies, str),
         budgets=_csv("--budgets", args.budgets, int), samples=args.samples, seed=args.seed,
         depths=depths, num_needles=args.num_needles, num_values=args.num_values, num_hops=args.num_hops,
+        distinct_key_words=args.distinct_key_words,
         icecache=_icecache_config(args), chat_template=args.chat_template, **optional,
     )
 

@@ -11,6 +11,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from icekv.errors import ConfigError
+
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = (
     "\nWhat is the special magic number for {key} mentioned in the provided text? "
@@ -80,22 +82,38 @@ def longest_answer_room(task: str, num_values: int, num_hops: int) -> int:
     return Question("", ("x" * width,) * answers).answer_room
 
 
-def keyed_needles(rng: random.Random, task: str, questions: int, num_needles: int,
-                  num_values: int) -> tuple[list[str], list[Question]]:
-    """The needles' texts (asked ones first, then distractors) and one question per asked key."""
+def keyed_needles(rng: random.Random, task: str, questions: int, num_needles: int, num_values: int,
+                  distinct_words: bool = False) -> tuple[list[str], list[Question]]:
+    """The needles' texts (asked ones first, then distractors) and one question per asked key.
+
+    Keys are two words of :data:`KEY_WORDS`; by default two keys may share a word ("spruce-timber",
+    "timber-comet"), which with this small vocabulary happens in most contexts of several keys and
+    makes a key easy to mistake for another. ``distinct_words`` draws every word of a context once,
+    as RULER's large vocabulary all but ensures."""
+    if distinct_words:
+        check_distinct_key_words(task, questions, num_needles)
     keys_used: set[str] = set()
+    words_left = list(KEY_WORDS) if distinct_words else None
     values_used: set[str] = set()
     pairs, asked = [], []
     many = task == "niah_multivalue"  # asks for every value of a key: they may come one a line
     template, stop = (MULTIVALUE_QUESTION, ()) if many else (QUESTION, ("\n",))
     for _ in range(questions):
-        key = _key(rng, keys_used)
+        key = _key(rng, keys_used, words_left)
         values = [_value(rng, values_used) for _ in range(num_values if many else 1)]
         pairs += [(key, v) for v in values]
         asked.append(Question(template.format(key=key), tuple(values), stop))
     if task == "niah_multikey":
-        pairs += [(_key(rng, keys_used), _value(rng, values_used)) for _ in range(num_needles - questions)]
+        pairs += [(_key(rng, keys_used, words_left), _value(rng, values_used)) for _ in range(num_needles - questions)]
     return [NEEDLE.format(key=k, value=v) for k, v in pairs], asked
+
+
+def check_distinct_key_words(task: str, questions: int, num_needles: int) -> None:
+    """Refuses a context of more keys than :data:`KEY_WORDS` holds pairs of unused words for."""
+    n_keys = num_needles if task == "niah_multikey" else questions
+    if 2 * n_keys > len(KEY_WORDS):
+        raise ConfigError(f"--distinct-key-words: {n_keys} keys need {2 * n_keys} words; the key vocabulary has "
+                          f"{len(KEY_WORDS)}")
 
 
 def variable_chains(rng: random.Random, questions: int, num_hops: int) -> tuple[list[str], list[Question]]:
@@ -120,7 +138,14 @@ def variable_chains(rng: random.Random, questions: int, num_hops: int) -> tuple[
     return needles, asked
 
 
-def _key(rng: random.Random, used: set[str]) -> str:
+def _key(rng: random.Random, used: set[str], words_left: list[str] | None) -> str:
+    """A key not in ``used``; with ``words_left``, two of those words, taken out of it."""
+    if words_left is not None:
+        first, second = rng.sample(words_left, 2)
+        words_left.remove(first)
+        words_left.remove(second)
+        used.add(f"{first}-{second}")
+        return f"{first}-{second}"
     while True:
         key = f"{rng.choice(KEY_WORDS)}-{rng.choice(KEY_WORDS)}"
         if key not in used:

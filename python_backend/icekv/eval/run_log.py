@@ -55,8 +55,10 @@ class RunLog:
     a resumed run then asks that context only the questions not yet logged. Its entry, once
     appended, replaces those question lines."""
 
-    def __init__(self, path: Path | None, grid: dict):
-        self.path, self.grid = path, grid
+    def __init__(self, path: Path | None, grid: dict, defaults: dict | None = None):
+        """``defaults``: the grid's fields at their default values. A log written before a field
+        existed ran at its default, and resumes where the grid keeps it there."""
+        self.path, self.grid, self.defaults = path, grid, defaults or {}
         self._finished: dict[str, dict] = {}
         self._asked: dict[str, dict[int, list[dict]]] = {}  # unfinished context -> question -> its runs
 
@@ -102,10 +104,17 @@ class RunLog:
         tmp.write_text("".join(json.dumps(e) + "\n" for e in lines))
         os.replace(tmp, self.path)
 
+    def _same_grid(self, stored: dict | None) -> bool:
+        """Whether a log's grid is this run's, fields it lacks read at their defaults."""
+        if stored is None:
+            return False
+        missing = {k: v for k, v in self.defaults.items() if k in self.grid and k not in stored}
+        return {**missing, **stored} == self.grid
+
     def _read(self) -> tuple[dict[str, dict], dict[str, dict[int, list[dict]]]]:
         lines = self.path.read_text().splitlines()
         head = json.loads(lines[0]) if lines else {}
-        if head.get("config") != self.grid:
+        if not self._same_grid(head.get("config")):
             raise ConfigError(f"--resume: {self.path} was written by a different evaluation grid; use another --out")
         finished, asked = {}, {}
         for line in lines[1:]:

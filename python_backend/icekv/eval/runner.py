@@ -18,7 +18,7 @@ from typing import Callable
 from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
-from icekv.eval.needles import longest_answer_room
+from icekv.eval.needles import check_distinct_key_words, longest_answer_room
 from icekv.eval.run_log import ContextGrid, RunLog, context_key, grid_of
 from icekv.eval.stats import aggregate
 from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
@@ -42,6 +42,7 @@ class EvalConfig(ContextGrid):
     num_needles: int = 2  # niah_multikey: needles with distinct keys in all (the asked ones, then distractors)
     num_values: int = 2  # niah_multivalue: values of each asked key, all expected
     num_hops: int = 4  # variable_tracking: assignments after the first in each chain
+    distinct_key_words: bool = False  # niah tasks: no word shared by two keys of a context
     probe: bool = True  # per-layer attention recall and output cosine vs full attention
     icecache: IceCacheConfig = IceCacheConfig()  # e.g. search="exhaustive"
     chat_template: bool = False  # ask each question as a user turn of the model's chat template
@@ -57,6 +58,9 @@ class EvalConfig(ContextGrid):
         if "niah_multikey" in self.tasks and self.num_needles <= self.questions:
             raise ConfigError(f"niah_multikey needs distractors: --num-needles ({self.num_needles}) must exceed "
                               f"--questions ({self.questions})")
+        for t in self.tasks if self.distinct_key_words else ():
+            if t.startswith("niah_"):
+                check_distinct_key_words(t, self.questions, self.num_needles)
         for pol in self.policies:  # validates policy names and budgets early, with their messages
             for b in self.budgets:
                 resolve(SelectionConfig(policy=pol, budget=b))
@@ -85,7 +89,8 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
     ``resume`` keeps the contexts the log already holds (it must come from the same grid);
     ``on_context`` gets the records so far after each context run here; ``progress`` gets (done,
     total, whether the latest were kept from the log)."""
-    run_log = RunLog(log, _grid(cfg))
+    growable = _growable(cfg)
+    run_log = RunLog(log, grid_of(cfg, growable), defaults=grid_of(EvalConfig(), growable))
     finished = run_log.start(resume)
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
     form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
@@ -121,7 +126,7 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
     depth = cfg.depths[i % len(cfg.depths)] if cfg.depths else (i + 0.5) / cfg.samples
     seed = _sample_seed(cfg, task, length, i)
     sample = sampler.make_context(task, length, seed, cfg.questions, depth if cfg.questions == 1 else None,
-                                  cfg.num_needles, cfg.num_values, cfg.num_hops)
+                                  cfg.num_needles, cfg.num_values, cfg.num_hops, cfg.distinct_key_words)
     context_ids = engine.tokenizer.encode(form.context(sample.context))
     suffixes = [engine.tokenizer.encode(form.question(q.text)) for q in sample.questions]
     max_tokens = [q.tokens_to_decode(cfg.max_tokens) for q in sample.questions]
@@ -155,7 +160,7 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
             "runs": [r for q in sorted(answered) for r in answered[q]]}
 
 
-def _grid(cfg: EvalConfig) -> dict:
-    """What a log's contexts depend on: a resumed run may grow the tasks, lengths and samples
-    (samples: unless they spread a lone needle's depth)."""
-    return grid_of(cfg, ("tasks", "lengths") + (("samples",) if cfg.questions > 1 or cfg.depths else ()))
+def _growable(cfg: EvalConfig) -> tuple[str, ...]:
+    """The fields a log's contexts do not depend on: a resumed run may grow the tasks, lengths and
+    samples (samples: unless they spread a lone needle's depth)."""
+    return ("tasks", "lengths") + (("samples",) if cfg.questions > 1 or cfg.depths else ())

@@ -75,7 +75,8 @@ class HaystackSampler:
         return Sample(task, prompt, c.questions[0].answers, c.depths, len(self.tokenizer.encode(prompt)))
 
     def make_context(self, task: str, length: int, seed: int, questions: int = 1, depth: float | None = None,
-                     num_needles: int = 1, num_values: int = 1, num_hops: int = 4) -> ContextSample:
+                     num_needles: int = 1, num_values: int = 1, num_hops: int = 4,
+                     distinct_key_words: bool = False) -> ContextSample:
         """A context of about ``length`` tokens (with a question) and ``questions`` questions of it.
 
         ``niah_single``: one needle per question, each with its own key; ``niah_multikey``: as many,
@@ -83,6 +84,7 @@ class HaystackSampler:
         one key with ``num_values`` values, all asked; ``variable_tracking``: per question a chain of
         ``num_hops`` + 1 variables (``VAR A = 12345.``, ``VAR B = VAR A.``, ...) in order through the
         text, every name asked. ``depth`` places a lone needle; otherwise depths come from the seed.
+        ``distinct_key_words``: no two keys share a word (:func:`icekv.eval.needles.keyed_needles`).
         """
         if task not in TASKS or task == "passkey":
             choices = ", ".join(t for t in TASKS if t != "passkey")
@@ -93,7 +95,7 @@ class HaystackSampler:
         if task == "variable_tracking":
             needles, asked = variable_chains(rng, questions, num_hops)
         else:
-            needles, asked = keyed_needles(rng, task, questions, num_needles, num_values)
+            needles, asked = keyed_needles(rng, task, questions, num_needles, num_values, distinct_key_words)
         n_needles = len(needles)
         if task == "variable_tracking":  # each chain's statements in order through the text
             drawn, size = [rng.random() for _ in needles], num_hops + 1
