@@ -8,7 +8,10 @@
 # Environment: MODEL (qwen2.5-coder-0.5b), TASKS (niah_single,niah_multikey,niah_multivalue,
 # variable_tracking), HAYSTACKS (essays,kjv), QUESTIONS (4 asked per context), NUM_NEEDLES
 # (niah_multikey: needles in all, 6), NUM_VALUES (niah_multivalue: 2), NUM_HOPS (variable_tracking: 4),
-# DISTINCT_KEY_WORDS (1: no two keys share a word, --distinct-key-words; folder suffix _dk).
+# DISTINCT_KEY_WORDS (1: no two keys share a word, --distinct-key-words; folder suffix _dk),
+# CHAT_TEMPLATE (1: each question a user turn of the model's chat template, --chat-template; suffix
+# _chat), PREFIX_STORE (where each context's KV pages are kept, --prefix-store, so that a rerun over
+# the same contexts reads them back: default $ICEKV_CACHE/eval-prefixes, or ~/.cache/icekv/...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LENGTH=${1:?usage: bench/longctx_calibrate.sh LENGTH [SAMPLES]}
@@ -23,6 +26,8 @@ NUM_HOPS=${NUM_HOPS:-4}
 KEYS=()
 SUFFIX=""
 if [ "${DISTINCT_KEY_WORDS:-0}" = 1 ]; then KEYS=(--distinct-key-words); SUFFIX=_dk; fi
+if [ "${CHAT_TEMPLATE:-0}" = 1 ]; then KEYS+=(--chat-template); SUFFIX="${SUFFIX}_chat"; fi
+PREFIX_STORE=${PREFIX_STORE:-${ICEKV_CACHE:-$HOME/.cache/icekv}/eval-prefixes}
 ROOT="bench/results/calibration_${MODEL}_$((LENGTH / 1024))k"
 for task in ${TASKS//,/ }; do
   case "$task" in
@@ -37,6 +42,6 @@ for task in ${TASKS//,/ }; do
     [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
     .venv/bin/icekv eval --model "$MODEL" --task "$task" --haystack "$haystack" --lengths "$LENGTH" \
       --questions "$QUESTIONS" "${settings[@]}" "${KEYS[@]}" --policies full --samples "$SAMPLES" --seed 0 \
-      --out "$OUT" "${RESUME[@]}"
+      --prefix-store "$PREFIX_STORE" --out "$OUT" "${RESUME[@]}"
   done
 done

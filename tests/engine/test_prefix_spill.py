@@ -4,6 +4,7 @@ replica), a prompt's chain is read back from it and decodes the same tokens as a
 corrupted stored page is refused, deleted and prefilled again (then written again), never served."""
 
 import pytest
+import torch
 
 from icekv.config import EngineConfig, PromptCaching, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
@@ -80,3 +81,66 @@ def test_a_corrupted_page_is_refused_and_prefilled_again(conversation):
     assert again.token_ids == expected.token_ids
     pages.flush()  # the page prefilled again was written again, whole
     assert pages.load(chain) is not None and pages.stats.refused == refused + 1
+
+
+def test_a_prefill_kept_for_decodes_reads_its_context_back_when_asked(conversation, smollm2_dir, essays_text):
+    """A prefill under full attention with caching on takes the store's pages (a new engine over
+    it: another evaluation run) and decodes as one prefilled in full; by default, and under a
+    sparse selection (its index is built from the prompt's pass), it prefills every token."""
+    _, _, root, _, _, _ = conversation
+    writer, written = _spilling(smollm2_dir, root)
+    context = writer.tokenizer.encode(essays_text[8000:16000])[:700]
+    suffix = writer.tokenizer.encode(" Question: what is this about? Answer:")
+    first = writer.prefill(context, caching=PromptCaching())
+    expected = writer.decode(first, SAMPLING, FULL, suffix=suffix)
+    writer.release(first)
+    written.close()
+    assert written.stats.written >= len(context) // 16
+
+    reader, pages = _spilling(smollm2_dir, root)
+    plain = reader.prefill(context)  # caching off by default: every token through the model
+    assert reader.cache.prefix.stats.hit_tokens == 0 and pages.stats.loaded == 0
+    reader.release(plain)
+    sparse = reader.prefill(context, selection=SelectionConfig(policy="icecache", budget=128),
+                            caching=PromptCaching())
+    assert reader.cache.prefix.stats.hit_tokens == 0 and pages.stats.loaded == 0
+    reader.release(sparse)
+    again = reader.prefill(context, caching=PromptCaching())
+    whole = (len(context) - 1) // 16
+    assert reader.cache.prefix.stats.hit_tokens == whole * 16 and pages.stats.loaded == whole
+    assert reader.decode(again, SAMPLING, FULL, suffix=suffix).token_ids == expected.token_ids
+    for _ in range(2):  # decodes leave the prompt's shared pages as they were
+        out = reader.decode(again, SAMPLING, SelectionConfig(policy="icecache", budget=128), suffix=suffix)
+    assert out.token_ids == reader.decode(again, SAMPLING, SelectionConfig(policy="icecache", budget=128),
+                                          suffix=suffix).token_ids
+    reader.release(again)
+    assert reader.cache.pages_available == reader.cache.allocator.num_pages
+
+
+def test_a_store_that_waits_when_full_writes_every_page(tmp_path):
+    """Past MAX_PENDING pages waiting, a server's store skips a page (its step never waits); one
+    made to wait writes every page."""
+    import threading
+
+    from icekv.store import prefix_pages
+
+    gate = threading.Event()
+
+    class SlowStore(LocalStore):
+        def put(self, key, blob):
+            gate.wait()
+            super().put(key, blob)
+
+    rows = torch.zeros(2, 2, 1, 16, 8)
+    for wait, root in ((False, tmp_path / "skip"), (True, tmp_path / "wait")):
+        gate.clear()
+        pages = PrefixPageStore(SlowStore(root), "m", tuple(rows.shape), rows.dtype, wait_when_full=wait)
+        n = prefix_pages.MAX_PENDING + 3
+        saver = threading.Thread(target=lambda: [pages.save(bytes([i % 256, i // 256]) * 8, rows) for i in range(n)])
+        saver.start()
+        saver.join(timeout=2)
+        assert saver.is_alive() == wait  # waiting for room, or done having skipped 3
+        gate.set()
+        saver.join()
+        pages.close()
+        assert (pages.stats.written, pages.stats.failed) == ((n, 0) if wait else (n - 3, 3))

@@ -77,6 +77,31 @@ def test_a_long_run_logs_each_context_and_resumes(tmp_path, smollm2_dir):
 
 
 @pytest.mark.model
+def test_a_prefix_store_gives_a_later_run_its_contexts_without_prefilling(tmp_path, smollm2_dir):
+    """With --prefix-store each context's KV pages are kept; a second run over the same grid reads
+    them back (its prefill then only the last page) and answers exactly as the first."""
+    store = tmp_path / "prefixes"
+    grid = ["--task", "niah_multikey", "--lengths", "1200", "--policies", "full,icecache", "--budgets", "64",
+            "--questions", "2", "--num-needles", "3", "--samples", "2", "--prefix-store", str(store)]
+    runs = []
+    for name in ("first", "second"):
+        proc = icekv("eval", *grid, "--out", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr
+        lines = [json.loads(line) for line in (tmp_path / name / "runs.jsonl").read_text().splitlines()[1:]]
+        runs.append(lines)
+        if name == "first":
+            whole = sum((e["context_tokens"] - 1) // 16 for e in lines)  # full pages before each last token
+            # every one, less the preamble's first page, both contexts' one entry
+            assert len(list(store.glob("*.ctx"))) == whole - 1
+    answers = [[(r["question"], r["policy"], r["output"]) for r in e["runs"]] for e in runs[0]]
+    assert answers == [[(r["question"], r["policy"], r["output"]) for r in e["runs"]] for e in runs[1]]
+    assert sum(e["prefill_s"] for e in runs[1]) < sum(e["prefill_s"] for e in runs[0])  # 2 pages computed vs ~75
+
+    proc = icekv("eval", *grid, "--compress", "kv2", "--out", str(tmp_path / "c"))
+    assert proc.returncode == 2 and "--prefix-store applies to the decode eval" in proc.stderr
+
+
+@pytest.mark.model
 def test_an_interrupted_context_resumes_from_its_next_question(tmp_path, smollm2_dir, essays_text):
     """Each answered question is logged as it finishes; a run stopped inside a context asks it only
     the questions not logged (the same answers as one uninterrupted run), and the finished

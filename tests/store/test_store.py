@@ -222,6 +222,23 @@ def test_lru_eviction_respects_the_size_limit(store):
     assert store.load(keys[0]) is not None and store.load(keys[2]) is not None
 
 
+def test_a_local_store_of_many_entries_stays_within_its_limit(tmp_path):
+    """Entries past the limit go least recently used first, after every put, though the directory
+    is scanned only now and then; another writer's entries count from this one's next scan."""
+    blob = b"x" * 1000
+    s = LocalStore(tmp_path, max_bytes=10_500)
+    for i in range(40):
+        s.put(f"{i:064x}", blob)
+        held = sorted(tmp_path.glob("*.ctx"))
+        assert sum(p.stat().st_size for p in held) <= 10_500
+    assert 9 <= len(held) <= 10 and held[-1].stem == f"{39:064x}"  # the newest kept
+    assert s.get(f"{0:064x}") is None
+
+    other = LocalStore(tmp_path, max_bytes=10_500)
+    other.put("f" * 64, blob)  # its first put scans: the entries the first writer left are counted
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.ctx")) <= 10_500 and other.get("f" * 64) == blob
+
+
 def test_local_store_refuses_path_like_keys(tmp_path):
     s = ContextStore.open(str(tmp_path), "m")
     for key in ("../../etc/passwd", "ab" * 150, "AB" * 32, ""):

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ask each question as a user turn of the model's chat template (answer prefix after it)")
     _icecache_flags(ev)
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
+    ev.add_argument("--prefix-store", default=None, metavar="DIR|redis://HOST:PORT",
+                    help="keep each context's KV pages in this store (the prefix cache's lower tier, at most 8 GiB, "
+                         "least recently used out first): a later or resumed run over the same contexts reads them "
+                         "back instead of prefilling")
     _model_flag(ev)
 
     bench = sub.add_parser("bench", help="benchmarks")

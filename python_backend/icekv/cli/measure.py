@@ -16,6 +16,8 @@ def _cmd_eval(args) -> int:
     if args.resume and not (args.out / "runs.jsonl").is_file():
         raise IcekvError(f"--resume: {args.out / 'runs.jsonl'} does not exist")
     if args.compress:
+        if args.prefix_store:
+            raise IcekvError("--prefix-store applies to the decode eval: a compression reads every token's pass")
         return _cmd_eval_compression(args)
     depths = _csv("--depths", args.depths, float) if args.depths else None
     if depths and not all(0 <= d <= 1 for d in depths):
@@ -78,6 +80,7 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     # before it take (serving's queue limit would fail a long context's later answers as busy)
     scheduler = SchedulerConfig(max_queue_wait_s=float("inf"))
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler))
+    pages = _spill_to(args.prefix_store, engine)
     # the mean rate since the start (units differ in cost: one policy's decode takes 100x another's),
     # over this run's units only (those kept from a resumed log took no time)
     bar = tqdm(desc="eval", unit=unit, file=sys.stderr, smoothing=0)
@@ -88,11 +91,26 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
             bar.initial = done
         bar.update(done - bar.n)
 
-    records, meta = _timed(engine, lambda meta: run(engine, text, progress, meta))
+    try:
+        records, meta = _timed(engine, lambda meta: run(engine, text, progress, meta))
+    finally:
+        if pages is not None:
+            pages.close()  # every page handed to the store written (or failed) before the process ends
     bar.close()
     write(records, args.out, meta)
     print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
     return 0
+
+
+def _spill_to(location: str | None, engine):
+    """The store at ``location`` under the engine's prefix cache (None: none)."""
+    if location is None:
+        return None
+    from icekv.store import ContextStore
+    from icekv.store.prefix_pages import spill_prefixes
+
+    store = ContextStore.open(location, engine.model_id)
+    return spill_prefixes(engine.cache, store.backend, engine.model_id, store.secret, wait_when_full=True)
 
 
 def _cmd_size(args) -> int:

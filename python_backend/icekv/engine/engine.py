@@ -138,10 +138,13 @@ class Engine:
                             prefilled=req, probe=probe)
 
     def submit_prefill(self, ids: list[int], selection: SelectionConfig | None = None,
-                       on_progress: OnProgress | None = None) -> Sequence:
-        """Queue a prefill-only request (:meth:`prefill`'s); its result is a :class:`Prefilled`."""
+                       on_progress: OnProgress | None = None, *,
+                       caching: PromptCaching = PromptCaching(enabled=False)) -> Sequence:
+        """Queue a prefill-only request (:meth:`prefill`'s); its result is a :class:`Prefilled`.
+        ``caching``: off unless asked, for a prefill whose caller reads every token's pass (a
+        compression's scoring); a prefill under full attention may take and keep cached pages."""
         return self._submit(list(ids), SamplingConfig(max_tokens=1), selection or FULL, None, None, on_progress,
-                            prefill_only=True)
+                            prefill_only=True, caching=caching)
 
     def _submit(self, ids: list[int], sampling: SamplingConfig, selection: SelectionConfig | None,
                 context: CompressedContext | None, on_text: OnText | None, on_progress: OnProgress | None,
@@ -234,11 +237,13 @@ class Engine:
         return seq.result
 
     def prefill(self, ids: list[int], on_progress: OnProgress | None = None,
-                selection: SelectionConfig | None = None) -> Prefilled:
+                selection: SelectionConfig | None = None, *,
+                caching: PromptCaching = PromptCaching(enabled=False)) -> Prefilled:
         """Run the prompt through the model and keep its KV, to decode later (maybe several times).
         With a sparse ``selection`` and free index threads, its index is built meanwhile, for the
-        first decode under that same selection (:mod:`icekv.engine.backends.prefill_index`)."""
-        return self.run(self.submit_prefill(ids, selection, on_progress))
+        first decode under that same selection (:mod:`icekv.engine.backends.prefill_index`).
+        ``caching``: as :meth:`submit_prefill`'s."""
+        return self.run(self.submit_prefill(ids, selection, on_progress, caching=caching))
 
     def decode(self, req: Prefilled, sampling: SamplingConfig = SamplingConfig(),
                selection: SelectionConfig | None = None, on_text: OnText | None = None,

@@ -135,11 +135,11 @@ class Sequence:
     def uses_prefix_cache(self) -> bool:
         """May the prefix cache serve its prompt and keep its pages? A plain prompt only: not one
         over a compressed context or a prefilled prompt (their positions and pages are their own),
-        nor a prefill kept for later decodes, a probe or a request scoring its prompt (each needs
-        its whole prompt through the model)."""
+        nor a sparse prefill kept for later decodes (its index is built from the prompt's pass), a
+        probe or a request scoring its prompt (each needs its whole prompt through the model)."""
         r = self.request
-        return (r.caching.enabled and r.context is None and r.prefilled is None and not r.prefill_only
-                and not r.probe and r.sampling.prompt_logprobs is None)
+        return (r.caching.enabled and r.context is None and r.prefilled is None
+                and not (r.prefill_only and r.policy.sparse) and not r.probe and r.sampling.prompt_logprobs is None)
 
     @property
     def most_cached_tokens(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.config import IceCacheConfig, PromptCaching, SamplingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.eval.needles import check_distinct_key_words, longest_answer_room
@@ -136,7 +136,8 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
     todo = [q for q in range(len(sample.questions)) if q not in answered]
     if todo:
         engine.check_fits(len(context_ids) + max(map(len, suffixes)), max(max_tokens))  # before a long prefill
-    req = engine.prefill(context_ids) if todo else None
+    # through the prefix cache: a context a lower tier (--prefix-store) holds is read back, not prefilled
+    req = engine.prefill(context_ids, caching=PromptCaching()) if todo else None
     try:
         for q in todo:
             question, suffix, limit = sample.questions[q], suffixes[q], max_tokens[q]

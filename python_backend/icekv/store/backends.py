@@ -17,14 +17,23 @@ from icekv.store.format import StoreError, StoreUnavailable, check_key
 
 log = logging.getLogger(__name__)
 STALE_TMP_S = 3600.0  # a temporary file this old is a crashed writer's: removed at eviction
+SCAN_EVERY = 256  # a local store's puts between two scans of its directory
+LOW_WATER = 0.9  # an eviction frees entries down to this share of max_bytes
 
 
 class LocalStore:
-    """One file per key in a directory; the file's mtime is its last use."""
+    """One file per key in a directory; the file's mtime is its last use.
+
+    A put scans the directory (to learn its size and evict) only when this writer's running
+    count of the store's bytes passes ``max_bytes``, or after SCAN_EVERY puts (other writers'
+    entries are counted then), and an eviction makes room for the next tenth of the limit: a
+    store of many small entries (prefix pages) costs a scan per many puts, not per put."""
 
     def __init__(self, root: str | Path, max_bytes: int = 8 << 30):
         self.root, self.max_bytes = Path(root), max_bytes
         self.root.mkdir(parents=True, exist_ok=True)
+        self._bytes: int | None = None  # the store's bytes as of the last scan, plus the puts since
+        self._puts_since_scan = 0
 
     def _path(self, key: str) -> Path:
         return self.root / f"{check_key(key)}.ctx"
@@ -52,7 +61,11 @@ class LocalStore:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise StoreUnavailable(f"the context store cannot write an entry: {e.strerror}") from None
-        self._evict()
+        self._puts_since_scan += 1
+        if self._bytes is not None:
+            self._bytes += len(blob)  # an entry replaced counts twice until the next scan: an overestimate
+        if self._bytes is None or self._bytes > self.max_bytes or self._puts_since_scan >= SCAN_EVERY:
+            self._evict()
 
     @staticmethod
     def _write(path: Path, blob: bytes) -> None:
@@ -91,11 +104,13 @@ class LocalStore:
                 pass
         entries.sort()
         total = sum(size for _, size, _ in entries)
-        for _, size, victim in entries:
-            if total <= self.max_bytes:
-                break
-            total -= size
-            victim.unlink(missing_ok=True)
+        if total > self.max_bytes:
+            for _, size, victim in entries:
+                if total <= self.max_bytes * LOW_WATER:
+                    break
+                total -= size
+                victim.unlink(missing_ok=True)
+        self._bytes, self._puts_since_scan = total, 0
 
 
 class RedisStore:

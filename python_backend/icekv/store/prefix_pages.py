@@ -64,20 +64,21 @@ class PrefixPageStats:
 class PrefixPageStore:
     """Pages of one pool (rows ``shape`` of ``dtype``) in a byte store (:mod:`icekv.store.backends`)."""
 
-    def __init__(self, backend, model_id: str, shape: tuple, dtype: torch.dtype, secret: bytes | None = None):
+    def __init__(self, backend, model_id: str, shape: tuple, dtype: torch.dtype, secret: bytes | None = None,
+                 wait_when_full: bool = False):
+        """``wait_when_full``: a page saved while MAX_PENDING pages wait to be written waits for room (every page is
+        written: an evaluation's contexts); otherwise it is skipped (a server's step never waits)."""
         self.backend, self.model_id, self.shape, self.dtype, self.secret = backend, model_id, shape, dtype, secret
         self.stats = PrefixPageStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icekv-prefix-spill")
-        self._pending = 0
-        self._lock = threading.Lock()
+        self._room = threading.BoundedSemaphore(MAX_PENDING)
+        self._wait_when_full = wait_when_full
 
     def save(self, chain: bytes, rows: torch.Tensor) -> None:
         """Write a page (``rows``: a copy the caller no longer touches) in the background."""
-        with self._lock:
-            if self._pending >= MAX_PENDING:
-                self.stats.failed += 1
-                return
-            self._pending += 1
+        if not self._room.acquire(blocking=self._wait_when_full):
+            self.stats.failed += 1
+            return
         self._writer.submit(self._write, page_key(chain), rows)
 
     def _write(self, key: str, rows: torch.Tensor) -> None:
@@ -88,8 +89,7 @@ class PrefixPageStore:
             self.stats.failed += 1
             log.warning("a prefix page was not written to the store: %s", e)
         finally:
-            with self._lock:
-                self._pending -= 1
+            self._room.release()
 
     def load(self, chain: bytes) -> torch.Tensor | None:
         """The page's rows; None when the store lacks it or cannot give it (a corrupt entry is
@@ -130,9 +130,11 @@ class PrefixPageStore:
         self._writer.shutdown(wait=True)
 
 
-def spill_prefixes(cache, backend, model_id: str, secret: bytes | None = None) -> PrefixPageStore:
+def spill_prefixes(cache, backend, model_id: str, secret: bytes | None = None,
+                   wait_when_full: bool = False) -> PrefixPageStore:
     """Put ``backend`` under the prefix cache of ``cache`` (an :class:`icekv.kv.PagedKVCache`)."""
     pool = cache.pool  # [L, 2, Hkv, pages, P, W]
-    pages = PrefixPageStore(backend, model_id, tuple(pool.shape[:3] + pool.shape[4:]), pool.dtype, secret)
+    pages = PrefixPageStore(backend, model_id, tuple(pool.shape[:3] + pool.shape[4:]), pool.dtype, secret,
+                            wait_when_full)
     cache.prefix.lower = PrefixTier(cache, pages)
     return pages
