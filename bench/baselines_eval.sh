@@ -7,7 +7,8 @@
 #   bash bench/baselines_eval.sh qwen2.5-coder-0.5b 16384 5  -> bench/results/baselines_qwen2.5-coder-0.5b_16k_essays_niah_multikey_b128-256-512-1024/
 # Environment: TASK (niah_single on smollm2-135m, niah_multikey otherwise), HAYSTACK (essays),
 # BUDGETS (128,256,512,1024), QUESTIONS (1 on smollm2-135m: with 4 keyed needles at 4k its full cache
-# answered 1 of 4; 8 otherwise: keyed needles asked per context).
+# answered 1 of 4; 8 otherwise: keyed needles asked per context), PREFIX_STORE (each context's KV
+# pages, --prefix-store: default $ICEKV_CACHE/eval-prefixes; a resumed context is read back, not prefilled).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:?usage: bench/baselines_eval.sh MODEL LENGTH [SAMPLES]}
@@ -21,9 +22,10 @@ POLICIES=full,icecache,icecache_r,quest,streaming,snapkv,arkvale,pqcache,omnikv,
 OUT="bench/results/baselines_${MODEL}_$((LENGTH / 1024))k_${HAYSTACK}_${TASK}_b${BUDGETS//,/-}"
 # the finished log is kept gzip'd (one question's per-layer recall makes it megabytes): unpack it to resume
 [ -f "$OUT/runs.jsonl.gz" ] && [ ! -f "$OUT/runs.jsonl" ] && gunzip -k "$OUT/runs.jsonl.gz"
+PREFIX_STORE=${PREFIX_STORE:-${ICEKV_CACHE:-$HOME/.cache/icekv}/eval-prefixes}
 RESUME=()
 [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
 .venv/bin/icekv eval --model "$MODEL" --task "$TASK" --haystack "$HAYSTACK" --lengths "$LENGTH" \
   --questions "$QUESTIONS" --num-needles $((QUESTIONS + 2)) --policies "$POLICIES" --budgets "$BUDGETS" \
-  --search centroids --samples "$SAMPLES" --seed 0 --out "$OUT" "${RESUME[@]}"
+  --search centroids --samples "$SAMPLES" --seed 0 --prefix-store "$PREFIX_STORE" --out "$OUT" "${RESUME[@]}"
 gzip -9 -f "$OUT/runs.jsonl"
