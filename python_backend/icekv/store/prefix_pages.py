@@ -66,8 +66,9 @@ class PrefixPageStore:
 
     def __init__(self, backend, model_id: str, shape: tuple, dtype: torch.dtype, secret: bytes | None = None,
                  wait_when_full: bool = False):
-        """``wait_when_full``: a page saved while MAX_PENDING pages wait to be written waits for room (every page is
-        written: an evaluation's contexts); otherwise it is skipped (a server's step never waits)."""
+        """``wait_when_full``: a page saved while MAX_PENDING pages wait to be written waits for
+        room (every page is written: an evaluation's contexts); otherwise it is skipped (a
+        server's step never waits)."""
         self.backend, self.model_id, self.shape, self.dtype, self.secret = backend, model_id, shape, dtype, secret
         self.stats = PrefixPageStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icekv-prefix-spill")
