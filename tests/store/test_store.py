@@ -239,6 +239,13 @@ def test_a_local_store_of_many_entries_stays_within_its_limit(tmp_path):
     assert sum(p.stat().st_size for p in tmp_path.glob("*.ctx")) <= 10_500 and other.get("f" * 64) == blob
 
 
+def test_a_local_store_over_a_path_it_cannot_use_says_so(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for root in (tmp_path / "a-file", tmp_path / "a-file" / "below"):
+        with pytest.raises(StoreUnavailable, match="cannot use directory .*a-file"):
+            ContextStore.open(str(root), "m")
+
+
 def test_local_store_refuses_path_like_keys(tmp_path):
     s = ContextStore.open(str(tmp_path), "m")
     for key in ("../../etc/passwd", "ab" * 150, "AB" * 32, ""):

@@ -31,7 +31,10 @@ class LocalStore:
 
     def __init__(self, root: str | Path, max_bytes: int = 8 << 30):
         self.root, self.max_bytes = Path(root), max_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file there, no permission, a read-only or missing mount
+            raise StoreUnavailable(f"the context store cannot use directory {root}: {e.strerror}") from None
         self._bytes: int | None = None  # the store's bytes as of the last scan, plus the puts since
         self._puts_since_scan = 0
 
