@@ -107,7 +107,7 @@ def test_a_prefill_kept_for_decodes_reads_its_context_back_when_asked(conversati
     reader.release(sparse)
     again = reader.prefill(context, caching=PromptCaching())
     whole = (len(context) - 1) // 16
-    assert reader.cache.prefix.stats.hit_tokens == whole * 16 and pages.stats.loaded == whole
+    assert reader.cache.prefix.stats.hit_tokens == again.cached_tokens == whole * 16 and pages.stats.loaded == whole
     assert reader.decode(again, SAMPLING, FULL, suffix=suffix).token_ids == expected.token_ids
     for _ in range(2):  # decodes leave the prompt's shared pages as they were
         out = reader.decode(again, SAMPLING, SelectionConfig(policy="icecache", budget=128), suffix=suffix)

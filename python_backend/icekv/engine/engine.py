@@ -194,7 +194,7 @@ class Engine:
         try:
             if seq.error is None and r.prefill_only:
                 result = Prefilled(seq.seq_id, r.prompt_ids, seq.logits, seq.prefill_s, r.context, seq.index,
-                                   seq.window_queries)
+                                   seq.window_queries, seq.cached_tokens)
             elif seq.error is None:
                 backend = seq.backend or DenseAttention(token_source(self.cache, seq.seq_id, r.context))
                 kv = backend.kv_stats()

@@ -61,6 +61,7 @@ class Prefilled:
     context: CompressedContext | None = None  # a compressed context the prompt continues
     index: object = None  # a PrefillIndex: a sparse policy's index built during prefill, for the first decode
     window_queries: dict | None = None  # layer -> the prompt's last queries [W, Hq, D] (SnapKV's window)
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (read, not prefilled)
 
     def prebuilt_index(self, selection: SelectionConfig):
         """The index prefill built, if it was built for ``selection`` and no decode has taken it."""

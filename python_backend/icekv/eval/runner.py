@@ -157,7 +157,8 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
         if req is not None:
             engine.release(req)
     return {"context": key, "seed": seed, "context_tokens": len(context_ids), "depths": list(sample.depths),
-            "prefill_s": req.prefill_s if req is not None else None,
+            "prefill_s": req.prefill_s if req is not None else None,  # a read where the prefix store held it
+            "prefill_cached_tokens": req.cached_tokens if req is not None else None,
             "runs": [r for q in sorted(answered) for r in answered[q]]}
 
 
