@@ -8,7 +8,7 @@
 # Environment: TASK (niah_single on smollm2-135m, niah_multikey otherwise), HAYSTACK (essays),
 # BUDGETS (128,256,512,1024), QUESTIONS (1 on smollm2-135m: with 4 keyed needles at 4k its full cache
 # answered 1 of 4; 8 otherwise: keyed needles asked per context), PREFIX_STORE (each context's KV
-# pages, --prefix-store: default $ICEKV_CACHE/eval-prefixes; a resumed context is read back, not prefilled).
+# pages, --prefix-store: default eval-prefixes in the cache directory; a resumed context is read back, not prefilled).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:?usage: bench/baselines_eval.sh MODEL LENGTH [SAMPLES]}
@@ -22,10 +22,10 @@ POLICIES=full,icecache,icecache_r,quest,streaming,snapkv,arkvale,pqcache,omnikv,
 OUT="bench/results/baselines_${MODEL}_$((LENGTH / 1024))k_${HAYSTACK}_${TASK}_b${BUDGETS//,/-}"
 # the finished log is kept gzip'd (one question's per-layer recall makes it megabytes): unpack it to resume
 [ -f "$OUT/runs.jsonl.gz" ] && [ ! -f "$OUT/runs.jsonl" ] && gunzip -k "$OUT/runs.jsonl.gz"
-PREFIX_STORE=${PREFIX_STORE:-${ICEKV_CACHE:-$HOME/.cache/icekv}/eval-prefixes}
+STORE=(--prefix-store ${PREFIX_STORE:+"$PREFIX_STORE"})  # unset: the CLI's default directory
 RESUME=()
 [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
 .venv/bin/icekv eval --model "$MODEL" --task "$TASK" --haystack "$HAYSTACK" --lengths "$LENGTH" \
   --questions "$QUESTIONS" --num-needles $((QUESTIONS + 2)) --policies "$POLICIES" --budgets "$BUDGETS" \
-  --search centroids --samples "$SAMPLES" --seed 0 --prefix-store "$PREFIX_STORE" --out "$OUT" "${RESUME[@]}"
+  --search centroids --samples "$SAMPLES" --seed 0 "${STORE[@]}" --out "$OUT" "${RESUME[@]}"
 gzip -9 -f "$OUT/runs.jsonl"

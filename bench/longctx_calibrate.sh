@@ -11,7 +11,7 @@
 # DISTINCT_KEY_WORDS (1: no two keys share a word, --distinct-key-words; folder suffix _dk),
 # CHAT_TEMPLATE (1: each question a user turn of the model's chat template, --chat-template; suffix
 # _chat), PREFIX_STORE (where each context's KV pages are kept, --prefix-store, so that a rerun over
-# the same contexts reads them back: default $ICEKV_CACHE/eval-prefixes, or ~/.cache/icekv/...).
+# the same contexts reads them back: default eval-prefixes in the cache directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LENGTH=${1:?usage: bench/longctx_calibrate.sh LENGTH [SAMPLES]}
@@ -27,7 +27,7 @@ KEYS=()
 SUFFIX=""
 if [ "${DISTINCT_KEY_WORDS:-0}" = 1 ]; then KEYS=(--distinct-key-words); SUFFIX=_dk; fi
 if [ "${CHAT_TEMPLATE:-0}" = 1 ]; then KEYS+=(--chat-template); SUFFIX="${SUFFIX}_chat"; fi
-PREFIX_STORE=${PREFIX_STORE:-${ICEKV_CACHE:-$HOME/.cache/icekv}/eval-prefixes}
+STORE=(--prefix-store ${PREFIX_STORE:+"$PREFIX_STORE"})  # unset: the CLI's default directory
 ROOT="bench/results/calibration_${MODEL}_$((LENGTH / 1024))k"
 for task in ${TASKS//,/ }; do
   case "$task" in
@@ -42,6 +42,6 @@ for task in ${TASKS//,/ }; do
     [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
     .venv/bin/icekv eval --model "$MODEL" --task "$task" --haystack "$haystack" --lengths "$LENGTH" \
       --questions "$QUESTIONS" "${settings[@]}" "${KEYS[@]}" --policies full --samples "$SAMPLES" --seed 0 \
-      --prefix-store "$PREFIX_STORE" --out "$OUT" "${RESUME[@]}"
+      "${STORE[@]}" --out "$OUT" "${RESUME[@]}"
   done
 done

@@ -9,7 +9,7 @@
 # results in the plain folders used; another merge, such as the engine's default score_order, writes
 # to a folder named after it), DISTINCT_KEY_WORDS (1: no two keys of a context share a word,
 # --distinct-key-words; folder suffix _dk), PREFIX_STORE (each context's KV pages, --prefix-store:
-# default $ICEKV_CACHE/eval-prefixes). A resumed run must keep the grid it started with (the saved report.md names its command).
+# default eval-prefixes in the cache directory). A resumed run must keep the grid it started with (the saved report.md names its command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LENGTH=${1:?usage: bench/longctx_eval.sh LENGTH [SAMPLES]}
@@ -23,9 +23,9 @@ OUT="bench/results/longctx_$((LENGTH / 1024))k_${HAYSTACK}_${TASK}"
 [ "$GQA_MERGE" = head_order ] || OUT="${OUT}_${GQA_MERGE}"
 KEYS=()
 if [ "${DISTINCT_KEY_WORDS:-0}" = 1 ]; then KEYS=(--distinct-key-words); OUT="${OUT}_dk"; fi
-PREFIX_STORE=${PREFIX_STORE:-${ICEKV_CACHE:-$HOME/.cache/icekv}/eval-prefixes}
+STORE=(--prefix-store ${PREFIX_STORE:+"$PREFIX_STORE"})  # unset: the CLI's default directory
 RESUME=()
 [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
 .venv/bin/icekv eval --model qwen2.5-coder-0.5b --task "$TASK" --haystack "$HAYSTACK" --lengths "$LENGTH" \
   --questions 8 --num-needles 10 "${KEYS[@]}" --policies "$POLICIES" --budgets "$BUDGETS" \
-  --search centroids --gqa-merge "$GQA_MERGE" --samples "$SAMPLES" --seed 0 --prefix-store "$PREFIX_STORE" --out "$OUT" "${RESUME[@]}"
+  --search centroids --gqa-merge "$GQA_MERGE" --samples "$SAMPLES" --seed 0 "${STORE[@]}" --out "$OUT" "${RESUME[@]}"

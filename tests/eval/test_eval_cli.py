@@ -175,3 +175,13 @@ def test_progress_tells_kept_contexts_from_run_ones(tmp_path, smollm2_dir, essay
     run_eval(engine, EvalConfig(samples=2, **grid), essays_text[:40000], lambda *a: calls.append(a), log=log,
              resume=True)
     assert calls == [(2, 4, True), (3, 4, False), (4, 4, False)]
+
+
+def test_a_bare_prefix_store_flag_names_the_cache_directory(tmp_path, monkeypatch):
+    from icekv.cli import build_parser
+
+    monkeypatch.setenv("ICEKV_CACHE", str(tmp_path))
+    parse = build_parser().parse_args
+    assert parse(["eval", "--prefix-store", "--out", "o"]).prefix_store == str(tmp_path / "eval-prefixes")
+    assert parse(["eval", "--prefix-store", "/s", "--out", "o"]).prefix_store == "/s"
+    assert parse(["eval", "--out", "o"]).prefix_store is None

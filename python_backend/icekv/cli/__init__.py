@@ -13,7 +13,7 @@ from pathlib import Path
 from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_int,
                               _serving_flags, _serving_parameters, _setting_flag)
 from icekv.cli.common import _bench_run_flags
-from icekv.config import CompressionConfig, IceCacheConfig, PagingConfig, SelectionConfig
+from icekv.config import CompressionConfig, IceCacheConfig, PagingConfig, SelectionConfig, default_cache_dir
 from icekv.errors import IcekvError
 from icekv.policies import policy_names
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
@@ -101,10 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ask each question as a user turn of the model's chat template (answer prefix after it)")
     _icecache_flags(ev)
     ev.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, accuracy.png")
-    ev.add_argument("--prefix-store", default=None, metavar="DIR|redis://HOST:PORT",
+    ev.add_argument("--prefix-store", nargs="?", const=str(default_cache_dir() / "eval-prefixes"), default=None,
+                    metavar="DIR|redis://HOST:PORT",
                     help="keep each context's KV pages in this store (the prefix cache's lower tier, at most 8 GiB, "
-                         "least recently used out first): a later or resumed run over the same contexts reads them "
-                         "back instead of prefilling")
+                         "least recently used out first; given no value: eval-prefixes in the cache directory): a "
+                         "later or resumed run over the same contexts reads them back instead of prefilling")
     _model_flag(ev)
 
     bench = sub.add_parser("bench", help="benchmarks")

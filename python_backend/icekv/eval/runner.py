@@ -58,9 +58,10 @@ class EvalConfig(ContextGrid):
         if "niah_multikey" in self.tasks and self.num_needles <= self.questions:
             raise ConfigError(f"niah_multikey needs distractors: --num-needles ({self.num_needles}) must exceed "
                               f"--questions ({self.questions})")
-        for t in self.tasks if self.distinct_key_words else ():
-            if t.startswith("niah_"):
-                check_distinct_key_words(t, self.questions, self.num_needles)
+        if self.distinct_key_words:
+            for t in self.tasks:
+                if t.startswith("niah_"):
+                    check_distinct_key_words(t, self.questions, self.num_needles)
         for pol in self.policies:  # validates policy names and budgets early, with their messages
             for b in self.budgets:
                 resolve(SelectionConfig(policy=pol, budget=b))
