@@ -79,3 +79,33 @@ def test_a_failing_store_is_counted_not_raised():
     pages.save(b"x", _rows())
     pages.flush()
     assert pages.load(b"x") is None and pages.stats.failed == 2
+
+
+def test_a_page_not_written_is_written_when_cached_again(tmp_path):
+    """A write the store failed leaves the page unmarked: the next time the prefix cache keeps it,
+    it is written (a page marked stored on a failed write would never reach the store)."""
+    from icekv.config import PagingConfig
+    from icekv.kv import PagedKVCache
+    from icekv.kv.prefix_tier import PrefixTier
+    from icekv.store import LocalStore
+
+    class Flaky(LocalStore):
+        down = True
+
+        def put(self, key, blob):
+            if self.down:
+                raise StoreUnavailable("down")
+            super().put(key, blob)
+
+    cache = PagedKVCache(SHAPE[0], SHAPE[2], SHAPE[4], PagingConfig(SHAPE[3], 64))
+    pages = PrefixPageStore(Flaky(tmp_path), "m", SHAPE, torch.float32)
+    tier = PrefixTier(cache, pages)
+    cache.pool[:, :, :, 1] = _rows()
+    tier.keep(b"chain", 1)
+    pages.flush()
+    assert (pages.stats.written, pages.stats.failed) == (0, 1) and pages.load(b"chain") is None
+    pages.backend.down = False
+    tier.keep(b"chain", 1)
+    tier.keep(b"chain", 1)  # written once: the first keep's write is pending or done
+    pages.flush()
+    assert pages.stats.written == 1 and torch.equal(pages.load(b"chain"), _rows())

@@ -17,6 +17,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from safetensors.torch import save
@@ -75,19 +76,23 @@ class PrefixPageStore:
         self._room = threading.BoundedSemaphore(MAX_PENDING)
         self._wait_when_full = wait_when_full
 
-    def save(self, chain: bytes, rows: torch.Tensor) -> None:
-        """Write a page (``rows``: a copy the caller no longer touches) in the background."""
+    def save(self, chain: bytes, rows: torch.Tensor, lost: Callable[[bytes], None] = lambda chain: None) -> None:
+        """Write a page (``rows``: a copy the caller no longer touches) in the background;
+        ``lost(chain)`` when it is not written (skipped, or the store failed)."""
         if not self._room.acquire(blocking=self._wait_when_full):
             self.stats.failed += 1
+            lost(chain)
             return
-        self._writer.submit(self._write, page_key(chain), rows)
+        self._writer.submit(self._write, chain, rows, lost)
 
-    def _write(self, key: str, rows: torch.Tensor) -> None:
+    def _write(self, chain: bytes, rows: torch.Tensor, lost: Callable[[bytes], None]) -> None:
+        key = page_key(chain)
         try:
             self.backend.put(key, encode_page(rows, key, self.model_id, self.secret))
             self.stats.written += 1
         except (StoreError, StoreUnavailable) as e:
             self.stats.failed += 1
+            lost(chain)
             log.warning("a prefix page was not written to the store: %s", e)
         finally:
             self._room.release()
