@@ -4,7 +4,9 @@
 # context's one prefill. Runs of hours: each context is appended to runs.jsonl as it finishes and
 # report.md is rewritten; rerun the same command to resume where it stopped.
 #   bash bench/longctx_eval.sh 16384 [SAMPLES]   -> bench/results/longctx_16k_essays_niah_multikey/
-# Environment: TASK (niah_multikey), HAYSTACK (essays), BUDGETS (64,128,256), POLICIES
+# Environment: TASK (niah_multikey), HAYSTACK (essays), QUESTIONS (8 keyed needles asked per context),
+# NUM_NEEDLES (niah_multikey: 10 needles in all); other counts than 8 and 10 write to a folder with
+# suffix _q<QUESTIONS> (niah_multikey: _q<QUESTIONS>_n<NUM_NEEDLES>). BUDGETS (64,128,256), POLICIES
 # (full,icecache,icecache_r,quest,streaming), GQA_MERGE (head_order, the authors' merge, which the saved
 # results in the plain folders used; another merge, such as the engine's default score_order, writes
 # to a folder named after it), DISTINCT_KEY_WORDS (1: no two keys of a context share a word,
@@ -19,7 +21,12 @@ BUDGETS=${BUDGETS:-64,128,256}
 HAYSTACK=${HAYSTACK:-essays}
 POLICIES=${POLICIES:-full,icecache,icecache_r,quest,streaming}
 GQA_MERGE=${GQA_MERGE:-head_order}
+QUESTIONS=${QUESTIONS:-8}
+NUM_NEEDLES=${NUM_NEEDLES:-10}
 OUT="bench/results/longctx_$((LENGTH / 1024))k_${HAYSTACK}_${TASK}"
+COUNTS="_q${QUESTIONS}"
+[ "$TASK" = niah_multikey ] && COUNTS="${COUNTS}_n${NUM_NEEDLES}"
+[ "$QUESTIONS/$NUM_NEEDLES" = 8/10 ] || OUT="${OUT}${COUNTS}"
 [ "$GQA_MERGE" = head_order ] || OUT="${OUT}_${GQA_MERGE}"
 KEYS=()
 if [ "${DISTINCT_KEY_WORDS:-0}" = 1 ]; then KEYS=(--distinct-key-words); OUT="${OUT}_dk"; fi
@@ -27,5 +34,5 @@ STORE=(--prefix-store ${PREFIX_STORE:+"$PREFIX_STORE"})  # unset: the CLI's defa
 RESUME=()
 [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
 .venv/bin/icekv eval --model qwen2.5-coder-0.5b --task "$TASK" --haystack "$HAYSTACK" --lengths "$LENGTH" \
-  --questions 8 --num-needles 10 "${KEYS[@]}" --policies "$POLICIES" --budgets "$BUDGETS" \
+  --questions "$QUESTIONS" --num-needles "$NUM_NEEDLES" "${KEYS[@]}" --policies "$POLICIES" --budgets "$BUDGETS" \
   --search centroids --gqa-merge "$GQA_MERGE" --samples "$SAMPLES" --seed 0 "${STORE[@]}" --out "$OUT" "${RESUME[@]}"
