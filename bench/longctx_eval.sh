@@ -9,7 +9,9 @@
 # suffix _q<QUESTIONS> (niah_multikey: _q<QUESTIONS>_n<NUM_NEEDLES>). BUDGETS (64,128,256), POLICIES
 # (full,icecache,icecache_r,quest,streaming), GQA_MERGE (head_order, the authors' merge, which the saved
 # results in the plain folders used; another merge, such as the engine's default score_order, writes
-# to a folder named after it), DISTINCT_KEY_WORDS (1: no two keys of a context share a word,
+# to a folder named after it), SEARCH (centroids; another page search, such as exhaustive, writes to a
+# folder named after it), RERANK (centroids: pages rescored per page selected, --rerank; set, the
+# folder gains _rerank<N>), DISTINCT_KEY_WORDS (1: no two keys of a context share a word,
 # --distinct-key-words; folder suffix _dk), PREFIX_STORE (each context's KV pages, --prefix-store:
 # default eval-prefixes in the cache directory). A resumed run must keep the grid it started with (the saved report.md names its command).
 set -euo pipefail
@@ -28,6 +30,10 @@ COUNTS="_q${QUESTIONS}"
 [ "$TASK" = niah_multikey ] && COUNTS="${COUNTS}_n${NUM_NEEDLES}"
 [ "$QUESTIONS/$NUM_NEEDLES" = 8/10 ] || OUT="${OUT}${COUNTS}"
 [ "$GQA_MERGE" = head_order ] || OUT="${OUT}_${GQA_MERGE}"
+SEARCH=${SEARCH:-centroids}
+[ "$SEARCH" = centroids ] || OUT="${OUT}_${SEARCH}"
+RERANK_ARGS=()
+if [ -n "${RERANK:-}" ]; then RERANK_ARGS=(--rerank "$RERANK"); OUT="${OUT}_rerank${RERANK}"; fi
 KEYS=()
 if [ "${DISTINCT_KEY_WORDS:-0}" = 1 ]; then KEYS=(--distinct-key-words); OUT="${OUT}_dk"; fi
 STORE=(--prefix-store ${PREFIX_STORE:+"$PREFIX_STORE"})  # unset: the CLI's default directory
@@ -35,4 +41,4 @@ RESUME=()
 [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
 .venv/bin/icekv eval --model qwen2.5-coder-0.5b --task "$TASK" --haystack "$HAYSTACK" --lengths "$LENGTH" \
   --questions "$QUESTIONS" --num-needles "$NUM_NEEDLES" "${KEYS[@]}" --policies "$POLICIES" --budgets "$BUDGETS" \
-  --search centroids --gqa-merge "$GQA_MERGE" --samples "$SAMPLES" --seed 0 "${STORE[@]}" --out "$OUT" "${RESUME[@]}"
+  --search "$SEARCH" "${RERANK_ARGS[@]}" --gqa-merge "$GQA_MERGE" --samples "$SAMPLES" --seed 0 "${STORE[@]}" --out "$OUT" "${RESUME[@]}"
