@@ -105,7 +105,9 @@ def test_eval_and_bench_take_every_icecache_setting(command):
     from icekv.cli.common import _icecache_config
 
     assert _icecache_config(build_parser().parse_args(command)) == IceCacheConfig()
-    args = build_parser().parse_args([*command, "--gqa-merge", "head_order", "--rerank", "4", "--search", "centroids"])
-    assert _icecache_config(args) == IceCacheConfig(gqa_merge="head_order", rerank=4, search="centroids")
+    args = build_parser().parse_args([*command, "--gqa-merge", "head_order", "--rerank", "4", "--min-candidates", "200",
+                                      "--search", "centroids"])
+    assert _icecache_config(args) == IceCacheConfig(gqa_merge="head_order", rerank=4, min_candidates=200,
+                                                    search="centroids")
     with pytest.raises(SystemExit):
         build_parser().parse_args([*command, "--gqa-merge", "random"])

@@ -93,6 +93,8 @@ SETTINGS = (
             SEARCHES, configmap=True),
     Setting("rerank", ("engine.selection.icecache.rerank",), "`centroids`: pages rescored exactly per query head, "
             "as a multiple of the pages selected (with a floor for small budgets)"),
+    Setting("min_candidates", ("engine.selection.icecache.min_candidates",), "`centroids`: the floor under `rerank`: "
+            "at least this many pages rescored exactly per query head"),
     Setting("score_dtype", ("engine.selection.icecache.score_dtype",), "index page-key dtype: `auto` (the KV's "
             "width: bf16 under a bf16 or fp16 cache, fp32 under fp32), or bfloat16 (half fp32's memory), int8 with a "
             "scale per key (about a quarter)", str, SCORE_DTYPES, configmap=True),

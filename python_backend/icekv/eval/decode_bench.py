@@ -155,6 +155,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: 
         "context": len(req.prompt_ids), "policy": policy, "budget": gen.budget,
         "search": cfg.icecache.search if ice else None,
         "rerank": cfg.icecache.rerank if ice and cfg.icecache.search == "centroids" else None,
+        "min_candidates": cfg.icecache.min_candidates if ice and cfg.icecache.search == "centroids" else None,
         "score_dtype": cfg.icecache.page_keys(engine.cache.dtype) if ice else None,
         "centroid_scoring": cfg.icecache.centroid_scoring if ice else None,
         "rescoring": cfg.icecache.rescoring if ice else None,
