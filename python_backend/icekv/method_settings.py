@@ -36,6 +36,13 @@ class IceCacheConfig:
       best ``candidates(k)`` pages rescored exactly. Higher recall than the walk for a fraction
       of the reads (bench/selection_recall.py); the served model's default.
 
+    ``candidates(k)`` is ``rerank * k`` pages, and at least ``min_candidates``. A page's centroid
+    is the mean of its keys, and a needle is a few tokens of its page: its page can rank low by
+    centroid while its best token scores high, so a small budget needs a large floor. At 64
+    tokens (k = 2) on Qwen2.5-Coder-0.5B's niah_multikey, 96 candidates kept 0.84x of the full
+    cache's accuracy at 16k, 256 kept 0.95x and every page 0.97x (docs/benchmarks.md,
+    "Candidates rescored").
+
     ``score_dtype``: the dtype of the index's page keys (its only copy of them) and centroids.
     ``auto`` (the default, :meth:`page_keys`) follows the KV: bf16 keys under a bf16 or fp16 KV
     cache, fp32 under fp32, so the index never holds its keys wider than the KV it indexes (fp32
@@ -78,7 +85,7 @@ class IceCacheConfig:
     seed: int = 0  # the random projection that orders a node's children
     search: str = "walk"  # "walk" (the paper's tree walk) | "exhaustive" (every page exactly) | "centroids"
     rerank: int = 8  # centroids search: pages rescored exactly per query head, as a multiple of k,
-    min_candidates: int = 96  # and at least this many (small k needs a floor: 2 x 8 misses pages)
+    min_candidates: int = 256  # and at least this many (see above: small k needs a floor)
     score_dtype: str = "auto"  # the index's page keys: "auto" (the KV's width, see page_keys) | "float32" |
     # "bfloat16" (half fp32's memory) | "int8" (about a quarter)
     centroid_scoring: str = "auto"  # centroids search: "auto" | "host" | "device" (see above)
