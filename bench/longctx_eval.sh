@@ -4,16 +4,16 @@
 # context's one prefill. Runs of hours: each context is appended to runs.jsonl as it finishes and
 # report.md is rewritten; rerun the same command to resume where it stopped.
 #   bash bench/longctx_eval.sh 16384 [SAMPLES]   -> bench/results/longctx_16k_essays_niah_multikey/
-# Environment: TASK (niah_multikey), HAYSTACK (essays), QUESTIONS (8 keyed needles asked per context),
-# NUM_NEEDLES (niah_multikey: 10 needles in all); other counts than 8 and 10 write to a folder with
-# suffix _q<QUESTIONS> (niah_multikey: _q<QUESTIONS>_n<NUM_NEEDLES>). BUDGETS (64,128,256), POLICIES
-# (full,icecache,icecache_r,quest,streaming), GQA_MERGE (head_order, the authors' merge, which the saved
-# results in the plain folders used; another merge, such as the engine's default score_order, writes
-# to a folder named after it), SEARCH (centroids; another page search, such as exhaustive, writes to a
-# folder named after it), RERANK (centroids: pages rescored per page selected, --rerank; set, the
-# folder gains _rerank<N>), DISTINCT_KEY_WORDS (1: no two keys of a context share a word,
-# --distinct-key-words; folder suffix _dk), PREFIX_STORE (each context's KV pages, --prefix-store:
-# default eval-prefixes in the cache directory). A resumed run must keep the grid it started with (the saved report.md names its command).
+# Environment:
+#   TASK (niah_multikey), HAYSTACK (essays), BUDGETS (64,128,256), POLICIES (full,icecache,icecache_r,
+#   quest,streaming), QUESTIONS (8 keyed needles asked per context), NUM_NEEDLES (niah_multikey: 10
+#   in all), GQA_MERGE (head_order: the authors' merge), SEARCH (centroids), RERANK and
+#   MIN_CANDIDATES (centroids: pages rescored per page selected, and at least; unset: the engine's
+#   defaults), DISTINCT_KEY_WORDS (1: no two keys of a context share a word), PREFIX_STORE (where
+#   each context's KV pages are kept, --prefix-store: default eval-prefixes in the cache directory).
+#   Each setting away from its default names the folder: _q<QUESTIONS> (niah_multikey
+#   _q<QUESTIONS>_n<NUM_NEEDLES>), _<GQA_MERGE>, _<SEARCH>, _rerank<N>, _candidates<N>, _dk.
+# A resumed run must keep the grid it started with (the saved report.md names its command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LENGTH=${1:?usage: bench/longctx_eval.sh LENGTH [SAMPLES]}
@@ -34,6 +34,9 @@ SEARCH=${SEARCH:-centroids}
 [ "$SEARCH" = centroids ] || OUT="${OUT}_${SEARCH}"
 RERANK_ARGS=()
 if [ -n "${RERANK:-}" ]; then RERANK_ARGS=(--rerank "$RERANK"); OUT="${OUT}_rerank${RERANK}"; fi
+if [ -n "${MIN_CANDIDATES:-}" ]; then
+  RERANK_ARGS+=(--min-candidates "$MIN_CANDIDATES"); OUT="${OUT}_candidates${MIN_CANDIDATES}"
+fi
 KEYS=()
 if [ "${DISTINCT_KEY_WORDS:-0}" = 1 ]; then KEYS=(--distinct-key-words); OUT="${OUT}_dk"; fi
 STORE=(--prefix-store ${PREFIX_STORE:+"$PREFIX_STORE"})  # unset: the CLI's default directory
