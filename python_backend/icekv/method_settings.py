@@ -38,10 +38,8 @@ class IceCacheConfig:
 
     ``candidates(k)`` is ``rerank * k`` pages, and at least ``min_candidates``. A page's centroid
     is the mean of its keys, and a needle is a few tokens of its page: its page can rank low by
-    centroid while its best token scores high, so a small budget needs a large floor. At 64
-    tokens (k = 2) on Qwen2.5-Coder-0.5B's niah_multikey, 96 candidates kept 0.84x of the full
-    cache's accuracy at 16k, 256 kept 0.95x and every page 0.97x (docs/benchmarks.md,
-    "Candidates rescored").
+    centroid while its best token scores high, so a small budget needs a large floor
+    (docs/benchmarks.md, "Candidates rescored", measures what the floor keeps and costs).
 
     ``score_dtype``: the dtype of the index's page keys (its only copy of them) and centroids.
     ``auto`` (the default, :meth:`page_keys`) follows the KV: bf16 keys under a bf16 or fp16 KV
