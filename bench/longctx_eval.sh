@@ -32,10 +32,10 @@ COUNTS="_q${QUESTIONS}"
 [ "$GQA_MERGE" = head_order ] || OUT="${OUT}_${GQA_MERGE}"
 SEARCH=${SEARCH:-centroids}
 [ "$SEARCH" = centroids ] || OUT="${OUT}_${SEARCH}"
-RERANK_ARGS=()
-if [ -n "${RERANK:-}" ]; then RERANK_ARGS=(--rerank "$RERANK"); OUT="${OUT}_rerank${RERANK}"; fi
+CANDIDATE_ARGS=()
+if [ -n "${RERANK:-}" ]; then CANDIDATE_ARGS=(--rerank "$RERANK"); OUT="${OUT}_rerank${RERANK}"; fi
 if [ -n "${MIN_CANDIDATES:-}" ]; then
-  RERANK_ARGS+=(--min-candidates "$MIN_CANDIDATES"); OUT="${OUT}_candidates${MIN_CANDIDATES}"
+  CANDIDATE_ARGS+=(--min-candidates "$MIN_CANDIDATES"); OUT="${OUT}_candidates${MIN_CANDIDATES}"
 fi
 KEYS=()
 if [ "${DISTINCT_KEY_WORDS:-0}" = 1 ]; then KEYS=(--distinct-key-words); OUT="${OUT}_dk"; fi
@@ -44,4 +44,4 @@ RESUME=()
 [ -f "$OUT/runs.jsonl" ] && RESUME=(--resume)
 .venv/bin/icekv eval --model qwen2.5-coder-0.5b --task "$TASK" --haystack "$HAYSTACK" --lengths "$LENGTH" \
   --questions "$QUESTIONS" --num-needles "$NUM_NEEDLES" "${KEYS[@]}" --policies "$POLICIES" --budgets "$BUDGETS" \
-  --search "$SEARCH" "${RERANK_ARGS[@]}" --gqa-merge "$GQA_MERGE" --samples "$SAMPLES" --seed 0 "${STORE[@]}" --out "$OUT" "${RESUME[@]}"
+  --search "$SEARCH" "${CANDIDATE_ARGS[@]}" --gqa-merge "$GQA_MERGE" --samples "$SAMPLES" --seed 0 "${STORE[@]}" --out "$OUT" "${RESUME[@]}"
