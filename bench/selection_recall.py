@@ -4,11 +4,11 @@ For a needle prompt from the essays, prefill with full attention, record every l
 queries for a few steps, build each (layer, KV head) tree over the indexed region and compare each
 search's top-k pages (per query head, before the GQA merge) to the exact top-k pages by max q.k:
 the DCI-tree walk (the paper's) and the centroids search at several candidate counts (the default
-``IceCacheConfig.candidates(k)`` is 96 for budgets up to 256). Several budgets share one prefill,
+``IceCacheConfig.candidates(k)`` is the floor of 256 up to k = 32 pages, 8k above). Several budgets share one prefill,
 and one tree per (layer, KV head) where their indexed regions agree.
 
     .venv/bin/python bench/selection_recall.py [--model smollm2-135m] [--length 4000] [--budget 256|64,256,1024]
-        [--candidates 48,96,192] [--score-dtypes bfloat16,int8] [--out bench/results]
+        [--candidates 96,256] [--score-dtypes bfloat16,int8] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--budget", default="256", help="one budget, or a comma list measured over one prefill")
-    ap.add_argument("--candidates", default="48,96,192", help="centroids search: pages rescored per query head")
+    ap.add_argument("--candidates", default="96,256", help="centroids search: pages rescored per query head")
     ap.add_argument("--score-dtypes", default="",
                     help="also the centroids search over a copy of the index with its page keys in these score "
                          "dtypes (e.g. bfloat16,int8), per candidate count")

@@ -63,6 +63,13 @@ def openai_frontend(server, tmp_path_factory):
         yield frontend
 
 
+@pytest.fixture(scope="session")
+def openai_client(openai_frontend):
+    """The official ``openai`` client of ``openai_frontend`` (no retries: a failure shows as it is)."""
+    import openai
+    return openai.OpenAI(base_url=f"{openai_frontend.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
 def post(server, path: str, body, timeout=300):
     """POST JSON (or raw bytes) -> (status, parsed JSON or SSE events)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -20,8 +20,8 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema
 
 
 @pytest.fixture(scope="module")
-def client(openai_frontend):
-    return openai.OpenAI(base_url=f"{openai_frontend.url}/v1", api_key="unused", max_retries=0, timeout=300)
+def client(openai_client):
+    return openai_client
 
 
 def _satisfies_place(text: str) -> None:
