@@ -34,6 +34,10 @@ case "${1:-}" in
 esac
 export PYTHONPATH="$PWD/python_backend:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "gpu_check: $PY cannot import torch; set PYTHON to an interpreter that can (here: PYTHON=.venv/bin/python)" >&2
+  exit 2
+fi
 if [ "$MODE" = plan ]; then exec "$PY" bench/gpu_parts.py --plan; fi
 COMMIT="${ICEKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 RUN="$(date -u +%Y%m%d)-$COMMIT"

@@ -5,6 +5,7 @@ the lent machine (128 GiB host, 141 GB device)."""
 
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,12 @@ def test_the_batch_of_eight_runs_as_one_wave_with_its_limits_sized_for_it(capsys
 def test_wide_page_keys_over_a_bf16_cache_are_refused_before_anything_loads(capsys):
     rc = icekv([*gpu_parts.plan_args("batch_32k"), "--score-dtype", "float32"])
     assert rc == 2 and "index outweighs the KV" in capsys.readouterr().err
+
+
+def test_the_check_refuses_an_interpreter_without_torch_before_running_anything(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "/bin/false", "GPU_CHECK_DIR": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert "/bin/false cannot import torch" in done.stderr and "PYTHON" in done.stderr
+    assert not (tmp_path / "out").exists()  # refused before any part wrote anything
