@@ -160,6 +160,7 @@ def test_settings_strings_are_typed_by_the_method_fields():
     ("kv2", "normalize=maybe", "expected bool"), ("kv2", "rounds=1.5", "expected int"),
     ("kv2", "attend=all", "attend must be one of chunk, context"), ("kv2", "proxy=oracle", "proxy must be one of"),
     ("kv2", "rho_scale", "is not NAME=VALUE"), ("kv2", "rho_scale=0", "rho_scale must be > 0"),
+    ("kv2", "chunk=0", "chunk must be >= 1"), ("kv2", "n_sinks=-1", "n_sinks must be >= 0"),
     ("zip", "a=1", "unknown compression method"),
 ])
 def test_bad_settings_are_named(method, text, message):

@@ -115,7 +115,7 @@ def _setting_type(setting):
 def _kv2_flag(parser, what: str) -> None:
     parser.add_argument("--kv2", default=None, metavar="NAME=VALUE,...",
                         help=f"{what}: rho (share re-fed), rho_scale (re-fed share as a multiple of the budget), "
-                             "rounds, normalize, attend (chunk|context), proxy (keydiff|snapkv), chunk")
+                             "rounds, normalize, attend (chunk|context), proxy (keydiff|snapkv), chunk, n_sinks")
 
 
 def _icecache_flags(parser) -> None:

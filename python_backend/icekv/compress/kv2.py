@@ -30,6 +30,8 @@ class KV2Compressor:
         "context" (the whole context, as the authors' code does; only the scores stay per chunk).
     proxy: "keydiff" (keys that stand out from their chunk's mean key) or "snapkv" (the attention
         of the context's last tokens).
+    chunk: tokens per scored chunk.
+    n_sinks: the context's first tokens, which every re-fed token attends besides its chunk.
     """
 
     rho: float | None = None
@@ -54,6 +56,8 @@ class KV2Compressor:
             raise ConfigError(f"proxy must be one of {', '.join(PROXIES)}, got {self.proxy!r}")
         if self.chunk < 1:
             raise ConfigError(f"chunk must be >= 1, got {self.chunk}")
+        if self.n_sinks < 0:
+            raise ConfigError(f"n_sinks must be >= 0, got {self.n_sinks}")
 
     def refeed_share(self, kv_budget: float) -> float:
         """The share of each chunk re-fed at ``kv_budget``."""
