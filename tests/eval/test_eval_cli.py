@@ -45,6 +45,13 @@ def test_bad_eval_flags(tmp_path, args, message):
 
 
 @pytest.mark.model
+def test_a_length_too_short_for_the_task_is_refused_on_its_own_line(tmp_path, smollm2_dir):
+    proc = icekv("eval", "--lengths", "10", "--samples", "1", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "icekv: error: length 10 is too short for the task" in proc.stderr.splitlines()[-1][:50]  # not after the bar
+
+
+@pytest.mark.model
 def test_a_long_run_logs_each_context_and_resumes(tmp_path, smollm2_dir):
     """Each context's runs are one log line written as it finishes; --resume keeps them and runs
     only what is missing (here the grid grew by a sample), a cut last line runs again, and a

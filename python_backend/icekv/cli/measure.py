@@ -94,9 +94,9 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     try:
         records, meta = _timed(engine, lambda meta: run(engine, text, progress, meta))
     finally:
+        bar.close()  # its line ended before an error's message
         if pages is not None:
             pages.close()  # every page handed to the store written (or failed) before the process ends
-    bar.close()
     write(records, args.out, meta)
     print(f"wrote {args.out / 'results.json'}, report.md, accuracy.png")
     return 0
