@@ -4,8 +4,8 @@ For a needle prompt from the essays, prefill with full attention, record every l
 queries for a few steps, build each (layer, KV head) tree over the indexed region and compare each
 search's top-k pages (per query head, before the GQA merge) to the exact top-k pages by max q.k:
 the DCI-tree walk (the paper's) and the centroids search at several candidate counts (the default
-``IceCacheConfig.candidates(k)`` is the floor of 256 up to k = 32 pages, 8k above). Several budgets share one prefill,
-and one tree per (layer, KV head) where their indexed regions agree.
+``IceCacheConfig.candidates(k)`` is its floor of 256 up to k = 32 pages, 8k above). Several
+budgets share one prefill, and one tree per (layer, KV head) where their indexed regions agree.
 
     .venv/bin/python bench/selection_recall.py [--model smollm2-135m] [--length 4000] [--budget 256|64,256,1024]
         [--candidates 96,256] [--score-dtypes bfloat16,int8] [--out bench/results]
