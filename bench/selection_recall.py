@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from icekv.assets import Assets
-from icekv.config import EngineConfig, IceCacheConfig, SelectionConfig
+from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.backends import DenseAttention, RequestPages
 from icekv.eval.tasks import HaystackSampler
@@ -66,7 +66,10 @@ def main() -> None:
                          "dtypes (e.g. bfloat16,int8), per candidate count")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    engine = Engine(EngineConfig(model_dir=args.model) if args.model else EngineConfig())
+    # the pool holds the prompt and the recorded decode steps (a prompt at the default pool's size too)
+    paging = PagingConfig(max_context_tokens=max(PagingConfig.max_context_tokens,
+                                                 args.length + args.steps + 2 * PagingConfig.page_size))
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
     ids, req, backend = record_decode_queries(engine, args.length, args.steps)
     cfg = IceCacheConfig()
     u = torch.randn(engine.model.args.head_dim + 1, generator=torch.Generator().manual_seed(cfg.seed))
