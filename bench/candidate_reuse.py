@@ -24,11 +24,13 @@ from pathlib import Path
 import torch
 
 from icekv.assets import Assets
-from icekv.config import EngineConfig, IceCacheConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine
 from icekv.engine.backends import RequestPages, SparseAttention
 from icekv.eval.tasks import HaystackSampler
-from icekv.policies import make_selector, resolve
+from icekv.policies import resolve
 
 
 def counters(selector) -> tuple[int, int, int]:
@@ -40,12 +42,12 @@ def counters(selector) -> tuple[int, int, int]:
 def measure(engine: Engine, length: int, steps: int, budget: int) -> dict:
     sample = HaystackSampler(Assets().haystack_text("essays"), engine.tokenizer).make("niah_single", length, seed=1)
     ids = engine.tokenizer.encode(sample.prompt)
-    sel = SelectionConfig(policy="icecache", budget=budget,
-                          icecache=IceCacheConfig(search="centroids", centroid_scoring="device", rescoring="device"))
+    plan = resolve(SelectionConfig(policy="icecache", budget=budget,
+                                   icecache=IceCacheConfig(centroid_scoring="device", rescoring="device")))
     req = engine.prefill(ids)
     try:
-        selector = make_selector(sel)
-        backend = SparseAttention(RequestPages(engine.cache, req.seq_id), engine.model.args, resolve(sel), sel, selector)
+        selector = plan.make_selector()
+        backend = SparseAttention(RequestPages(engine.cache, req.seq_id), engine.model.args, plan, selector)
         logits, after_first = req.logits, None
         for step in range(steps):
             logits = engine.model(torch.tensor([int(logits.argmax())]), backend.begin_step(1), backend)[-1]
@@ -56,7 +58,7 @@ def measure(engine: Engine, length: int, steps: int, budget: int) -> dict:
         engine.release(req)
     total = counters(selector)
     a = engine.model.args
-    page_keys = sel.page_size * a.head_dim  # values per page's keys
+    page_keys = plan.page_size * a.head_dim  # values per page's keys
     copied_bytes = page_keys * next(iter(selector.device_rescoring.values())).k.element_size()  # per page
 
     def part(lookups, hits, moved, n_steps):
@@ -69,8 +71,8 @@ def measure(engine: Engine, length: int, steps: int, budget: int) -> dict:
                                                       / max(n_steps, 1)}}
 
     steady = [t - f for t, f in zip(total, after_first)]
-    return {"prompt_tokens": len(ids), "k_pages": sel.selected_pages,
-            "candidates_per_query_head": sel.icecache.candidates(sel.selected_pages),
+    return {"prompt_tokens": len(ids), "k_pages": plan.selected_pages,
+            "candidates_per_query_head": plan.selection.icecache.candidates(plan.selected_pages),
             "kv_heads": a.num_kv_heads, "query_heads_per_kv_head": a.gqa_group,
             "sparse_layers": len(backend.sparse_layers),
             "first_step": part(*after_first, 1), "steady": part(*steady, steps - 1)}

@@ -63,7 +63,7 @@ def median_s(fn, device: torch.device, repeats: int) -> float:
 
 def bench_context(tokens: int, device: torch.device, dtype: torch.dtype, k: int, repeats: int, score_dtype: str,
                   heads: int = 8, group: int = 4, dim: int = 128, page: int = 16) -> dict:
-    from icekv.config import IceCacheConfig
+    from icekv.methods.icecache import IceCacheConfig
     from icekv.index.device_centroids import DeviceCentroids
     from icekv.index.device_rescoring import DeviceRescoring
     from icekv.index.fused_search import candidate_search, centroid_search, union_of_picks

@@ -24,7 +24,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from icekv.assets import Assets
-from icekv.config import CompressionConfig, EngineConfig, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.config.serving import CompressionConfig
 from icekv.devices import use_huge_pages
 from icekv.engine import Engine
 from icekv.eval.tasks import HaystackSampler, make_reusable

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from icekv.config import SamplingConfig
+from icekv.config.request import SamplingConfig
 from icekv.engine.grammar import Grammars
 from icekv.model import ModelArgs, Tokenizer
 from icekv.engine.model_dir import resolve_model_dir

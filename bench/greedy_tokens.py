@@ -15,23 +15,34 @@ import sys
 import time
 
 from icekv.assets import Assets
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
+from icekv.methods.icecache import IceCacheConfig
 from icekv.policies import policy_names
 
 LENGTHS = (700, 2500)  # prompt tokens: within the larger budget's reach, and well past both
 BUDGETS = (128, 512)
 CONTEXT_POLICIES = ("full", "icecache")  # the ones that select over a compressed context
 SAMPLING = SamplingConfig(max_tokens=16, ignore_eos=True)
+CENTROIDS = IceCacheConfig(search="centroids")  # the default search, spelled out
+WALK = IceCacheConfig(search="walk")  # the paper's search
 
 
 def selections() -> list[SelectionConfig]:
+    """Every method at each budget with its settings spelled out (so two checkouts whose defaults
+    differ still run the same), and IceCache's tree walk too."""
     out = [SelectionConfig(policy="full")]
-    return out + [SelectionConfig(policy=p, budget=b) for p in policy_names() if p != "full" for b in BUDGETS]
+    out += [SelectionConfig(policy=p, budget=b, icecache=CENTROIDS) for p in policy_names() if p != "full"
+            for b in BUDGETS]
+    return out + [SelectionConfig(policy=p, budget=b, icecache=WALK) for p in ("icecache", "icecache_r") for b in BUDGETS]
 
 
 def name(sel: SelectionConfig) -> str:
-    return sel.policy if sel.policy == "full" else f"{sel.policy}@{sel.budget}"
+    walk = " walk" if sel.icecache.search == "walk" and sel.policy.startswith("icecache") else ""
+    return sel.policy if sel.policy == "full" else f"{sel.policy}{walk}@{sel.budget}"
 
 
 def run(engine: Engine, text: str) -> dict:
@@ -47,7 +58,7 @@ def run(engine: Engine, text: str) -> dict:
     context = engine.compress(context_ids, "kv2", 0.1)
     question = engine.tokenizer.encode(" What is this text about? Answer:")
     for policy in CONTEXT_POLICIES:
-        sel = SelectionConfig(policy=policy, budget=128)
+        sel = SelectionConfig(policy=policy, budget=128, icecache=CENTROIDS)
         out[f"context kv2@0.1 {name(sel)}"] = engine.generate(question, SAMPLING, selection=sel, context=context).token_ids
     return out
 

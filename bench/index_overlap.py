@@ -21,7 +21,11 @@ from pathlib import Path
 import torch
 
 from icekv.assets import Assets
-from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from icekv.assets import Assets
 from icekv.compress import resolved_settings
-from icekv.config import EngineConfig, PagingConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
 from icekv.devices import huge_pages_setting, use_huge_pages
 from icekv.engine import Engine
 from icekv.eval.compression import PeakRSS, Variant, compress_prefilled

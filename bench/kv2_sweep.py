@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from icekv.assets import Assets
-from icekv.config import EngineConfig
+from icekv.config.engine import EngineConfig
 from icekv.engine import Engine
 from icekv.eval.compression import CompressionEvalConfig, Variant, run_compression_eval
 from icekv.eval.report import write_compression_report

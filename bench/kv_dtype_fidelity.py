@@ -21,7 +21,9 @@ import time
 import torch
 
 from icekv.assets import Assets
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
 from icekv.engine import Engine
 from icekv.engine.model_dir import resolve_model_dir
 

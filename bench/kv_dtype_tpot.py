@@ -17,7 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from icekv.assets import Assets
-from icekv.config import EngineConfig, IceCacheConfig, PagingConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine
 from icekv.engine.model_dir import resolve_model_dir
 from icekv.eval.decode_bench import DecodeBenchConfig, synthesize, time_policy

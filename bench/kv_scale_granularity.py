@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from selection_recall import record_decode_queries
 
-from icekv.config import EngineConfig
+from icekv.config.engine import EngineConfig
 from icekv.engine import Engine
 from icekv.kv.quant import _LARGEST, KVFormat
 

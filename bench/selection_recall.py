@@ -22,11 +22,15 @@ from pathlib import Path
 import torch
 
 from icekv.assets import Assets
-from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine
 from icekv.engine.backends import DenseAttention, RequestPages
 from icekv.eval.tasks import HaystackSampler
 from icekv.index import DCITree
+from icekv.policies import PolicyPlan, resolve
 
 
 class RecordingAttention(DenseAttention):
@@ -77,10 +81,11 @@ def main() -> None:
     fov = cfg.field_of_view(len(ids))
     narrow = [d for d in args.score_dtypes.split(",") if d]
     budgets = [int(b) for b in args.budget.split(",")]
-    by_budget = {b: measure(engine, req, len(ids), backend, SelectionConfig(policy="icecache", budget=b), cfg, u, fov,
+    plans = {b: resolve(SelectionConfig(policy="icecache", budget=b)) for b in budgets}
+    by_budget = {b: measure(engine, req, len(ids), backend, plans[b], cfg, u, fov,
                             [int(x) for x in args.candidates.split(",")], narrow) for b in budgets}
     engine.release(req)
-    results = {b: {"k_pages": SelectionConfig(policy="icecache", budget=b).selected_pages, **r} for b, r in by_budget.items()}
+    results = {b: {"k_pages": plans[b].selected_pages, **r} for b, r in by_budget.items()}
     result = {
         "command": "bench/selection_recall.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in ("", None)),
@@ -101,11 +106,11 @@ def main() -> None:
             print(f"  {search} per layer:", " ".join(f"{l}:{x:.2f}" for l, x in per_layer.items()))
 
 
-def measure(engine, req, prompt_tokens: int, backend, sel: SelectionConfig, cfg: IceCacheConfig, u: torch.Tensor, fov: int,
+def measure(engine, req, prompt_tokens: int, backend, plan: PolicyPlan, cfg: IceCacheConfig, u: torch.Tensor, fov: int,
             candidates: list[int], narrow: list[str]) -> dict:
-    """Each search's share of the exact top-k pages, per budgeted layer and on average, at ``sel``'s budget."""
-    k, p = sel.selected_pages, sel.page_size
-    region = (sel.n_sink_pages * p, (prompt_tokens // p - sel.n_win_pages) * p)
+    """Each search's share of the exact top-k pages, per budgeted layer and on average, at ``plan``'s budget."""
+    k, p = plan.selected_pages, plan.page_size
+    region = (plan.sink_tokens, (prompt_tokens // p - plan.window_pages) * p)
     searches = {"walk": lambda tree, q: tree.page_scores(q, fov)}
     for c in candidates:
         searches[f"centroids_c{c}"] = lambda tree, q, c=c: tree.centroid_page_scores(q, c)

@@ -32,7 +32,7 @@ def smollm2_dir(assets):
 
 @pytest.fixture(scope="session")
 def engine(smollm2_dir):
-    from icekv.config import EngineConfig
+    from icekv.config.engine import EngineConfig
     from icekv.engine import Engine
 
     return Engine(EngineConfig(model_dir=str(smollm2_dir)))

@@ -1,9 +1,13 @@
-from icekv.settings import serving_config
+from icekv.config.settings import serving_config
 import pytest
 
 import torch
 
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig, ServingConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.config.serving import ServingConfig
 from icekv.devices import pool_device, resolve_device
 from icekv.errors import ConfigError
 

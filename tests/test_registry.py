@@ -1,4 +1,3 @@
-from icekv.settings import serving_config
 """Models by name: the registry, joining a model's GGUF from its wheels, and --model NAME."""
 
 import hashlib
@@ -6,6 +5,7 @@ import zipfile
 
 import pytest
 
+from icekv.config.settings import serving_config
 from icekv.assets import Assets
 from icekv.errors import AssetError, ConfigError, ModelLoadError
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, KnownModel, WheelMember, known_model
@@ -63,7 +63,7 @@ def test_names_resolve_and_unknown_ones_are_refused(assets, tmp_path):
 def test_a_name_reaches_the_server_as_a_name(smollm2_dir):
     from icekv.cli import build_parser
     from icekv.cli.common import _serving_parameters
-    from icekv.config import ServingConfig
+    from icekv.config.serving import ServingConfig
 
     args = build_parser().parse_args(["serve", "--model", DEFAULT_MODEL])
     params = _serving_parameters(args)

@@ -2,17 +2,21 @@
 parsing, the ConfigMap and the README follow it."""
 
 import re
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
 import pytest
 import yaml
 
 from icekv.cli import _serving_parameters, build_parser
-from icekv.config import SERVING_PROFILE, EngineConfig, IceCacheConfig, SelectionConfig, ServingConfig
-from icekv.config_paths import build_config, field_value
+from icekv.config.engine import EngineConfig
+from icekv.config.selection import SelectionConfig
+from icekv.config.serving import ServingConfig
+from icekv.methods.icecache import IceCacheConfig
+from icekv.config.paths import build_config, field_value
 from icekv.errors import ConfigError
-from icekv.settings import SETTINGS, choices, readme_table, serving_config
+from icekv.policies import resolve
+from icekv.config.settings import SETTINGS, choices, readme_table, serving_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +40,7 @@ def test_every_setting_names_real_fields_and_its_defaults_parse_back_to_the_defa
 
 def test_the_readme_configuration_table_is_the_generated_one():
     readme = (ROOT / "README.md").read_text()
-    assert readme_table() in readme, "README's configuration table differs: paste icekv.settings.readme_table()"
+    assert readme_table() in readme, "README's configuration table differs: paste icekv.config.settings.readme_table()"
 
 
 def test_the_configmap_holds_the_settings_marked_for_it_and_deployment_passes_each_as_its_flag():
@@ -84,17 +88,40 @@ def test_parameters_the_registries_refuse_fail_when_the_config_is_read(params, m
         serving_config(params)
 
 
-def test_the_server_profile_is_the_one_difference_from_the_engine_defaults():
-    served, engine = ServingConfig().engine, EngineConfig()
-    differ = {p for p in _paths(engine) if field_value(served, p) != field_value(engine, p)}
-    assert differ == set(SERVING_PROFILE)
-    assert serving_config({}).engine == served
+def test_every_front_end_starts_from_the_library_defaults():
+    """One default per setting: the library's engine, the server's (with no parameters, and as the
+    shipped model repository and the ConfigMap spell it), and every CLI command's flags."""
+    library = EngineConfig()
+    assert ServingConfig().engine == library and serving_config({}).engine == library
+    shipped = re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}',
+                         (ROOT / "model_repository/icekv/config.pbtxt").read_text())
+    assert serving_config(dict(shipped)).engine == library
+    configmap = yaml.safe_load((ROOT / "deploy/base/configmap.yaml").read_text())["data"]
+    by_key = {s.configmap_key: s for s in SETTINGS if s.configmap}
+    sized = {"model_dir", "device", "store", "host_pool_tokens", "max_index_bytes"}  # the deployment's own
+    for key, text in configmap.items():
+        setting = by_key.get(key)
+        if setting is not None and setting.name not in sized and text != "":
+            assert setting.parse(text) == setting.default(), key
+    parser = build_parser()
+    generate = parser.parse_args(["generate", "--prompt", "x"])
+    assert (generate.policy, generate.budget) == (library.selection.policy, library.selection.budget)
+    from icekv.cli.common import _icecache_config
+
+    for command in (["generate", "--prompt", "x"], ["eval", "--out", "x"], ["bench", "decode"], ["bench", "batch"]):
+        assert _icecache_config(parser.parse_args(command)) == library.selection.icecache, command
+    for command in (["bench", "decode"], ["bench", "batch"], ["size"]):
+        assert parser.parse_args(command).budget == library.selection.budget, command
+    assert library.selection.icecache.search == "centroids" and library.selection.policy == "icecache"
 
 
 def test_build_config_derives_dependent_defaults_from_the_values_it_is_given():
     built = build_config(EngineConfig, {"selection.budget": 64, "selection.policy": "icecache"})
     assert built.selection == SelectionConfig(policy="icecache", budget=64)
-    assert (built.selection.n_sink_pages, built.selection.n_win_pages) == (1, 1)  # a quarter of 4 pages each
+    plan = resolve(built.selection)
+    assert (plan.sink_pages, plan.window_pages) == (1, 1)  # a quarter of 4 pages each
+    wider = resolve(replace(built.selection, budget=256))  # derived again: nothing stale in the config
+    assert (wider.sink_pages, wider.window_pages, wider.selected_pages) == (2, 2, 12)
     one_page_size = serving_config({"page_size": "32", "budget": "512"}).engine
     assert one_page_size.paging.page_size == one_page_size.selection.page_size == 32
 
@@ -111,3 +138,9 @@ def test_eval_and_bench_take_every_icecache_setting(command):
                                                     search="centroids")
     with pytest.raises(SystemExit):
         build_parser().parse_args([*command, "--gqa-merge", "random"])
+
+
+def test_the_config_package_is_plain_data():
+    """Frozen configs are never written after construction (derived values are the plan's)."""
+    package = ROOT / "python_backend/icekv/config"
+    assert not [p.name for p in package.glob("*.py") if "__setattr__" in p.read_text()]

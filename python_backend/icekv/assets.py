@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from icekv.config import default_cache_dir
+from icekv.config.engine import default_cache_dir
 from icekv.errors import AssetError
 from icekv.registry import DEFAULT_MODEL, KnownModel, known_model
 

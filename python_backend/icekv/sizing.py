@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from icekv.config import SelectionConfig
 from icekv.kv.quant import KVFormat
 from icekv.model import ModelArgs
-from icekv.policies import Policy
+from icekv.policies import PolicyPlan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -20,31 +19,31 @@ class SizingPlan:
     device_bytes_full: int  # per request, full attention (everything resident)
     device_bytes_budget: int  # per request under the selection budget (an upper bound)
     device_saving: float  # full / budget
-    index_host_bytes: int  # per request: host memory of the page index (estimate, see icekv.policies)
+    index_host_bytes: int  # per request: host memory of the page index (an estimate: PolicyPlan.index_bytes)
     index_share: float  # a request's index over its pages of the pool: above 1, the index outweighs the KV
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def size(args: ModelArgs, context_tokens: int, concurrent: int, policy: Policy, selection: SelectionConfig,
+def size(args: ModelArgs, context_tokens: int, concurrent: int, plan: PolicyPlan,
          dtype: str = "float32", kv_dtype: str = "auto") -> SizingPlan:
     """The pool and device memory of ``concurrent`` requests of ``context_tokens`` tokens, K/V
     stored as ``kv_dtype`` (:class:`icekv.kv.quant.KVFormat`) over a model in ``dtype``."""
     per_layer_token = 2 * args.num_kv_heads * KVFormat(kv_dtype).row_bytes(args.head_dim, DTYPE_BYTES[dtype])
     per_token = per_layer_token * args.num_layers
-    pages = -(-context_tokens // selection.page_size) * selection.page_size  # page-granular
-    budget = budgeted_tokens(args, pages, policy, selection) * per_layer_token
-    index = index_bytes(args, context_tokens, policy, selection, dtype)
+    pages = -(-context_tokens // plan.page_size) * plan.page_size  # page-granular
+    budget = budgeted_tokens(args, pages, plan) * per_layer_token
+    index = plan.index_bytes(args, context_tokens, dtype)
     return SizingPlan(per_token, concurrent * pages * per_token, pages * per_token, budget, pages * per_token / budget,
                       index, index / (pages * per_token))
 
 
-def budgeted_tokens(args: ModelArgs, tokens: int, policy: Policy, selection: SelectionConfig, slack: int = 0) -> int:
+def budgeted_tokens(args: ModelArgs, tokens: int, plan: PolicyPlan, slack: int = 0) -> int:
     """Token-layers of K/V a request of ``tokens`` tokens attends on the compute device: every
     token in the layers attended whole, the budget (plus ``slack``) in the budgeted ones."""
-    sparse = len(policy.sparse_layers(selection, args.num_layers))
-    return (args.num_layers - sparse) * tokens + sparse * min(selection.budget + slack, tokens)
+    sparse = len(plan.sparse_layers(args.num_layers))
+    return (args.num_layers - sparse) * tokens + sparse * min(plan.budget + slack, tokens)
 
 
 @dataclass(frozen=True)
@@ -59,24 +58,19 @@ class DeviceNeed:
         return max(self.prefill, self.decode)
 
 
-def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, policy: Policy, selection: SelectionConfig | None,
+def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, plan: PolicyPlan | None,
                 layer_token_bytes: int, context_bytes: int = 0, device_type: str = "cuda") -> DeviceNeed:
-    """What a request holds on the compute device. ``selection`` None: it only prefills;
+    """What a request holds on the compute device. ``plan`` None: it only prefills;
     ``layer_token_bytes``: one token's K and V in one layer; ``context_bytes``: a compressed
     context's kept pages (all on the device in prefill; a decode holds only its layers attended
     whole, charged whole all the same). The window may run a page past the budget before its
     oldest page is flushed."""
     prefill = args.num_layers * prompt_tokens * layer_token_bytes + context_bytes
-    if selection is None:
+    if plan is None:
         return DeviceNeed(prefill, 0)
     tokens = prompt_tokens + max_tokens
     dtype_bytes = layer_token_bytes // (2 * args.num_kv_heads * args.head_dim)
-    index = policy.device_index_bytes(args, tokens, selection, device_type, dtype_bytes)
-    kv = budgeted_tokens(args, tokens, policy, selection, slack=selection.page_size) * layer_token_bytes
+    index = plan.device_index_bytes(args, tokens, device_type, dtype_bytes)
+    kv = budgeted_tokens(args, tokens, plan, slack=plan.page_size) * layer_token_bytes
     return DeviceNeed(prefill, kv + index + context_bytes)
 
-
-def index_bytes(args: ModelArgs, context_tokens: int, policy: Policy, selection: SelectionConfig, kv_dtype: str) -> int:
-    """Host bytes of one request's page index under its policy (IceCache trees, Quest's bounds)
-    over a KV cache of ``kv_dtype`` (a torch dtype or its name)."""
-    return policy.index_bytes(args, context_tokens, selection, str(kv_dtype).removeprefix("torch."))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from icekv.attention import sparse_paged_attention
-from icekv.config import KV_DTYPES
+from icekv.config.paging import KV_DTYPES
 from icekv.kv.quant import KVFormat
 
 
@@ -72,7 +72,7 @@ def test_garbage_in_unattended_slots_is_ignored(backend):
 def test_tail_read_from_pool_equals_the_tail_as_tensors(sink, win_start, length, kv_dtype):
     """The decode loop's CPU path reads sink and window by position straight from the request's
     pages (scattered, partial) in the pool: same output as the reference over copies of them."""
-    from icekv.config import PagingConfig
+    from icekv.config.paging import PagingConfig
     from icekv.kernels.cpu_decode import sparse_decode_pool_cpu
     from icekv.kv import PagedKVCache
 

@@ -3,7 +3,9 @@
 import importlib.util
 from pathlib import Path
 
-from icekv.config import EngineConfig, IceCacheConfig, PagingConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine
 from icekv.eval.decode_bench import DecodeBenchConfig
 

@@ -9,7 +9,9 @@ import torch
 from icekv.compress import COMPRESSORS, CompressedContext, evict, make_compressor, parse_settings
 from icekv.errors import ConfigError
 from icekv.compress.scoring import keydiff_scores, refeed_scores, run_steps
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
 from icekv.engine import Engine
 from icekv.engine.compression import scoring_context
 from tests.conftest import make_tiny_hf_model
@@ -233,7 +235,7 @@ def test_compressed_context_keeps_only_kept_tokens_with_positions(tiny_engine):
 
 @pytest.mark.parametrize("policy", ["icecache"])
 def test_icecache_over_a_compressed_context_equals_full_when_the_budget_covers_it(tiny_engine, policy):
-    from icekv.config import SelectionConfig
+    from icekv.config.selection import SelectionConfig
 
     e = tiny_engine
     ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -247,7 +249,7 @@ def test_icecache_over_a_compressed_context_equals_full_when_the_budget_covers_i
 
 
 def test_small_budget_over_a_compressed_context_selects_and_stays_bounded(tiny_engine):
-    from icekv.config import SelectionConfig
+    from icekv.config.selection import SelectionConfig
 
     e = tiny_engine
     ids = torch.randint(0, 512, (600,), generator=torch.Generator().manual_seed(8)).tolist()

@@ -4,12 +4,14 @@ from dataclasses import replace
 
 import torch
 
-from icekv.config import IceCacheConfig, PagingConfig, SelectionConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine.backends import DenseAttention, RequestPages, SparseAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
 from icekv.model.random import shape_args
-from icekv.policies import get_policy, make_selector, resolve
+from icekv.policies import resolve
 from icekv.sizing import device_need, size
 from tests.conftest import make_tiny_hf_model
 
@@ -23,11 +25,11 @@ def test_plan_bounds_the_real_resident_bytes(tmp_path):
     cache.add(0)
     backend = DenseAttention(RequestPages(cache, 0))
     model(torch.arange(500) % 512, backend.begin_step(500), backend)
-    sparse = SparseAttention(RequestPages(cache, 0), a, resolve(sel), sel, make_selector(sel))
+    sparse = SparseAttention(RequestPages(cache, 0), a, resolve(sel), resolve(sel).make_selector())
     for t in range(20):
         model(torch.tensor([t]), sparse.begin_step(1), sparse)
         sparse.end_step()
-    plan = size(a, 520, 1, resolve(sel), sel)
+    plan = size(a, 520, 1, resolve(sel))
     assert plan.kv_bytes_per_token == cache.bytes_per_token
     assert plan.device_bytes_full == cache.sequence_bytes(0)
     assert sparse.resident_bytes() <= plan.device_bytes_budget
@@ -42,12 +44,12 @@ def test_index_estimate_is_close_to_a_built_index(tmp_path):
     sizes = {}
     for policy, score_dtype, kv_dtype in cases:
         sel = SelectionConfig(policy=policy, budget=64, n_unlimited_layers=1, icecache=IceCacheConfig(score_dtype=score_dtype))
-        selector = make_selector(sel)
+        selector = resolve(sel).make_selector()
         g = torch.Generator().manual_seed(0)
         for layer in range(1, a.num_layers):
             keys = torch.randn(a.num_kv_heads, n, a.head_dim, generator=g).to(getattr(torch, kv_dtype))
             selector.build(layer, keys, base=0)
-        estimate, real = size(a, n, 1, resolve(sel), sel, kv_dtype).index_host_bytes, selector.index_bytes()
+        estimate, real = size(a, n, 1, resolve(sel), kv_dtype).index_host_bytes, selector.index_bytes()
         assert 0.85 * real < estimate < 1.2 * real, (policy, score_dtype, kv_dtype, estimate, real)
         sizes[policy, score_dtype, kv_dtype] = real
     # the default follows the KV: bf16 page keys under a bf16 cache (a smaller index), fp32 under fp32
@@ -63,28 +65,28 @@ def test_centroid_copy_estimate_is_close_to_the_copies_made(tmp_path):
         sel = SelectionConfig(policy=policy, budget=64, n_unlimited_layers=1,
                               icecache=IceCacheConfig(search="centroids", centroid_scoring="device",
                                                       rescoring=rescoring))
-        selector = make_selector(sel)
+        selector = resolve(sel).make_selector()
         g = torch.Generator().manual_seed(0)
         for layer in range(1, a.num_layers):
             selector.build(layer, torch.randn(a.num_kv_heads, n, a.head_dim, generator=g), base=0)
-            selector.select(layer, torch.randn(a.num_heads, a.head_dim, generator=g), sel.selected_pages)
-        estimate = get_policy(policy).device_index_bytes(a, n, sel, "cpu", 4)
+            selector.select(layer, torch.randn(a.num_heads, a.head_dim, generator=g), resolve(sel).selected_pages)
+        estimate = resolve(sel).device_index_bytes(a, n, "cpu", 4)
         assert 0.8 * selector.device_bytes() < estimate < 1.25 * selector.device_bytes(), (policy, estimate)
         on_host = replace(sel, icecache=IceCacheConfig(search="centroids", centroid_scoring="auto"))
-        assert get_policy(policy).device_index_bytes(a, n, on_host, "cpu", 4) == 0  # auto: the host, on a CPU
-        assert get_policy(policy).device_index_bytes(a, n, on_host, "cuda", 2) > 0
+        assert resolve(on_host).device_index_bytes(a, n, "cpu", 4) == 0  # auto: the host, on a CPU
+        assert resolve(on_host).device_index_bytes(a, n, "cuda", 2) > 0
 
 
 def test_device_need_of_a_prefill_and_of_decodes():
     a = shape_args("llama-3.1-8b")
     per = 2 * a.num_kv_heads * a.head_dim * 2  # bf16 K and V of one token in one layer
     sparse = SelectionConfig(policy="icecache", budget=256, icecache=IceCacheConfig(search="centroids"))
-    need = device_need(a, 32768, 100, resolve(sparse), sparse, per, device_type="cuda")
+    need = device_need(a, 32768, 100, resolve(sparse), per, device_type="cuda")
     assert need.prefill == a.num_layers * 32768 * per  # every layer's K/V of the prompt
     unlimited = sparse.n_unlimited_layers * 32868 * per
     slots = (a.num_layers - sparse.n_unlimited_layers) * (256 + 16) * per
     assert unlimited + slots < need.decode < unlimited + slots + 0.05 * need.prefill  # + the centroid copy
     assert need.most == need.prefill
-    full = device_need(a, 32768, 100, get_policy("full"), SelectionConfig(policy="full"), per)
+    full = device_need(a, 32768, 100, resolve(SelectionConfig(policy="full")), per)
     assert full.decode == a.num_layers * 32868 * per and full.most == full.decode
-    assert device_need(a, 32768, 100, get_policy("full"), None, per, context_bytes=5).decode == 0  # prefill only
+    assert device_need(a, 32768, 100, None, per, context_bytes=5).decode == 0  # prefill only

@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.config.engine import EngineConfig, SchedulerConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import BusyError, Cancelled, Engine
 from icekv.errors import IcekvError
 from icekv.policies import policy_names
@@ -196,7 +198,7 @@ def test_a_long_prompt_never_holds_the_decoding_requests_back(smollm2_dir, essay
 
 
 def test_admission_waits_for_pages_and_refuses_what_never_fits(smollm2_dir):
-    from icekv.config import PagingConfig
+    from icekv.config.paging import PagingConfig
 
     engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(16, 512),
                                  scheduler=SchedulerConfig(max_waiting=1)))
@@ -214,7 +216,7 @@ def test_admission_waits_for_pages_and_refuses_what_never_fits(smollm2_dir):
 
 
 def test_a_request_queued_past_max_queue_wait_is_refused_as_busy(smollm2_dir):
-    from icekv.config import PagingConfig
+    from icekv.config.paging import PagingConfig
 
     engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(16, 512),
                                  scheduler=SchedulerConfig(max_queue_wait_s=0.2)))

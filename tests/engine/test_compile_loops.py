@@ -2,7 +2,9 @@
 
 import pytest
 
-from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.index import dci_tree, device_rescoring, fused_search, lsh, page_store, tree_walk
 from icekv.kernels import cpu_decode
 from icekv.kv import device_cache, token_rows

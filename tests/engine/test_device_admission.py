@@ -4,7 +4,10 @@ its pool is not where attention runs, with a real random-weight model."""
 
 import pytest
 
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.config.engine import EngineConfig, SchedulerConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import IcekvError
 from icekv.kv import PagedKVCache
@@ -24,7 +27,7 @@ def _engine(monkeypatch, limit: int | None) -> Engine:
 
 def _need(engine: Engine, selection=SPARSE):
     args = engine.model.args
-    return device_need(args, len(PROMPT), SAMPLING.max_tokens, resolve(selection), selection,
+    return device_need(args, len(PROMPT), SAMPLING.max_tokens, resolve(selection),
                        engine.cache.bytes_per_token // args.num_layers, device_type="cpu")
 
 

@@ -4,12 +4,13 @@ attending them gives what reading them in place from the pool gives."""
 import pytest
 import torch
 
-from icekv.config import PagingConfig, SelectionConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine.backends import RequestPages
 from icekv.engine.backends.tail import DeviceTail, PoolTail
 from icekv.kv import DevicePageCache, PagedKVCache
 from icekv.kv.quant import KVFormat
-from icekv.policies import sink_tokens, window_start
+from icekv.policies import resolve
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
@@ -17,7 +18,7 @@ def test_appending_and_advancing_keeps_the_window_the_pool_holds(kv_dtype):
     """Each step the device tail's views equal the pool's tokens, and attention over the device
     tail and some slots equals the same attention reading the tail in place (partial pages: the
     window crosses page flushes; GQA: 4 query heads on 2 KV heads)."""
-    cfg = SelectionConfig(policy="icecache", budget=64)
+    plan = resolve(SelectionConfig(policy="icecache", budget=64))
     fmt = KVFormat(kv_dtype)
     cache = PagedKVCache(1, 2, 8, PagingConfig(16, 1024), kv_format=fmt)
     cache.add(0)
@@ -25,9 +26,9 @@ def test_appending_and_advancing_keeps_the_window_the_pool_holds(kv_dtype):
     g = torch.Generator().manual_seed(0)
     cache.extend(0, 50)
     cache.write(0, 0, 0, torch.randn(50, 2, 8, generator=g), torch.randn(50, 2, 8, generator=g))
-    sink_end = sink_tokens(cfg)
-    start = window_start(cfg, sink_end, 50)
-    tail = DeviceTail(*source.sink_window(0, sink_end, start, 50), start, (cfg.n_win_pages + 1) * cfg.page_size, fmt)
+    sink_end = plan.sink_tokens
+    start = plan.window_start(sink_end, 50)
+    tail = DeviceTail(*source.sink_window(0, sink_end, start, 50), start, plan.window_tokens, fmt)
     in_place = PoolTail(source, 0, sink_end, start, 50)
     slots = DevicePageCache(2, 2, 16, cache.pool.shape[-1], cache.pool.dtype)
     picked = torch.tensor([0, 1]), torch.tensor([0, 0]), torch.tensor([0, 0])  # heads, pages, versions
@@ -42,7 +43,7 @@ def test_appending_and_advancing_keeps_the_window_the_pool_holds(kv_dtype):
             assert torch.equal(got, want)
         q = torch.randn(4, 8, generator=g)  # [Hq, D]
         torch.testing.assert_close(tail.attend(q, slots), in_place.attend(q, slots), rtol=1e-5, atol=1e-5)
-        start = window_start(cfg, sink_end, position + 1)
+        start = plan.window_start(sink_end, position + 1)
         tail.advance(start)
         in_place.advance(start)
     assert tail.win_start == start and tail.n == 120 - start

@@ -2,7 +2,8 @@
 
 import pytest
 
-from icekv.config import SamplingConfig, SelectionConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.errors import CacheFullError, ConfigError
 from icekv.eval.tasks import HaystackSampler
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from icekv.config import SamplingConfig
+from icekv.config.request import SamplingConfig
 from icekv.engine.grammar import Grammars
 from icekv.errors import ConfigError
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from icekv.config import EngineConfig, IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine
 from icekv.engine.backends.prefill_index import IndexingPrefillAttention, PrefillIndex
-from icekv.policies import sink_tokens, window_start
-from icekv.policies import make_selector, resolve
+from icekv.policies import resolve
 
 pytestmark = pytest.mark.model
 
@@ -53,9 +55,10 @@ def test_prefill_built_trees_equal_trees_built_after(engine):
     req = engine.prefill(ids, selection=sel)
     try:
         built = req.index.wait()
-        fresh = make_selector(sel)
-        sink = sink_tokens(sel)
-        end = window_start(sel, sink, len(ids))
+        plan = resolve(sel)
+        fresh = plan.make_selector()
+        sink = plan.sink_tokens
+        end = plan.window_start(sink, len(ids))
         for layer in sorted(built):
             fresh.build(layer, engine.cache.gather_range(layer, req.seq_id, sink, end)[0], sink)
             ours, theirs = req.index.selector.stores[layer], fresh.stores[layer]
@@ -66,8 +69,8 @@ def test_prefill_built_trees_equal_trees_built_after(engine):
 
 def test_builds_start_as_soon_as_each_layer_has_its_region(engine):
     ids = _prompt(engine, 330)  # window from 304: final after the chunk ending at 320, one before the last
-    sel = SelectionConfig(policy="icecache", budget=128)
-    index = PrefillIndex(resolve(sel), sel, make_selector(sel))
+    plan = resolve(SelectionConfig(policy="icecache", budget=128))
+    index = PrefillIndex(plan, plan.make_selector())
     seq_id = -1
     engine.cache.add(seq_id)
     try:

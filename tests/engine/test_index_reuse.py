@@ -6,10 +6,12 @@ as an index built fresh over the same keys, within a stated bound."""
 import pytest
 import torch
 
-from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.index_cache import IndexCache
-from icekv.policies import make_selector, sink_tokens, window_start
+from icekv.policies import resolve
 
 pytestmark = pytest.mark.model
 SAMPLING = SamplingConfig(max_tokens=24, ignore_eos=True)
@@ -49,7 +51,7 @@ def test_the_next_turn_continues_the_last_turns_index(engine, conversation, poli
 
 
 def test_a_request_that_skips_the_cache_neither_takes_nor_keeps_an_index(engine, conversation):
-    from icekv.config import PromptCaching
+    from icekv.config.request import PromptCaching
 
     doc, q1, _ = conversation
     sel = SelectionConfig(policy="icecache", budget=128)
@@ -107,13 +109,14 @@ def test_a_continued_index_selects_within_the_bound_of_a_fresh_one(engine, conve
     engine.kv.indexes.trim(0)
     turn1 = engine.generate(doc + q1, SAMPLING, selection=sel)
     ids = doc + q1 + turn1.token_ids + q2
-    sink, end = sink_tokens(sel), window_start(sel, sink_tokens(sel), len(ids))
-    kept = engine.kv.indexes.take(ids, end, sel)
+    plan = resolve(sel)
+    sink, end = plan.sink_tokens, plan.window_start(plan.sink_tokens, len(ids))
+    kept = engine.kv.indexes.take(ids, end, plan)
     assert kept is not None and sink < kept.covered < end
     # a SnapKV prefill keeps the prompt's last queries of every indexed layer
     observed = engine.prefill(ids, selection=SelectionConfig(policy="snapkv", budget=128))
     try:
-        fresh, gaps = make_selector(sel), []
+        fresh, gaps = plan.make_selector(), []
         for layer, queries in sorted(observed.window_queries.items()):
             if layer not in kept.selector.trees:
                 continue
@@ -121,8 +124,8 @@ def test_a_continued_index_selects_within_the_bound_of_a_fresh_one(engine, conve
             fresh.build(layer, keys, sink)
             for start in range(kept.covered - sink, keys.shape[1], sel.page_size):  # as the engine inserts
                 kept.selector.insert(layer, keys[:, start: start + sel.page_size])
-            gaps.append(_recall(fresh, layer, queries, keys, sink, sel.selected_pages)
-                        - _recall(kept.selector, layer, queries, keys, sink, sel.selected_pages))
+            gaps.append(_recall(fresh, layer, queries, keys, sink, plan.selected_pages)
+                        - _recall(kept.selector, layer, queries, keys, sink, plan.selected_pages))
     finally:
         engine.release(observed)
     assert len(gaps) >= 20

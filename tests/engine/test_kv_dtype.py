@@ -7,7 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.config.engine import EngineConfig, SchedulerConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.eval.tasks import HaystackSampler
 from tests.engine.test_batching import GREEDY, alone_tokens, context_questions, run_joining

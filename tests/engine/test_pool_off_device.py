@@ -6,7 +6,11 @@ greedy tokens must equal those of the pool read in place."""
 import pytest
 import torch
 
-from icekv.config import EngineConfig, IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine
 from icekv.engine.backends.whole_tokens import ComputeMirror
 from icekv.kv import PagedKVCache

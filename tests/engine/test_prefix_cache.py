@@ -3,7 +3,10 @@ holds its pages instead of prefilling them, and decodes the same tokens."""
 
 import pytest
 
-from icekv.config import EngineConfig, PagingConfig, PromptCaching, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import PromptCaching, SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.sequence import Cancelled
 

@@ -6,7 +6,9 @@ corrupted stored page is refused, deleted and prefilled again (then written agai
 import pytest
 import torch
 
-from icekv.config import EngineConfig, PromptCaching, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.request import PromptCaching, SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.kv.prefix_cache import page_keys
 from icekv.kv.prefix_tier import PrefixTier

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from icekv.config import SamplingConfig
+from icekv.config.request import SamplingConfig
 from icekv.engine.sampling import adjusted_logits
 from icekv.errors import ConfigError
 
@@ -79,7 +79,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_step(engine):
 
 
 def test_prompt_logprobs_score_every_prompt_token_after_the_first_across_chunks(smollm2_dir):
-    from icekv.config import EngineConfig
+    from icekv.config.engine import EngineConfig
     from icekv.engine import Engine
 
     small_chunks = Engine(EngineConfig(model_dir=str(smollm2_dir), prefill_chunk_tokens=7))

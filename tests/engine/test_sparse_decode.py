@@ -3,12 +3,16 @@
 import pytest
 import torch
 
-from icekv.config import IceCacheConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine.backends import DenseAttention, RequestPages, SampledAttention, SparseAttention
 from icekv.kv import PagedKVCache
 from icekv.model import load_model
-from icekv.method_settings import MagicPIGConfig, OmniKVConfig
-from icekv.policies import get_policy, make_selector, policy_names, resolve, window_queries_kept
+from icekv.methods.magicpig import MagicPIGConfig
+from icekv.methods.omnikv import OmniKVConfig
+from icekv.policies import REGISTERED, policy_names, resolve
 from tests.conftest import make_tiny_hf_model
 
 POLICIES = [p for p in policy_names() if p != "full"]
@@ -25,12 +29,12 @@ def _decode_logits(model, ids, new_tokens, selection=None):
     cache = PagedKVCache(a.num_layers, a.num_kv_heads, a.head_dim, PagingConfig(16, 1024))
     cache.add(0)
     backend = DenseAttention(RequestPages(cache, 0))
-    backend.keep_queries = window_queries_kept(resolve(selection or SelectionConfig()), selection or SelectionConfig(), False)
+    plan = resolve(selection or SelectionConfig(policy="full"))
+    backend.keep_queries = plan.window_queries_kept(False)
     model(torch.tensor(ids), backend.begin_step(len(ids)), backend)
     if selection is not None:
-        kind = SampledAttention if get_policy(selection.policy).sampled else SparseAttention
-        backend = kind(RequestPages(cache, 0), a, resolve(selection), selection, make_selector(selection),
-                       window_queries=backend.kept_queries)
+        kind = SampledAttention if plan.sampled else SparseAttention
+        backend = kind(RequestPages(cache, 0), a, plan, plan.make_selector(), window_queries=backend.kept_queries)
     out = []
     for t in new_tokens:
         out.append(model(torch.tensor([t]), backend.begin_step(1), backend)[-1])
@@ -38,7 +42,7 @@ def _decode_logits(model, ids, new_tokens, selection=None):
     return torch.stack(out), backend
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICIES if not get_policy(p).sampled])
+@pytest.mark.parametrize("policy", [p.name for p in REGISTERED if p.name in POLICIES and not p.sampled])
 def test_budget_covering_the_context_equals_full_attention(policy, tmp_path):
     make_tiny_hf_model("qwen3", tmp_path)
     model = load_model(tmp_path)

@@ -5,7 +5,10 @@ import time
 import pytest
 import torch
 
-from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.paging import PagingConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.backends.stage_clock import StageClock
 

@@ -115,7 +115,7 @@ def test_an_interrupted_context_resumes_from_its_next_question(tmp_path, smollm2
     """Each answered question is logged as it finishes; a run stopped inside a context asks it only
     the questions not logged (the same answers as one uninterrupted run), and the finished
     context's one entry replaces its question lines."""
-    from icekv.config import EngineConfig
+    from icekv.config.engine import EngineConfig
     from icekv.engine import Engine
     from icekv.eval.runner import EvalConfig, run_eval
 
@@ -154,7 +154,8 @@ def test_an_interrupted_context_resumes_from_its_next_question(tmp_path, smollm2
 
 @pytest.mark.model
 def test_a_context_the_pool_cannot_hold_is_refused_before_its_prefill(smollm2_dir, essays_text):
-    from icekv.config import EngineConfig, PagingConfig
+    from icekv.config.engine import EngineConfig
+    from icekv.config.paging import PagingConfig
     from icekv.engine import Engine
     from icekv.errors import CacheFullError
     from icekv.eval.runner import EvalConfig, run_eval
@@ -171,7 +172,7 @@ def test_a_context_the_pool_cannot_hold_is_refused_before_its_prefill(smollm2_di
 def test_progress_tells_kept_contexts_from_run_ones(tmp_path, smollm2_dir, essays_text):
     """A resumed run reports the contexts kept from its log as such (the bar leaves them out of
     its rate, else a resumed run of hours would show an ETA of seconds)."""
-    from icekv.config import EngineConfig
+    from icekv.config.engine import EngineConfig
     from icekv.engine import Engine
     from icekv.eval.runner import EvalConfig, run_eval
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from icekv.config import EngineConfig
+from icekv.config.engine import EngineConfig
 from icekv.engine import Engine
 from icekv.eval.decode_bench import hf_decode_tpot
 from icekv.eval.hf_peer import hf_model

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from icekv.config import IceCacheConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.errors import ConfigError
 from icekv.index import DCITree, promotion_levels
 from icekv.index.dci_tree import balanced_cut

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from icekv.config import IceCacheConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.index import DCITree, PageStore
 from icekv.index.fused_search import centroid_search
 from icekv.index.score_rows import decode
-from icekv.select import Selection
-from icekv.select.gqa import merge_ranked_heads
+from icekv.methods.selector import Selection
+from icekv.methods.gqa import merge_ranked_heads
 
 
 def _layer(sizes, d=32, page_size=16, seed=2, dtype=torch.float32):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from icekv.index.lsh import HASH_CHUNK, collision_counts, collision_counts_reference, simhash, simhash_reference
-from icekv.method_settings import MagicPIGConfig
-from icekv.select.magicpig import hyperplanes
+from icekv.methods.magicpig import MagicPIGConfig
+from icekv.methods.magicpig import hyperplanes
 
 
 @pytest.mark.parametrize("shape, bits, tables", [

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from icekv.config import IceCacheConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.index import DCITree, PageStore
 from icekv.index.score_rows import decode, encode
-from icekv.select.gqa import merge_ranked_heads
+from icekv.methods.gqa import merge_ranked_heads
 
 
 def _layer(sizes, d=32, dtype=torch.float32):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from icekv.config import IceCacheConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.index import DCITree, promotion_levels
 from icekv.index.levels import promotion_step, upper_step
 from icekv.index.parents import ROOT, token_level

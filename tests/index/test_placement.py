@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from icekv.config import IceCacheConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.index import DCITree
 from icekv.index.placement import place_tokens, place_tokens_reference
 

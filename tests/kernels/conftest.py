@@ -49,7 +49,7 @@ def backend_device(request, monkeypatch) -> str:
 
 def index_layer(sizes: list[int], d: int = 32, seed: int = 2, dtype: torch.dtype = torch.float32):
     """A layer's page store and its DCI trees, one per KV head of ``sizes[h]`` random keys."""
-    from icekv.config import IceCacheConfig
+    from icekv.methods.icecache import IceCacheConfig
     from icekv.index import DCITree, PageStore
 
     g = torch.Generator().manual_seed(seed)

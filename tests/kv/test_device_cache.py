@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from icekv.kv import DevicePageCache
-from icekv.select import Selection
+from icekv.methods.selector import Selection
 
 
 def _plan(dev, selection, versions):
@@ -84,7 +84,7 @@ def test_more_pages_than_slots_is_an_error_not_a_stray_write():
 def test_fill_from_pool_equals_plan_gather_load(dtype, page_size):
     """The fused CPU fill against the staged path, over steps whose selections move, repeat, leave
     heads empty and name pages with holes; slots, their bookkeeping and the counters all equal."""
-    from icekv.config import PagingConfig
+    from icekv.config.paging import PagingConfig
     from icekv.kv import PagedKVCache
 
     g = torch.Generator().manual_seed(page_size)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from icekv.config import PagingConfig
+from icekv.config.paging import PagingConfig
 from icekv.errors import CacheFullError
 from icekv.kv import PagedKVCache
 from icekv.kv.token_rows import gather_tokens_reference

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from icekv.config import PagingConfig
+from icekv.config.paging import PagingConfig
 from icekv.errors import CacheFullError
 from icekv.kv import PagedKVCache, PrefixCache
 from icekv.kv.prefix_cache import page_keys

@@ -4,7 +4,7 @@ quantize, value readers decode, row copies carry each token's scale)."""
 import pytest
 import torch
 
-from icekv.config import PagingConfig
+from icekv.config.paging import PagingConfig
 from icekv.kv import PagedKVCache
 from icekv.kv.quant import SCALE_BYTES, KVFormat, as_words
 

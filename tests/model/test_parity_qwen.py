@@ -7,7 +7,8 @@ Runs where the model is fetched (``icekv fetch --model qwen2.5-coder-0.5b``), sk
 import pytest
 import torch
 
-from icekv.config import EngineConfig, SamplingConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.request import SamplingConfig
 
 NAME = "qwen2.5-coder-0.5b"
 pytestmark = pytest.mark.longctx_model

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from icekv.config import SamplingConfig
+from icekv.config.request import SamplingConfig
 
 pytestmark = pytest.mark.model
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from icekv.config import PagingConfig
+from icekv.config.paging import PagingConfig
 from icekv.model import ModelArgs, load_model
 from tests.conftest import TINY_CONFIGS, make_tiny_hf_model
 

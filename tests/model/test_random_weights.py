@@ -4,7 +4,9 @@ keep unit scale (clear greedy margins), and the engine runs one with a byte toke
 import pytest
 import torch
 
-from icekv.config import EngineConfig, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.model import Decoder, random_model, shape_args

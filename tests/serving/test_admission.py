@@ -3,25 +3,26 @@ through the serving engine thread."""
 
 import pytest
 
-from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.config.engine import EngineConfig, SchedulerConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import IcekvError
 from icekv.serving.engine_loop import EngineLoop
 from icekv.serving.request import GenerateRequest
 from icekv.policies import resolve
-from icekv.sizing import index_bytes
 from tests.serving.sinks import RecordingSink
 
 
 def _request(essays_text, policy: str, words: int = 250, max_tokens: int = 6) -> GenerateRequest:
     text = " ".join(essays_text.split()[:words])
     return GenerateRequest(text, SamplingConfig(max_tokens=max_tokens, ignore_eos=True),
-                           SelectionConfig(policy=policy, budget=64), stream=True, context_key=None)
+                           resolve(SelectionConfig(policy=policy, budget=64)), stream=True, context_key=None)
 
 
 def _estimate(engine, request) -> int:
     tokens = len(engine.tokenizer.encode(request.text)) + request.sampling.max_tokens
-    return index_bytes(engine.model.args, tokens, resolve(request.selection), request.selection, engine.cache.pool.dtype)
+    return request.plan.index_bytes(engine.model.args, tokens, engine.cache.pool.dtype)
 
 
 @pytest.fixture

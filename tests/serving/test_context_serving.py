@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from icekv.config import SamplingConfig, SelectionConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.serving.launcher import TritonServer, free_port, stop_process_group
 from icekv.store import context_key
 from tests.serving.conftest import metrics, post, wait_idle

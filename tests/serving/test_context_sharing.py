@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import pytest
 
 from icekv.compress.methods import COMPRESSORS
-from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.config.engine import EngineConfig, SchedulerConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.serving.context_service import ContextService
 from icekv.serving.engine_loop import EngineLoop

@@ -4,7 +4,9 @@ requests are refused (real engine, real model)."""
 
 import pytest
 
-from icekv.config import EngineConfig, SamplingConfig, SchedulerConfig, SelectionConfig
+from icekv.config.engine import EngineConfig, SchedulerConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.serving.engine_loop import EngineLoop, EngineStopped
 from icekv.serving.request import GenerateRequest

@@ -6,7 +6,7 @@ import pytest
 
 from icekv.errors import ConfigError
 from icekv.serving.launcher import TritonServer
-from icekv.settings import serving_config
+from icekv.config.settings import serving_config
 from tests.serving.conftest import post, wait_idle
 
 pytestmark = [pytest.mark.server, pytest.mark.model]

@@ -1,10 +1,14 @@
-from icekv.settings import serving_config
 """Request validation without a server: tensors and parameters, types and ranges."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from icekv.config import ServingConfig
+from icekv.config.settings import serving_config
+from icekv.config.serving import ServingConfig
+from icekv.methods.icecache import IceCacheConfig
+from icekv.methods.snapkv import SnapKVConfig
 from icekv.serving.request import RequestError, parse_request
 
 CFG = ServingConfig()
@@ -17,12 +21,12 @@ def test_tensors_and_parameters_are_read_and_tensors_win():
         CFG,
     )
     assert req.text == "hello" and req.sampling.max_tokens == 7 and req.stream
-    assert req.selection.policy == "quest" and req.selection.budget == 128 and req.sampling.stop == (".",)
+    assert req.plan.name == "quest" and req.plan.budget == 128 and req.sampling.stop == (".",)
 
 
 def test_defaults_come_from_the_serving_config():
     req = parse_request({"text_input": np.array([b"x"], dtype=object)}, {}, CFG)
-    assert req.sampling.max_tokens == CFG.default_max_tokens and req.selection == CFG.engine.selection
+    assert req.sampling.max_tokens == CFG.default_max_tokens and req.plan is None  # the engine's own plan
     assert req.caching.enabled and req.caching.retention_s == 0
     off = parse_request({"text_input": np.array([b"x"], dtype=object), "cache_prompt": np.array([False])}, {}, CFG)
     assert not off.caching.enabled
@@ -32,6 +36,21 @@ def test_defaults_come_from_the_serving_config():
     assert tuned.sampling.logit_bias == ((7, -100.0), (9, 2.5))
     kept = parse_request({"text_input": np.array([b"x"], dtype=object)}, {"cache_retention_s": 30}, CFG)
     assert kept.caching.retention_s == 30
+
+
+def test_a_request_override_keeps_every_other_selection_setting():
+    """policy and budget from the request; each method's own settings and an explicit sink or
+    window stay the server's (the derived ones follow the new budget)."""
+    selection = replace(CFG.engine.selection, n_sink_pages=3, snapkv=SnapKVConfig(window=8),
+                        icecache=IceCacheConfig(search="walk", min_candidates=64))
+    cfg = replace(CFG, engine=replace(CFG.engine, selection=selection))
+    req = parse_request({"text_input": np.array([b"x"], dtype=object)}, {"policy": "snapkv", "budget": 512}, cfg)
+    assert req.plan.selection == replace(selection, policy="snapkv", budget=512)
+    assert req.plan.selection.snapkv.window == 8 and req.plan.window_queries == 8
+    assert req.plan.sink_pages == 3 and req.plan.window_pages == 2  # explicit, and derived from 512
+    small = parse_request({"text_input": np.array([b"x"], dtype=object)}, {"budget": 128}, cfg)
+    assert small.plan.name == "icecache" and small.plan.selection.icecache.search == "walk"
+    assert (small.plan.sink_pages, small.plan.window_pages, small.plan.selected_pages) == (3, 2, 3)
 
 
 @pytest.mark.parametrize("params, message", [
@@ -106,9 +125,9 @@ def test_serving_config_from_triton_parameters():
         serving_config({"polcy": {"string_value": "quest"}})
     with pytest.raises(Exception, match="budget must be an integer"):
         serving_config({"budget": {"string_value": "lots"}})
-    assert cfg.engine.selection.icecache.search == "centroids"  # the server's profile (the engine: the walk)
-    fast = serving_config({"search": "centroids"})
-    assert fast.engine.selection.icecache.search == "centroids"
+    assert cfg.engine.selection.icecache.search == "centroids"  # the default, as the library's
+    walk = serving_config({"search": "walk"})
+    assert walk.engine.selection.icecache.search == "walk"
     with pytest.raises(Exception, match="search must be one of walk, exhaustive, centroids"):
         serving_config({"search": "beam"})
     assert serving_config({}).engine.selection.icecache.centroid_scoring == "auto"

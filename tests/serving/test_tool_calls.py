@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from icekv.config import SamplingConfig
+from icekv.config.request import SamplingConfig
 from icekv.engine.grammar import Grammars
 from icekv.errors import ConfigError
 from icekv.serving.tool_calls import ToolCall, ToolCallError, ToolCallStream, call_grammar, split_calls, tool_choice

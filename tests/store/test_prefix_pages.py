@@ -84,7 +84,7 @@ def test_a_failing_store_is_counted_not_raised():
 def test_a_page_not_written_is_written_when_cached_again(tmp_path):
     """A write the store failed leaves the page unmarked: the next time the prefix cache keeps it,
     it is written (a page marked stored on a failed write would never reach the store)."""
-    from icekv.config import PagingConfig
+    from icekv.config.paging import PagingConfig
     from icekv.kv import PagedKVCache
     from icekv.kv.prefix_tier import PrefixTier
     from icekv.store import LocalStore

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from icekv.config import EngineConfig, PagingConfig, SelectionConfig
+from icekv.policies import resolve
+from icekv.config.paging import PagingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.kernels import launch
 from icekv.model import ModelArgs
 from icekv.trt.build import tensorrt_unavailable
@@ -23,16 +25,15 @@ from icekv.trt.spec import (
 LLAMA_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 
 
-def test_spec_from_config_follows_budget_and_context():
+def test_spec_from_plan_follows_budget_and_context():
     args = ModelArgs(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=4096, intermediate_size=1,
                      num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
                      rope_theta=5e5, rope_scaling=None, max_position_embeddings=131072,
                      tie_word_embeddings=False, qkv_bias=False, qk_norm=False, eos_token_ids=(0,))
-    cfg = EngineConfig(paging=PagingConfig(max_context_tokens=131072),
-                       selection=SelectionConfig(policy="icecache", budget=256))
-    spec = DecodeStepSpec.from_config(cfg, args)
+    plan = resolve(SelectionConfig(policy="icecache", budget=256))
+    spec = DecodeStepSpec.from_plan(plan, PagingConfig(max_context_tokens=131072), args)
     assert spec.group == 4 and spec.max_slots == 16 and spec.max_candidates == 8192
-    assert spec.top_k == cfg.selection.selected_pages  # sink and window pages are not selected
+    assert spec.top_k == plan.selected_pages  # sink and window pages are not selected
     assert set(spec.kernel_specs()) == {"page_select", "sparse_paged_attention", "page_scatter"}
     assert spec.kernel_specs()["sparse_paged_attention"].constexprs["NUM_SPLITS"] == 1
 

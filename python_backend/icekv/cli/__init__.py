@@ -13,7 +13,11 @@ from pathlib import Path
 from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_int,
                               _serving_flags, _serving_parameters, _setting_flag)
 from icekv.cli.common import _bench_run_flags
-from icekv.config import CompressionConfig, IceCacheConfig, PagingConfig, SelectionConfig, default_cache_dir
+from icekv.config.engine import default_cache_dir
+from icekv.config.paging import PagingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.config.serving import CompressionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.errors import IcekvError
 from icekv.policies import policy_names
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
@@ -44,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=_positive_int("--page-size"), default=None)
     gen.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
                      help="KV pool capacity in tokens")
-    gen.add_argument("--policy", default="full", help=" | ".join(policy_names()))
+    gen.add_argument("--policy", default=SelectionConfig.policy, help=" | ".join(policy_names()))
     gen.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget,
                      help="tokens attended per layer per KV head (sink and window included)")
+    _icecache_flags(gen)
     gen.add_argument("--context-key", default=None, help="answer over a stored compressed context (icekv compress)")
     gen.add_argument("--store", default=None, help="context store: a directory or redis://host:port (default: cache dir)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")

@@ -22,8 +22,7 @@ from icekv.errors import IcekvError
 
 
 def _cmd_bench(args) -> int:
-    from icekv.config import EngineConfig, SelectionConfig
-    from icekv.policies import resolve
+    from icekv.config.engine import EngineConfig
 
     contexts = _csv("--contexts", args.contexts, int)
     if min(contexts) < 2:
@@ -31,25 +30,20 @@ def _cmd_bench(args) -> int:
     policies = _csv("--policies", args.policies, str)
     warmup = {} if args.warmup_steps is None else {"warmup_steps": args.warmup_steps}
     if args.bench_command == "batch":
-        from icekv.eval.batch_bench import BatchBenchConfig, run_batch_bench, selection_for
+        from icekv.eval.batch_bench import BatchBenchConfig, plans_for, run_batch_bench
         from icekv.eval.batch_report import write_batch_report as write_report
 
         batches = _csv("--batch", args.batch, int)
         if min(batches) < 1:
             raise IcekvError(f"--batch values must be >= 1, got {args.batch}")
-        for policy in policies:
-            resolve(SelectionConfig(policy=policy, budget=args.budget))  # errors early
         cfg = BatchBenchConfig(contexts, batches, policies, args.budget, args.steps, icecache=_icecache_config(args),
                                repeats=args.repeats, **warmup)
         run, peer = run_batch_bench, False
         line = lambda r: f"{r['context']:>6} x{r['batch']:<3} {r['policy']:<12} {r['tokens_per_s']:8.1f} tokens/s"
     else:
-        from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench, selection_for
+        from icekv.eval.decode_bench import DecodeBenchConfig, plans_for, run_decode_bench
         from icekv.eval.report import write_decode_report as write_report
 
-        for policy in policies:
-            selection = SelectionConfig(policy=policy, budget=args.budget, n_unlimited_layers=args.unlimited_layers)
-            resolve(selection)  # errors early
         ttft = _csv("--ttft-contexts", args.ttft_contexts, int) if args.ttft_contexts else ()
         if set(ttft) - set(contexts):
             raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
@@ -58,10 +52,11 @@ def _cmd_bench(args) -> int:
                                 unlimited_layers=args.unlimited_layers, repeats=args.repeats, **warmup)
         batches, run, peer = (1,), run_decode_bench, cfg.peer_hf
         line = lambda r: f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token"
+    plans = plans_for(cfg)  # each policy resolved once, before anything loads
     settings = _device_settings(args)
     device_type = _device_type(settings.get("device", EngineConfig.device), resolve=not args.plan)
-    groups = _pool_groups(policies, settings, device_type)
-    plan = _plan(args, settings, device_type, groups, cfg, batches, peer, selection_for)
+    groups = _pool_groups(plans, settings, device_type)
+    plan = _plan(args, settings, device_type, groups, cfg, batches, peer, plans)
     out = _Printer(args.json)
     out.plan(plan)
     if not plan.admitted:
@@ -80,7 +75,7 @@ def _cmd_bench(args) -> int:
     for i, (pool_settings, group) in enumerate(groups):
         part = replace(cfg, policies=group, **({"peer_hf": False} if i and args.bench_command == "decode" else {}))
         try:
-            more, part_meta = _run_group(args, plan, scheduler, pool_settings, part, run, seed_text, out)
+            more, part_meta = _run_group(args, plan, scheduler, pool_settings, part, run, plans, seed_text, out)
         except Exception as e:  # this group's records are lost, not the others'
             failed = True
             traceback.print_exc(file=sys.stderr)
@@ -108,21 +103,20 @@ def _device_type(device: str, resolve: bool) -> str:
     return "cuda" if device.startswith("cuda") else "cpu"
 
 
-def _plan(args, settings: dict, device_type: str, groups, cfg, batches, peer: bool, selection_for):
-    from icekv.config import EngineConfig
+def _plan(args, settings: dict, device_type: str, groups, cfg, batches, peer: bool, plans: dict):
+    from icekv.config.engine import EngineConfig
     from icekv.eval.bench_plan import BenchRun, plan_bench
 
-    run = BenchRun(cfg.contexts, batches, {p: selection_for(cfg, p) for p in cfg.policies},
-                   tuple((_placement(s, g), g) for s, g in groups), cfg.max_tokens, cfg.seed_tokens, peer)
+    run = BenchRun(cfg.contexts, batches, plans, tuple((_placement(s, plans[g[0]]), g) for s, g in groups),
+                   cfg.max_tokens, cfg.seed_tokens, peer)
     dtype = EngineConfig(dtype=settings.get("dtype")).dtype_on(device_type)
     return plan_bench(_model_args(args), dtype, run, _machine(args, device_type), _kv_dtype(args))
 
 
-def _placement(pool_settings: dict, group: tuple[str, ...]) -> str:
-    from icekv.config import EngineConfig
-    from icekv.policies import get_policy
+def _placement(pool_settings: dict, plan) -> str:
+    from icekv.config.engine import EngineConfig
 
-    return EngineConfig(kv_pool=pool_settings.get("kv_pool", "auto")).pool_placement(get_policy(group[0]).sparse)
+    return EngineConfig(kv_pool=pool_settings.get("kv_pool", "auto")).pool_placement(plan.sparse)
 
 
 def _model_args(args):
@@ -151,9 +145,9 @@ def _machine(args, device_type: str):
     return Machine(device_type, host, device)
 
 
-def _run_group(args, plan, scheduler, pool_settings: dict, part, run, seed_text: str, out):
+def _run_group(args, plan, scheduler, pool_settings: dict, part, run, plans: dict, seed_text: str, out):
     """One engine (one pool placement) times its policies; each record printed as it comes."""
-    from icekv.config import EngineConfig
+    from icekv.config.engine import EngineConfig
     from icekv.engine import Engine
 
     threads = {"search_threads": args.search_threads} if getattr(args, "search_threads", None) is not None else {}
@@ -162,7 +156,7 @@ def _run_group(args, plan, scheduler, pool_settings: dict, part, run, seed_text:
     _check_device_free(engine, plan)
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        return _timed(engine, lambda _: run(engine, part, seed_text, progress, out.record))
+        return _timed(engine, lambda _: run(engine, part, seed_text, plans, progress, out.record))
     finally:
         del engine  # before the next group's engine loads
 
@@ -180,18 +174,17 @@ def _check_device_free(engine, plan) -> None:
                          f"{free / 2**30:,.1f} GiB is free once it is loaded")
 
 
-def _pool_groups(policies: tuple[str, ...], settings: dict, device_type: str) -> list[tuple[dict, tuple[str, ...]]]:
-    """Engine settings and the policies to time under them. On a GPU with ``kv_pool`` left to
-    auto, each policy runs where it would in serving (full attention with its pool on the device,
-    a sparse policy with a host pool): one engine per placement. On a CPU the two are one."""
-    from icekv.config import EngineConfig
-    from icekv.policies import get_policy
+def _pool_groups(plans: dict, settings: dict, device_type: str) -> list[tuple[dict, tuple[str, ...]]]:
+    """Engine settings and the policies (of ``plans``) to time under them. On a GPU with ``kv_pool``
+    left to auto, each policy runs where it would in serving (full attention with its pool on the
+    device, a sparse policy with a host pool): one engine per placement. On a CPU the two are one."""
+    from icekv.config.engine import EngineConfig
 
     if "kv_pool" in settings or device_type == "cpu":
-        return [(settings, policies)]
+        return [(settings, tuple(plans))]
     groups: dict[str, list[str]] = {}
-    for policy in policies:
-        groups.setdefault(EngineConfig().pool_placement(get_policy(policy).sparse), []).append(policy)
+    for name, plan in plans.items():
+        groups.setdefault(EngineConfig().pool_placement(plan.sparse), []).append(name)
     return [({**settings, "kv_pool": pool}, tuple(group)) for pool, group in groups.items()]
 
 

@@ -10,7 +10,8 @@ from icekv.errors import IcekvError
 
 
 def _cmd_build(args) -> int:
-    from icekv.config import EngineConfig, PagingConfig, SelectionConfig
+    from icekv.config.paging import PagingConfig
+    from icekv.config.selection import SelectionConfig
     from icekv.engine.model_dir import resolve_model_dir
     from icekv.model import ModelArgs
     from icekv.policies import resolve
@@ -21,11 +22,11 @@ def _cmd_build(args) -> int:
     overrides = {k: v for k, v in (("num_heads", args.num_heads), ("num_kv_heads", args.num_kv_heads),
                                    ("head_dim", args.head_dim)) if v is not None}
     try:
-        cfg = EngineConfig(paging=PagingConfig(page_size=args.page_size, max_context_tokens=args.max_context),
-                           selection=SelectionConfig(policy="icecache", budget=args.budget, page_size=args.page_size))
-        resolve(cfg.selection)  # the budget's pages checked for the policy, before anything is built
-        spec = DecodeStepSpec.from_config(cfg, model_args, dtype=args.dtype, max_batch=args.max_batch,
-                                          arch=args.arch, **overrides)
+        paging = PagingConfig(page_size=args.page_size, max_context_tokens=args.max_context)
+        # the budget's pages checked for the policy, before anything is built
+        plan = resolve(SelectionConfig(policy="icecache", budget=args.budget, page_size=args.page_size))
+        spec = DecodeStepSpec.from_plan(plan, paging, model_args, dtype=args.dtype, max_batch=args.max_batch,
+                                        arch=args.arch, **overrides)
     except ValueError as e:  # ConfigError included: names the offending value
         raise IcekvError(str(e)) from None
     out = Path(args.out)

@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from icekv.config import DTYPES, KV_POOLS, IceCacheConfig
+from icekv.config.engine import DTYPES, KV_POOLS
+from icekv.methods.icecache import IceCacheConfig
 from icekv.errors import IcekvError
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
 
@@ -80,8 +81,8 @@ def _model_flag(parser, what: str = "") -> None:
 
 
 def _serving_flags(parser) -> None:
-    """One flag per server setting (:data:`icekv.settings.SETTINGS`); unset ones keep the server's defaults."""
-    from icekv.settings import SETTINGS
+    """One flag per server setting (:data:`icekv.config.settings.SETTINGS`); unset ones keep the server's defaults."""
+    from icekv.config.settings import SETTINGS
 
     for setting in SETTINGS:
         _setting_flag(parser, setting.name)
@@ -90,7 +91,7 @@ def _serving_flags(parser) -> None:
 def _setting_flag(parser, name: str, default=None) -> None:
     """The flag of server setting ``name``, with its parsing, choices and meaning; ``default``:
     this command's value when the flag is not given (None: the server's own)."""
-    from icekv.settings import BY_NAME, choices
+    from icekv.config.settings import BY_NAME, choices
 
     setting = BY_NAME[name]
     shown = default if default is not None else setting.default_doc or setting.default()
@@ -131,7 +132,7 @@ def _icecache_config(args):
 
 def _icecache_settings() -> list:
     """(setting, IceCacheConfig field) of every server setting that sets one."""
-    from icekv.settings import SETTINGS
+    from icekv.config.settings import SETTINGS
 
     prefix = "engine.selection.icecache."
     return [(s, s.fields[0].removeprefix(prefix)) for s in SETTINGS if s.fields[0].startswith(prefix)]
@@ -140,7 +141,7 @@ def _icecache_settings() -> list:
 def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
     """CLI flags -> config.pbtxt parameters, validated here so a typo fails before the server starts
     (``served_here``: also that this machine has the device they name)."""
-    from icekv.settings import SETTINGS, serving_config
+    from icekv.config.settings import SETTINGS, serving_config
 
     params = {s.name: getattr(args, s.dest) for s in SETTINGS if getattr(args, s.dest, None) is not None}
     if "model_dir" in params:
@@ -165,7 +166,7 @@ def _model_location(model: str, served_here: bool) -> str:
 
 
 def _open_store(location: str | None, engine):
-    from icekv.config import default_cache_dir
+    from icekv.config.engine import default_cache_dir
     from icekv.store import ContextStore
 
     return ContextStore.open(location or str(default_cache_dir() / "contexts"), engine.model_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from icekv.config import check_kv_budget
+from icekv.config.serving import check_kv_budget
 from icekv.errors import IcekvError
 from icekv.cli.common import _kv_dtype, _open_store
 
@@ -83,7 +83,8 @@ def _compress_here(args, text: str) -> int:
     import resource
     import time
 
-    from icekv.config import EngineConfig, PagingConfig
+    from icekv.config.engine import EngineConfig
+    from icekv.config.paging import PagingConfig
     from icekv.engine import Engine
     from icekv.store import StoreError
 

@@ -32,9 +32,11 @@ def _cmd_eval(args) -> int:
         icecache=_icecache_config(args), chat_template=args.chat_template, **optional,
     )
 
+    plans = cfg.plans()  # before the model loads: an unknown policy or a budget it cannot use fails at once
+
     def run(engine, text, progress, meta):
         return run_eval(engine, cfg, text, progress, log=args.out / "runs.jsonl", resume=args.resume,
-                        on_context=lambda records: write_report(records, args.out, meta))
+                        on_context=lambda records: write_report(records, args.out, meta), plans=plans)
 
     return _run_and_report(args, run, write_report, "decode", pool_tokens=cfg.pool_tokens)
 
@@ -71,7 +73,8 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     from tqdm import tqdm
 
     from icekv.assets import Assets
-    from icekv.config import EngineConfig, PagingConfig, SchedulerConfig
+    from icekv.config.engine import EngineConfig, SchedulerConfig
+    from icekv.config.paging import PagingConfig
     from icekv.engine import Engine
 
     text = Assets().haystack_text(args.haystack)
@@ -114,7 +117,8 @@ def _spill_to(location: str | None, engine):
 
 
 def _cmd_size(args) -> int:
-    from icekv.config import IceCacheConfig, SelectionConfig
+    from icekv.config.selection import SelectionConfig
+    from icekv.methods.icecache import IceCacheConfig
     from icekv.engine.model_dir import resolve_model_dir
     from icekv.model import ModelArgs
     from icekv.policies import resolve
@@ -122,7 +126,7 @@ def _cmd_size(args) -> int:
 
     model_args = ModelArgs.from_dir(resolve_model_dir(args.model))
     selection = SelectionConfig(policy="icecache", budget=args.budget, icecache=IceCacheConfig(score_dtype=args.score_dtype))
-    plan = size(model_args, args.context, args.concurrent, resolve(selection), selection, args.dtype, _kv_dtype(args))
+    plan = size(model_args, args.context, args.concurrent, resolve(selection), args.dtype, _kv_dtype(args))
     if args.json:
         print(json.dumps(plan.to_dict()))
         return 0

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from icekv.errors import IcekvError
-from icekv.cli.common import _device_settings, _kv_dtype, _open_store, _serving_parameters
+from icekv.cli.common import _device_settings, _icecache_config, _kv_dtype, _open_store, _serving_parameters
 
 
 def _cmd_fetch(args) -> int:
@@ -43,7 +43,10 @@ def _cmd_generate(args) -> int:
 
     from tqdm import tqdm
 
-    from icekv.config import EngineConfig, PagingConfig, SamplingConfig, SelectionConfig
+    from icekv.config.engine import EngineConfig
+    from icekv.config.paging import PagingConfig
+    from icekv.config.request import SamplingConfig
+    from icekv.config.selection import SelectionConfig
     from icekv.engine import Engine
 
     if args.prompt_file is not None:
@@ -62,7 +65,8 @@ def _cmd_generate(args) -> int:
     sampling = SamplingConfig(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    selection = SelectionConfig(policy=args.policy, budget=args.budget, page_size=paging.page_size)
+    selection = SelectionConfig(policy=args.policy, budget=args.budget, page_size=paging.page_size,
+                                icecache=_icecache_config(args))
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging, selection=selection, **_device_settings(args)))
     if args.chat:
         prompt = engine.chat_prompt([{"role": "user", "content": prompt}])

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from icekv.config import SCORE_DTYPES, IceCacheConfig, PagingConfig
+from icekv.config.paging import PagingConfig
+from icekv.methods.icecache import IceCacheConfig, SCORE_DTYPES
 from icekv.index import DCITree
 from icekv.index.device_rescoring import DeviceRescoring
 from icekv.index.fused_search import candidate_search, centroid_search

@@ -28,7 +28,7 @@ import torch
 from icekv.engine.sequence import Phase, Sequence
 from icekv.kernels import paged_decode_attention
 from icekv.kv import PagedKVCache
-from icekv.select import Selection
+from icekv.methods.selector import Selection
 
 
 class SearchThreads:

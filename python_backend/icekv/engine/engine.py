@@ -14,7 +14,9 @@ from typing import Generator
 import torch
 
 from icekv.compress import CompressedContext
-from icekv.config import EngineConfig, PromptCaching, SamplingConfig, SelectionConfig
+from icekv.config.engine import EngineConfig
+from icekv.config.request import PromptCaching, SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.devices import pool_device, resolve_device
 from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compression import CompressionJob
@@ -32,16 +34,16 @@ from icekv.kv import PagedKVCache, PrefixCache
 from icekv.kv.quant import KVFormat
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.chat_template import ChatTemplate, require_template
-from icekv.policies import Policy, resolve
+from icekv.policies import PolicyPlan, resolve
 
-FULL = SelectionConfig(policy="full")
+FULL = SelectionConfig(policy="full")  # a prefill's attention, unless a request names the decode it prepares
 DEVICE_SHARE = 0.9  # of the device memory free once loaded, for requests (the rest: a step's activations)
 
 
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
-        default_policy = resolve(config.selection)  # the registry checks the default selection first
+        self.plan = resolve(config.selection)  # the default plan: what a request naming none runs under
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         free_cores = max((os.cpu_count() or 1) - torch.get_num_threads(), 0)
@@ -64,7 +66,7 @@ class Engine:
         if config.paging.kv_dtype != "auto":  # stored KV (prefix pages, compressed contexts) differs per format
             self.model_id += f":kv-{config.paging.kv_dtype}"
         args = self.model.args
-        pool = pool_device(config.pool_placement(default_policy.sparse), self.device)
+        pool = pool_device(config.pool_placement(self.plan.sparse), self.device)
         prefix = PrefixCache(self.model_id, config.paging.page_size) if config.paging.prefix_cache else None
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
                                   device=pool, compute=self.device, prefix=prefix,
@@ -107,20 +109,26 @@ class Engine:
                 f"cache capacity of {capacity} tokens (paging.max_context_tokens)"
             )
 
-    def check_request(self, prompt_tokens: int, max_tokens: int, selection: SelectionConfig,
-                      with_context: bool) -> Policy:
-        """The request's policy, resolved; refuses up front a request that could never run: empty,
-        too long for the pool, a policy unknown or without room in its budget, or one that cannot
-        select over a compressed context."""
+    def plan_for(self, selection: SelectionConfig | PolicyPlan | None) -> PolicyPlan:
+        """A request's plan: the engine's own for None, a resolved one as is, else ``selection``
+        resolved (ConfigError for a policy unknown or without room in its budget)."""
+        if selection is None:
+            return self.plan
+        return selection if isinstance(selection, PolicyPlan) else resolve(selection)
+
+    def check_request(self, prompt_tokens: int, max_tokens: int, selection: SelectionConfig | PolicyPlan | None,
+                      with_context: bool) -> PolicyPlan:
+        """The request's plan (:meth:`plan_for`); refuses up front a request that could never run:
+        empty, too long for the pool, a policy unknown or without room in its budget, or one that
+        cannot select over a compressed context."""
         self.check_fits(prompt_tokens, max_tokens)
-        policy = resolve(selection)
-        if with_context and not policy.compressed_context:
-            raise ConfigError(f"policy {selection.policy!r} cannot select over a compressed context; "
-                              "use 'full' or 'icecache'")
-        return policy
+        plan = self.plan_for(selection)
+        if with_context and not plan.compressed_context:
+            raise ConfigError(f"policy {plan.name!r} cannot select over a compressed context; use 'full' or 'icecache'")
+        return plan
 
     def submit(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(),
-               selection: SelectionConfig | None = None, context: CompressedContext | None = None,
+               selection: SelectionConfig | PolicyPlan | None = None, context: CompressedContext | None = None,
                on_text: OnText | None = None, on_progress: OnProgress | None = None, *,
                caching: PromptCaching = PromptCaching()) -> Sequence:
         """Queue a request; it runs as :meth:`step` is called. Raises IcekvError for a request that
@@ -130,14 +138,14 @@ class Engine:
         return self._submit(ids, sampling, selection, context, on_text, on_progress, caching=caching)
 
     def submit_decode(self, req: Prefilled, sampling: SamplingConfig = SamplingConfig(),
-                      selection: SelectionConfig | None = None, suffix: list[int] = (),
+                      selection: SelectionConfig | PolicyPlan | None = None, suffix: list[int] = (),
                       on_text: OnText | None = None, probe: bool = False) -> Sequence:
         """Queue a decode over a prefilled prompt (:meth:`decode`'s), after prefilling ``suffix``
         over it; ``probe``: measure attention recall at each decode step."""
         return self._submit(req.prompt_ids + list(suffix), sampling, selection, req.context, on_text, None,
                             prefilled=req, probe=probe)
 
-    def submit_prefill(self, ids: list[int], selection: SelectionConfig | None = None,
+    def submit_prefill(self, ids: list[int], selection: SelectionConfig | PolicyPlan | None = None,
                        on_progress: OnProgress | None = None, *,
                        caching: PromptCaching = PromptCaching(enabled=False)) -> Sequence:
         """Queue a prefill-only request (:meth:`prefill`'s); its result is a :class:`Prefilled`.
@@ -146,7 +154,7 @@ class Engine:
         return self._submit(list(ids), SamplingConfig(max_tokens=1), selection or FULL, None, None, on_progress,
                             prefill_only=True, caching=caching)
 
-    def _submit(self, ids: list[int], sampling: SamplingConfig, selection: SelectionConfig | None,
+    def _submit(self, ids: list[int], sampling: SamplingConfig, selection: SelectionConfig | PolicyPlan | None,
                 context: CompressedContext | None, on_text: OnText | None, on_progress: OnProgress | None,
                 **kind) -> Sequence:
         """The one way in: the request checked, charged its worst case, queued. ``kind``: the
@@ -156,11 +164,10 @@ class Engine:
         if biased >= self.model.args.vocab_size:
             raise ConfigError(f"logit_bias names token {biased}; this model's vocabulary has "
                               f"{self.model.args.vocab_size} tokens")
-        selection = selection or self.config.selection
-        policy = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
+        plan = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
         prefilled = kind.get("prefilled")
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
-        seq = Sequence(seq_id, Request(ids, sampling, selection, policy, context, **kind), on_text, on_progress)
+        seq = Sequence(seq_id, Request(ids, sampling, plan, context, **kind), on_text, on_progress)
         seq.grammar = self.grammars.for_request(sampling)
         if prefilled is not None:  # its prompt continues the prefilled one (submit_decode)
             seq.prefill_done = len(prefilled.prompt_ids)
@@ -211,13 +218,13 @@ class Engine:
     # ---- the public API (each call a batch of one unless something else is running)
     def generate(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(),
                  on_text: OnText | None = None, on_progress: OnProgress | None = None,
-                 selection: SelectionConfig | None = None, context: CompressedContext | None = None) -> Generation:
+                 selection: SelectionConfig | PolicyPlan | None = None, context: CompressedContext | None = None) -> Generation:
         """Prefill ``prompt``, then decode until EOS, a stop string or ``max_tokens``. With
         ``context``, the prompt continues a compressed context (made once with :meth:`compress`)."""
         return self.run(self.submit(prompt, sampling, selection, context, on_text, on_progress))
 
     def stream(self, prompt: str | list[int], sampling: SamplingConfig = SamplingConfig(),
-               selection: SelectionConfig | None = None, on_progress: OnProgress | None = None,
+               selection: SelectionConfig | PolicyPlan | None = None, on_progress: OnProgress | None = None,
                context: CompressedContext | None = None) -> Generator[str, None, Generation]:
         """:meth:`generate` as a generator of text pieces (one yield per step, '' when none);
         returns the :class:`Generation`. Closing it early cancels the request."""
@@ -237,7 +244,7 @@ class Engine:
         return seq.result
 
     def prefill(self, ids: list[int], on_progress: OnProgress | None = None,
-                selection: SelectionConfig | None = None, *,
+                selection: SelectionConfig | PolicyPlan | None = None, *,
                 caching: PromptCaching = PromptCaching(enabled=False)) -> Prefilled:
         """Run the prompt through the model and keep its KV, to decode later (maybe several times).
         With a sparse ``selection`` and free index threads, its index is built meanwhile, for the
@@ -246,7 +253,7 @@ class Engine:
         return self.run(self.submit_prefill(ids, selection, on_progress, caching=caching))
 
     def decode(self, req: Prefilled, sampling: SamplingConfig = SamplingConfig(),
-               selection: SelectionConfig | None = None, on_text: OnText | None = None,
+               selection: SelectionConfig | PolicyPlan | None = None, on_text: OnText | None = None,
                probe: bool = False, suffix: list[int] = ()) -> Generation:
         """Decode after a prefilled prompt under ``selection``, after prefilling ``suffix`` over it
         (a question asked of a prefilled context); leaves the prompt's KV as it was."""

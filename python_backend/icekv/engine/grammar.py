@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from icekv.errors import ConfigError
-from icekv.request_config import SamplingConfig
+from icekv.config.request import SamplingConfig
 
 
 # one space after separators, none elsewhere: the output reads as json.dumps writes it, and a model

@@ -9,7 +9,7 @@ inserts the pages that leave the window, instead of building over the whole conv
 
 An index is moved, never copied: the request that takes it owns it, and a second request over the
 same prefix at the same time builds its own. It is keyed by the tokens it covers (the prefix
-cache's hash chain) and the selection it was built under. The keys of tokens a request generated
+cache's hash chain) and the plan it was built under. The keys of tokens a request generated
 under a budget are the ones its sparse decode wrote, which a full prefill of the same tokens
 computes slightly differently: the continued index scores those pages with their decode-time keys
 (the pages attended are read from the pool, exact). Kept indexes are host memory under
@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from icekv.config import SelectionConfig
 from icekv.kv.prefix_cache import page_keys
-from icekv.select import PageSelector
+from icekv.methods.selector import PageSelector
+from icekv.policies import PolicyPlan
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class IndexCacheStats:
 
 
 class IndexCache:
-    """Kept indexes by (the key of the tokens they cover, their selection), least recently kept first."""
+    """Kept indexes by (the key of the tokens they cover, their plan), least recently kept first."""
 
     def __init__(self, model_id: str, page_size: int):
         self.model_id, self.page_size = model_id, page_size
@@ -53,27 +53,27 @@ class IndexCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep(self, ids: list[int], covered: int, selection: SelectionConfig, selector: PageSelector) -> None:
+    def keep(self, ids: list[int], covered: int, plan: PolicyPlan, selector: PageSelector) -> None:
         """Keep ``selector``, whose region ends at ``covered`` of the tokens ``ids``."""
         if covered % self.page_size or covered == 0 or covered > len(ids):
             return  # a region that ends inside a page (at the sink) has nothing worth keeping
-        key = (page_keys(self.model_id, ids[:covered], self.page_size)[-1], selection)
+        key = (page_keys(self.model_id, ids[:covered], self.page_size)[-1], plan)
         self._drop(key)
         self._kept[key] = KeptIndex(selector, covered, selector.index_bytes())
         self.nbytes += self._kept[key].nbytes
 
-    def find(self, ids: list[int], most: int, selection: SelectionConfig) -> tuple | None:
+    def find(self, ids: list[int], most: int, plan: PolicyPlan) -> tuple | None:
         """The key of the kept index over the longest prefix of ``ids`` it may continue, covering
         at most ``most`` tokens; None: none."""
         keys = page_keys(self.model_id, ids[:most], self.page_size)
         for chain in reversed(keys):
-            if (chain, selection) in self._kept:
-                return chain, selection
+            if (chain, plan) in self._kept:
+                return chain, plan
         return None
 
-    def take(self, ids: list[int], most: int, selection: SelectionConfig) -> KeptIndex | None:
+    def take(self, ids: list[int], most: int, plan: PolicyPlan) -> KeptIndex | None:
         """The kept index :meth:`find` names, now the caller's (no longer kept)."""
-        key = self.find(ids, most, selection)
+        key = self.find(ids, most, plan)
         if key is None:
             return None
         kept = self._drop(key)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from icekv.config import SchedulerConfig
+from icekv.config.engine import SchedulerConfig
 from icekv.engine.index_cache import IndexCache
 from icekv.errors import IcekvError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
-from icekv.sizing import DeviceNeed, device_need, index_bytes
+from icekv.sizing import DeviceNeed, device_need
 
 MIB = 2**20
 
@@ -56,16 +56,15 @@ class KVCacheManager:
         index = 0
         if seq.selects and not r.prefill_only:
             kept = math.ceil(context.kv_budget * context.length) if context is not None else 0
-            index = index_bytes(self.args, held + kept, r.policy, r.selection, self.cache.dtype)
+            index = r.plan.index_bytes(self.args, held + kept, self.cache.dtype)
         context_bytes = context.nbytes if context is not None else 0
         device = DeviceNeed(0, 0)
         if not self.cache.pool_on_compute:
-            device = device_need(self.args, prompt_tokens, max_tokens, r.policy,
-                                 None if r.prefill_only else r.selection,
+            device = device_need(self.args, prompt_tokens, max_tokens, None if r.prefill_only else r.plan,
                                  self.cache.value_bytes_per_token // self.args.num_layers, context_bytes,
                                  self.device_type)  # values: an upper bound for quantized slots
         charge = Admission(math.ceil(held / self.cache.page_size), index, context_bytes, device)
-        self._check(charge, r.selection.policy)
+        self._check(charge, r.plan.name)
         return charge
 
     def _check(self, charge: Admission, policy: str) -> None:
@@ -132,5 +131,5 @@ class KVCacheManager:
         r, backend = seq.request, seq.backend
         if self.indexes is None or seq.error is not None or not seq.decoder_ready or not seq.shares_index:
             return
-        self.indexes.keep(r.prompt_ids + seq.stream.token_ids, backend.win_start, r.selection, backend.selector)
+        self.indexes.keep(r.prompt_ids + seq.stream.token_ids, backend.win_start, r.plan, backend.selector)
         self.indexes.trim(self.index_limit)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from icekv.compress import CompressedContext
-from icekv.config import SelectionConfig
+from icekv.policies import PolicyPlan
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,6 @@ class Prefilled:
     window_queries: dict | None = None  # layer -> the prompt's last queries [W, Hq, D] (SnapKV's window)
     cached_tokens: int = 0  # prompt tokens the prefix cache held (read, not prefilled)
 
-    def prebuilt_index(self, selection: SelectionConfig):
-        """The index prefill built, if it was built for ``selection`` and no decode has taken it."""
-        return self.index if self.index is not None and self.index.selection == selection else None
+    def prebuilt_index(self, plan: PolicyPlan):
+        """The index prefill built, if it was built for ``plan`` and no decode has taken it."""
+        return self.index if self.index is not None and self.index.plan == plan else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from icekv.config import SamplingConfig
+from icekv.config.request import SamplingConfig
 
 
 def adjusted_logits(logits: torch.Tensor, cfg: SamplingConfig, prompt_ids: torch.Tensor,

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from icekv.config import SchedulerConfig
+from icekv.config.engine import SchedulerConfig
 from icekv.engine.kv_manager import KVCacheManager
 from icekv.engine.sequence import Cancelled, Sequence
 from icekv.errors import IcekvError

@@ -12,14 +12,14 @@ from typing import Callable
 import torch
 
 from icekv.compress import CompressedContext
-from icekv.config import PromptCaching, SamplingConfig, SelectionConfig
+from icekv.config.request import PromptCaching, SamplingConfig
 from icekv.engine.grammar import Grammar
 from icekv.engine.kv_manager import Admission
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.sampling import adjusted_logits, sample_next, token_logprobs
 from icekv.engine.text_stream import TextStream
 from icekv.errors import IcekvError
-from icekv.policies import Policy, window_queries_kept
+from icekv.policies import PolicyPlan
 
 OnText = Callable[[str], None]
 OnProgress = Callable[[int, int], None]
@@ -46,8 +46,7 @@ class Request:
 
     prompt_ids: list[int]
     sampling: SamplingConfig
-    selection: SelectionConfig
-    policy: Policy  # the one ``selection`` names, resolved once at submit
+    plan: PolicyPlan  # its decode method and settings, resolved once at submit
     context: CompressedContext | None = None
     prefilled: Prefilled | None = None
     prefill_only: bool = False
@@ -120,16 +119,16 @@ class Sequence:
     @property
     def selects(self) -> bool:
         """Does its decode select pages? Under a sparse policy, over a compressed context or when
-        its tokens may outgrow the budget (within it, it attends every token: ``Policy.selects``)."""
+        its tokens may outgrow the budget (within it, it attends every token: ``PolicyPlan.selects``)."""
         r = self.request
-        return r.policy.sparse and (r.context is not None or r.policy.selects(r.selection, self.tokens_held))
+        return r.plan.sparse and (r.context is not None or r.plan.selects(self.tokens_held))
 
     @property
     def shares_index(self) -> bool:
         """May its decode continue a finished request's page index, and leave its own for the next
         (:mod:`icekv.engine.index_cache`)? When it uses the prefix cache and selects under a
         policy whose index grows by insertion."""
-        return self.uses_prefix_cache and self.request.policy.extends_index and self.selects
+        return self.uses_prefix_cache and self.request.plan.extends_index and self.selects
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -139,14 +138,14 @@ class Sequence:
         probe or a request scoring its prompt (each needs its whole prompt through the model)."""
         r = self.request
         return (r.caching.enabled and r.context is None and r.prefilled is None
-                and not (r.prefill_only and r.policy.sparse) and not r.probe and r.sampling.prompt_logprobs is None)
+                and not (r.prefill_only and r.plan.sparse) and not r.probe and r.sampling.prompt_logprobs is None)
 
     @property
     def most_cached_tokens(self) -> int:
         """The most prompt tokens a cached prefix may stand in for: not the last one (its logits
         start the decode) nor the policy's observation window (its prefill keeps their queries)."""
         r = self.request
-        return len(r.prompt_ids) - max(1, window_queries_kept(r.policy, r.selection, False))
+        return len(r.prompt_ids) - max(1, r.plan.window_queries_kept(False))
 
     def tokens_to_cache(self) -> list[int] | None:
         """The tokens whose KV the prefix cache may keep when it ends (the cache keeps those its
@@ -231,8 +230,8 @@ class Sequence:
             text=self.stream.text, token_ids=new, prompt_tokens=len(self.request.prompt_ids), new_tokens=len(new),
             finish_reason=self.finish_reason, prefill_s=self.prefill_s, decode_s=decode_s,
             tpot_s=decode_s / max(len(new) - 1, 1),  # n tokens take n-1 decode steps
-            kv=kv, policy=self.request.selection.policy,
-            budget=self.request.selection.budget if self.request.policy.sparse else None,
+            kv=kv, policy=self.request.plan.name,
+            budget=self.request.plan.budget if self.request.plan.sparse else None,
             timings=dict(backend.timings) if backend else {},
             step_max_s=max(self.step_s, default=0.0), first_step_s=self.step_s[0] if self.step_s else 0.0,
             cached_tokens=self.cached_tokens, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,

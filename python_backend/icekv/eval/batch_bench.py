@@ -17,10 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine, Prefilled
 from icekv.eval.decode_bench import synthesize
 from icekv.eval.device_memory import DevicePeak
+from icekv.policies import PolicyPlan, resolve
 
 SPLIT = ("select_s", "transfer_s", "attention_s", "insert_s")
 
@@ -43,8 +46,10 @@ class BatchBenchConfig:
         return 1 + max(self.warmup_steps, 1) + self.steps
 
 
-def selection_for(cfg: BatchBenchConfig, policy: str) -> SelectionConfig:
-    return SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache)
+def plans_for(cfg: BatchBenchConfig) -> dict[str, PolicyPlan]:
+    """Each policy of ``cfg`` resolved at its budget and settings (ConfigError for one it cannot run)."""
+    return {policy: resolve(SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache))
+            for policy in cfg.policies}
 
 
 def copy_prefilled(engine: Engine, source: Prefilled) -> Prefilled:
@@ -58,13 +63,13 @@ def copy_prefilled(engine: Engine, source: Prefilled) -> Prefilled:
     return Prefilled(req.seq_id, list(source.prompt_ids), source.logits, 0.0)
 
 
-def time_batch(engine: Engine, reqs: list[Prefilled], selection: SelectionConfig, steps: int,
+def time_batch(engine: Engine, reqs: list[Prefilled], plan: PolicyPlan, steps: int,
                warmup_steps: int = BatchBenchConfig.warmup_steps) -> dict:
     """Every request in ``reqs`` decodes together: a first step (index build, slots filled from
     empty) and the rest of ``warmup_steps`` untimed, then ``steps`` timed ones; the first token
     comes from the prefill's logits."""
     sampling = SamplingConfig(max_tokens=1 + max(warmup_steps, 1) + steps, ignore_eos=True)
-    seqs = [engine.submit_decode(r, sampling, selection) for r in reqs]
+    seqs = [engine.submit_decode(r, sampling, plan) for r in reqs]
     step_s, splits, first_s, untimed = [], [], None, 0
     with DevicePeak(engine.device) as peak:
         while not all(s.done for s in seqs):
@@ -112,10 +117,11 @@ def _split(seqs) -> dict:
     return out
 
 
-def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
+def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str, plans: dict[str, PolicyPlan],
                     progress: Callable[[str], None] | None = None,
                     emit: Callable[[dict], None] | None = None) -> list[dict]:
-    """Every record, each handed to ``emit`` as soon as it is measured."""
+    """Every record, each handed to ``emit`` as soon as it is measured; ``plans``: each policy's
+    (:func:`plans_for`)."""
     seed_ids = engine.tokenizer.encode(seed_text)[: cfg.seed_tokens]
     records = []
     cells = [(batch, policy) for batch in cfg.batches for policy in cfg.policies]
@@ -127,7 +133,7 @@ def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str,
             runs = {cell: [] for cell in cells}
             for repeat in range(cfg.repeats):  # interleaved, every other pass reversed: drift falls on all alike
                 for batch, policy in cells if repeat % 2 == 0 else cells[::-1]:
-                    run = time_batch(engine, reqs[:batch], selection_for(cfg, policy), cfg.steps, cfg.warmup_steps)
+                    run = time_batch(engine, reqs[:batch], plans[policy], cfg.steps, cfg.warmup_steps)
                     runs[batch, policy].append(run)
                     if progress:
                         progress(f"{length} x{batch} {policy}: {run['tokens_per_s']:.1f} tokens/s, "

@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from icekv.config import PagingConfig, SchedulerConfig, SelectionConfig
+from icekv.config.engine import SchedulerConfig
+from icekv.config.paging import PagingConfig
 from icekv.kv.quant import KVFormat
 from icekv.model import ModelArgs
-from icekv.policies import resolve
-from icekv.sizing import DTYPE_BYTES, device_need, index_bytes
+from icekv.policies import PolicyPlan
+from icekv.sizing import DTYPE_BYTES, device_need
 
 # allowances, not measurements: what the process holds besides the plan's tensors
 HOST_RUNTIME_BYTES = 4 << 30  # the interpreter, torch and the CUDA libraries
@@ -35,13 +36,13 @@ GIB = 2**30
 class BenchRun:
     """What one benchmark runs: per (context, batch), ``batch`` requests whose caches hold
     ``context`` tokens (tiled from a real prefill of ``seed_tokens``) decode ``max_tokens`` each
-    under every policy of ``selections``; ``groups``: (pool placement, policies) per engine, in
+    under every policy of ``plans``; ``groups``: (pool placement, policies) per engine, in
     order; ``peer_kv``: the first group also copies each context's KV once more onto the compute
     device (transformers' own cache, ``--peer hf``)."""
 
     contexts: tuple[int, ...]
     batches: tuple[int, ...]
-    selections: dict[str, SelectionConfig]
+    plans: dict[str, PolicyPlan]
     groups: tuple[tuple[str, tuple[str, ...]], ...]
     max_tokens: int
     seed_tokens: int = 1024
@@ -147,7 +148,7 @@ def weights_bytes(args: ModelArgs, dtype: str) -> int:
 def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_dtype: str = "auto") -> BenchPlan:
     """The limits ``run`` needs on ``machine`` and, per wave, whether the engine admits it at once;
     the pool stores K/V as ``kv_dtype``."""
-    page = next(iter(run.selections.values())).page_size
+    page = next(iter(run.plans.values())).page_size
     pages_of = lambda tokens: math.ceil(tokens / page)  # noqa: E731
     largest = max(run.batches) * pages_of(max(run.contexts) + run.max_tokens)
     pool_pages = max(largest, pages_of(max(run.contexts)) + pages_of(run.seed_tokens)) + 1  # + the seed's prefill
@@ -186,13 +187,11 @@ def _wave(args: ModelArgs, dtype: str, run: BenchRun, policy: str, context: int,
           pages_of, token_bytes: int, pool_pages: int, index_limit: int, device_type: str) -> Wave:
     """What the engine's admission charges ``batch`` prefilled requests of ``context`` tokens
     decoding ``run.max_tokens`` each (Engine.submit, Scheduler._fits)."""
-    sel = run.selections[policy]
+    plan = run.plans[policy]
     held = context + run.max_tokens
     pages = batch * pages_of(held)
-    resolved = resolve(sel)
-    selects = resolved.selects(sel, held)
-    one_index = index_bytes(args, held, resolved, sel, dtype) if selects else 0
-    need = device_need(args, context, run.max_tokens, resolved, sel, token_bytes, 0, device_type)
+    one_index = plan.index_bytes(args, held, dtype) if plan.selects(held) else 0
+    need = device_need(args, context, run.max_tokens, plan, token_bytes, 0, device_type)
     off_device = pool == "host" and device_type != "cpu"
     # a prefilled request decodes at once: each running one is charged its decode, the newest its most
     charge = (batch - 1) * need.decode + need.most if off_device else 0
@@ -203,7 +202,7 @@ def _wave(args: ModelArgs, dtype: str, run: BenchRun, policy: str, context: int,
     if batch * one_index > index_limit:
         refusals.append(f"page indexes of {batch * one_index / GIB:,.2f} GiB, above max_index_bytes "
                         f"({index_limit / GIB:,.2f} GiB, the pool's size): the index outweighs the KV it indexes "
-                        f"({sel.icecache.page_keys(dtype)} page keys over a {dtype} cache)")
+                        f"({plan.selection.icecache.page_keys(dtype)} page keys over a {dtype} cache)")
     return Wave(policy, context, batch, pool, pages, batch * one_index, batch * one_index / index_limit,
                 charge, hold, tuple(refusals))
 

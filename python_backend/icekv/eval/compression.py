@@ -23,7 +23,8 @@ import psutil
 
 from icekv.compress import CompressedContext, evict, make_compressor
 from icekv.compress.scoring import run_steps
-from icekv.config import SamplingConfig, check_kv_budget
+from icekv.config.request import SamplingConfig
+from icekv.config.serving import check_kv_budget
 from icekv.engine import Engine
 from icekv.engine.compression import scoring_context
 from icekv.errors import ConfigError

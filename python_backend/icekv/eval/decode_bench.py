@@ -26,11 +26,14 @@ from icekv.engine.sequence import Sequence
 
 import torch
 
-from icekv.config import IceCacheConfig, SamplingConfig, SelectionConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.devices import synchronize
 from icekv.engine import Engine, Prefilled
 from icekv.eval.device_memory import DevicePeak
 from icekv.eval.hf_peer import hf_model
+from icekv.policies import PolicyPlan, resolve
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,11 @@ def hf_decode_tpot(engine: Engine, req: Prefilled, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
+def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str, plans: dict[str, PolicyPlan],
                      progress: Callable[[str], None] | None = None,
                      emit: Callable[[dict], None] | None = None) -> list[dict]:
-    """Every record, each handed to ``emit`` as soon as it is measured."""
+    """Every record, each handed to ``emit`` as soon as it is measured; ``plans``: each policy's
+    (:func:`plans_for`)."""
     emit = emit or (lambda record: None)
     seed_ids = engine.tokenizer.encode(seed_text)[: cfg.seed_tokens]
     records = []
@@ -104,7 +108,7 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
         if length in cfg.ttft_contexts:  # the seed text tiled to ``length``, through the model
             sparse = [p for p in cfg.policies if p != "full"]
             req = engine.prefill((seed_ids * -(-length // len(seed_ids)))[:length],
-                                 selection=selection_for(cfg, sparse[0]) if sparse else None)
+                                 selection=plans[sparse[0]] if sparse else None)
             prefill_s = req.prefill_s
         else:
             req, prefill_s = synthesize(engine, seed_ids, length), None
@@ -112,7 +116,7 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
             runs = {policy: [] for policy in cfg.policies}
             for _ in range(cfg.repeats):  # interleaved: a drifting machine slows every policy alike
                 for policy in cfg.policies:
-                    runs[policy].append(time_policy(engine, req, cfg, policy, prefill_s))
+                    runs[policy].append(time_policy(engine, req, cfg, plans[policy], prefill_s))
                     if progress:
                         progress(f"{length} {policy}: {runs[policy][-1]['tpot_s'] * 1000:.1f} ms/token")
             for policy in cfg.policies:
@@ -130,19 +134,21 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str,
     return records
 
 
-def selection_for(cfg: DecodeBenchConfig, policy: str) -> SelectionConfig:
-    return SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache,
-                           n_unlimited_layers=cfg.unlimited_layers)
+def plans_for(cfg: DecodeBenchConfig) -> dict[str, PolicyPlan]:
+    """Each policy of ``cfg`` resolved at its budget and settings (ConfigError for one it cannot run)."""
+    return {policy: resolve(SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache,
+                                            n_unlimited_layers=cfg.unlimited_layers)) for policy in cfg.policies}
 
 
-def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, policy: str, prefill_s: float | None) -> dict:
-    """One decode with ``policy`` from the request's cache, ``cfg.warmup_steps`` untimed steps
+def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, plan: PolicyPlan,
+                prefill_s: float | None) -> dict:
+    """One decode under ``plan`` from the request's cache, ``cfg.warmup_steps`` untimed steps
     then ``cfg.steps`` timed ones: a record."""
     sampling = SamplingConfig(max_tokens=cfg.max_tokens, ignore_eos=True)
-    sel = selection_for(cfg, policy)
-    prebuilt = req.prebuilt_index(sel) is not None  # this decode takes prefill's index
+    policy = plan.name
+    prebuilt = req.prebuilt_index(plan) is not None  # this decode takes prefill's index
     with DevicePeak(engine.device) as peak:
-        seq = engine.submit_decode(req, sampling, sel)
+        seq = engine.submit_decode(req, sampling, plan)
         warm = _step_until(engine, seq, cfg.warmup_steps)  # stage times after the warm-up
         gen = engine.run(seq)
     timed = seq.step_s[cfg.warmup_steps:] or seq.step_s[-1:]  # each timed step's wall time

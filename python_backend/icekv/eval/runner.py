@@ -15,14 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from icekv.config import IceCacheConfig, PromptCaching, SamplingConfig, SelectionConfig
+from icekv.config.request import PromptCaching, SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.eval.needles import check_distinct_key_words, longest_answer_room
 from icekv.eval.run_log import ContextGrid, RunLog, context_key, grid_of
 from icekv.eval.stats import aggregate
 from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
-from icekv.policies import resolve
+from icekv.policies import PolicyPlan, resolve
 
 @dataclass(frozen=True)
 class EvalConfig(ContextGrid):
@@ -62,9 +64,6 @@ class EvalConfig(ContextGrid):
             for t in self.tasks:
                 if t.startswith("niah_"):
                     check_distinct_key_words(t, self.questions, self.num_needles)
-        for pol in self.policies:  # validates policy names and budgets early, with their messages
-            for b in self.budgets:
-                resolve(SelectionConfig(policy=pol, budget=b))
 
     @property
     def answer_tokens(self) -> int:
@@ -72,9 +71,11 @@ class EvalConfig(ContextGrid):
         is more."""
         return max([self.max_tokens] + [longest_answer_room(t, self.num_values, self.num_hops) for t in self.tasks])
 
-    def selections(self) -> list[SelectionConfig]:
-        out = [SelectionConfig(policy="full")] if "full" in self.policies else []
-        return out + [SelectionConfig(policy=p, budget=b, icecache=self.icecache)
+    def plans(self) -> list[PolicyPlan]:
+        """Every (policy, budget) of the grid resolved, full attention once (ConfigError for a
+        policy unknown or a budget it cannot use): what a front end resolves before loading."""
+        out = [resolve(SelectionConfig(policy="full"))] if "full" in self.policies else []
+        return out + [resolve(SelectionConfig(policy=p, budget=b, icecache=self.icecache))
                       for p in self.policies if p != "full" for b in self.budgets]
 
 
@@ -84,8 +85,10 @@ def _sample_seed(cfg: EvalConfig, task: str, length: int, i: int) -> int:
 
 def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
              progress: Callable[[int, int, bool], None] | None = None, log: Path | None = None,
-             resume: bool = False, on_context: Callable[[list[dict]], None] | None = None) -> list[dict]:
-    """Returns one record per (task, length, policy, budget) with accuracy over every question.
+             resume: bool = False, on_context: Callable[[list[dict]], None] | None = None,
+             plans: list[PolicyPlan] | None = None) -> list[dict]:
+    """Returns one record per (task, length, policy, budget) with accuracy over every question,
+    under ``plans`` (None: ``cfg.plans()``).
     With ``log``, each finished context's runs are appended there as one JSON line (flushed);
     ``resume`` keeps the contexts the log already holds (it must come from the same grid);
     ``on_context`` gets the records so far after each context run here; ``progress`` gets (done,
@@ -95,8 +98,8 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
     finished = run_log.start(resume)
     sampler = HaystackSampler(haystack_text, engine.tokenizer)
     form = PromptFormat.from_chat_template(engine.chat_prompt) if cfg.chat_template else PromptFormat()
-    selections = cfg.selections()
-    total = len(cfg.contexts()) * cfg.questions * len(selections)
+    plans = plans or cfg.plans()
+    total = len(cfg.contexts()) * cfg.questions * len(plans)
     count = {"done": 0}
 
     def on_run(n: int = 1, resumed: bool = False) -> None:
@@ -110,7 +113,7 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
         if key in finished:
             on_run(len(finished[key]["runs"]), resumed=True)
         else:
-            finished[key] = _run_context(engine, cfg, sampler, form, selections, task, length, i, on_run, run_log)
+            finished[key] = _run_context(engine, cfg, sampler, form, plans, task, length, i, on_run, run_log)
             run_log.append(finished[key])
             if on_context:
                 on_context(aggregate(runs + finished[key]["runs"], cfg.haystack, cfg.chat_template))
@@ -119,9 +122,9 @@ def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
 
 
 def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form: PromptFormat,
-                 selections: list[SelectionConfig], task: str, length: int, i: int,
+                 plans: list[PolicyPlan], task: str, length: int, i: int,
                  on_run: Callable[..., None], run_log: RunLog) -> dict:
-    """Prefill one context, ask each of its questions under every selection (each question's runs
+    """Prefill one context, ask each of its questions under every plan (each question's runs
     logged as it is answered; those an interrupted run logged are kept); the context's log entry."""
     key = context_key(task, length, i)
     depth = cfg.depths[i % len(cfg.depths)] if cfg.depths else (i + 0.5) / cfg.samples
@@ -144,10 +147,10 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
             question, suffix, limit = sample.questions[q], suffixes[q], max_tokens[q]
             sampling = SamplingConfig(max_tokens=limit, stop=question.stop)
             answered[q] = []
-            for sel in selections:
-                gen = engine.decode(req, sampling, sel, probe=cfg.probe and sel.policy != "full", suffix=suffix)
+            for plan in plans:
+                gen = engine.decode(req, sampling, plan, probe=cfg.probe and plan.sparse, suffix=suffix)
                 answered[q].append({"task": task, "length": length, "sample": i, "question": q,
-                                    "policy": sel.policy, "budget": gen.budget,
+                                    "policy": plan.name, "budget": gen.budget,
                                     "score": question.score(gen.text), "output": gen.text, "max_tokens": limit,
                                     "expected": list(question.answers), "prompt_tokens": gen.prompt_tokens,
                                     "tpot_s": gen.tpot_s, "timings": gen.timings, "layers": gen.layer_stats,

@@ -16,16 +16,20 @@ promoted tokens, the ones a parent search compares against, also keep theirs in 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
-from icekv.config import IceCacheConfig
 from icekv.index.page_store import PageStore
 from icekv.index.levels import balanced_cut, promotion_levels, promotion_step, upper_step
 from icekv.index.parents import ROOT, append_tokens
 from icekv.index.placement import place_tokens
 from icekv.index.score_rows import computable, raw
 from icekv.index.tree_walk import walk_scores
+
+if TYPE_CHECKING:  # a name only: the settings live with the method that uses the index
+    from icekv.methods.icecache import IceCacheConfig
 
 NEAREST_ROWS = 4096  # tokens per product when the build finds parents: bounds the [rows, nodes] scores
 

@@ -3,9 +3,12 @@ order, by ``ratio_1`` and ``ratio_2``), and how a node's ranked children are cut
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from icekv.config import IceCacheConfig
+if TYPE_CHECKING:  # a name only: the settings live with the method that uses the index
+    from icekv.methods.icecache import IceCacheConfig
 
 
 def promotion_step(cfg: IceCacheConfig) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from icekv.config import PagingConfig
+from icekv.config.paging import PagingConfig
 from icekv.errors import CacheFullError
 from icekv.kv.allocator import PageAllocator
 from icekv.kv.page_list import PageList

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from icekv.config import KV_DTYPES
+from icekv.config.paging import KV_DTYPES
 
 SCALE_BYTES = 4  # one float32 scale after each row's codes
 _LARGEST = {"int8": 127.0, "fp8_e4m3": 448.0}

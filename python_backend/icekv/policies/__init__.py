@@ -1,51 +1,61 @@
-"""The registry of decode-time policies: a name -> everything about that policy (one file each).
+"""The registry of decode methods (one file each in :mod:`icekv.methods`), and the one place a
+request's method is resolved into its :class:`PolicyPlan`.
 
-Adding a policy: a file here that makes a :class:`Policy`, and its line in :data:`_REGISTERED`.
+Adding a method: its file in ``methods/`` and its line in :data:`REGISTERED`.
 """
 
 from __future__ import annotations
 
+from icekv.config.selection import SelectionConfig
 from icekv.errors import ConfigError
-from icekv.policies import arkvale, full, icecache, magicpig, omnikv, pqcache, quest, snapkv, streaming
-from icekv.policies.base import Policy, sink_tokens, sparse_layers, window_start
+from icekv.methods import arkvale, full, icecache, magicpig, omnikv, pqcache, quest, snapkv, streaming
+from icekv.methods.base import Policy
+from icekv.policies.plan import PolicyPlan
 
-_REGISTERED = (full.POLICY, streaming.POLICY, quest.POLICY, icecache.ICECACHE, icecache.ICECACHE_R, arkvale.POLICY,
-               pqcache.POLICY, omnikv.POLICY, snapkv.POLICY, magicpig.POLICY)
+REGISTERED: tuple[Policy, ...] = (
+    full.POLICY,
+    streaming.POLICY,
+    quest.POLICY,
+    icecache.POLICY,
+    icecache.POLICY_R,
+    arkvale.POLICY,
+    pqcache.POLICY,
+    omnikv.POLICY,
+    snapkv.POLICY,
+    magicpig.POLICY,
+)
 
 
-def policy_names() -> tuple[str, ...]:
-    return tuple(p.name for p in _REGISTERED)
+def policy_names(registered: tuple[Policy, ...] = REGISTERED) -> tuple[str, ...]:
+    return tuple(p.name for p in registered)
 
 
-def get_policy(name: str) -> Policy:
-    for policy in _REGISTERED:
-        if policy.name == name:
-            return policy
-    raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())}")
-
-
-def resolve(cfg) -> Policy:
-    """The policy ``cfg`` (a SelectionConfig) names, once its settings are checked against it: a
-    sparse policy needs a budget of whole pages past its sink and window. The one lookup a request's
-    policy gets (at submit); ConfigError for an unknown name or a budget it cannot use."""
-    policy = get_policy(cfg.policy)
+def resolve(selection: SelectionConfig, registered: tuple[Policy, ...] = REGISTERED) -> PolicyPlan:
+    """The plan of ``selection``: its method looked up by name, the sink and window pages derived
+    where the selection leaves them to the budget (2 pages each, the paper's, shrunk to a quarter
+    of the budget's pages each for small budgets: 64 tokens give 1 + 1, 2 selected), and a sparse
+    method's budget checked for whole pages with room past them. ConfigError for an unknown name
+    or a budget the method cannot use."""
+    policy = next((p for p in registered if p.name == selection.policy), None)
+    if policy is None:
+        raise ConfigError(f"unknown policy {selection.policy!r}; choose one of {', '.join(policy_names(registered))}")
+    derived = max(1, min(2, selection.budget // selection.page_size // 4))
+    sink = derived if selection.n_sink_pages is None else selection.n_sink_pages
+    window = derived if selection.n_win_pages is None else selection.n_win_pages
     if policy.sparse:
-        cfg.check_paged_budget()
-    return policy
+        _check_paged_budget(selection, sink, window)
+    widest = max(p.window_queries(selection) for p in registered)
+    return PolicyPlan(policy, selection, sink, window, widest)
 
 
-def make_selector(cfg):
-    """A fresh selector for ``cfg``'s policy (resolved here: for callers outside the engine, whose
-    requests carry theirs); None for full attention."""
-    return resolve(cfg).make_selector(cfg)
+def _check_paged_budget(selection: SelectionConfig, sink: int, window: int) -> None:
+    """A method that selects pages needs a budget of whole pages with room past sink and window."""
+    if selection.budget % selection.page_size:
+        raise ConfigError(f"budget {selection.budget} is not a multiple of the page size {selection.page_size}")
+    fixed = (sink + window) * selection.page_size
+    if selection.budget <= fixed:
+        raise ConfigError(f"budget {selection.budget} must exceed sink + window = {fixed} tokens "
+                          f"({sink} + {window} pages of {selection.page_size})")
 
 
-def window_queries_kept(policy: Policy, cfg, for_later_decodes: bool) -> int:
-    """The prompt's last queries per layer a prefill keeps: its policy's observation window, or,
-    for a prompt prefilled for later decodes under any policy, the widest one."""
-    policies = _REGISTERED if for_later_decodes else (policy,)
-    return max(p.window_queries(cfg) for p in policies)
-
-
-__all__ = ["Policy", "get_policy", "make_selector", "policy_names", "resolve", "sink_tokens", "sparse_layers",
-           "window_queries_kept", "window_start"]
+__all__ = ["REGISTERED", "Policy", "PolicyPlan", "policy_names", "resolve"]

@@ -68,7 +68,7 @@ class EngineLoop:
                 ids = self.engine.tokenizer.encode(request.text)  # outside the lock: the engine thread goes on
             with self._wake:  # the sink is known before the engine thread can step the request
                 self.check_alive()
-                seq = self.engine.submit(ids, request.sampling, request.selection, context, sink.text,
+                seq = self.engine.submit(ids, request.sampling, request.plan, context, sink.text,
                                          caching=request.caching)
                 self._sinks[seq] = sink
                 if context_key is not None:
@@ -86,7 +86,7 @@ class EngineLoop:
         if to_compress is not None:
             if request.text is not None:  # refuse now what would fail after the compression
                 request = replace(request, prompt_ids=self.engine.tokenizer.encode(request.text))
-                self.engine.check_request(len(request.prompt_ids), request.sampling.max_tokens, request.selection,
+                self.engine.check_request(len(request.prompt_ids), request.sampling.max_tokens, request.plan,
                                           with_context=True)
             return self.submit_compression(request, sink, to_compress)
         if key is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from icekv.serving.response import OUTPUTS
-from icekv.settings import default_parameters
+from icekv.config.settings import default_parameters
 
 MODEL_NAME = "icekv"
 SHIM = Path(__file__).with_name("model_shim.py")

@@ -8,15 +8,17 @@ Anything wrong raises :class:`RequestError` with a message the client sees as an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
 
 from icekv.compress.methods import COMPRESSORS
-from icekv.config import CompressionConfig, PromptCaching, SamplingConfig, SelectionConfig, ServingConfig, check_kv_budget
+from icekv.config.request import PromptCaching, SamplingConfig
+from icekv.config.serving import CompressionConfig, ServingConfig, check_kv_budget
 from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError, normalize_tools
+from icekv.policies import PolicyPlan, resolve
 from icekv.serving.repository import INPUTS
 from icekv.serving.tool_calls import ToolCallError, call_grammar, tool_choice
 from icekv.store.format import StoreError, check_key
@@ -46,7 +48,7 @@ class ContextRequest:
 class GenerateRequest:
     text: str | None  # None: the request only compresses its context
     sampling: SamplingConfig
-    selection: SelectionConfig
+    plan: PolicyPlan | None  # the request's own method and budget; None: the server's
     stream: bool
     context_key: str | None
     context: ContextRequest | None = None
@@ -240,7 +242,6 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
         raise RequestError(f"a stop string may have at most {cfg.max_stop_chars} characters, got "
                            f"{max(map(len, stop))}")
     seed = fields.get("seed")
-    engine_sel = cfg.engine.selection
     try:
         sampling = SamplingConfig(
             max_tokens=max_tokens,
@@ -258,15 +259,11 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
             json_schema=None if "json_schema" not in fields else _str("json_schema", fields["json_schema"]),
             grammar=tool_use.grammar,
         )
-        selection = engine_sel
-        if "policy" in fields or "budget" in fields:
-            selection = SelectionConfig(
-                policy=_str("policy", fields.get("policy", engine_sel.policy)),
-                budget=_int("budget", fields.get("budget", engine_sel.budget)),
-                page_size=engine_sel.page_size,
-                n_unlimited_layers=engine_sel.n_unlimited_layers,
-                icecache=engine_sel.icecache,
-            )
+        # the server's selection with what the request overrides (every other setting kept), resolved
+        # here once; None: the engine's own plan
+        overrides = {name: parse(name, fields[name]) for name, parse in (("policy", _str), ("budget", _int))
+                     if name in fields}
+        plan = resolve(replace(cfg.engine.selection, **overrides)) if overrides else None
     except ConfigError as e:
         raise RequestError(str(e)) from None
     context_key = fields.get("context_key")
@@ -275,6 +272,6 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
             context_key = check_key(_str("context_key", context_key))
         except StoreError as e:
             raise RequestError(str(e)) from None
-    return GenerateRequest(text, sampling, selection, _bool("stream", fields.get("stream", False)), context_key,
+    return GenerateRequest(text, sampling, plan, _bool("stream", fields.get("stream", False)), context_key,
                            _context(fields, cfg.compression),
                            caching=_caching(fields, cfg))

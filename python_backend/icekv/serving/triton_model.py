@@ -15,7 +15,7 @@ import numpy as np
 
 from icekv.compress import parse_settings
 from icekv.devices import use_huge_pages
-from icekv.settings import serving_config
+from icekv.config.settings import serving_config
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
 from icekv.engine.index_cache import IndexCacheStats

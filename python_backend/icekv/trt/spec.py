@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from icekv.config import EngineConfig
+from icekv.config.paging import PagingConfig
 from icekv.kernels import aot, launch
 from icekv.model import ModelArgs
+from icekv.policies import PolicyPlan
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 PLUGIN_NAMESPACE = "icekv"
@@ -53,14 +54,13 @@ class DecodeStepSpec:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, args: ModelArgs, **overrides) -> "DecodeStepSpec":
-        """Shapes from the model, page budget from the selection config, candidates from the pool."""
-        sel = cfg.selection
+    def from_plan(cls, plan: PolicyPlan, paging: PagingConfig, args: ModelArgs, **overrides) -> "DecodeStepSpec":
+        """Shapes from the model, page budget from the plan, candidates from the pool."""
         values = dict(
             num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-            page_size=sel.page_size, top_k=sel.selected_pages,
-            max_candidates=math.ceil(cfg.paging.max_context_tokens / sel.page_size),
-            max_slots=sel.budget // sel.page_size,
+            page_size=plan.page_size, top_k=plan.selected_pages,
+            max_candidates=math.ceil(paging.max_context_tokens / plan.page_size),
+            max_slots=plan.budget // plan.page_size,
         )
         return cls(**{**values, **overrides})
 

@@ -19,7 +19,6 @@ from icekv.engine.sequence import Sequence
 from icekv.errors import ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
-from icekv.policies import sink_tokens, window_queries_kept, window_start
 
 
 def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelArgs) -> None:
@@ -36,30 +35,29 @@ def _continued_index(seq: Sequence, indexes: IndexCache | None, take: bool):
     r = seq.request
     if indexes is None or not seq.shares_index:
         return None
-    most = window_start(r.selection, sink_tokens(r.selection), len(r.prompt_ids))
+    most = r.plan.window_start(r.plan.sink_tokens, len(r.prompt_ids))
     if take:
-        return indexes.take(r.prompt_ids, most, r.selection)
-    return indexes.find(r.prompt_ids, most, r.selection)
+        return indexes.take(r.prompt_ids, most, r.plan)
+    return indexes.find(r.prompt_ids, most, r.plan)
 
 
 def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_threads: int,
                     indexes: IndexCache | None = None):
     """Full attention over the prompt; with free index threads, a sparse policy's index is built
-    layer by layer meanwhile (``seq.index``), for the first decode under that same selection,
+    layer by layer meanwhile (``seq.index``), for the first decode under that same plan,
     unless the decode can continue a kept index (``indexes``)."""
     r = seq.request
     # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
-    selects = seq.selects or (r.policy.sparse and r.prefill_only)
+    selects = seq.selects or (r.plan.sparse and r.prefill_only)
     # an index built here would miss the tokens already cached (a prefilled prompt's suffix), and
     # one built from the prompt's last queries waits for them
     if (r.context is not None or not selects or index_threads == 0 or r.prefilled is not None
-            or r.policy.window_queries(r.selection) or _continued_index(seq, indexes, take=False)):
+            or r.plan.window_queries or _continued_index(seq, indexes, take=False)):
         backend = DenseAttention(token_source(cache, seq.seq_id, r.context, len(r.prompt_ids)))
     else:
-        seq.index = PrefillIndex(r.policy, r.selection, r.policy.make_selector(r.selection), index_threads,
-                                 cache.compute)
+        seq.index = PrefillIndex(r.plan, r.plan.make_selector(), index_threads, cache.compute)
         backend = IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(r.prompt_ids), seq.index)
-    backend.keep_queries = window_queries_kept(r.policy, r.selection, r.prefill_only)
+    backend.keep_queries = r.plan.window_queries_kept(r.prefill_only)
     if backend.keep_queries and r.prefilled is not None:  # the window may reach back into the prefilled prompt
         backend.kept_queries = dict(r.prefilled.window_queries or {})
     return backend
@@ -67,10 +65,10 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
 
 def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, indexes: IndexCache | None = None):
     """The backend for the request's decode steps under its policy (a sparse one builds its index
-    here, takes the one prefill built for this selection, or continues a kept one)."""
+    here, takes the one prefill built for this plan, or continues a kept one)."""
     r = seq.request
-    selection, prefilled = r.selection, r.prefilled
-    index = seq.index if prefilled is None else prefilled.prebuilt_index(selection)  # built for this selection
+    plan, prefilled = r.plan, r.prefilled
+    index = seq.index if prefilled is None else prefilled.prebuilt_index(plan)  # built for this plan
     if prefilled is not None and len(r.prompt_ids) > len(prefilled.prompt_ids):
         index = None  # it lacks the suffix: this decode builds its own (prefilled keeps it for another)
     if prefilled is not None and index is not None:
@@ -82,10 +80,10 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, indexes:
             index.cancel()
         return DenseAttention(source)
     kept = _continued_index(seq, indexes, take=True) if index is None else None
-    selector = (index or kept).selector if index or kept else r.policy.make_selector(selection)
+    selector = (index or kept).selector if index or kept else plan.make_selector()
     queries = seq.window_queries or (prefilled.window_queries if prefilled is not None else None)
-    backend = SampledAttention if r.policy.sampled else SparseAttention
-    return backend(source, args, r.policy, selection, selector, r.probe,
+    backend = SampledAttention if plan.sampled else SparseAttention
+    return backend(source, args, plan, selector, r.probe,
                    prebuilt=index.wait if index is not None else None, window_queries=queries,
                    indexed_until=kept.covered if kept is not None else None)
 

@@ -9,9 +9,9 @@ the forward pass; the first decode step waits only for what is left. It pays whe
 cores of its own (``EngineConfig.index_threads``: by default the cores the forward pass leaves
 free); on cores the forward pass uses, it slows prefill by about what it saves.
 
-A prefill-built index serves the first decode under the same :class:`SelectionConfig` (decodes
-under other selections leave it be): decoding changes it (window pages are inserted), so a second
-decode under that selection builds afresh. Releasing the request stops builds still running.
+A prefill-built index serves the first decode under the same :class:`PolicyPlan` (decodes under
+other plans leave it be): decoding changes it (window pages are inserted), so a second decode
+under that plan builds afresh. Releasing the request stops builds still running.
 """
 
 from __future__ import annotations
@@ -21,20 +21,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numba
 import torch
 
-from icekv.config import SelectionConfig
 from icekv.engine.backends.dense import DenseAttention
 from icekv.engine.backends.sources import RequestPages
 from icekv.kv import PagedKVCache
-from icekv.policies import Policy, sink_tokens, window_start
-from icekv.select import PageSelector
+from icekv.methods.selector import PageSelector
+from icekv.policies import PolicyPlan
 
 
 class PrefillIndex:
-    """Per-layer index builds started during one request's prefill, for one selection policy."""
+    """Per-layer index builds started during one request's prefill, for one plan."""
 
-    def __init__(self, policy: Policy, selection: SelectionConfig, selector: PageSelector, threads: int = 1,
+    def __init__(self, plan: PolicyPlan, selector: PageSelector, threads: int = 1,
                  device: torch.device = torch.device("cpu")):
-        self.policy, self.selection, self.selector, self.device = policy, selection, selector, device
+        self.plan, self.selector, self.device = plan, selector, device
         self.builds: dict[int, Future] = {}  # layer -> its build on the worker
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icekv-index",
                                           initializer=_use_threads, initargs=(threads,))
@@ -74,10 +73,10 @@ class IndexingPrefillAttention(DenseAttention):
     def __init__(self, cache: PagedKVCache, seq_id: int, num_layers: int, prompt_tokens: int, index: PrefillIndex):
         super().__init__(RequestPages(cache, seq_id, prompt_tokens))
         self.index = index
-        cfg = index.selection
-        self.layers = index.policy.index_layers(cfg, num_layers)
-        self.sink_end = sink_tokens(cfg)
-        self.region_end = window_start(cfg, self.sink_end, prompt_tokens)
+        plan = index.plan
+        self.layers = plan.index_layers(num_layers)
+        self.sink_end = plan.sink_tokens
+        self.region_end = plan.window_start(self.sink_end, prompt_tokens)
         self.final_at = min(self.region_end, prompt_tokens)  # written up to here, the region is final
 
     def attend(self, layer, q, k, v, selection=None):

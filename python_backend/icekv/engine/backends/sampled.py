@@ -11,7 +11,7 @@ import torch
 
 from icekv.attention.sampled import attention_lse, merge_lse
 from icekv.engine.backends.sparse import SparseAttention
-from icekv.select.magicpig import Samples, sample_log_weights
+from icekv.methods.magicpig import Samples, sample_log_weights
 
 
 class SampledAttention(SparseAttention):
@@ -28,7 +28,7 @@ class SampledAttention(SparseAttention):
         t0 = clock.mark()
         query = q[0]  # [Hq, D]
         hq, hkv = query.shape[0], k.shape[1]
-        samples = self.selector.sample(layer, query, self.cfg.selected_pages * self.cfg.page_size)
+        samples = self.selector.sample(layer, query, self.plan.selected_pages * self.plan.page_size)
         t1 = clock.mark()
         heads = torch.arange(hq) // (hq // hkv)  # [Hq] each query head's KV head
         rows = self.source.gather_pages(layer, heads, samples.positions)  # [2, Hq, M, W] where the pool is

@@ -15,11 +15,10 @@ import torch
 from icekv.attention import paged_prefix_attention, sparse_paged_attention
 from icekv.compress import CompressedContext
 from icekv.compress.evict import CONTEXT_SINKS
-from icekv.config import SelectionConfig
 from icekv.engine.backends.whole_tokens import ComputeMirror, PoolTokens
 from icekv.engine.results import KVStats
 from icekv.kv import PagedKVCache
-from icekv.policies import sink_tokens
+from icekv.policies import PolicyPlan
 
 
 class RequestPages:
@@ -55,9 +54,9 @@ class RequestPages:
         return 0
 
     # ---- what a sparse backend needs
-    def sink_end(self, cfg: SelectionConfig) -> int:
+    def sink_end(self, plan: PolicyPlan) -> int:
         """Own tokens before the indexed region (the sink)."""
-        return sink_tokens(cfg)
+        return plan.sink_tokens
 
     def sink_tokens_held(self, sink_end: int) -> int:
         return min(sink_end, self.length())
@@ -138,7 +137,7 @@ class ContextPages(RequestPages):
         """Bytes of the kept pages held on the compute device, of ``layers``."""
         return sum(self._prefix[i][0].nbytes + self._prefix[i][1].nbytes for i in layers if i in self._prefix)
 
-    def sink_end(self, cfg):
+    def sink_end(self, plan):
         return 0  # the sink is the context's first tokens, not the request's own
 
     def sink_tokens_held(self, sink_end):

@@ -3,7 +3,7 @@
 The pool owns every token of every layer. Per layer and KV head, the tokens between the sink and
 the window are the *indexed region*; a selector groups them into pages and picks ``k`` per step,
 and only those move into the layer's :class:`DevicePageCache` slots. The first
-``n_unlimited_layers`` layers attend everything. When the window grows past ``n_win_pages`` pages
+``n_unlimited_layers`` layers attend everything. When the window grows past its pages
 its oldest page is flushed into the index, so every token is always reachable (window until
 flushed, index afterwards).
 """
@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from icekv.config import SelectionConfig
 from icekv.engine.backends.dense import DenseAttention
 from icekv.engine.backends.sources import RequestPages
 from icekv.engine.backends.tail import DeviceTail, PoolTail
@@ -26,8 +25,8 @@ from icekv.kernels import scatter_pages
 from icekv.kernels.dispatch import kernel_backend
 from icekv.kv import DevicePageCache
 from icekv.model import ModelArgs
-from icekv.policies import Policy, window_start
-from icekv.select import PageSelector, Selection, query_device
+from icekv.methods.selector import PageSelector, Selection, query_device
+from icekv.policies import PolicyPlan
 
 
 class SparseAttention(DenseAttention):
@@ -37,16 +36,15 @@ class SparseAttention(DenseAttention):
     ``indexed_until``: ``selector`` is a finished request's index over this prompt's first tokens,
     its region ending there; only the tokens from there to the window are inserted."""
 
-    def __init__(self, source: RequestPages, args: ModelArgs, policy: Policy, cfg: SelectionConfig,
-                 selector: PageSelector, probe: bool = False, prebuilt: Callable[[], set[int]] | None = None,
+    def __init__(self, source: RequestPages, args: ModelArgs, plan: PolicyPlan, selector: PageSelector, probe: bool = False, prebuilt: Callable[[], set[int]] | None = None,
                  window_queries: dict[int, torch.Tensor] | None = None, indexed_until: int | None = None):
         super().__init__(source)
-        self.cfg, self.selector, self.probe = cfg, selector, probe
-        self.sparse_layers = policy.sparse_layers(cfg, args.num_layers)
-        self.index_layers = policy.index_layers(cfg, args.num_layers)
+        self.plan, self.selector, self.probe = plan, selector, probe
+        self.sparse_layers = plan.sparse_layers(args.num_layers)
+        self.index_layers = plan.index_layers(args.num_layers)
         self.watched = frozenset(self.index_layers) - frozenset(self.sparse_layers)  # dense, their query observed
-        self.sink_end = source.sink_end(cfg)
-        self.win_start = window_start(cfg, self.sink_end, source.length())
+        self.sink_end = source.sink_end(plan)
+        self.win_start = plan.window_start(self.sink_end, source.length())
         self.timings.update(select_s=0.0, transfer_s=0.0, index_build_s=0.0, insert_s=0.0)
         self.layer_stats = defaultdict(list)  # probe: layer -> [(recall, cosine)] of its decode steps
         t0 = time.perf_counter()  # index_build_s: what the build adds to time to first token
@@ -55,10 +53,10 @@ class SparseAttention(DenseAttention):
         for layer in self.index_layers:
             if layer in built:
                 continue
-            if policy.window_queries(cfg):
+            if plan.window_queries:
                 queries = (window_queries or {}).get(layer)
                 if queries is None:
-                    raise ValueError(f"the {cfg.policy} policy needs the prompt's last queries: decode with a suffix "
+                    raise ValueError(f"the {plan.name} policy needs the prompt's last queries: decode with a suffix "
                                      "or over a prompt prefilled for later decodes")
                 selector.observe_prompt(layer, queries, source.region_keys(layer, 0, length))
             if indexed_until is not None:
@@ -68,7 +66,7 @@ class SparseAttention(DenseAttention):
         self.timings["index_build_s"] = time.perf_counter() - t0
         pool = self.cache.pool  # [L, 2, Hkv, pages, P, W]: slots hold the same stored rows
         self.device = {
-            layer: DevicePageCache(args.num_kv_heads, cfg.selected_pages, cfg.page_size, pool.shape[-1],
+            layer: DevicePageCache(args.num_kv_heads, plan.selected_pages, plan.page_size, pool.shape[-1],
                                    pool.dtype, self.cache.compute, scatter=scatter_pages)
             for layer in self.sparse_layers
         }
@@ -76,10 +74,9 @@ class SparseAttention(DenseAttention):
         # the pool in place; otherwise they are kept on the compute device (copied once, then appended)
         compiled_fp32 = self.cache.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
         in_place = compiled_fp32 and all(source.pool_rows(layer) is not None for layer in self.sparse_layers)
-        window = (cfg.n_win_pages + 1) * cfg.page_size
         self.tails = {
             layer: PoolTail(source, layer, self.sink_end, self.win_start, length) if in_place else
-            DeviceTail(*source.sink_window(layer, self.sink_end, self.win_start, length), self.win_start, window,
+            DeviceTail(*source.sink_window(layer, self.sink_end, self.win_start, length), self.win_start, plan.window_tokens,
                        self.cache.kv_format)
             for layer in self.sparse_layers
         }
@@ -97,7 +94,7 @@ class SparseAttention(DenseAttention):
     def select(self, layer: int, q: torch.Tensor) -> Selection:
         """The pages ``layer`` attends this step for its decode query q [Hq, D] (on :attr:`query_device`)."""
         t0 = self.clock.mark()
-        selection = self.selector.select(layer, q, self.cfg.selected_pages)
+        selection = self.selector.select(layer, q, self.plan.selected_pages)
         self.clock.add(self.timings, "select_s", t0, self.clock.mark())
         return selection
 
@@ -131,21 +128,21 @@ class SparseAttention(DenseAttention):
         out of the window flushed."""
         self.clock.settle(self.timings)
         length = self.start + self.positions.numel()
-        target = window_start(self.cfg, self.sink_end, length)
+        target = self.plan.window_start(self.sink_end, length)
         while self.win_start < target:
             t0 = time.perf_counter()
             for layer in self.index_layers:
-                self._insert_pages(layer, self.win_start, self.win_start + self.cfg.page_size)
+                self._insert_pages(layer, self.win_start, self.win_start + self.plan.page_size)
             self.timings["insert_s"] += time.perf_counter() - t0
-            self.win_start += self.cfg.page_size
+            self.win_start += self.plan.page_size
         for tail in self.tails.values():
             tail.advance(self.win_start)
 
     def _insert_pages(self, layer: int, start: int, end: int) -> None:
         """The request's own tokens [start, end) into ``layer``'s index, a page at a time (as a
         selector's ``insert`` takes them)."""
-        for page in range(start, end, self.cfg.page_size):
-            keys, _ = self.cache.gather_range(layer, self.seq_id, page, page + self.cfg.page_size)  # [Hkv, P, D]
+        for page in range(start, end, self.plan.page_size):
+            keys, _ = self.cache.gather_range(layer, self.seq_id, page, page + self.plan.page_size)  # [Hkv, P, D]
             self.selector.insert(layer, keys.cpu())
 
     # ---- statistics

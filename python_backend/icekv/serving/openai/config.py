@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from icekv.config import ServingConfig
+from icekv.config.serving import ServingConfig
 from icekv.errors import ConfigError
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from icekv.config import MAX_TOP_LOGPROBS
+from icekv.config.request import MAX_TOP_LOGPROBS
 from icekv.serving.openai.messages import ChatMessage, NamedToolChoice, Strict, Tool
 from icekv.serving.openai.response_format import ResponseFormat
 from icekv.serving.tool_calls import CHOICES as TOOL_CHOICES

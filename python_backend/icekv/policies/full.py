@@ -1,5 +1,0 @@
-"""Full attention: every token of every layer, no index."""
-
-from icekv.policies.base import Policy
-
-POLICY = Policy("full", selector=None, compressed_context=True)
