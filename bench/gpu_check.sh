@@ -19,7 +19,7 @@
 #   bash bench/gpu_check.sh --dry-run  on a CPU: every part through the same code paths with shrunk
 #                                      shapes (llama-tiny, 2-4k tokens, the host pools declared off the
 #                                      compute device), then the real run's admission and memory plan
-#   bash bench/gpu_check.sh --plan     only the real run's plan (Llama-3.1-8B, 128 GiB host, 141 GB device)
+#   bash bench/gpu_check.sh --plan     only the real run's plan (Llama-3.1-8B, 128 GiB host, the smaller lent GPU's memory)
 #
 # Uses the machine's own torch + triton (no network needed); ICEKV_COMMIT names the commit where the
 # copy has no git history; PYTHON the interpreter (default python3).

@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 
 HOST_GIB = 128  # the lent machine's host memory
-DEVICE_GIB = 141e9 / 2**30  # an H200: 141 GB
+# the device memory of each kind of lent machine (what torch sees of it); a plan must fit the smallest
+DEVICE_GIB = {"nvidia-h100-x1": 78, "nvidia-h200": 139}
 SERVING = ["--budget", "256", "--search", "centroids", "--steps", "16", "--json"]
 REAL = ["--device", "cuda", "--random-weights", "llama-3.1-8b"]
 # the dry run: a CPU, a tiny model, 2-4k tokens, the budget smaller in proportion (the same paths)
@@ -44,9 +45,9 @@ PARTS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-def plan_args(name: str) -> list[str]:
+def plan_args(name: str, device_gib: float = min(DEVICE_GIB.values())) -> list[str]:
     """The real run's arguments of ``name`` with the plan asked for, against the lent machine."""
-    return [*PARTS[name][0], "--plan", "--host-memory-gib", str(HOST_GIB), "--device-memory-gib", f"{DEVICE_GIB:.2f}"]
+    return [*PARTS[name][0], "--plan", "--host-memory-gib", str(HOST_GIB), "--device-memory-gib", f"{device_gib:.2f}"]
 
 
 def main(argv: list[str]) -> int:

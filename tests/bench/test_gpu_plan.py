@@ -1,7 +1,7 @@
 """The real GPU run's admission and memory plan (bench/gpu_check.sh at Llama-3.1-8B's shape, bf16,
 32k, 128k and 8 x 32k), computed on the CPU with the engine's own sizing: every part's every
 (policy, context, batch) is admitted in one wave, and each engine's peak host and device memory fits
-the lent machine (128 GiB host, 141 GB device)."""
+each kind of lent machine (128 GiB host; an H100's or an H200's device memory)."""
 
 import importlib.util
 import json
@@ -18,22 +18,23 @@ gpu_parts = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_parts)
 
 
-def _plan(name: str, capsys) -> dict:
-    rc = icekv(gpu_parts.plan_args(name))
+def _plan(name: str, capsys, device_gib: float = min(gpu_parts.DEVICE_GIB.values())) -> dict:
+    rc = icekv(gpu_parts.plan_args(name, device_gib))
     out, err = capsys.readouterr()
     assert rc == 0, err  # refusals name their numbers
     return json.loads(out.splitlines()[0])["plan"]
 
 
+@pytest.mark.parametrize("kind", list(gpu_parts.DEVICE_GIB))
 @pytest.mark.parametrize("name", list(gpu_parts.PARTS))
-def test_every_part_of_the_real_run_is_admitted_in_one_wave_and_fits_the_machine(name, capsys):
-    plan = _plan(name, capsys)
+def test_every_part_of_the_real_run_is_admitted_in_one_wave_and_fits_the_machine(name, kind, capsys):
+    plan = _plan(name, capsys, gpu_parts.DEVICE_GIB[kind])
     assert plan["admitted"] and plan["waves"]
     for wave in plan["waves"]:
         assert wave["refusals"] == [] and wave["index_share"] < 1  # the index never outweighs the KV
     for group in plan["groups"]:
         assert group["host_bytes"] <= gpu_parts.HOST_GIB * 2**30
-        assert group["device_bytes"] <= 141e9
+        assert group["device_bytes"] <= gpu_parts.DEVICE_GIB[kind] * 2**30
 
 
 def test_the_batch_of_eight_runs_as_one_wave_with_its_limits_sized_for_it(capsys):

@@ -3,8 +3,10 @@
 import torch
 
 from icekv.config.engine import EngineConfig
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
-from icekv.eval.decode_bench import hf_decode_tpot
+from icekv.eval.decode_bench import hf_decode
 from icekv.eval.hf_peer import hf_model
 
 
@@ -15,4 +17,6 @@ def test_transformers_peer_of_a_random_model_gives_icekvs_logits():
         theirs = hf_model(engine)(input_ids=torch.tensor([ids])).logits[0, -1]  # [V]
     ours = engine.prefill(ids)
     torch.testing.assert_close(ours.logits, theirs, rtol=1e-4, atol=1e-4)
-    assert hf_decode_tpot(engine, ours, steps=2) > 0
+    tpot, tokens = hf_decode(engine, ours, steps=3)  # the timed peer decodes what icekv decodes
+    full = engine.decode(ours, SamplingConfig(max_tokens=5, ignore_eos=True), SelectionConfig(policy="full"))
+    assert tokens == full.token_ids and tpot > 0

@@ -21,9 +21,8 @@ class KV2Compressor:
     (after the context) and the attention they pay over [sinks | chunk | re-fed] scores the chunk.
 
     rho: the share of each chunk re-fed; None: ``rho_scale`` times the KV budget (at most all).
-        The default re-feeds 10x the budget: on the sweep that chose it (bench/results/kv2_sweep)
-        re-feeding only the budget kept almost no needle at 5% and 10% of the KV, 10x kept more
-        than KVzip at a third of its time at 5%; the authors' ablation also favours a larger share.
+        The default re-feeds 10x the budget (chosen by a sweep: docs/engine.md, "Why these
+        defaults"); the authors' ablation also favours a share larger than the budget.
     rounds: > 1 uses a round's scores as the next round's proxy.
     normalize: KV²+ scores, each attention weight scaled by ||W_o v_j|| / ||h_i||.
     attend: what the re-fed tokens' outputs attend: "chunk" (sinks + their chunk, as scored) or

@@ -3,8 +3,8 @@
 The CPU paths of the page index (insertion bookkeeping, token placement, page rows, tree walk,
 centroids search, MagicPIG's hashing and collision counts), of the transfer (slot plan, row
 gather, the fused CPU fill) and the sparse decode attention are numba functions compiled on
-first call: seconds right after an install,
-~0.1 s each from numba's disk cache afterwards. Either is too much for a request's first token.
+first call (after an install, or from numba's disk cache afterwards): too slow for a request's
+first token either way.
 Running each once on tiny inputs of the dtypes a request will pass compiles exactly the
 signatures the requests use (tested: a sparse decode after this compiles nothing).
 """

@@ -73,8 +73,10 @@ def synthesize(engine: Engine, seed_ids: list[int], length: int) -> Prefilled:
     return Prefilled(req.seq_id, [seed_ids[0]] * length, seed.logits, 0.0)
 
 
-def hf_decode_tpot(engine: Engine, req: Prefilled, steps: int) -> float:
-    """Seconds per token of transformers' own model + DynamicCache over the same KV."""
+def hf_decode(engine: Engine, req: Prefilled, steps: int) -> tuple[float, list[int]]:
+    """Transformers' own model + DynamicCache greedy-decoding over a copy of the request's KV: its
+    seconds per token over ``steps`` timed steps (after one untimed), and the tokens it generated
+    (the first from the prefill's logits, as icekv's)."""
     from transformers import DynamicCache
 
     model, device = hf_model(engine), engine.device
@@ -83,17 +85,21 @@ def hf_decode_tpot(engine: Engine, req: Prefilled, steps: int) -> float:
         k, v = engine.cache.gather(layer, req.seq_id)  # [Hkv, L, D]
         cache.update(k[None].to(device, copy=True), v[None].to(device, copy=True), layer)
     length = len(req.prompt_ids)
-    token = torch.tensor([[int(req.logits.argmax())]], device=device)
+    tokens = [int(req.logits.argmax())]
+
+    def step(i: int) -> None:
+        token = torch.tensor([[tokens[-1]]], device=device)
+        out = model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[length + i]], device=device))
+        tokens.append(int(out.logits[0, -1].argmax()))
+
     with torch.no_grad():
-        model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[length]], device=device))  # warm-up
+        step(0)  # warm-up
         synchronize(device)
         t0 = time.perf_counter()
-        for i in range(steps):
-            out = model(input_ids=token, past_key_values=cache,
-                        position_ids=torch.tensor([[length + 1 + i]], device=device))
-            token = out.logits[:, -1:].argmax(-1)
+        for i in range(1, steps + 1):
+            step(i)
         synchronize(device)
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, tokens
 
 
 def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str, plans: dict[str, PolicyPlan],
@@ -123,7 +129,7 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str, pla
                 records.append(median_record(runs[policy]))
                 emit(records[-1])
             if cfg.peer_hf:
-                tpot = hf_decode_tpot(engine, req, cfg.steps)
+                tpot, _ = hf_decode(engine, req, cfg.steps)
                 records.append({"context": length, "policy": "hf_transformers", "budget": None, "tpot_s": tpot,
                                 "steps": cfg.steps})
                 emit(records[-1])

@@ -8,8 +8,8 @@ pages by ``q.centroid``, the union of each query head's best ``candidates`` is r
 handed back flat (heads, pages, versions) for the slot plan. In torch and numpy that is about
 twenty calls on arrays of a few thousand entries, each costing more in dispatch than in
 arithmetic; here it is one call that reads the centroids once and only the candidates' keys.
-In the decode loop the index comes from DRAM (the dense layers evict it): at 32k a layer reads
-~1.7 MB of centroids and ~2.2 MB of candidate keys, and that, not arithmetic, sets its time.
+In the decode loop the index comes from DRAM (the dense layers evict it): the bytes of centroids
+and candidate keys a layer reads, not arithmetic, set its time.
 
 Two stages, each one compiled call: the candidates by centroid (:func:`_candidates`), then the
 exact rescoring and the merge (:func:`_rescore`). :func:`candidate_search` runs the second alone,
@@ -17,11 +17,9 @@ for candidates picked on the compute device (:mod:`icekv.index.device_centroids`
 reads only the candidates' keys: the centroid reads grow with the context, the candidates' do not.
 
 Compiled on first call and cached on disk (numba ``cache=True``): only the first process after an
-install pays the compile (seconds). A bf16 or int8 store (``score_dtype``) is read as raw rows
-(:func:`icekv.index.score_rows.dots`): bf16 rows are widened one at a time, which costs about what
-the halved reads save; int8 rows are multiplied as they are and scaled once per product: twice as
-fast as widening them while the rows are in cache, about the same in the decode loop, where they
-come from DRAM; there int8 is faster than fp32 by reading a quarter of the bytes.
+install pays the compile. A bf16 or int8 store (``score_dtype``) is read as raw rows
+(:func:`icekv.index.score_rows.dots`): bf16 rows are widened one at a time; int8 rows are
+multiplied as they are and scaled once per product, reading a quarter of fp32's bytes.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 A decode step flushes one window page (16 tokens) into every sparse layer's trees. In torch the
 norms, levels, projections and nearest-parent searches of those few tokens are some thirty small
-calls per tree, each costing more in dispatch than in arithmetic (~0.6 ms per tree, ~50 ms per
-flush at 28 layers x 3 KV heads); here they are one call. Same rules as the tree's build
+calls per tree, each costing more in dispatch than in arithmetic; here they are one call. Same rules as the tree's build
 (:func:`icekv.index.levels.promotion_levels`, ``DCITree._nearest``), tested against them.
 """
 

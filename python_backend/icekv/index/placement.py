@@ -3,8 +3,8 @@
 Each token goes to the page of its parent node whose projection range fits it best (a gap of 0
 inside a range); a full page splits in two at the median projection, the upper half becoming a
 new page of the same owner; an owner without pages gets one. Tokens are placed one after another
-(a split changes where the next one goes), which is why this is a loop: in numpy each token costs
-~70 us of per-call overhead, compiled ~1 us.
+(a split changes where the next one goes), which is why this is a loop, compiled: in numpy each
+token would pay the per-call overhead.
 
 Both functions take the tree's arrays as numpy views and update them in place:
 ``page_tokens [cap, P]`` (-1 on holes, members first), ``page_len``, ``page_owner`` and

@@ -7,7 +7,7 @@ window tokens) in place, two passes: scores and their max, then the weighted sum
 tail is read straight from the request's pages in the host pool, by position ranges
 (:func:`sparse_decode_pool_cpu`, the decode loop's path: no views or copies to build per layer),
 or from given tensors (:func:`sparse_decode_cpu`). At decode sizes (a few hundred tokens per head)
-torch's dozen calls cost ~0.3 ms in dispatch; this is one call. fp32 queries (numba has no
+torch's dozen calls cost more in dispatch than in arithmetic; this is one call. fp32 queries (numba has no
 bf16); KV heads run in parallel, each reading (and decoding) its rows once for all the query heads
 that share it (GQA), at the price of leaving cores idle where there are more cores than KV heads
 (the call is short: a few hundred rows per head). Pages and pool may hold packed quantized rows

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from icekv.methods.selector import Selection, SequencePages, SequenceSelection
 from icekv.methods.base import Policy
+from icekv.methods.selector import Selection, SequencePages, SequenceSelection
 
 
 @dataclass

@@ -7,7 +7,8 @@ turns client hang-ups into cancellations and sends each request's text and resul
 The engine is built on this thread, not on the caller's: torch and numba run their parallel loops
 on OpenMP, and once a second thread has an OpenMP team of its own, libgomp counts more threads
 than cores and stops spinning between parallel regions; every small matmul of a decode step then
-waits for its workers to wake (measured: a decode step ~2.5x slower than on the loading thread).
+waits for its workers to wake, and a decode step runs several times slower than on the loading
+thread.
 So one thread does all of the engine's work, and Triton's threads only tokenize and queue.
 """
 

@@ -1,0 +1,65 @@
+"""A decode method is its own file and one registry line: here a method written in this file runs
+through the engine's whole path (admission, prefill, index build, selection, window flushes) with
+nothing else changed."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.errors import ConfigError
+from icekv.methods.base import Policy
+from icekv.methods.selector import Selection, SequencePages, SequenceSelection
+from icekv.policies import REGISTERED, resolve
+
+
+@dataclass
+class OldestSelector(SequenceSelection):
+    """Attends the sink, the window and the oldest ``k`` pages of the indexed region; records what
+    it picked, so the test sees the engine call it."""
+
+    page_size: int = 16
+    pages: SequencePages = field(init=False)
+    picked: list = field(init=False, default_factory=list)  # (layer, pages of head 0)
+
+    def __post_init__(self) -> None:
+        self.pages = SequencePages(self.page_size)
+
+    def build(self, layer, keys, base):
+        self.num_kv_heads = keys.shape[0]
+        self.pages.add_region(layer, keys.shape[1], base)
+
+    def insert(self, layer, keys):
+        self.pages.grow(layer)
+
+    def select(self, layer, q, k):
+        oldest = torch.arange(min(k, self.pages.num_pages[layer]))
+        self.picked.append((layer, oldest.tolist()))
+        return Selection.ranked([oldest] * self.num_kv_heads)
+
+    def index_bytes(self) -> int:
+        return 0
+
+
+OLDEST = Policy("oldest", selector=lambda plan: OldestSelector(plan.page_size))
+WITH_OLDEST = REGISTERED + (OLDEST,)  # the one registry line
+
+
+def test_an_unregistered_method_is_refused():
+    with pytest.raises(ConfigError, match="unknown policy 'oldest'"):
+        resolve(SelectionConfig(policy="oldest"))
+
+
+def test_a_new_method_runs_through_the_engine(engine):
+    plan = resolve(SelectionConfig(policy="oldest", budget=128), WITH_OLDEST)
+    assert plan.sparse and plan.selected_pages == 4 and plan.sparse_layers(30) == range(2, 30)
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60)[:600]
+    seq = engine.submit(ids, SamplingConfig(max_tokens=40, ignore_eos=True), plan)
+    gen = engine.run(seq)
+    assert gen.new_tokens == 40 and gen.policy == "oldest" and gen.budget == 128
+    picked = seq.backend.selector.picked
+    assert {layer for layer, _ in picked} == set(range(2, engine.model.args.num_layers))  # every budgeted layer
+    assert all(pages == [0, 1, 2, 3] for _, pages in picked)  # the oldest 4 pages, every step
+    assert engine.scheduler.idle and not engine.cache.has(seq.seq_id)  # finished and freed
