@@ -70,7 +70,7 @@ def main() -> None:
     questions = sample.questions
     budgets = [float(b) for b in args.kv_budgets.split(",")]
     runs = []
-    with TritonServer({"model_dir": str(model_dir), "policy": "full", "host_pool_tokens": "16384"}) as server:
+    with TritonServer({"model_dir": str(model_dir), "policy": "full", "pool_tokens": "16384"}) as server:
         ask(server.grpc_url, "Hello", 2)  # warm-up: first-request costs are not the document's
         for mode, cache_prompt in (("whole document each time", False), ("whole, as a cached prompt prefix", True)):
             whole = [ask(server.grpc_url, sample.context + q, args.max_tokens, cache_prompt=cache_prompt)

@@ -41,7 +41,7 @@ MIN_BF16_COSINE = 0.99
 
 def engine(device: str, dtype: str, kv_pool: str, weights: Engine | None = None) -> Engine:
     e = Engine(EngineConfig(random_weights=SHAPE, device=device, dtype=dtype, kv_pool=kv_pool,
-                            paging=PagingConfig(max_context_tokens=16384)))
+                            paging=PagingConfig(pool_tokens=16384)))
     if weights is not None:  # the reference's weights exactly (generators differ across devices)
         e.model.load_state_dict({k: v.to(e.model.lm_head.weight.dtype) for k, v in weights.model.state_dict().items()})
     return e

@@ -37,7 +37,8 @@ def selections() -> list[SelectionConfig]:
     out = [SelectionConfig(policy="full")]
     out += [SelectionConfig(policy=p, budget=b, icecache=CENTROIDS) for p in policy_names() if p != "full"
             for b in BUDGETS]
-    return out + [SelectionConfig(policy=p, budget=b, icecache=WALK) for p in ("icecache", "icecache_r") for b in BUDGETS]
+    walks = [SelectionConfig(policy=p, budget=b, icecache=WALK) for p in ("icecache", "icecache_r") for b in BUDGETS]
+    return out + walks
 
 
 def name(sel: SelectionConfig) -> str:
@@ -79,8 +80,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.compare:
         return compare(*args.compare)
-    # the batched requests queue behind the first max_running: no time limit on that wait
-    engine = Engine(EngineConfig(device="cpu", paging=PagingConfig(max_context_tokens=65536),
+    # the batched requests queue behind the first max_active_requests: no time limit on that wait
+    engine = Engine(EngineConfig(device="cpu", paging=PagingConfig(pool_tokens=65536),
                                  scheduler=SchedulerConfig(max_queue_wait_s=1e9)))
     t0 = time.perf_counter()
     tokens = run(engine, Assets().haystack_text("essays"))

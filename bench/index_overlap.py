@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/index_overlap"))
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
-    engine = Engine(EngineConfig(paging=PagingConfig(max_context_tokens=max(contexts) + 64),
+    engine = Engine(EngineConfig(paging=PagingConfig(pool_tokens=max(contexts) + 64),
                                  index_threads=args.index_threads))
     seed = engine.tokenizer.encode(Assets().haystack_text("essays"))[:1024]
     selection = SelectionConfig(policy="icecache", budget=args.budget, icecache=IceCacheConfig(search=args.search))

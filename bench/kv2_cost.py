@@ -47,7 +47,7 @@ def main() -> int:
     args = p.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     methods = args.methods.split(",")
-    engine = Engine(EngineConfig(paging=PagingConfig(max_context_tokens=max(lengths) + 1024)))
+    engine = Engine(EngineConfig(paging=PagingConfig(pool_tokens=max(lengths) + 1024)))
     text = Assets().haystack_text(args.haystack)
     records = []
     for length in lengths:

@@ -79,7 +79,7 @@ def main() -> None:
         parser.error("--context must be >= 2, --repeats and --steps >= 1")
     cfg = DecodeBenchConfig(contexts=(args.context,), policies=tuple(args.policies.split(",")), budget=args.budget,
                             steps=args.steps, icecache=IceCacheConfig(search="centroids"), repeats=args.repeats)
-    pool = PagingConfig(max_context_tokens=args.context + cfg.seed_tokens + cfg.max_tokens + 2 * PagingConfig.page_size)
+    pool = PagingConfig(pool_tokens=args.context + cfg.seed_tokens + cfg.max_tokens + 2 * PagingConfig.page_size)
     model_dir = str(resolve_model_dir(args.model))
     engines = {k: Engine(EngineConfig(model_dir=model_dir, paging=replace(pool, kv_dtype=k)))
                for k in args.kv_dtypes.split(",")}

@@ -72,7 +72,7 @@ def main() -> None:
                            args.seed, args.turns)
     questions = [q.strip() for q, _ in sample.questions]
     turns, messages = [], []
-    server_settings = {"model_dir": str(model_dir), "policy": args.policy, "host_pool_tokens": str(args.pool_tokens),
+    server_settings = {"model_dir": str(model_dir), "policy": args.policy, "pool_tokens": str(args.pool_tokens),
                        "max_active_requests": "1"}
     with TritonServer(server_settings) as server:
         ask(server.grpc_url, [{"role": "user", "content": "Hello"}], 2)  # warm-up: first-request costs

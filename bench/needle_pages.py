@@ -103,7 +103,7 @@ def main() -> None:
                          "without the chat template, are replayed here")
     length = int(length)
     engine = Engine(EngineConfig(model_dir=args.model, paging=PagingConfig(
-        max_context_tokens=max(PagingConfig.max_context_tokens, length + QUESTION_ROOM + 64))))
+        pool_tokens=max(PagingConfig.pool_tokens, length + QUESTION_ROOM + 64))))
     encode = engine.tokenizer.encode
     sampler = HaystackSampler(Assets().haystack_text(grid["haystack"]), engine.tokenizer)
     sample = sampler.make_context(task, length, entry["seed"], grid["questions"], None, grid["num_needles"],

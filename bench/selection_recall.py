@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     # the pool holds the prompt and the recorded decode steps (a prompt at the default pool's size too)
-    paging = PagingConfig(max_context_tokens=max(PagingConfig.max_context_tokens,
+    paging = PagingConfig(pool_tokens=max(PagingConfig.pool_tokens,
                                                  args.length + args.steps + 2 * PagingConfig.page_size))
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging))
     ids, req, backend = record_decode_queries(engine, args.length, args.steps)

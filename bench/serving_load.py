@@ -84,7 +84,7 @@ def main() -> None:
                             "correct": sample.score(text) == 1.0 if args.prompts == "needle"
                             else final is not None and final.new_tokens == args.max_tokens})
 
-    params = {"host_pool_tokens": str(65536), "max_active_requests": str(args.clients), "policy": args.policy}
+    params = {"pool_tokens": str(65536), "max_active_requests": str(args.clients), "policy": args.policy}
     with TritonServer(params) as server:
         t0 = time.perf_counter()
         threads = [threading.Thread(target=client, args=(c, server.grpc_url)) for c in range(args.clients)]

@@ -83,7 +83,7 @@ def main() -> None:
     redis = start_redis(redis_port, work)
     serve = subprocess.Popen([str(Path(sys.executable).with_name("icekv")), "serve", "--store",
                               f"redis://127.0.0.1:{redis_port}/0", "--http-port", str(http_port), "--grpc-port",
-                              str(grpc_port), "--metrics-port", str(metrics_port), "--host-pool-tokens", "16384"],
+                              str(grpc_port), "--metrics-port", str(metrics_port), "--pool-tokens", "16384"],
                              stdout=open(Path(work) / "serve.log", "wb"), stderr=subprocess.STDOUT,
                              start_new_session=True)
     while True:

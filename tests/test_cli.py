@@ -64,6 +64,6 @@ def test_bad_input_is_a_clear_error(args, message):
 def test_prompt_longer_than_the_cache_is_refused(smollm2_dir, tmp_path):
     prompt = tmp_path / "long.txt"
     prompt.write_text("word " * 400)
-    proc = icekv("generate", "--prompt-file", str(prompt), "--max-context", "256")
+    proc = icekv("generate", "--prompt-file", str(prompt), "--pool-tokens", "256")
     assert proc.returncode == 2
     assert "exceeds the KV cache capacity of 256 tokens" in proc.stderr

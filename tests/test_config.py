@@ -17,7 +17,7 @@ from icekv.errors import ConfigError
     [
         (lambda: PagingConfig(page_size=12), "page_size"),
         (lambda: PagingConfig(page_size=0), "page_size"),
-        (lambda: PagingConfig(page_size=16, max_context_tokens=8), "max_context_tokens"),
+        (lambda: PagingConfig(page_size=16, pool_tokens=8), "pool_tokens"),
         (lambda: SamplingConfig(max_tokens=0), "max_tokens"),
         (lambda: SamplingConfig(temperature=-1), "temperature"),
         (lambda: SamplingConfig(top_p=0), "top_p"),
@@ -36,7 +36,7 @@ def test_bad_settings_name_the_field(make, field):
 
 
 def test_pool_pages_round_up():
-    assert PagingConfig(page_size=16, max_context_tokens=33).num_pages == 3
+    assert PagingConfig(page_size=16, pool_tokens=33).num_pages == 3
 
 
 def test_dtype_defaults_by_device_and_an_explicit_one_wins():

@@ -98,7 +98,7 @@ def test_every_front_end_starts_from_the_library_defaults():
     assert serving_config(dict(shipped)).engine == library
     configmap = yaml.safe_load((ROOT / "deploy/base/configmap.yaml").read_text())["data"]
     by_key = {s.configmap_key: s for s in SETTINGS if s.configmap}
-    sized = {"model_dir", "device", "store", "host_pool_tokens", "max_index_bytes"}  # the deployment's own
+    sized = {"model_dir", "device", "store", "pool_tokens", "max_index_bytes"}  # the deployment's own
     for key, text in configmap.items():
         setting = by_key.get(key)
         if setting is not None and setting.name not in sized and text != "":

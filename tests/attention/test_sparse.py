@@ -79,7 +79,7 @@ def test_tail_read_from_pool_equals_the_tail_as_tensors(sink, win_start, length,
     g = torch.Generator().manual_seed(length)
     hq, hkv, d, p = 6, 2, 16, 4
     fmt = KVFormat(kv_dtype)
-    cache = PagedKVCache(2, hkv, d, PagingConfig(page_size=p, max_context_tokens=128), kv_format=fmt)
+    cache = PagedKVCache(2, hkv, d, PagingConfig(page_size=p, pool_tokens=128), kv_format=fmt)
     cache.add(0), cache.add(1)
     for n in (5, 3, 9, 4, 7, 7):  # interleaved growth: the pages of request 0 are not consecutive
         for seq in (0, 1):

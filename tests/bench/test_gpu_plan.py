@@ -41,8 +41,8 @@ def test_the_batch_of_eight_runs_as_one_wave_with_its_limits_sized_for_it(capsys
     plan = _plan("batch_32k", capsys)
     eight = [w for w in plan["waves"] if w["batch"] == 8]
     assert {w["policy"] for w in eight} == {"full", "icecache"}
-    assert plan["scheduler"]["max_running"] == 8
-    assert plan["paging"]["max_context_tokens"] >= 8 * (32768 + 16)  # every request's pages at once
+    assert plan["scheduler"]["max_active_requests"] == 8
+    assert plan["paging"]["pool_tokens"] >= 8 * (32768 + 16)  # every request's pages at once
     ice = next(w for w in eight if w["policy"] == "icecache")
     assert ice["device_charge"] <= plan["scheduler"]["max_device_bytes"]
 

@@ -16,7 +16,7 @@ spec.loader.exec_module(kv_dtype_tpot)
 
 
 def test_every_format_and_policy_timed_each_repeat_and_freed(smollm2_dir, essays_text):
-    engines = {k: Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(max_context_tokens=1024, kv_dtype=k)))
+    engines = {k: Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(pool_tokens=1024, kv_dtype=k)))
                for k in ("auto", "int8")}
     cfg = DecodeBenchConfig(contexts=(300,), policies=("full", "icecache"), budget=64, steps=2, seed_tokens=100,
                             icecache=IceCacheConfig(search="centroids"), repeats=2, warmup_steps=1)

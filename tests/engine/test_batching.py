@@ -144,7 +144,7 @@ def test_requests_of_different_lengths_leave_mid_run(engine, essays_text):
 
 
 def test_cancelling_a_running_and_a_queued_request_frees_them_alone(smollm2_dir, essays_text):
-    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_running=2)))
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_active_requests=2)))
     a, b, c = _prompts(essays_text, (150, 250, 100))
     expected = engine.generate(a, GREEDY).token_ids
     free = engine.cache.pages_available
@@ -201,7 +201,7 @@ def test_admission_waits_for_pages_and_refuses_what_never_fits(smollm2_dir):
     from icekv.config.paging import PagingConfig
 
     engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(16, 512),
-                                 scheduler=SchedulerConfig(max_waiting=1)))
+                                 scheduler=SchedulerConfig(max_queued_requests=1)))
     big = [engine.submit([1] * 300, replace(GREEDY, max_tokens=8))]
     engine.step()
     second = engine.submit([2] * 300, replace(GREEDY, max_tokens=8))  # 308 + 308 tokens > 512: waits

@@ -21,7 +21,7 @@ PROMPT = [3 + i % 500 for i in range(900)]
 
 def _engine(monkeypatch, limit: int | None) -> Engine:
     monkeypatch.setattr(PagedKVCache, "pool_on_compute", property(lambda self: False))
-    return Engine(EngineConfig(random_weights="llama-tiny", device="cpu", paging=PagingConfig(max_context_tokens=8192),
+    return Engine(EngineConfig(random_weights="llama-tiny", device="cpu", paging=PagingConfig(pool_tokens=8192),
                                scheduler=SchedulerConfig(max_device_bytes=limit)))
 
 

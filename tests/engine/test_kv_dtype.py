@@ -25,7 +25,7 @@ QUANTIZED = ("int8", "fp8_e4m3")
 def engines(smollm2_dir):
     """One engine per quantized format (the model-dtype one is the session's ``engine``)."""
     return {kv: Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(kv_dtype=kv,
-                                                                                    max_context_tokens=8192)))
+                                                                                    pool_tokens=8192)))
             for kv in QUANTIZED}
 
 

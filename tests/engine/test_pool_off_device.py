@@ -23,7 +23,7 @@ SELECTIONS = [SelectionConfig(), SelectionConfig(policy="icecache", budget=64),
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(EngineConfig(random_weights="llama-tiny", device="cpu", paging=PagingConfig(max_context_tokens=8192)))
+    return Engine(EngineConfig(random_weights="llama-tiny", device="cpu", paging=PagingConfig(pool_tokens=8192)))
 
 
 def _tokens(engine, selection, context=None):
@@ -51,7 +51,7 @@ def test_a_pool_off_the_compute_device_decodes_the_same_tokens(engine, selection
 
 
 def test_the_mirror_copies_each_token_once_and_grows():
-    cache = PagedKVCache(1, 2, 4, PagingConfig(page_size=4, max_context_tokens=64))
+    cache = PagedKVCache(1, 2, 4, PagingConfig(page_size=4, pool_tokens=64))
     cache.add(0)
     mirror = ComputeMirror(cache, 0)
     for n in (3, 1, 9, 1):
@@ -66,7 +66,7 @@ def test_the_mirror_copies_each_token_once_and_grows():
 def test_tokens_written_through_the_mirror_are_never_copied_back(monkeypatch):
     """Writes that continue the mirror are kept from the model's own tensors; a gap (tokens
     written to the pool only) is filled from the pool on the next read. Sized once by its hint."""
-    cache = PagedKVCache(1, 2, 4, PagingConfig(page_size=4, max_context_tokens=64))
+    cache = PagedKVCache(1, 2, 4, PagingConfig(page_size=4, pool_tokens=64))
     cache.add(0)
     mirror = ComputeMirror(cache, 0, tokens=20)
     copied = []

@@ -78,7 +78,7 @@ def test_requests_share_a_prefix_while_one_of_them_is_cancelled(engine, turns):
 
 def test_pool_pressure_evicts_idle_prefixes_never_a_running_requests_pages(smollm2_dir, turns):
     doc, q1, _ = turns
-    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(max_context_tokens=4096)))
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(pool_tokens=4096)))
     want = engine.run(engine.submit(doc + q1, SAMPLING, FULL, caching=NO_CACHE)).token_ids
     engine.generate(doc, SamplingConfig(max_tokens=1), selection=FULL)
     other = list(reversed(doc))[:1400]

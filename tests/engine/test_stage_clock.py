@@ -40,7 +40,7 @@ def test_on_cuda_a_stage_counts_its_kernels_not_their_launch():
 
 
 def test_a_sparse_decode_split_is_settled_after_every_step():
-    engine = Engine(EngineConfig(random_weights="llama-tiny", device="cpu", paging=PagingConfig(max_context_tokens=2048)))
+    engine = Engine(EngineConfig(random_weights="llama-tiny", device="cpu", paging=PagingConfig(pool_tokens=2048)))
     sel = SelectionConfig(policy="icecache", budget=64)
     seq = engine.submit([3 + i % 500 for i in range(700)], SamplingConfig(max_tokens=4, ignore_eos=True), sel)
     while not seq.decoder_ready and not seq.done:

@@ -162,7 +162,7 @@ def test_a_context_the_pool_cannot_hold_is_refused_before_its_prefill(smollm2_di
 
     cfg = EvalConfig(lengths=(600,), policies=("full",), samples=1)
     assert cfg.pool_tokens >= 600 + cfg.max_tokens  # what `icekv eval` sizes its pool to
-    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(max_context_tokens=608)))
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), paging=PagingConfig(pool_tokens=608)))
     with pytest.raises(CacheFullError, match="exceeds the KV cache capacity"):
         run_eval(engine, cfg, essays_text[:20000])
     assert engine.cache.pages_available == engine.cache.allocator.num_pages  # nothing was prefilled

@@ -89,7 +89,7 @@ def test_fill_from_pool_equals_plan_gather_load(dtype, page_size):
 
     g = torch.Generator().manual_seed(page_size)
     hkv, d, length, n_pages = 3, 8, 40, 6
-    cache = PagedKVCache(1, hkv, d, PagingConfig(page_size=page_size, max_context_tokens=64), dtype)
+    cache = PagedKVCache(1, hkv, d, PagingConfig(page_size=page_size, pool_tokens=64), dtype)
     cache.add(0)
     cache.extend(0, length)
     kv = torch.randn(2, length, hkv, d, generator=g).to(dtype)

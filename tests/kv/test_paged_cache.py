@@ -8,7 +8,7 @@ from icekv.kv.token_rows import gather_tokens_reference
 
 
 def _cache(max_tokens=128, page=16):
-    return PagedKVCache(2, 3, 8, PagingConfig(page_size=page, max_context_tokens=max_tokens))
+    return PagedKVCache(2, 3, 8, PagingConfig(page_size=page, pool_tokens=max_tokens))
 
 
 @pytest.mark.parametrize("chunks", [[1], [16], [5, 11, 1, 20], [33, 1, 1]])
@@ -71,7 +71,7 @@ def test_view_range_equals_gather_and_shares_memory_only_when_pages_are_consecut
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page", [16, 1])
 def test_gather_tokens_copies_the_asked_rows_like_the_reference(dtype, page):
-    cache = PagedKVCache(2, 3, 8, PagingConfig(page_size=page, max_context_tokens=128), dtype)
+    cache = PagedKVCache(2, 3, 8, PagingConfig(page_size=page, pool_tokens=128), dtype)
     for seq in (0, 1):  # interleaved sequences: a request's pages are not consecutive ids
         cache.add(seq)
     k, v = torch.randn(40, 3, 8, dtype=dtype), torch.randn(40, 3, 8, dtype=dtype)

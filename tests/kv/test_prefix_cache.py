@@ -82,7 +82,7 @@ def test_a_hit_released_with_retention_extends_it():
 
 
 def _pool(num_pages: int) -> PagedKVCache:
-    paging = PagingConfig(page_size=P, max_context_tokens=num_pages * P)
+    paging = PagingConfig(page_size=P, pool_tokens=num_pages * P)
     return PagedKVCache(1, 1, 2, paging, prefix=PrefixCache("m", P))
 
 

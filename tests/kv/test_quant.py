@@ -72,7 +72,7 @@ def test_stored_bytes_per_token(kv_dtype, model_bytes, share):
     """64 codes and a 4-byte scale per row: 0.27x of fp32, 0.53x of bf16."""
     assert KVFormat(kv_dtype).row_bytes(64, model_bytes) / (64 * model_bytes) == pytest.approx(share)
     dtype = {4: torch.float32, 2: torch.bfloat16}[model_bytes]
-    cache = PagedKVCache(3, 2, 64, PagingConfig(page_size=4, max_context_tokens=64), dtype, kv_format=KVFormat(kv_dtype))
+    cache = PagedKVCache(3, 2, 64, PagingConfig(page_size=4, pool_tokens=64), dtype, kv_format=KVFormat(kv_dtype))
     assert cache.bytes_per_token == round(3 * 2 * 2 * 64 * model_bytes * share)
     assert cache.value_bytes_per_token == 3 * 2 * 2 * 64 * model_bytes
 
@@ -83,7 +83,7 @@ def test_pool_stores_rows_and_reads_values(kv_dtype):
     value reader gives the decoded values; gather_tokens gives the stored rows themselves."""
     fmt = KVFormat(kv_dtype)
     hkv, d, p = 2, 16, 4
-    cache = PagedKVCache(2, hkv, d, PagingConfig(page_size=p, max_context_tokens=64), kv_format=fmt)
+    cache = PagedKVCache(2, hkv, d, PagingConfig(page_size=p, pool_tokens=64), kv_format=fmt)
     cache.add(0), cache.add(1)
     k, v = rows(11, hkv, d, seed=2), rows(11, hkv, d, seed=3)
     cache.write(1, 0, cache.extend(0, 7), k[:7], v[:7])  # a chunk: partial last page
@@ -112,7 +112,7 @@ def test_write_rows_and_copy_on_write_carry_scales(kv_dtype):
     from icekv.kv import PrefixCache
 
     fmt = KVFormat(kv_dtype)
-    cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=64), kv_format=fmt,
+    cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, pool_tokens=64), kv_format=fmt,
                          prefix=PrefixCache("m", 4))
     prompt = list(range(8))
     cache.add(0)

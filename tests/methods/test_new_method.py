@@ -11,36 +11,22 @@ from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.errors import ConfigError
 from icekv.methods.base import Policy
-from icekv.methods.selector import Selection, SequencePages, SequenceSelection
+from icekv.methods.selector import Selection
+from icekv.methods.streaming import StreamingSelector
 from icekv.policies import REGISTERED, resolve
 
 
 @dataclass
-class OldestSelector(SequenceSelection):
-    """Attends the sink, the window and the oldest ``k`` pages of the indexed region; records what
-    it picked, so the test sees the engine call it."""
+class OldestSelector(StreamingSelector):
+    """Attends the sink, the window and the oldest ``k`` pages of the indexed region (its pages laid
+    out as StreamingLLM's); records what it picked, so the test sees the engine call it."""
 
-    page_size: int = 16
-    pages: SequencePages = field(init=False)
     picked: list = field(init=False, default_factory=list)  # (layer, pages of head 0)
-
-    def __post_init__(self) -> None:
-        self.pages = SequencePages(self.page_size)
-
-    def build(self, layer, keys, base):
-        self.num_kv_heads = keys.shape[0]
-        self.pages.add_region(layer, keys.shape[1], base)
-
-    def insert(self, layer, keys):
-        self.pages.grow(layer)
 
     def select(self, layer, q, k):
         oldest = torch.arange(min(k, self.pages.num_pages[layer]))
         self.picked.append((layer, oldest.tolist()))
         return Selection.ranked([oldest] * self.num_kv_heads)
-
-    def index_bytes(self) -> int:
-        return 0
 
 
 OLDEST = Policy("oldest", selector=lambda plan: OldestSelector(plan.page_size))

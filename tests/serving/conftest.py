@@ -13,7 +13,7 @@ from icekv.serving.launcher import TritonServer, free_port
 from icekv.serving.openai.process import OpenAIFrontendProcess
 from icekv.serving.engine_loop import TICK_S
 
-HOST_POOL_TOKENS = 8192
+POOL_TOKENS = 8192
 MAX_COMPRESS_TOKENS = 4096
 
 
@@ -21,7 +21,7 @@ MAX_COMPRESS_TOKENS = 4096
 def server(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     store = tmp_path_factory.mktemp("contexts")
-    srv = TritonServer({"host_pool_tokens": str(HOST_POOL_TOKENS), "max_active_requests": "4", "store": str(store),
+    srv = TritonServer({"pool_tokens": str(POOL_TOKENS), "max_active_requests": "4", "store": str(store),
                         "max_compress_tokens": str(MAX_COMPRESS_TOKENS)},
                        log_path=log)
     srv.store_dir = store

@@ -31,7 +31,7 @@ def loop_for(smollm2_dir):
 
     def make(max_index_bytes):
         cfg = EngineConfig(model_dir=str(smollm2_dir),
-                           scheduler=SchedulerConfig(max_running=4, max_index_bytes=max_index_bytes))
+                           scheduler=SchedulerConfig(max_active_requests=4, max_index_bytes=max_index_bytes))
         made.append(EngineLoop(lambda: Engine(cfg)))
         return made[-1]
     yield make

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.serving.conftest import HOST_POOL_TOKENS, MAX_COMPRESS_TOKENS, post, wait_idle
+from tests.serving.conftest import POOL_TOKENS, MAX_COMPRESS_TOKENS, post, wait_idle
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 GEN = "/v2/models/icekv/generate"
@@ -38,7 +38,7 @@ GEN = "/v2/models/icekv/generate"
         ({"text_input": "hi", "kv_method": "kv2"}, "kv_method applies only to a request with a context"),
         ({"context": "  "}, "context is empty"),
         ({"text_input": "hi", "context": "a new document", "policy": "quest"}, "cannot select over a compressed"),
-        ({"text_input": "word " * (HOST_POOL_TOKENS + 10)}, "exceeds the KV cache capacity"),
+        ({"text_input": "word " * (POOL_TOKENS + 10)}, "exceeds the KV cache capacity"),
     ],
 )
 def test_bad_request_is_a_400_with_a_message(server, body, message):

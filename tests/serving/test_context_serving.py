@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.server, pytest.mark.model]
 GEN = "/v2/models/icekv/generate"
 QUESTION = ("\nWhat is the special magic number for {key} mentioned in the provided text? "
             "The special magic number for {key} mentioned in the provided text is")
-SETTINGS = {"host_pool_tokens": "8192", "max_active_requests": "8", "policy": "full"}
+SETTINGS = {"pool_tokens": "8192", "max_active_requests": "8", "policy": "full"}
 KV2 = "rho_scale=4"  # both replicas compress kv2 contexts with these settings, not the defaults
 
 
@@ -50,7 +50,7 @@ def cli_replica(smollm2_dir, redis_url, tmp_path_factory):
     ports = {name: free_port() for name in ("http", "grpc", "metrics")}
     log = tmp_path_factory.mktemp("icekv-serve") / "serve.log"
     command = [str(Path(sys.executable).with_name("icekv")), "serve", "--store", redis_url,
-               "--host-pool-tokens", SETTINGS["host_pool_tokens"], "--policy", SETTINGS["policy"],
+               "--pool-tokens", SETTINGS["pool_tokens"], "--policy", SETTINGS["policy"],
                "--max-active-requests", SETTINGS["max_active_requests"], "--kv2", KV2]
     command += [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
     with open(log, "wb") as out:

@@ -33,7 +33,7 @@ def document(essays_text):
 
 @pytest.fixture
 def loop(smollm2_dir, tmp_path):
-    cfg = EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_running=8))
+    cfg = EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_active_requests=8))
     store = {}
 
     def contexts(engine):

@@ -22,7 +22,7 @@ def _request(max_tokens: int = 4) -> GenerateRequest:
 
 @pytest.fixture
 def loop(smollm2_dir):
-    made = EngineLoop(lambda: Engine(EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_running=2))))
+    made = EngineLoop(lambda: Engine(EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_active_requests=2))))
     yield made
     made.stop()
 

@@ -23,7 +23,7 @@ def _state(pid: str) -> str:
 
 
 def test_a_crashed_server_leaves_no_stub_running(smollm2_dir):
-    server = TritonServer({"host_pool_tokens": "4096"}).start()
+    server = TritonServer({"pool_tokens": "4096"}).start()
     stubs = stub_pids(server)
     assert stubs, "the model's Python stub runs in the server's process group"
     body = json.dumps({"text_input": "a" * 4_500_000}).encode()  # reaches tritonserver's own HTTP
@@ -51,7 +51,7 @@ def test_the_model_unloads_after_many_requests_through_the_frontend(smollm2_dir)
     from icekv.serving.launcher import free_port
     from icekv.serving.openai.process import OpenAIFrontendProcess
 
-    server = TritonServer({"host_pool_tokens": "4096"}).start()
+    server = TritonServer({"pool_tokens": "4096"}).start()
     try:
         with OpenAIFrontendProcess(OpenAIConfig(triton_grpc_url=server.grpc_url, port=free_port())) as frontend:
             for i in range(20):

@@ -4,7 +4,7 @@ tritonserver: ``n`` choices sharing one prefill, lists of prompts, logprobs and 
 import openai
 import pytest
 
-from tests.serving.conftest import HOST_POOL_TOKENS, wait_idle
+from tests.serving.conftest import POOL_TOKENS, wait_idle
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -113,7 +113,7 @@ def test_echo_returns_the_prompt_and_with_logprobs_scores_it(client):
 
 def test_a_refused_prompt_in_a_list_fails_the_request_and_ends_the_others(client, server):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="icekv", prompt=["The capital of France is", "word " * (HOST_POOL_TOKENS + 10)],
+        client.completions.create(model="icekv", prompt=["The capital of France is", "word " * (POOL_TOKENS + 10)],
                                   max_tokens=2000)
     assert "exceeds the KV cache capacity" in info.value.body["message"]
     wait_idle(server, timeout_s=20)  # nothing left running: the first prompt's request is not decoding 2,000 tokens

@@ -36,7 +36,7 @@ def qwen_url(assets, tmp_path_factory):
     if not assets.is_fetched(LONGCTX):
         pytest.skip(f"{LONGCTX} is not fetched (icekv fetch --model {LONGCTX})")
     work = tmp_path_factory.mktemp("qwen_tools")
-    server = TritonServer({"model_dir": LONGCTX, "host_pool_tokens": "8192", "max_active_requests": "4"},
+    server = TritonServer({"model_dir": LONGCTX, "pool_tokens": "8192", "max_active_requests": "4"},
                           log_path=work / "tritonserver.log")
     server.start()
     try:

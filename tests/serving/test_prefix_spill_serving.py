@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.server, pytest.mark.model]
 
 
 def _server(redis_url, log) -> TritonServer:
-    return TritonServer({"store": redis_url, "prefix_cache_spill": "true", "host_pool_tokens": "4096",
+    return TritonServer({"store": redis_url, "prefix_cache_spill": "true", "pool_tokens": "4096",
                          "policy": "full"}, log_path=log)
 
 

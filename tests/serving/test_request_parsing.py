@@ -99,14 +99,14 @@ def test_invalid_utf8_is_refused():
 def test_serving_config_from_triton_parameters():
     cfg = serving_config({
         "policy": {"string_value": "quest"}, "budget": {"string_value": "128"},
-        "host_pool_tokens": {"string_value": "4096"}, "max_active_requests": {"string_value": "2"},
+        "pool_tokens": {"string_value": "4096"}, "max_active_requests": {"string_value": "2"},
         "max_index_bytes": {"string_value": "1048576"}, "max_step_tokens": {"string_value": "256"},
     })
-    assert cfg.engine.selection.policy == "quest" and cfg.engine.paging.max_context_tokens == 4096
+    assert cfg.engine.selection.policy == "quest" and cfg.engine.paging.pool_tokens == 4096
     scheduler = cfg.engine.scheduler
-    assert scheduler.max_running == 2 and scheduler.max_index_bytes == 1 << 20 and scheduler.max_step_tokens == 256
+    assert scheduler.max_active_requests == 2 and scheduler.max_index_bytes == 1 << 20 and scheduler.max_step_tokens == 256
     assert serving_config({}).engine.scheduler.max_index_bytes is None  # default: the pool's size
-    with pytest.raises(Exception, match="max_step_tokens .4. must exceed max_running .8."):
+    with pytest.raises(Exception, match="max_step_tokens .4. must exceed max_active_requests .8."):
         serving_config({"max_step_tokens": "4"})
     for narrow in ("bfloat16", "int8"):  # half, about a quarter of the index memory
         assert serving_config({"score_dtype": narrow}).engine.selection.icecache.score_dtype == narrow

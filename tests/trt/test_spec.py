@@ -31,7 +31,7 @@ def test_spec_from_plan_follows_budget_and_context():
                      rope_theta=5e5, rope_scaling=None, max_position_embeddings=131072,
                      tie_word_embeddings=False, qkv_bias=False, qk_norm=False, eos_token_ids=(0,))
     plan = resolve(SelectionConfig(policy="icecache", budget=256))
-    spec = DecodeStepSpec.from_plan(plan, PagingConfig(max_context_tokens=131072), args)
+    spec = DecodeStepSpec.from_plan(plan, PagingConfig(pool_tokens=131072), args)
     assert spec.group == 4 and spec.max_slots == 16 and spec.max_candidates == 8192
     assert spec.top_k == plan.selected_pages  # sink and window pages are not selected
     assert set(spec.kernel_specs()) == {"page_select", "sparse_paged_attention", "page_scatter"}

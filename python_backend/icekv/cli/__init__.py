@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--page-size", type=_positive_int("--page-size"), default=None)
-    gen.add_argument("--max-context", type=_positive_int("--max-context"), default=None,
+    gen.add_argument("--pool-tokens", type=_positive_int("--pool-tokens"), default=None,
                      help="KV pool capacity in tokens")
     gen.add_argument("--policy", default=SelectionConfig.policy, help=" | ".join(policy_names()))
     gen.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget,
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sz = sub.add_parser("size", help="host pool and device memory for a model, context length and budget")
     _model_flag(sz)
-    sz.add_argument("--context", type=_positive_int("--context"), default=PagingConfig.max_context_tokens,
+    sz.add_argument("--context", type=_positive_int("--context"), default=PagingConfig.pool_tokens,
                     help="tokens per request")
     sz.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8, help="requests held at once")
     sz.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget)
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget,
                        help="tokens attended per KV head")
     build.add_argument("--page-size", type=_positive_int("--page-size"), default=PagingConfig.page_size)
-    build.add_argument("--max-context", type=_positive_int("--max-context"), default=PagingConfig.max_context_tokens,
+    build.add_argument("--pool-tokens", type=_positive_int("--pool-tokens"), default=PagingConfig.pool_tokens,
                        help="longest context: sets the candidate pages page_select accepts")
     build.add_argument("--max-batch", type=_positive_int("--max-batch"), default=8)
     build.add_argument("--arch", type=_positive_int("--arch"), default=90, help="CUDA compute capability, e.g. 90 = sm_90")

@@ -1,7 +1,7 @@
 """`icekv bench decode | batch`: plan the run's admission and memory, then time it.
 
 Before anything loads, the run's plan (:mod:`icekv.eval.bench_plan`) sizes the pool, the device
-limit and ``max_running`` for what it runs and checks that the engine admits every (policy,
+limit and ``max_active_requests`` for what it runs and checks that the engine admits every (policy,
 context, batch) in one wave and that each engine's memory fits the machine; a run that would not
 is refused with the numbers (``--plan`` prints the plan and stops there). Then one engine per
 pool placement times its policies. With ``--json`` each record is printed as one JSON line as it

@@ -78,7 +78,7 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     from icekv.engine import Engine
 
     text = Assets().haystack_text(args.haystack)
-    paging = PagingConfig(max_context_tokens=max(PagingConfig.max_context_tokens, pool_tokens), kv_dtype=_kv_dtype(args))
+    paging = PagingConfig(pool_tokens=max(PagingConfig.pool_tokens, pool_tokens), kv_dtype=_kv_dtype(args))
     # an evaluation submits its answers in waves and each waits its turn however long the ones
     # before it take (serving's queue limit would fail a long context's later answers as busy)
     scheduler = SchedulerConfig(max_queue_wait_s=float("inf"))
@@ -134,7 +134,7 @@ def _cmd_size(args) -> int:
     stored = args.dtype if _kv_dtype(args) == "auto" else f"{_kv_dtype(args)} with a scale per token"
     print(f"KV per token (all {model_args.num_layers} layers, {stored}): {plan.kv_bytes_per_token:,} bytes")
     print(f"host page pool for {args.concurrent} x {args.context} tokens: {mib(plan.host_pool_bytes)} "
-          f"(--host-pool-tokens {args.concurrent * args.context})")
+          f"(--pool-tokens {args.concurrent * args.context})")
     print(f"device KV per request: full attention {mib(plan.device_bytes_full)}; "
           f"icecache budget {args.budget}: at most {mib(plan.device_bytes_budget)} ({plan.device_saving:.1f}x less)")
     keys = selection.icecache.page_keys(args.dtype)

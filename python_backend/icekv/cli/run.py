@@ -60,8 +60,8 @@ def _cmd_generate(args) -> int:
     paging = PagingConfig(kv_dtype=_kv_dtype(args))
     if args.page_size is not None:
         paging = replace(paging, page_size=args.page_size)
-    if args.max_context is not None:
-        paging = replace(paging, max_context_tokens=args.max_context)
+    if args.pool_tokens is not None:
+        paging = replace(paging, pool_tokens=args.pool_tokens)
     sampling = SamplingConfig(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

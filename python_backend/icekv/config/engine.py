@@ -38,8 +38,8 @@ class SchedulerConfig:
     is refused at submit.
     """
 
-    max_running: int = 8  # requests in prefill or decode at once
-    max_waiting: int = 64  # waiting for memory or a turn; beyond this: busy
+    max_active_requests: int = 8  # requests in prefill or decode at once
+    max_queued_requests: int = 64  # waiting for memory or a turn; beyond this: busy
     max_step_tokens: int = 512  # tokens per engine step: every running decode + prefill chunks
     max_index_bytes: int | None = None
     max_context_bytes: int | None = None
@@ -49,12 +49,11 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_queue_wait_s <= 0:
             raise ConfigError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
-        if self.max_running < 1 or self.max_waiting < 0:
-            raise ConfigError("max_running (max_active_requests) must be >= 1 and max_waiting "
-                              "(max_queued_requests) >= 0")
-        if self.max_step_tokens <= self.max_running:
-            raise ConfigError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_running "
-                              f"({self.max_running}): every running decode and some prefill fit in one step")
+        if self.max_active_requests < 1 or self.max_queued_requests < 0:
+            raise ConfigError("max_active_requests must be >= 1 and max_queued_requests >= 0")
+        if self.max_step_tokens <= self.max_active_requests:
+            raise ConfigError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_active_requests "
+                              f"({self.max_active_requests}): every running decode and some prefill fit in one step")
         for name in ("max_index_bytes", "max_context_bytes", "max_device_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

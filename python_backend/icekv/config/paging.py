@@ -14,7 +14,7 @@ KV_DTYPES = ("auto", "int8", "fp8_e4m3")  # how KV pages are stored, see PagingC
 class PagingConfig:
     """Layout of the paged KV cache shared by every layer.
 
-    ``max_context_tokens`` sizes the preallocated page pool (per layer); a request whose prompt
+    ``pool_tokens`` sizes the preallocated page pool (per layer); a request whose prompt
     plus generated tokens would exceed it is refused up front rather than failing mid-decode.
     ``prefix_cache``: a finished request's full pages stay in the pool, for a later prompt that
     starts with the same tokens (a chat's next turn), until the pool needs their room.
@@ -24,16 +24,16 @@ class PagingConfig:
     """
 
     page_size: int = 16
-    max_context_tokens: int = 32768
+    pool_tokens: int = 32768
     prefix_cache: bool = True
     kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size must be a positive power of two, got {self.page_size}")
-        if self.max_context_tokens < self.page_size:
+        if self.pool_tokens < self.page_size:
             raise ConfigError(
-                f"max_context_tokens ({self.max_context_tokens}) must hold at least one page "
+                f"pool_tokens ({self.pool_tokens}) must hold at least one page "
                 f"of {self.page_size} tokens"
             )
         if self.kv_dtype not in KV_DTYPES:
@@ -42,4 +42,4 @@ class PagingConfig:
     @property
     def num_pages(self) -> int:
         """Pages per layer in the preallocated pool."""
-        return math.ceil(self.max_context_tokens / self.page_size)
+        return math.ceil(self.pool_tokens / self.page_size)

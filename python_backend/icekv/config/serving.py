@@ -21,13 +21,13 @@ class CompressionConfig:
 
     method: str = "kv2"
     kv_budget: float = 0.05  # share of the context's KV kept
-    max_tokens: int = 32768  # the longest context the server compresses
+    max_compress_tokens: int = 32768  # the longest context the server compresses
     kv2: str = ""  # the kv2 method's settings, "NAME=VALUE,..." (its dataclass fields; empty: its defaults)
 
     def __post_init__(self) -> None:
         check_kv_budget(self.kv_budget)
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_compress_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_compress_tokens < 1:
+            raise ConfigError(f"max_compress_tokens must be >= 1, got {self.max_compress_tokens}")
 
 
 @dataclass(frozen=True)

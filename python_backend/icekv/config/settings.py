@@ -109,7 +109,7 @@ SETTINGS = (
     Setting("gqa_merge", ("engine.selection.icecache.gqa_merge",), "how the query heads of a KV head share its "
             "pages: interleaved by rank, a rank's heads in head order (the authors') or best score first (the few "
             "pages of a small budget go to the heads that score them highest)", str, GQA_MERGES, configmap=True),
-    Setting("host_pool_tokens", ("engine.paging.max_context_tokens",), "KV page pool capacity, tokens, all requests",
+    Setting("pool_tokens", ("engine.paging.pool_tokens",), "KV page pool capacity, tokens, all requests",
             configmap=True),
     Setting("prefix_cache", ("engine.paging.prefix_cache",), "keep finished requests' full KV pages for later "
             "prompts that start with the same tokens (a chat's next turn), evicted when the pool needs room", bool,
@@ -120,9 +120,9 @@ SETTINGS = (
     Setting("kv_dtype", ("engine.paging.kv_dtype",), "how KV pages are stored (pool, device slots, stored "
             "contexts): `auto` (the model's dtype), or `int8` / `fp8_e4m3` codes with a scale per token and KV head "
             "(about half the bytes of bf16, a quarter of fp32)", str, KV_DTYPES, configmap=True),
-    Setting("max_active_requests", ("engine.scheduler.max_running",), "requests batched at once (in prefill or "
+    Setting("max_active_requests", ("engine.scheduler.max_active_requests",), "requests batched at once (in prefill or "
             "decode)", configmap=True),
-    Setting("max_queued_requests", ("engine.scheduler.max_waiting",), "requests waiting; beyond it \"server busy\"",
+    Setting("max_queued_requests", ("engine.scheduler.max_queued_requests",), "requests waiting; beyond it \"server busy\"",
             least=0),
     Setting("max_queue_wait_s", ("engine.scheduler.max_queue_wait_s",), "seconds a request may wait in the queue "
             "before \"server busy\"", float, least=None),
@@ -150,7 +150,7 @@ SETTINGS = (
             "(a restart, a replica over the same store); needs `store`", bool, configmap=True),
     Setting("store_max_bytes", ("store_max_bytes",), "context store size limit, bytes", least=0,
             default_doc="8 GiB"),
-    Setting("max_compress_tokens", ("compression.max_tokens",), "longest context a request may have the server "
+    Setting("max_compress_tokens", ("compression.max_compress_tokens",), "longest context a request may have the server "
             "compress, tokens", configmap=True),
     Setting("kv2", ("compression.kv2",), "KV² settings for the contexts requests bring, `NAME=VALUE,...` (see "
             "[KV² settings](#kv-settings))", str, configmap=True, default_doc="the method's defaults"),

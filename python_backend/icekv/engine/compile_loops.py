@@ -41,7 +41,7 @@ def compile_loops(kv_dtype: torch.dtype, kv_format: KVFormat = KVFormat()) -> No
         tree.page_scores(q[0], 4)  # the walk
     codes = simhash(torch.randn(1, 2, 8, generator=g), torch.randn(8, 6, generator=g), 3)  # MagicPIG's buckets
     collision_counts(codes, codes[:, :1])  # and a query's collisions with them
-    cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, max_context_tokens=8), kv_dtype, kv_format=kv_format)
+    cache = PagedKVCache(1, 1, 8, PagingConfig(page_size=4, pool_tokens=8), kv_dtype, kv_format=kv_format)
     cache.add(0)
     cache.extend(0, 4)
     cache.pool.zero_()

@@ -106,7 +106,7 @@ class Engine:
         if prompt_tokens + max_tokens > capacity:
             raise CacheFullError(
                 f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the KV "
-                f"cache capacity of {capacity} tokens (paging.max_context_tokens)"
+                f"cache capacity of {capacity} tokens (paging.pool_tokens)"
             )
 
     def plan_for(self, selection: SelectionConfig | PolicyPlan | None) -> PolicyPlan:

@@ -49,7 +49,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (charged its worst case at submit); BusyError if the queue is full."""
         with self._lock:
-            if len(self.waiting) >= self.cfg.max_waiting:
+            if len(self.waiting) >= self.cfg.max_queued_requests:
                 raise BusyError(f"server busy: {len(self.waiting)} requests already waiting, retry later")
             seq.queued_at = time.monotonic()
             self.waiting.append(seq)
@@ -91,7 +91,7 @@ class Scheduler:
             self.running.remove(seq)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_running:
+        while self.waiting and len(self.running) < self.cfg.max_active_requests:
             if not self.kv.can_allocate(self.waiting[0], self.running):
                 break  # the head of the queue goes first: no starvation
             self.kv.allocate(self.waiting[0], self.running)

@@ -3,7 +3,7 @@
 A benchmark sizes its own limits for what it runs: the page pool for its largest wave (every
 request of the largest batch at the longest context, plus the real prefill its caches are tiled
 from), the device bytes its requests hold beside the model (when the pool is off the compute
-device) for the wave that holds most, and ``max_running`` for the largest batch. The index limit
+device) for the wave that holds most, and ``max_active_requests`` for the largest batch. The index limit
 stays the engine's rule, the pool's size: an index must not outweigh the KV it indexes.
 
 For every (policy, context, batch) the plan then charges each request what the engine's admission
@@ -118,8 +118,8 @@ class BenchPlan:
         """The plan for people: each wave, each group's memory against the machine."""
         gib = lambda b: f"{b / GIB:,.1f} GiB" if b >= GIB / 4 else f"{b / 2**20:,.1f} MiB"  # noqa: E731
         device = "" if self.machine.device_bytes is None else f", device {gib(self.machine.device_bytes)}"
-        out = [f"pool {self.paging.max_context_tokens:,} tokens ({gib(self.pool_bytes)}), weights "
-               f"{gib(self.weights_bytes)}, max_running {self.scheduler.max_running}, max_device_bytes "
+        out = [f"pool {self.paging.pool_tokens:,} tokens ({gib(self.pool_bytes)}), weights "
+               f"{gib(self.weights_bytes)}, max_active_requests {self.scheduler.max_active_requests}, max_device_bytes "
                f"{'-' if self.scheduler.max_device_bytes is None else gib(self.scheduler.max_device_bytes)}; "
                f"machine: {self.machine.device_type}, host {gib(self.machine.host_bytes)}{device}"]
         for w in self.waves:
@@ -152,7 +152,7 @@ def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_
     pages_of = lambda tokens: math.ceil(tokens / page)  # noqa: E731
     largest = max(run.batches) * pages_of(max(run.contexts) + run.max_tokens)
     pool_pages = max(largest, pages_of(max(run.contexts)) + pages_of(run.seed_tokens)) + 1  # + the seed's prefill
-    paging = PagingConfig(page_size=page, max_context_tokens=pool_pages * page, kv_dtype=kv_dtype)
+    paging = PagingConfig(page_size=page, pool_tokens=pool_pages * page, kv_dtype=kv_dtype)
     token_bytes = 2 * args.num_kv_heads * args.head_dim * DTYPE_BYTES[dtype]  # one token, one layer, as values
     stored_bytes = 2 * args.num_kv_heads * KVFormat(kv_dtype).row_bytes(args.head_dim, DTYPE_BYTES[dtype])
     pool_bytes = pool_pages * page * stored_bytes * args.num_layers
@@ -167,7 +167,7 @@ def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_
     charged = [w.device_charge for w in waves if w.pool == "host"]
     device_limit = max(charged) if charged and machine.device_type != "cpu" else None
     batch = max(run.batches)
-    scheduler = SchedulerConfig(max_running=batch, max_step_tokens=batch + STEP_TOKENS, max_device_bytes=device_limit)
+    scheduler = SchedulerConfig(max_active_requests=batch, max_step_tokens=batch + STEP_TOKENS, max_device_bytes=device_limit)
     weights = weights_bytes(args, dtype)
     groups = tuple(_group_memory(pool, policies, [w for w in waves if w.policy in policies], run, machine,
                                  weights, pool_bytes, token_bytes * args.num_layers, i == 0)

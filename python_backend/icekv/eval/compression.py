@@ -132,7 +132,7 @@ def compress_prefilled(engine: Engine, prefilled, ids: list[int], variant: Varia
 def _generate_all(engine: Engine, asked: list[tuple[list[int], CompressedContext]], sampling) -> list[str]:
     """Each (prompt ids, context)'s answer, submitted together so the engine batches them."""
     texts: list[str] = []
-    wave = engine.scheduler.cfg.max_waiting
+    wave = engine.scheduler.cfg.max_queued_requests
     for start in range(0, len(asked), wave):
         seqs = [engine.submit(ids, sampling, context=ctx) for ids, ctx in asked[start : start + wave]]
         texts += [engine.run(seq).text for seq in seqs]

@@ -24,11 +24,11 @@ PAGE_FILL, HEADROOM, TOKEN_ARRAYS = 7 / 8, 9 / 8, 32
 TREE_PAGE_BYTES = 16  # each page's length and owner in its tree
 
 
-def tree_index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, kv_dtype: str, trees_per_kv_head: int) -> int:
+def tree_index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str, trees_per_kv_head: int) -> int:
     """Host bytes of ``trees_per_kv_head`` trees per KV head over ``tokens`` tokens each, over a KV
-    cache of ``kv_dtype`` (which sets the page keys' dtype under ``score_dtype="auto"``)."""
+    cache of ``dtype`` (which sets the page keys' dtype under ``score_dtype="auto"``)."""
     d, p, ice = args.head_dim, plan.page_size, plan.selection.icecache
-    keys = ice.page_keys(kv_dtype)
+    keys = ice.page_keys(dtype)
     per_slot = PageStore.slot_bytes(d, getattr(torch, keys))
     per_page = PageStore.page_bytes(d, getattr(torch, keys)) + TREE_PAGE_BYTES
     promoted_key = d * 4 / promotion_step(ice)

@@ -29,7 +29,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> t
         failed = e
     if failed:
         raise ConfigError(f"cannot page-lock the host page pool: cudaHostRegister of {nbytes / 2**30:,.1f} GiB failed "
-                          f"({failed}); lower host_pool_tokens (torch's pinned allocator would round it up to "
+                          f"({failed}); lower pool_tokens (torch's pinned allocator would round it up to "
                           f"{_pow2(nbytes) / 2**30:,.0f} GiB)")
     weakref.finalize(owner, cudart.cudaHostUnregister, tensor.data_ptr())
     return tensor

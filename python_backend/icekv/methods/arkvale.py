@@ -117,7 +117,7 @@ class ArkValeSelector(SequenceSelection):
         return sum(t.nbytes for t in (*self.upper.values(), *self.lower.values()))
 
 
-def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, kv_dtype: str) -> int:
+def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """Two fp32 digest bounds per full page, per budgeted layer and KV head."""
     layers = len(plan.sparse_layers(args.num_layers))
     return layers * args.num_kv_heads * (tokens // plan.page_size) * 2 * args.head_dim * 4

@@ -24,7 +24,7 @@ IndexSizer = Callable[["PolicyPlan", "ModelArgs", int, str], int]
 DeviceIndexSizer = Callable[["PolicyPlan", "ModelArgs", int, str, int], int]
 
 
-def no_index(plan: PolicyPlan, args: ModelArgs, tokens: int, kv_dtype: str) -> int:
+def no_index(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """Methods that keep no page index beside the KV pool."""
     return 0
 

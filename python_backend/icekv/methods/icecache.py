@@ -136,13 +136,13 @@ class IceCacheConfig:
         if self.max_level < 1 or self.fov_min < 1 or self.layer_group < 1:
             raise ConfigError("max_level, fov_min and layer_group must be >= 1")
 
-    def page_keys(self, kv_dtype) -> str:
-        """The page keys' dtype over a KV cache of ``kv_dtype`` (a torch dtype or its name):
+    def page_keys(self, dtype) -> str:
+        """The page keys' dtype over a KV cache of ``dtype`` (a torch dtype or its name):
         ``score_dtype``, with ``auto`` bfloat16 for a bf16 or fp16 KV (fp16 keys have no format
         of their own: bf16's are as wide) and float32 for an fp32 one."""
         if self.score_dtype != "auto":
             return self.score_dtype
-        return "bfloat16" if str(kv_dtype).removeprefix("torch.") in ("bfloat16", "float16") else "float32"
+        return "bfloat16" if str(dtype).removeprefix("torch.") in ("bfloat16", "float16") else "float32"
 
     def candidates(self, k: int) -> int:
         """Pages per query head the centroids search rescores exactly, to select ``k``."""
@@ -273,8 +273,8 @@ def _policy(name: str, layer_reuse: bool, **kinds) -> Policy:
         name,
         selector=lambda plan: IceCacheSelector(plan.page_size, plan.selection.icecache, layer_reuse=layer_reuse,
                                                first_sparse_layer=plan.selection.n_unlimited_layers),
-        index_bytes=lambda plan, args, tokens, kv_dtype: tree_index_bytes(
-            plan, args, tokens, kv_dtype, _trees(plan, args, layer_reuse)),
+        index_bytes=lambda plan, args, tokens, dtype: tree_index_bytes(
+            plan, args, tokens, dtype, _trees(plan, args, layer_reuse)),
         device_index_bytes=lambda plan, args, tokens, device_type, dtype_bytes: device_copy_bytes(
             plan, args, tokens, device_type, dtype_bytes, _trees(plan, args, layer_reuse)),
         extends_index=True, **kinds)

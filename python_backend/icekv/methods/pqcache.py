@@ -156,7 +156,7 @@ class PQCacheSelector(TokenSelection):
         return sum(t.nbytes for t in (*self.centroids.values(), *self.codes.values()))
 
 
-def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, kv_dtype: str) -> int:
+def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """A one-byte code per part per token, and fp32 codebooks, per budgeted layer and KV head."""
     pq = plan.selection.pqcache
     layers = len(plan.sparse_layers(args.num_layers))

@@ -59,7 +59,7 @@ class QuestSelector(SequenceSelection):
         return sum(t.nbytes for t in (*self.key_min.values(), *self.key_max.values()))
 
 
-def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, kv_dtype: str) -> int:
+def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """An fp32 min and max key per full page, per sparse layer and KV head."""
     layers = len(plan.sparse_layers(args.num_layers))
     return layers * args.num_kv_heads * (tokens // plan.page_size) * 2 * args.head_dim * 4

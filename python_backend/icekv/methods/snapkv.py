@@ -96,7 +96,7 @@ class SnapKVSelector(TokenSelection):
         return sum(t.nbytes for t in self.votes.values())
 
 
-def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, kv_dtype: str) -> int:
+def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """An fp32 vote per token, per budgeted layer and KV head."""
     return len(plan.sparse_layers(args.num_layers)) * args.num_kv_heads * tokens * 4
 

@@ -118,10 +118,10 @@ class PolicyPlan:
         """A fresh selector for one request; None for full attention."""
         return self.policy.selector(self) if self.sparse else None
 
-    def index_bytes(self, args: ModelArgs, tokens: int, kv_dtype) -> int:
-        """Host bytes of one request's page index over ``tokens`` tokens of a KV cache of
-        ``kv_dtype`` (a torch dtype or its name)."""
-        return self.policy.index_bytes(self, args, tokens, str(kv_dtype).removeprefix("torch."))
+    def index_bytes(self, args: ModelArgs, tokens: int, dtype) -> int:
+        """Host bytes of one request's page index over ``tokens`` tokens of a model in ``dtype``
+        (a torch dtype or its name: the KV's values, which set the page keys' width)."""
+        return self.policy.index_bytes(self, args, tokens, str(dtype).removeprefix("torch."))
 
     def device_index_bytes(self, args: ModelArgs, tokens: int, device_type: str, dtype_bytes: int) -> int:
         """Compute-device bytes of what the selector keeps there over ``tokens`` tokens."""

@@ -111,7 +111,7 @@ class EngineLoop:
         already full (the scheduler checks again when the request is queued)."""
         self.check_alive()
         scheduler = self.engine.scheduler
-        if len(scheduler.waiting) + len(self._to_compress) >= scheduler.cfg.max_waiting:
+        if len(scheduler.waiting) + len(self._to_compress) >= scheduler.cfg.max_queued_requests:
             raise BusyError(f"server busy: {len(scheduler.waiting)} requests already waiting, retry later")
 
     def check_alive(self) -> None:

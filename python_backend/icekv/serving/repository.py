@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from icekv.serving.response import OUTPUTS
 from icekv.config.settings import default_parameters
+from icekv.serving.fields import FIELDS
+from icekv.serving.response import OUTPUTS
 
 MODEL_NAME = "icekv"
 SHIM = Path(__file__).with_name("model_shim.py")
@@ -21,37 +22,8 @@ SHIM = Path(__file__).with_name("model_shim.py")
 DTYPES = {"TYPE_STRING": ("BYTES", np.object_), "TYPE_INT32": ("INT32", np.int32), "TYPE_INT64": ("INT64", np.int64),
            "TYPE_FP32": ("FP32", np.float32), "TYPE_BOOL": ("BOOL", np.bool_)}
 
-# name, Triton type, dims, optional
-INPUTS = (
-    ("text_input", "TYPE_STRING", "[ 1 ]", True),
-    ("messages", "TYPE_STRING", "[ 1 ]", True),  # JSON list of chat messages, rendered with the model's template
-    ("max_tokens", "TYPE_INT32", "[ 1 ]", True),
-    ("stream", "TYPE_BOOL", "[ 1 ]", True),
-    ("temperature", "TYPE_FP32", "[ 1 ]", True),
-    ("top_p", "TYPE_FP32", "[ 1 ]", True),
-    ("seed", "TYPE_INT64", "[ 1 ]", True),
-    ("presence_penalty", "TYPE_FP32", "[ 1 ]", True),
-    ("frequency_penalty", "TYPE_FP32", "[ 1 ]", True),
-    ("repetition_penalty", "TYPE_FP32", "[ 1 ]", True),
-    ("logit_bias", "TYPE_STRING", "[ 1 ]", True),  # a JSON object: token id -> bias in [-100, 100]
-    ("json_schema", "TYPE_STRING", "[ 1 ]", True),  # the output is JSON valid under this schema
-    ("tools", "TYPE_STRING", "[ 1 ]", True),  # JSON list of OpenAI function tools, shown through the chat template
-    ("tool_choice", "TYPE_STRING", "[ 1 ]", True),  # none, auto, required, or the name of the function to call
-    ("parallel_tool_calls", "TYPE_BOOL", "[ 1 ]", True),  # false: a forced call is one call
-    ("logprobs", "TYPE_INT32", "[ 1 ]", True),  # report each new token's log-probability and this many alternatives
-    ("prompt_logprobs", "TYPE_INT32", "[ 1 ]", True),  # ... and each prompt token's (the prompt is then prefilled whole)
-    ("stop", "TYPE_STRING", "[ -1 ]", True),
-    ("policy", "TYPE_STRING", "[ 1 ]", True),
-    ("budget", "TYPE_INT32", "[ 1 ]", True),
-    ("context_key", "TYPE_STRING", "[ 1 ]", True),
-    ("context", "TYPE_STRING", "[ 1 ]", True),  # a reusable context, compressed once and shared
-    ("context_ids", "TYPE_INT32", "[ -1 ]", True),  # ... or its token ids
-    ("kv_method", "TYPE_STRING", "[ 1 ]", True),
-    ("kv_budget", "TYPE_FP32", "[ 1 ]", True),
-    ("cache_prompt", "TYPE_BOOL", "[ 1 ]", True),  # false: the prefix cache neither serves nor keeps its prompt
-    ("cache_retention_s", "TYPE_FP32", "[ 1 ]", True),  # keep its cached pages ahead of the LRU order this long
-    ("health", "TYPE_BOOL", "[ 1 ]", True),  # answered at once: is the engine thread alive (probes)
-)
+# name, Triton type, dims, optional: one input per request field
+INPUTS = tuple((f.name, f.triton_type, f.dims, True) for f in FIELDS)
 
 
 def render_config(parameters: dict[str, str] | None = None) -> str:

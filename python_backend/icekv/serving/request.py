@@ -19,12 +19,12 @@ from icekv.config.serving import CompressionConfig, ServingConfig, check_kv_budg
 from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError, normalize_tools
 from icekv.policies import PolicyPlan, resolve
-from icekv.serving.repository import INPUTS
+from icekv.serving.fields import NAMES
 from icekv.serving.tool_calls import ToolCallError, call_grammar, tool_choice
 from icekv.store.format import StoreError, check_key
 
 TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton_enable_empty_final_response)
-INPUT_NAMES = tuple(name for name, *_ in INPUTS if name != "health")  # a request's fields (health: a probe)
+INPUT_NAMES = NAMES - {"health"}  # a request's fields (health: a probe)
 
 
 MAX_LOGIT_BIAS = 300  # token ids one request may bias, as OpenAI allows
@@ -85,6 +85,12 @@ def _str(name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise RequestError(f"{name} must be a string, got {value!r}")
     return value
+
+
+# the request fields that are SamplingConfig's fields of the same name, and how each is read
+SAMPLING_FIELDS = (("temperature", _float), ("top_p", _float), ("seed", _int), ("presence_penalty", _float),
+                   ("frequency_penalty", _float), ("repetition_penalty", _float), ("logprobs", _int),
+                   ("prompt_logprobs", _int), ("json_schema", _str))
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -203,8 +209,8 @@ def _logit_bias(fields: dict[str, Any]) -> tuple[tuple[int, float], ...]:
 
 
 def _caching(fields: dict[str, Any], cfg: ServingConfig) -> PromptCaching:
-    enabled = _bool("cache_prompt", fields.get("cache_prompt", True))
-    retention = _float("cache_retention_s", fields.get("cache_retention_s", 0.0))
+    enabled = _bool("cache_prompt", fields.get("cache_prompt", PromptCaching.enabled))
+    retention = _float("cache_retention_s", fields.get("cache_retention_s", PromptCaching.retention_s))
     if not 0 <= retention <= cfg.max_cache_retention_s:
         raise RequestError(f"cache_retention_s must be in [0, {cfg.max_cache_retention_s:g}] (max_cache_retention_s), "
                            f"got {retention:g}")
@@ -241,24 +247,11 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
     if any(len(s) > cfg.max_stop_chars for s in stop):
         raise RequestError(f"a stop string may have at most {cfg.max_stop_chars} characters, got "
                            f"{max(map(len, stop))}")
-    seed = fields.get("seed")
+    # what the request sets; SamplingConfig's own defaults for the rest
+    given = {name: parse(name, fields[name]) for name, parse in SAMPLING_FIELDS if fields.get(name) is not None}
     try:
-        sampling = SamplingConfig(
-            max_tokens=max_tokens,
-            temperature=_float("temperature", fields.get("temperature", 0.0)),
-            top_p=_float("top_p", fields.get("top_p", 1.0)),
-            seed=None if seed is None else _int("seed", seed),
-            stop=stop,
-            presence_penalty=_float("presence_penalty", fields.get("presence_penalty", 0.0)),
-            frequency_penalty=_float("frequency_penalty", fields.get("frequency_penalty", 0.0)),
-            repetition_penalty=_float("repetition_penalty", fields.get("repetition_penalty", 1.0)),
-            logit_bias=_logit_bias(fields),
-            logprobs=None if "logprobs" not in fields else _int("logprobs", fields["logprobs"]),
-            prompt_logprobs=None if "prompt_logprobs" not in fields else _int("prompt_logprobs",
-                                                                              fields["prompt_logprobs"]),
-            json_schema=None if "json_schema" not in fields else _str("json_schema", fields["json_schema"]),
-            grammar=tool_use.grammar,
-        )
+        sampling = SamplingConfig(max_tokens=max_tokens, stop=stop, logit_bias=_logit_bias(fields),
+                                  grammar=tool_use.grammar, **given)
         # the server's selection with what the request overrides (every other setting kept), resolved
         # here once; None: the engine's own plan
         overrides = {name: parse(name, fields[name]) for name, parse in (("policy", _str), ("budget", _int))

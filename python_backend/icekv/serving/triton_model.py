@@ -273,7 +273,7 @@ class TritonModel:
             store = ContextStore.open(self.cfg.store, engine.model_id, self.cfg.store_max_bytes)
             if self.cfg.prefix_cache_spill:
                 self.metrics.pages = spill_prefixes(engine.cache, store.backend, engine.model_id, store.secret)
-        return ContextService(engine, store, engine.kv.context_limit, self.cfg.compression.max_tokens,
+        return ContextService(engine, store, engine.kv.context_limit, self.cfg.compression.max_compress_tokens,
                               {"kv2": parse_settings("kv2", self.cfg.compression.kv2)})
 
     def finalize(self) -> None:

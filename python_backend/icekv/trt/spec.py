@@ -59,7 +59,7 @@ class DecodeStepSpec:
         values = dict(
             num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
             page_size=plan.page_size, top_k=plan.selected_pages,
-            max_candidates=math.ceil(paging.max_context_tokens / plan.page_size),
+            max_candidates=math.ceil(paging.pool_tokens / plan.page_size),
             max_slots=plan.budget // plan.page_size,
         )
         return cls(**{**values, **overrides})

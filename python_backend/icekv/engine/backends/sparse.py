@@ -36,7 +36,8 @@ class SparseAttention(DenseAttention):
     ``indexed_until``: ``selector`` is a finished request's index over this prompt's first tokens,
     its region ending there; only the tokens from there to the window are inserted."""
 
-    def __init__(self, source: RequestPages, args: ModelArgs, plan: PolicyPlan, selector: PageSelector, probe: bool = False, prebuilt: Callable[[], set[int]] | None = None,
+    def __init__(self, source: RequestPages, args: ModelArgs, plan: PolicyPlan, selector: PageSelector,
+                 probe: bool = False, prebuilt: Callable[[], set[int]] | None = None,
                  window_queries: dict[int, torch.Tensor] | None = None, indexed_until: int | None = None):
         super().__init__(source)
         self.plan, self.selector, self.probe = plan, selector, probe
@@ -76,8 +77,8 @@ class SparseAttention(DenseAttention):
         in_place = compiled_fp32 and all(source.pool_rows(layer) is not None for layer in self.sparse_layers)
         self.tails = {
             layer: PoolTail(source, layer, self.sink_end, self.win_start, length) if in_place else
-            DeviceTail(*source.sink_window(layer, self.sink_end, self.win_start, length), self.win_start, plan.window_tokens,
-                       self.cache.kv_format)
+            DeviceTail(*source.sink_window(layer, self.sink_end, self.win_start, length), self.win_start,
+                       plan.window_tokens, self.cache.kv_format)
             for layer in self.sparse_layers
         }
 

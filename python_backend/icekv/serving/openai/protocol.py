@@ -11,18 +11,18 @@ along as extra body fields.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 
 from icekv.config.request import MAX_TOP_LOGPROBS
+from icekv.serving.fields import INT32_MAX, OPENAI_EXTRAS
 from icekv.serving.openai.messages import ChatMessage, NamedToolChoice, Strict, Tool
 from icekv.serving.openai.response_format import ResponseFormat
 from icekv.serving.tool_calls import CHOICES as TOOL_CHOICES
 
 MAX_CHOICES = 16  # n per request
 MAX_TOOLS = 128  # functions per request, as OpenAI allows
-INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
 
@@ -46,7 +46,13 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _GenerateBody(Strict):
+# icekv's own request fields (and vLLM's repetition_penalty), as extras of both bodies: declared once
+# in icekv.serving.fields, each None unless sent (the server's default then applies)
+IcekvExtras = create_model("IcekvExtras", __base__=Strict, **{
+    f.name: (Optional[Annotated[f.python_type, Field(**f.openai_extra)]], None) for f in OPENAI_EXTRAS})
+
+
+class _GenerateBody(IcekvExtras):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
@@ -64,16 +70,6 @@ class _GenerateBody(Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
     response_format: ResponseFormat | None = None  # JSON mode or a JSON schema: constrained decoding
-    # vLLM's extra sampling field, and icekv's settings
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    policy: str | None = None
-    budget: int | None = Field(None, ge=1, le=INT32_MAX)
-    context_key: str | None = None
-    context: str | None = None  # a reusable document: compressed once by the server, shared
-    kv_method: str | None = None
-    kv_budget: float | None = Field(None, gt=0, le=1)
-    cache_prompt: bool | None = None  # false: the prefix cache neither serves nor keeps this prompt
-    cache_retention_s: float | None = Field(None, ge=0)  # keep its cached pages ahead of the LRU order
 
     @field_validator("stop")
     @classmethod
@@ -132,13 +128,11 @@ class _GenerateBody(Strict):
         """The icekv model's inputs for this body (absent settings take the server's defaults)."""
         fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "seed": self.seed, "stop": self.stop or None, "presence_penalty": self.presence_penalty,
-                  "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                  "frequency_penalty": self.frequency_penalty,
                   "logit_bias": None if self.logit_bias is None else json.dumps(self.logit_bias),
                   "json_schema": None if self.response_format is None else self.response_format.schema_text(),
-                  "policy": self.policy, "budget": self.budget,
-                  "context_key": self.context_key, "context": self.context, "kv_method": self.kv_method,
-                  "kv_budget": self.kv_budget, "cache_prompt": self.cache_prompt,
-                  "cache_retention_s": self.cache_retention_s, "logprobs": self.top_logprobs_asked, "stream": True}
+                  "logprobs": self.top_logprobs_asked, "stream": True,
+                  **{f.name: getattr(self, f.name) for f in OPENAI_EXTRAS}}
         return {k: v for k, v in fields.items() if v is not None}
 
 
