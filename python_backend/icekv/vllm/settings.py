@@ -1,0 +1,54 @@
+"""The plugin's settings, with icekv's names: the server's from vLLM's ``--additional-config``
+(``{"icekv": {"policy": ..., "budget": ..., "search": ...}}``, any server setting of a
+selection field, as ``icekv serve`` takes them) and a request's ``policy`` and ``budget`` from its
+``vllm_xargs`` (vLLM's ``SamplingParams.extra_args``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from icekv.config.paths import build_config
+from icekv.config.selection import SelectionConfig
+from icekv.config.settings import BY_NAME
+from icekv.errors import ConfigError
+from icekv.policies import PolicyPlan, resolve
+
+PREFIX = "engine.selection."
+REQUEST_FIELDS = ("policy", "budget")  # what a request may set; the rest is the server's
+# the methods whose selector needs only the keys of the layers it budgets (no prompt queries,
+# dense filter layers or sampled attention): the ones the backend can run over vLLM's cache
+SUPPORTED = ("full", "streaming", "quest", "icecache", "icecache_r", "arkvale", "pqcache")
+
+
+def server_selection(additional_config: dict | None) -> SelectionConfig | None:
+    """The server's selection from ``additional_config["icekv"]``; None where there is none (the
+    backend is then vLLM's own)."""
+    given = (additional_config or {}).get("icekv")
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise ConfigError(f"additional_config icekv must be an object of settings, got {given!r}")
+    values = {}
+    for name, value in given.items():
+        setting = BY_NAME.get(name)
+        if setting is None or not setting.fields[0].startswith(PREFIX):
+            known = sorted(s.name for s in BY_NAME.values() if s.fields[0].startswith(PREFIX))
+            raise ConfigError(f"icekv setting {name!r} is not a selection setting; known: {', '.join(known)}")
+        values[setting.fields[0].removeprefix(PREFIX)] = setting.parse(str(value))
+    selection = build_config(SelectionConfig, values)
+    plan(selection)  # refused here, at load, when it cannot run
+    return selection
+
+
+def request_selection(server: SelectionConfig, extra_args: dict | None) -> SelectionConfig:
+    """The server's selection with what the request's ``vllm_xargs`` override (every other setting kept)."""
+    overrides = {k: BY_NAME[k].parse(str(v)) for k, v in (extra_args or {}).items() if k in REQUEST_FIELDS}
+    return replace(server, **overrides) if overrides else server
+
+
+def plan(selection: SelectionConfig) -> PolicyPlan:
+    """``selection`` resolved; ConfigError for a method the backend cannot run inside vLLM."""
+    resolved = resolve(selection)
+    if resolved.name not in SUPPORTED:
+        raise ConfigError(f"policy {resolved.name!r} is not available inside vLLM; choose one of {', '.join(SUPPORTED)}")
+    return resolved

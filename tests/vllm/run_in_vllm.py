@@ -1,0 +1,53 @@
+"""Run by the plugin's tests under the vLLM environment (.venv-vllm): one vLLM engine with icekv's
+plugin on MODEL, the cases of tests/vllm/test_vllm_plugin.py, their tokens and icekv's state as one
+JSON object on stdout's last line."""
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: sized by this, not by free memory
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    model, prompts = sys.argv[1], json.loads(sys.argv[2])
+    llm = LLM(model=model, dtype="float32", block_size=32, max_model_len=4096, enforce_eager=True, seed=0,
+              worker_cls="icekv.vllm.worker.IceKVCPUWorker", enable_prefix_caching=True,
+              additional_config={"icekv": {"policy": "icecache", "budget": 128}})
+
+    def generate(ids_list, xargs=None, max_tokens=16):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, extra_args=xargs)
+        return [o.outputs[0].token_ids for o in llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids_list],
+                                                              params, use_tqdm=False)]
+
+    first = prompts[0]
+    out = {"backend": AttentionBackendEnum.CPU_ATTN.get_path(),
+           "full": generate([first], {"policy": "full"})[0],
+           "icecache": generate([first])[0],
+           "quest": generate([first], {"policy": "quest", "budget": 128})[0],
+           "wide": generate([first], {"budget": 4096})[0],
+           "batched": generate(prompts),
+           "alone": [generate([p])[0] for p in prompts[1:]],
+           "stats": llm.collective_rpc("icekv_stats"),
+           "refused": refused(llm, SamplingParams, TokensPrompt, first)}
+    print(json.dumps(out))
+
+
+def refused(llm, sampling_params, tokens_prompt, ids) -> dict:
+    """What vLLM answers requests whose icekv settings icekv cannot run (its error, per case)."""
+    out = {}
+    for name, xargs in {"unknown policy": {"policy": "magic"}, "budget 0": {"budget": 0},
+                        "budget off the page size": {"budget": 100}, "not inside vLLM": {"policy": "snapkv"}}.items():
+        try:
+            llm.generate([tokens_prompt(prompt_token_ids=ids[:50])], sampling_params(max_tokens=2, extra_args=xargs),
+                         use_tqdm=False)
+            out[name] = None
+        except Exception as e:  # vLLM's validation error
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The plugin's index over vLLM's cache layout, checked without vLLM: rows read back through a
+shuffled block table, and decode attention against plain torch over the tokens it must attend."""
+
+import pytest
+import torch
+
+from icekv.config.selection import SelectionConfig
+from icekv.policies import resolve
+from icekv.vllm.request_index import BlockLayout, BlockRows, RequestIndex
+
+HKV, GROUP, D, BLOCK = 2, 3, 16, 32
+LAYOUT = BlockLayout.plain(BLOCK, D)
+
+
+def _cache(length: int, seed: int = 0):
+    """Dense K and V [Hkv, length, D] and the same rows in a vLLM CPU cache under a shuffled block table."""
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(HKV, length, D, generator=g), torch.randn(HKV, length, D, generator=g)
+    blocks = -(-length // BLOCK)
+    table = torch.randperm(blocks + 3, generator=g)[:blocks].int()  # [blocks]: unused blocks in between
+    cache = torch.full((blocks + 3, HKV, BLOCK, 2 * D), float("nan"))  # [nb, Hkv, bs, 2D]
+    tiles = cache.view(blocks + 3, HKV, 2 * BLOCK, D)  # per block and head: its K rows, then its V rows
+    for t in range(length):
+        tiles[table[t // BLOCK], :, t % BLOCK] = keys[:, t]
+        tiles[table[t // BLOCK], :, BLOCK + t % BLOCK] = values[:, t]
+    return keys, values, cache, table
+
+
+def _reference(q, keys, values, positions, scale):
+    """q [Hq, D] over each KV head's ``positions`` (a list of [n_h]) of dense K/V."""
+    out = []
+    for h in range(HKV):
+        k, v = keys[h, positions[h]], values[h, positions[h]]  # [n, D]
+        p = (q[h * GROUP:(h + 1) * GROUP] @ k.T * scale).softmax(-1)  # [G, n]
+        out.append(p @ v)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("length", [1, 31, 32, 100])
+def test_rows_come_back_through_the_block_table(length):
+    keys, values, cache, table = _cache(length)
+    rows = BlockRows(cache, table, LAYOUT)
+    positions = torch.randint(0, length, (HKV, 7))
+    k, v = rows.gather(positions)
+    assert torch.equal(k, torch.stack([keys[h, positions[h]] for h in range(HKV)]))
+    assert torch.equal(v, torch.stack([values[h, positions[h]] for h in range(HKV)]))
+    assert torch.equal(rows.key_range(0, length), keys)
+
+
+def test_a_budget_that_covers_every_page_attends_every_token_as_decoding_moves_the_window():
+    keys, values, cache, table = _cache(360)
+    index = RequestIndex(resolve(SelectionConfig(policy="quest", budget=384)))  # 20 pages: every page
+    g = torch.Generator().manual_seed(1)
+    for length in range(300, 361, 7):  # the window crosses pages: they join the index
+        q = torch.randn(HKV * GROUP, D, generator=g)
+        out = index.attend(5, q, BlockRows(cache, table, LAYOUT), length, D**-0.5)
+        every = [torch.arange(length)] * HKV
+        torch.testing.assert_close(out, _reference(q, keys, values, every, D**-0.5), rtol=1e-5, atol=1e-5)
+    assert index.window_start[5] == index.plan.window_start(index.plan.sink_tokens, 358)
+
+
+def test_a_small_budget_attends_sink_newest_pages_and_window():
+    keys, values, cache, table = _cache(500)
+    plan = resolve(SelectionConfig(policy="streaming", budget=128))  # sink 2 pages, window 2, 4 selected
+    index = RequestIndex(plan)
+    q = torch.randn(HKV * GROUP, D, generator=torch.Generator().manual_seed(2))
+    out = index.attend(0, q, BlockRows(cache, table, LAYOUT), 500, 0.25)
+    window = plan.window_start(plan.sink_tokens, 500)
+    attended = torch.cat([torch.arange(plan.sink_tokens), torch.arange(window - 4 * 16, 500)])
+    torch.testing.assert_close(out, _reference(q, keys, values, [attended] * HKV, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_icecache_selects_per_kv_head_within_its_budget():
+    keys, values, cache, table = _cache(800)
+    index = RequestIndex(resolve(SelectionConfig(policy="icecache", budget=128)))
+    q = torch.randn(HKV * GROUP, D, generator=torch.Generator().manual_seed(3))
+    out = index.attend(3, q, BlockRows(cache, table, LAYOUT), 800, D**-0.5)
+    assert out.shape == q.shape and torch.isfinite(out).all() and index.steps == 1
+    selection = index.selector.select(3, q, index.plan.selected_pages)
+    picked = index.selector.page_positions(3, selection.heads, selection.pages)
+    sink, window = index.plan.sink_tokens, index.window_start[3]
+    attended = [torch.cat([torch.arange(sink), picked[selection.heads == h].flatten(), torch.arange(window, 800)])
+                for h in range(HKV)]
+    attended = [p[p >= 0] for p in attended]
+    assert all(len(p) <= index.plan.budget for p in attended)
+    torch.testing.assert_close(out, _reference(q, keys, values, attended, D**-0.5), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,67 @@
+"""icekv inside a real vLLM (the CPU build, in its own environment: `make setup-vllm`): the plugin
+registers and vLLM runs it; vLLM's tokens are icekv's own engine's under the same plan; batched
+requests keep their own indexes, freed as they finish; bad settings get vLLM's 400 error. One vLLM
+start for the module (tests/vllm/run_in_vllm.py, the embedded SmolLM2 in fp32)."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: `make setup-vllm` makes it")]
+PLANS = {"full": SelectionConfig(policy="full"), "icecache": SelectionConfig(policy="icecache", budget=128),
+         "quest": SelectionConfig(policy="quest", budget=128)}
+
+
+@pytest.fixture(scope="module")
+def prompts(engine, essays_text):
+    ids = engine.tokenizer.encode(essays_text)
+    return [ids[:700], ids[5000:5600], ids[9000:9500]]  # each past the budget: decodes select
+
+
+@pytest.fixture(scope="module")
+def vllm_run(smollm2_dir, prompts):
+    proc = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("run_in_vllm.py")), str(smollm2_dir),
+                           json.dumps(prompts)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_vllm_runs_icekvs_backend(vllm_run):
+    assert vllm_run["backend"] == "icekv.vllm.backend.IceKVCPUBackend"
+    assert [s["builders"] for s in vllm_run["stats"]] == [1]  # the worker found icekv's builder
+
+
+def test_a_budget_covering_the_context_is_vllms_own_attention(vllm_run, engine, prompts):
+    assert vllm_run["wide"] == vllm_run["full"]
+    mine = engine.generate(prompts[0], SamplingConfig(max_tokens=16, ignore_eos=True), selection=PLANS["full"])
+    assert vllm_run["full"] == mine.token_ids  # vLLM's kernel and icekv's engine agree in fp32
+
+
+@pytest.mark.parametrize("name", ["icecache", "quest"])
+def test_inside_vllm_a_method_decodes_what_icekvs_engine_decodes(vllm_run, engine, prompts, name):
+    mine = engine.generate(prompts[0], SamplingConfig(max_tokens=16, ignore_eos=True), selection=PLANS[name])
+    assert vllm_run[name] == mine.token_ids
+    assert vllm_run[name] != vllm_run["full"]  # the budget selected: these are not full attention's tokens
+
+
+def test_batched_requests_keep_their_own_indexes_and_free_them(vllm_run):
+    assert vllm_run["batched"][0] == vllm_run["icecache"] and vllm_run["batched"][1:] == vllm_run["alone"]
+    stats = vllm_run["stats"][0]
+    assert stats["selecting_steps"] > 0 and stats["indexes"] == 0 and stats["index_bytes"] == 0
+
+
+def test_settings_icekv_cannot_run_get_vllms_validation_error(vllm_run):
+    refused = vllm_run["refused"]
+    assert "unknown policy 'magic'" in refused["unknown policy"]
+    assert "budget must be >= 1" in refused["budget 0"]
+    assert "not a multiple of the page size" in refused["budget off the page size"]
+    assert "not available inside vLLM" in refused["not inside vLLM"]
+    assert all(error.startswith("VLLMValidationError") for error in refused.values())
