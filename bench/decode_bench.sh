@@ -5,12 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 I=.venv/bin/icekv
 ARGS=(--contexts 4096,8192,16384,32768 --policies full,icecache,icecache_r --budget 256 --steps 16)
-$I bench decode "${ARGS[@]}" --peer hf --out bench/results/decode
+$I bench decode "${ARGS[@]}" --search walk --peer hf --out bench/results/decode
 $I bench decode "${ARGS[@]}" --search centroids --repeats 3 --peer hf --out bench/results/decode_centroids
 $I bench decode "${ARGS[@]}" --search centroids --unlimited-layers 0 --out bench/results/decode_centroids_all_layers_budgeted
 $I bench decode "${ARGS[@]}" --search exhaustive --out bench/results/decode_exhaustive
-$I bench decode "${ARGS[@]}" --unlimited-layers 0 --out bench/results/decode_all_layers_budgeted
-$I bench decode "${ARGS[@]}" --score-dtype bfloat16 --out bench/results/decode_bf16_scores
+$I bench decode "${ARGS[@]}" --search walk --unlimited-layers 0 --out bench/results/decode_all_layers_budgeted
+$I bench decode "${ARGS[@]}" --search walk --score-dtype bfloat16 --out bench/results/decode_bf16_scores
 $I bench decode "${ARGS[@]}" --score-dtype bfloat16 --search exhaustive --out bench/results/decode_bf16_exhaustive
 $I bench decode "${ARGS[@]}" --score-dtype bfloat16 --search centroids --out bench/results/decode_centroids_bf16
 $I bench decode "${ARGS[@]}" --score-dtype int8 --search centroids --out bench/results/decode_centroids_int8

@@ -29,7 +29,7 @@ from icekv.engine import Engine
 
 SHAPE = "llama-tiny"
 LENGTHS = (300, 1000, 2500)  # prompt tokens: under, near and well over the budget's pages
-SELECTIONS = {"full": SelectionConfig(), "icecache": SelectionConfig(policy="icecache", budget=128),
+SELECTIONS = {"full": SelectionConfig(policy="full"), "icecache": SelectionConfig(policy="icecache", budget=128),
               "icecache centroids": SelectionConfig(policy="icecache", budget=128,
                                                     icecache=IceCacheConfig(search="centroids"))}
 # the centroids search with its candidates rescored on the device too: the same pages as the

@@ -7,5 +7,5 @@ SAMPLES=${SAMPLES:-5}
 for hay in essays kjv; do
   .venv/bin/icekv eval --task niah_single,niah_multikey --haystack "$hay" \
     --lengths 2000,3000,4000 --policies full,streaming,quest,icecache --budgets 64,128,256 \
-    --samples "$SAMPLES" --seed 0 --out "bench/results/icecache_eval_$hay"
+    --search walk --samples "$SAMPLES" --seed 0 --out "bench/results/icecache_eval_$hay"  # the saved run's search
 done

@@ -24,8 +24,11 @@ from icekv.assets import Assets
 from icekv.config.engine import EngineConfig
 from icekv.config.paging import PagingConfig
 from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.model_dir import resolve_model_dir
+
+FULL = SelectionConfig(policy="full")  # the formats compared under full attention
 
 
 def short_prompts(ids: list[int], count: int, length: int) -> list[list[int]]:
@@ -46,12 +49,12 @@ def measure(ref: Engine, got: Engine, ids: list[int], args) -> dict:
         cosines.append(torch.nn.functional.cosine_similarity(a.logits.float(), b.logits.float(), 0).item())
         same_top += int(a.logits.argmax() == b.logits.argmax())
         ref.release(a), got.release(b)
-        ta, tb = ref.generate(prompt, greedy).token_ids, got.generate(prompt, greedy).token_ids
+        ta, tb = (e.generate(prompt, greedy, selection=FULL).token_ids for e in (ref, got))
         same_text += int(ta == tb)
         agreed.append(first_difference(ta, tb))
     scored = SamplingConfig(max_tokens=1, prompt_logprobs=1)
     long = ids[: args.long_tokens]
-    pa, pb = ref.generate(long, scored).prompt_logprobs[1:], got.generate(long, scored).prompt_logprobs[1:]
+    pa, pb = (e.generate(long, scored, selection=FULL).prompt_logprobs[1:] for e in (ref, got))
     gap = torch.tensor([abs(x["logprob"] - y["logprob"]) for x, y in zip(pa, pb)])  # [long - 1] nats
     top = sum(x["top_logprobs"][0]["token_id"] == y["top_logprobs"][0]["token_id"] for x, y in zip(pa, pb))
     return {"logits_cosine_min": min(cosines), "logits_cosine_mean": sum(cosines) / len(cosines),

@@ -22,7 +22,7 @@ from icekv.config.paging import PagingConfig
 from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine
 from icekv.engine.model_dir import resolve_model_dir
-from icekv.eval.decode_bench import DecodeBenchConfig, synthesize, time_policy
+from icekv.eval.decode_bench import DecodeBenchConfig, plans_for, synthesize, time_policy
 
 
 def time_formats(engines: dict[str, Engine], cfg: DecodeBenchConfig, seed_text: str, context: int,
@@ -32,12 +32,13 @@ def time_formats(engines: dict[str, Engine], cfg: DecodeBenchConfig, seed_text: 
     for kv_dtype, engine in engines.items():
         requests[kv_dtype] = synthesize(engine, engine.tokenizer.encode(seed_text)[: cfg.seed_tokens], context)
     tpot: dict[tuple[str, str], list[float]] = {}
+    plans = plans_for(cfg)
     try:
         for r in range(cfg.repeats):
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
             for kv_dtype in order:
                 for policy in cfg.policies:
-                    record = time_policy(engines[kv_dtype], requests[kv_dtype], cfg, policy, None)
+                    record = time_policy(engines[kv_dtype], requests[kv_dtype], cfg, plans[policy], None)
                     tpot.setdefault((kv_dtype, policy), []).append(record["tpot_s"])
                     progress(f"repeat {r + 1} {kv_dtype} {policy}: {record['tpot_s'] * 1e3:.1f} ms/token")
     finally:

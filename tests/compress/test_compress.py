@@ -197,7 +197,7 @@ def test_full_budget_compressed_decode_equals_full_decode(tiny_engine, method, s
     sampling = SamplingConfig(max_tokens=12, ignore_eos=True)
     full = e.generate(ctx_ids + question, sampling)
     ctx = e.compress(ctx_ids, method, 1.0, **settings)
-    out = e.generate(question, sampling, context=ctx)
+    out = e.generate(question, sampling, context=ctx, selection=SelectionConfig(policy="full"))
     assert out.token_ids == full.token_ids
 
 
@@ -242,7 +242,7 @@ def test_icecache_over_a_compressed_context_equals_full_when_the_budget_covers_i
     ctx = e.compress(ids, "keydiff", 0.5)
     question = list(range(20, 60))  # 40 tokens + 30 new: the window flushes own pages into the index
     sampling = SamplingConfig(max_tokens=30, ignore_eos=True)
-    dense = e.generate(question, sampling, context=ctx)
+    dense = e.generate(question, sampling, context=ctx, selection=SelectionConfig(policy="full"))
     wide = SelectionConfig(policy=policy, budget=2048, n_unlimited_layers=1)
     sparse = e.generate(question, sampling, context=ctx, selection=wide)
     assert sparse.token_ids == dense.token_ids and sparse.kv.bytes_moved > 0

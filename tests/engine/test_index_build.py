@@ -127,11 +127,11 @@ def test_no_index_threads_means_the_first_decode_builds_it(smollm2_dir):
 
 
 def test_bench_first_token_uses_the_index_built_during_prefill(engine, essays_text):
-    from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench
+    from icekv.eval.decode_bench import DecodeBenchConfig, plans_for, run_decode_bench
 
     cfg = DecodeBenchConfig(contexts=(600,), policies=("full", "icecache", "icecache_r"), budget=64, steps=2,
                             seed_tokens=300, ttft_contexts=(600,), repeats=2)
-    full, ice, ice_r = run_decode_bench(engine, cfg, essays_text)
+    full, ice, ice_r = run_decode_bench(engine, cfg, essays_text, plans_for(cfg))
     assert ice["index_prebuilt"] and not ice_r["index_prebuilt"] and not full["index_prebuilt"]
     for r in (ice, ice_r):  # time to first token: this prefill plus what its first decode spent on the index
         assert r["ttft_s"] == r["prefill_s"] + r["index_build_s"] and r["index_build_s"] >= 0

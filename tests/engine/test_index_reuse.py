@@ -68,7 +68,7 @@ def test_kept_indexes_give_way_to_admitted_requests_and_are_keyed_by_their_token
         def index_bytes(self):
             return self.nbytes
 
-    cache, sel = IndexCache("m", 4), SelectionConfig(policy="icecache", budget=128)
+    cache, sel = IndexCache("m", 4), resolve(SelectionConfig(policy="icecache", budget=128))
     ids = list(range(40))
     cache.keep(ids, 16, sel, Held(10))
     cache.keep(ids[:20] + [99] * 20, 24, sel, Held(20))  # other tokens from 20 on

@@ -140,6 +140,7 @@ def test_the_same_pool_bytes_admit_about_twice_or_four_times_the_tokens(smollm2_
     quantized rows: requests of 308 tokens run ``alone`` then ``quantized`` at once."""
     def running_at_once(kv: str, tokens: int) -> int:
         engine = Engine(EngineConfig(model_dir=str(smollm2_dir), dtype=dtype, paging=PagingConfig(16, tokens, kv_dtype=kv),
+                                     selection=SelectionConfig(policy="full"),  # the pool's rows alone charged
                                      scheduler=SchedulerConfig(max_queue_wait_s=3600)))  # bf16 on a CPU is slow
         seqs = [engine.submit([i + 1] * 300, replace(GREEDY, max_tokens=8)) for i in range(8)]
         engine.step()

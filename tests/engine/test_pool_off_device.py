@@ -15,7 +15,7 @@ from icekv.engine import Engine
 from icekv.engine.backends.whole_tokens import ComputeMirror
 from icekv.kv import PagedKVCache
 
-SELECTIONS = [SelectionConfig(), SelectionConfig(policy="icecache", budget=64),
+SELECTIONS = [SelectionConfig(policy="full"), SelectionConfig(policy="icecache", budget=64),
               SelectionConfig(policy="icecache", budget=64,  # the search a GPU runs: ranked and rescored there
                               icecache=IceCacheConfig(search="centroids", centroid_scoring="device",
                                                       rescoring="device"))]

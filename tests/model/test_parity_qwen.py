@@ -9,9 +9,12 @@ import torch
 
 from icekv.config.engine import EngineConfig
 from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 
 NAME = "qwen2.5-coder-0.5b"
 pytestmark = pytest.mark.longctx_model
+
+FULL = SelectionConfig(policy="full")  # transformers attends every token
 
 
 @pytest.fixture(scope="module")
@@ -72,5 +75,5 @@ def test_greedy_32_tokens_identical_through_paged_engine(qwen, hf_model, prompt_
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
                                 min_new_tokens=32)[0, len(prompt_ids):]
-    out = qwen.generate(prompt_ids, SamplingConfig(max_tokens=32, ignore_eos=True))
+    out = qwen.generate(prompt_ids, SamplingConfig(max_tokens=32, ignore_eos=True), selection=FULL)
     assert out.token_ids == ref.tolist()

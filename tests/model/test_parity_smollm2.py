@@ -4,8 +4,11 @@ import pytest
 import torch
 
 from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 
 pytestmark = pytest.mark.model
+
+FULL = SelectionConfig(policy="full")  # transformers attends every token
 
 
 @pytest.fixture(scope="module")
@@ -42,5 +45,5 @@ def test_greedy_32_tokens_identical_through_paged_engine(engine, hf_model, promp
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
                                 min_new_tokens=32)[0, len(prompt_ids):]
-    out = engine.generate(prompt_ids, SamplingConfig(max_tokens=32, ignore_eos=True))
+    out = engine.generate(prompt_ids, SamplingConfig(max_tokens=32, ignore_eos=True), selection=FULL)
     assert out.token_ids == ref.tolist()

@@ -43,7 +43,7 @@ def test_engine_decodes_a_random_model_under_full_and_icecache():
     assert engine.model_id == "random:llama-tiny:float32" and engine.chat_template is None
     ids = list(range(1, 400))
     sampling = SamplingConfig(max_tokens=12, ignore_eos=True)
-    full = engine.generate(ids, sampling)
+    full = engine.generate(ids, sampling, selection=SelectionConfig(policy="full"))
     everything = engine.generate(ids, sampling, selection=SelectionConfig(policy="icecache", budget=512))
     sparse = engine.generate(ids, sampling, selection=SelectionConfig(policy="icecache", budget=64))
     assert full.new_tokens == sparse.new_tokens == 12

@@ -4,6 +4,8 @@ import threading
 
 import pytest
 
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.serving.client import Final, stream_generate
 from tests.serving.conftest import metrics, post, wait_idle
 
@@ -117,7 +119,7 @@ def test_context_key_answers_over_a_stored_compressed_context(server, engine):
     key = store.key(ids, "snapkv", 1.0)
     store.save(key, engine.compress(ids, "snapkv", 1.0))
     question = " Question: what is the secret code of the vault? Answer: The secret code is"
-    direct = engine.generate(context + question, __import__("icekv.config", fromlist=["SamplingConfig"]).SamplingConfig(max_tokens=6))
+    direct = engine.generate(context + question, SamplingConfig(max_tokens=6), selection=SelectionConfig(policy="full"))
     before = metrics(server)
     body = {"text_input": question, "max_tokens": 6, "context_key": key}
     status, out = post(server, "/v2/models/icekv/generate", {**body, "policy": "full"})

@@ -18,7 +18,7 @@ def main() -> None:
               additional_config={"icekv": {"policy": "icecache", "budget": 128}})
 
     def generate(ids_list, xargs=None, max_tokens=16):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, extra_args=xargs)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=xargs)
         return [o.outputs[0].token_ids for o in llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids_list],
                                                               params, use_tqdm=False)]
 
@@ -31,8 +31,36 @@ def main() -> None:
            "batched": generate(prompts),
            "alone": [generate([p])[0] for p in prompts[1:]],
            "stats": llm.collective_rpc("icekv_stats"),
-           "refused": refused(llm, SamplingParams, TokensPrompt, first)}
+           "refused": refused(llm, SamplingParams, TokensPrompt, first),
+           "layouts": layouts()}
     print(json.dumps(out))
+
+
+def layouts() -> dict:
+    """Rows written by vLLM's own cache writer, read back through icekv's probed layout, per ISA."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from icekv.vllm.backend import probe_layout
+    from icekv.vllm.request_index import BlockRows
+
+    out = {}
+    for dtype, block, dim in ((torch.float32, 32, 64), (torch.bfloat16, 32, 64), (torch.bfloat16, 128, 128),
+                              (torch.bfloat16, 32, 80)):
+        isa = _get_attn_isa(dtype, block, dim)
+        heads, tokens = 3, 3 * block - 5
+        cache = torch.zeros(5, heads, block, 2 * dim, dtype=dtype)
+        keys, values = cache.view(5, heads, 2 * block, dim).chunk(2, dim=2)
+        k, v = torch.randn(tokens, heads, dim).to(dtype), torch.randn(tokens, heads, dim).to(dtype)
+        table = torch.tensor([3, 0, 4], dtype=torch.int32)
+        slots = torch.tensor([int(table[t // block]) * block + t % block for t in range(tokens)])
+        ops.cpu_attn_reshape_and_cache(k, v, keys, values, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        positions = torch.randint(0, tokens, (heads, 11), generator=torch.Generator().manual_seed(0))
+        got_k, got_v = BlockRows(cache, table, probe_layout(isa, dtype, block, dim)).gather(positions)
+        out[f"{dtype} block {block} dim {dim} ({isa})"] = all(
+            torch.equal(got_k[h], k[positions[h], h]) and torch.equal(got_v[h], v[positions[h], h]) for h in range(heads))
+    return out
 
 
 def refused(llm, sampling_params, tokens_prompt, ids) -> dict:

@@ -58,6 +58,10 @@ def test_batched_requests_keep_their_own_indexes_and_free_them(vllm_run):
     assert stats["selecting_steps"] > 0 and stats["indexes"] == 0 and stats["index_bytes"] == 0
 
 
+def test_icekv_reads_what_vllms_cache_writer_wrote_for_every_isa(vllm_run):
+    assert len(vllm_run["layouts"]) == 4 and all(vllm_run["layouts"].values()), vllm_run["layouts"]
+
+
 def test_settings_icekv_cannot_run_get_vllms_validation_error(vllm_run):
     refused = vllm_run["refused"]
     assert "unknown policy 'magic'" in refused["unknown policy"]

@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--budget", type=_positive_int("--budget"), default=SelectionConfig.budget,
                        help="tokens attended per KV head")
     build.add_argument("--page-size", type=_positive_int("--page-size"), default=PagingConfig.page_size)
-    build.add_argument("--pool-tokens", type=_positive_int("--pool-tokens"), default=PagingConfig.pool_tokens,
-                       help="longest context: sets the candidate pages page_select accepts")
+    build.add_argument("--max-context", type=_positive_int("--max-context"), default=PagingConfig.pool_tokens,
+                       help="longest context of one request: sets the candidate pages page_select accepts")
     build.add_argument("--max-batch", type=_positive_int("--max-batch"), default=8)
     build.add_argument("--arch", type=_positive_int("--arch"), default=90, help="CUDA compute capability, e.g. 90 = sm_90")
     build.add_argument("--ptx-only", action="store_true", help="write the kernels' PTX + kernels.json; no TensorRT needed")

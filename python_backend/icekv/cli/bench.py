@@ -30,7 +30,7 @@ def _cmd_bench(args) -> int:
     policies = _csv("--policies", args.policies, str)
     warmup = {} if args.warmup_steps is None else {"warmup_steps": args.warmup_steps}
     if args.bench_command == "batch":
-        from icekv.eval.batch_bench import BatchBenchConfig, plans_for, run_batch_bench
+        from icekv.eval.batch_bench import BatchBenchConfig, run_batch_bench
         from icekv.eval.batch_report import write_batch_report as write_report
 
         batches = _csv("--batch", args.batch, int)
@@ -41,7 +41,7 @@ def _cmd_bench(args) -> int:
         run, peer = run_batch_bench, False
         line = lambda r: f"{r['context']:>6} x{r['batch']:<3} {r['policy']:<12} {r['tokens_per_s']:8.1f} tokens/s"
     else:
-        from icekv.eval.decode_bench import DecodeBenchConfig, plans_for, run_decode_bench
+        from icekv.eval.decode_bench import DecodeBenchConfig, run_decode_bench
         from icekv.eval.report import write_decode_report as write_report
 
         ttft = _csv("--ttft-contexts", args.ttft_contexts, int) if args.ttft_contexts else ()
@@ -52,6 +52,8 @@ def _cmd_bench(args) -> int:
                                 unlimited_layers=args.unlimited_layers, repeats=args.repeats, **warmup)
         batches, run, peer = (1,), run_decode_bench, cfg.peer_hf
         line = lambda r: f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token"
+    from icekv.eval.decode_bench import plans_for
+
     plans = plans_for(cfg)  # each policy resolved once, before anything loads
     settings = _device_settings(args)
     device_type = _device_type(settings.get("device", EngineConfig.device), resolve=not args.plan)

@@ -22,7 +22,7 @@ def _cmd_build(args) -> int:
     overrides = {k: v for k, v in (("num_heads", args.num_heads), ("num_kv_heads", args.num_kv_heads),
                                    ("head_dim", args.head_dim)) if v is not None}
     try:
-        paging = PagingConfig(page_size=args.page_size, pool_tokens=args.pool_tokens)
+        paging = PagingConfig(page_size=args.page_size, pool_tokens=args.max_context)
         # the budget's pages checked for the policy, before anything is built
         plan = resolve(SelectionConfig(policy="icecache", budget=args.budget, page_size=args.page_size))
         spec = DecodeStepSpec.from_plan(plan, paging, model_args, dtype=args.dtype, max_batch=args.max_batch,

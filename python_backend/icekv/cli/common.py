@@ -120,8 +120,8 @@ def _kv2_flag(parser, what: str) -> None:
 
 
 def _icecache_flags(parser) -> None:
-    """The server's IceCache settings as flags of ``eval`` and ``bench decode | batch``, with the
-    engine's defaults."""
+    """The server's IceCache settings as flags of ``generate``, ``eval`` and ``bench decode | batch``,
+    with the engine's defaults."""
     for setting, field in _icecache_settings():
         _setting_flag(parser, setting.name, getattr(IceCacheConfig, field))
 

@@ -1,5 +1,5 @@
 """Frozen config trees addressed by dotted field paths (``"selection.icecache.search"``): how the
-server's profile and its settings table say which field they set."""
+settings table says which field each setting sets."""
 
 from __future__ import annotations
 

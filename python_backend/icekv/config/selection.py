@@ -13,6 +13,8 @@ from icekv.methods.omnikv import OmniKVConfig
 from icekv.methods.pqcache import PQCacheConfig
 from icekv.methods.snapkv import SnapKVConfig
 
+REQUEST_SETTINGS = ("policy", "budget")  # what a request may choose; every other selection setting is the server's
+
 
 @dataclass(frozen=True)
 class SelectionConfig:

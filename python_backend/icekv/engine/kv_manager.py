@@ -34,7 +34,7 @@ class Admission:
 
 
 class KVCacheManager:
-    """The pool's pages and the memory budgets beside it (:class:`icekv.config.SchedulerConfig`):
+    """The pool's pages and the memory budgets beside it (:class:`icekv.config.engine.SchedulerConfig`):
     ``max_index_bytes`` and ``max_context_bytes`` default to the pool's size in the model's dtype
     (so a quantized ``kv_dtype`` shrinks the pool, not what may be indexed); ``device_limit`` None
     where device memory is not charged (the pool is on the compute device, allocated whole)."""

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from icekv.config.request import SamplingConfig
-from icekv.config.selection import SelectionConfig
 from icekv.methods.icecache import IceCacheConfig
 from icekv.engine import Engine, Prefilled
 from icekv.eval.decode_bench import synthesize
 from icekv.eval.device_memory import DevicePeak
-from icekv.policies import PolicyPlan, resolve
+from icekv.policies import PolicyPlan
 
 SPLIT = ("select_s", "transfer_s", "attention_s", "insert_s")
 
@@ -44,12 +43,6 @@ class BatchBenchConfig:
     def max_tokens(self) -> int:
         """Tokens each request generates: the first from the prefill's logits, the warm-up, the timed steps."""
         return 1 + max(self.warmup_steps, 1) + self.steps
-
-
-def plans_for(cfg: BatchBenchConfig) -> dict[str, PolicyPlan]:
-    """Each policy of ``cfg`` resolved at its budget and settings (ConfigError for one it cannot run)."""
-    return {policy: resolve(SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache))
-            for policy in cfg.policies}
 
 
 def copy_prefilled(engine: Engine, source: Prefilled) -> Prefilled:
@@ -121,7 +114,7 @@ def run_batch_bench(engine: Engine, cfg: BatchBenchConfig, seed_text: str, plans
                     progress: Callable[[str], None] | None = None,
                     emit: Callable[[dict], None] | None = None) -> list[dict]:
     """Every record, each handed to ``emit`` as soon as it is measured; ``plans``: each policy's
-    (:func:`plans_for`)."""
+    (:func:`icekv.eval.decode_bench.plans_for`)."""
     seed_ids = engine.tokenizer.encode(seed_text)[: cfg.seed_tokens]
     records = []
     cells = [(batch, policy) for batch in cfg.batches for policy in cfg.policies]

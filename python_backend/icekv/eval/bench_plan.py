@@ -7,7 +7,7 @@ device) for the wave that holds most, and ``max_active_requests`` for the larges
 stays the engine's rule, the pool's size: an index must not outweigh the KV it indexes.
 
 For every (policy, context, batch) the plan then charges each request what the engine's admission
-charges it (:func:`icekv.sizing.index_bytes`, :func:`icekv.sizing.device_need`, its pages) and
+charges it (:meth:`icekv.policies.PolicyPlan.index_bytes`, :func:`icekv.sizing.device_need`, its pages) and
 says whether the batch is admitted in one wave, with the numbers where it is not; and per policy
 group (one engine per pool placement) the peak host and device memory it holds, against the
 machine's. A wave refused here is refused before any prefill, where it costs nothing.

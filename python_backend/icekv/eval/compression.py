@@ -24,6 +24,7 @@ import psutil
 from icekv.compress import CompressedContext, evict, make_compressor
 from icekv.compress.scoring import run_steps
 from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.config.serving import check_kv_budget
 from icekv.engine import Engine
 from icekv.engine.compression import scoring_context
@@ -31,6 +32,7 @@ from icekv.errors import ConfigError
 from icekv.eval.run_log import ContextGrid, RunLog, context_key, grid_of
 from icekv.eval.stats import wilson_interval
 from icekv.eval.tasks import REUSABLE_TASKS, HaystackSampler, PromptFormat, make_reusable
+from icekv.policies import resolve
 
 FULL = "full"
 
@@ -130,11 +132,13 @@ def compress_prefilled(engine: Engine, prefilled, ids: list[int], variant: Varia
 
 
 def _generate_all(engine: Engine, asked: list[tuple[list[int], CompressedContext]], sampling) -> list[str]:
-    """Each (prompt ids, context)'s answer, submitted together so the engine batches them."""
+    """Each (prompt ids, context)'s answer under full attention over the kept tokens (what the
+    compression's accuracy is), submitted together so the engine batches them."""
     texts: list[str] = []
+    full = resolve(SelectionConfig(policy="full"))
     wave = engine.scheduler.cfg.max_queued_requests
     for start in range(0, len(asked), wave):
-        seqs = [engine.submit(ids, sampling, context=ctx) for ids, ctx in asked[start : start + wave]]
+        seqs = [engine.submit(ids, sampling, full, context=ctx) for ids, ctx in asked[start : start + wave]]
         texts += [engine.run(seq).text for seq in seqs]
     return texts
 

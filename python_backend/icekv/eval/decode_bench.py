@@ -140,10 +140,12 @@ def run_decode_bench(engine: Engine, cfg: DecodeBenchConfig, seed_text: str, pla
     return records
 
 
-def plans_for(cfg: DecodeBenchConfig) -> dict[str, PolicyPlan]:
-    """Each policy of ``cfg`` resolved at its budget and settings (ConfigError for one it cannot run)."""
+def plans_for(cfg) -> dict[str, PolicyPlan]:
+    """Each policy of a bench's ``cfg`` resolved at its budget and IceCache settings (and its
+    unlimited layers where it sets them); ConfigError for one it cannot run."""
+    unlimited = getattr(cfg, "unlimited_layers", SelectionConfig.n_unlimited_layers)
     return {policy: resolve(SelectionConfig(policy=policy, budget=cfg.budget, icecache=cfg.icecache,
-                                            n_unlimited_layers=cfg.unlimited_layers)) for policy in cfg.policies}
+                                            n_unlimited_layers=unlimited)) for policy in cfg.policies}
 
 
 def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, plan: PolicyPlan,

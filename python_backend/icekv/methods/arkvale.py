@@ -38,7 +38,6 @@ class ArkValeConfig:
             raise ConfigError("arkvale needs groups >= 1 and topk_share in (0, 1]")
 
 
-
 def page_digests(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [Hkv, n, P, D] -> the digests' upper and lower bounds [Hkv, n, D] each."""
     centre = (pages.amax(2) + pages.amin(2)) / 2  # [Hkv, n, D]

@@ -45,7 +45,7 @@ class Policy:
 
     name: str
     selector: SelectorFactory | None
-    index_bytes: IndexSizer = no_index  # (plan, model, tokens held, KV dtype) -> host bytes of the index
+    index_bytes: IndexSizer = no_index  # (plan, model, tokens held, model dtype) -> host bytes of the index
     # (plan, model, tokens held, compute device type, its dtype's bytes) -> device bytes of the index
     device_index_bytes: DeviceIndexSizer = no_device_index
     compressed_context: bool = False  # can it select over a compressed context's per-head pages?

@@ -168,8 +168,6 @@ class IceCacheConfig:
         return max(int(self.fov_fraction * seq_len), self.fov_min)
 
 
-
-
 @dataclass
 class IceCacheSelector:
     page_size: int = 16

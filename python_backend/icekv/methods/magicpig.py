@@ -48,7 +48,6 @@ class MagicPIGConfig:
         return frozenset(scale_layers(self.dense, self.reference_depth, num_layers))
 
 
-
 def hyperplanes(dim: int, cfg: MagicPIGConfig) -> torch.Tensor:
     """[D, tables * bits] Gaussian hyperplanes."""
     return torch.randn(dim, cfg.tables * cfg.bits, generator=torch.Generator().manual_seed(cfg.seed))

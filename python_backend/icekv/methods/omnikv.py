@@ -49,7 +49,6 @@ class OmniKVConfig:
         return frozenset(dense)
 
 
-
 def filter_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [Hq, D], a filter layer's keys [Hkv, n, D] -> token scores [n]: each query head's scaled
     q.k against its KV head, the maximum over query heads."""

@@ -48,7 +48,6 @@ class PQCacheConfig:
         return 2**self.sub_bits
 
 
-
 def kmeans(x: torch.Tensor, clusters: int, iters: int, seed: int) -> torch.Tensor:
     """x [G, n, d] -> centroids [G, clusters, d] of each group (Lloyd). Fewer than ``clusters``
     rows: every row is a centroid (the rest repeat row 0), so codes are exact."""

@@ -38,7 +38,6 @@ class SnapKVConfig:
             raise ConfigError("snapkv needs window >= 1 and an odd kernel >= 1")
 
 
-
 def window_votes(queries: torch.Tensor, keys: torch.Tensor, kernel: int) -> torch.Tensor:
     """queries [W, Hq, D] of the prompt's last W tokens, keys [Hkv, T, D] of the whole prompt ->
     pooled votes per KV head for every prompt token [Hkv, T]."""

@@ -58,4 +58,4 @@ def _check_paged_budget(selection: SelectionConfig, sink: int, window: int) -> N
                           f"({sink} + {window} pages of {selection.page_size})")
 
 
-__all__ = ["REGISTERED", "Policy", "PolicyPlan", "policy_names", "resolve"]
+__all__ = ["REGISTERED", "PolicyPlan", "policy_names", "resolve"]

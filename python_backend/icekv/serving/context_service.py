@@ -54,9 +54,9 @@ class _Job:
 
 
 class ContextService:
-    def __init__(self, engine, store, max_bytes: int, max_tokens: int, method_settings: dict | None = None):
+    def __init__(self, engine, store, max_bytes: int, max_compress_tokens: int, method_settings: dict | None = None):
         """method_settings: method -> the settings this server compresses with (default: none)."""
-        self.engine, self.store, self.max_tokens = engine, store, max_tokens
+        self.engine, self.store, self.max_compress_tokens = engine, store, max_compress_tokens
         self.method_settings = method_settings or {}
         self.shared = SharedContexts(max_bytes)
         self.stats = ContextStats()
@@ -92,8 +92,8 @@ class ContextService:
         vocab = self.engine.model.args.vocab_size
         if request.ids is not None and not all(0 <= i < vocab for i in ids):
             raise RequestError(f"context_ids must be token ids in 0..{vocab - 1}")
-        if len(ids) > self.max_tokens:
-            raise RequestError(f"context of {len(ids)} tokens exceeds this server's limit of {self.max_tokens} "
+        if len(ids) > self.max_compress_tokens:
+            raise RequestError(f"context of {len(ids)} tokens exceeds this server's limit of {self.max_compress_tokens} "
                                "tokens (max_compress_tokens)")
         self.engine.check_fits(len(ids), 1)
         settings = self.method_settings.get(request.method, {})

@@ -15,6 +15,7 @@ import numpy as np
 
 from icekv.compress.methods import COMPRESSORS
 from icekv.config.request import PromptCaching, SamplingConfig
+from icekv.config.selection import REQUEST_SETTINGS
 from icekv.config.serving import CompressionConfig, ServingConfig, check_kv_budget
 from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError, normalize_tools
@@ -254,8 +255,8 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
                                   grammar=tool_use.grammar, **given)
         # the server's selection with what the request overrides (every other setting kept), resolved
         # here once; None: the engine's own plan
-        overrides = {name: parse(name, fields[name]) for name, parse in (("policy", _str), ("budget", _int))
-                     if name in fields}
+        read = {"policy": _str, "budget": _int}
+        overrides = {name: read[name](name, fields[name]) for name in REQUEST_SETTINGS if name in fields}
         plan = resolve(replace(cfg.engine.selection, **overrides)) if overrides else None
     except ConfigError as e:
         raise RequestError(str(e)) from None

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field, fields
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadata, CPUAttentionMetadataBuilder)
 
+from icekv.policies import PolicyPlan
 from icekv.vllm import settings
 from icekv.vllm.request_index import BlockLayout, BlockRows, RequestIndex
 
@@ -64,16 +66,21 @@ def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -
     dims = torch.arange(head_dim)[None, :].expand(block_size, head_dim)  # [bs, D]
     found = []
     for code in (rows, dims % 64, dims // 64):
-        cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+        cache = torch.full((1, 1, block_size, 2 * head_dim), -1, dtype=dtype)  # -1: never written
         halves = cache.view(1, 1, 2 * block_size, head_dim)
         kv = code[:, None, :].to(dtype)  # [bs, 1, D]
         ops.cpu_attn_reshape_and_cache(kv, kv, halves[:, :, :block_size], halves[:, :, block_size:],
                                        torch.arange(block_size), isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
         found.append(cache.view(-1).long())  # [2 * tile]: the code at each offset
     row, dim = found[0], found[1] + 64 * found[2]
-    offsets = torch.empty(2, block_size, head_dim, dtype=torch.long)
     half = (torch.arange(2 * tile) >= tile).long()  # 0: K, 1: V
-    offsets[half, row, dim] = torch.arange(2 * tile)
+    slot = (half * block_size + row) * head_dim + dim  # each (half, row, dim) once, if the writer wrote every offset
+    if (found[0] < 0).any() or not torch.equal(slot.sort().values, torch.arange(2 * tile)):
+        raise RuntimeError(f"icekv cannot read vLLM's KV cache layout for ISA {isa} ({dtype}, block {block_size}, "
+                           f"head dim {head_dim}): not every value landed once")
+    offsets = torch.empty(2 * tile, dtype=torch.long)
+    offsets[slot] = torch.arange(2 * tile)
+    offsets = offsets.view(2, block_size, head_dim)
     return BlockLayout(offsets[0], offsets[1])
 
 
@@ -81,26 +88,38 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.selection = settings.server_selection(vllm_config.additional_config)
-        if self.selection is not None and self.kv_cache_dtype != "auto":
-            raise ValueError(f"icekv reads the KV cache's rows: kv_cache_dtype {self.kv_cache_dtype} is not supported")
+        self.plans: dict[str, PolicyPlan] = {}  # vLLM request id -> its plan, resolved at its first step
+        self.indexes: dict[str, RequestIndex] = {}  # vLLM request id -> its index, from its first selecting step
+        if self.selection is None:  # vLLM's own backend, nothing more
+            return
+        if is_quantized_kv_cache(self.kv_cache_dtype):
+            raise ValueError(f"icekv reads the KV cache's rows: a quantized kv_cache_dtype ({self.kv_cache_dtype}) "
+                             "is not supported")
+        if self.window_size is not None:
+            raise ValueError("icekv selects over the whole context: a model with sliding-window attention is not supported")
+        if not vllm_config.parallel_config.worker_cls.startswith("icekv.vllm.worker."):
+            raise ValueError("icekv's settings need its worker (it tells the backend which request each batch row "
+                             "holds): start vLLM with --worker-cls icekv.vllm.worker.IceKVCPUWorker")
         self.layout = probe_layout(self.isa, self.dtype, self.block_size, self.head_dim)
-        self.num_layers = vllm_config.model_config.hf_config.num_hidden_layers
-        self.indexes: dict[str, RequestIndex] = {}  # vLLM request id -> its index
+        self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.runner = None  # the model runner, handed over by the worker: its batch rows' request ids
         self.selecting_steps = 0  # (request, step) pairs that selected, finished requests' too
 
     def forget(self, request_ids) -> None:
-        """Drop the indexes of requests that ended or lost their blocks."""
+        """Drop the plans and indexes of requests that ended or lost their blocks."""
         for request_id in request_ids:
+            self.plans.pop(request_id, None)
             self.indexes.pop(request_id, None)
 
     def _index(self, request_id: str, length: int) -> RequestIndex | None:
         """The request's index, made at its first selecting step; None while it does not select."""
         index = self.indexes.get(request_id)
         if index is None:
-            state = self.runner.requests[request_id]
-            extra = state.sampling_params.extra_args if state.sampling_params is not None else None
-            plan = settings.plan(settings.request_selection(self.selection, extra))
+            plan = self.plans.get(request_id)
+            if plan is None:  # its settings were checked at admission (icekv.vllm.validation)
+                state = self.runner.requests[request_id]
+                extra = state.sampling_params.extra_args if state.sampling_params is not None else None
+                plan = self.plans[request_id] = settings.plan(settings.request_selection(self.selection, extra))
             if not plan.selects(length):
                 return None
             index = self.indexes[request_id] = RequestIndex(plan)
@@ -108,7 +127,9 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if self.selection is None or self.runner is None:
+        if self.selection is None:
+            return metadata
+        if self.runner is None:  # a warm-up run, before the worker's first step
             return metadata
         starts = common_attn_metadata.query_start_loc_cpu.tolist()
         lengths = common_attn_metadata.seq_lens.cpu().tolist()
@@ -148,6 +169,18 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
 
 
 class IceKVImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from vllm.config import get_current_vllm_config
+
+        if settings.server_selection(get_current_vllm_config().additional_config) is not None:
+            unsupported = [name for name, given in (("ALiBi", self.alibi_slopes is not None),
+                                                    ("a logits soft cap", bool(self.logits_soft_cap)),
+                                                    ("attention sinks", self.sinks is not None)) if given]
+            if unsupported:
+                raise ValueError(f"icekv's sparse attention does not apply {', '.join(unsupported)}: this model "
+                                 "runs on vLLM's own backend (drop the icekv settings)")
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         if not isinstance(attn_metadata, IceKVMetadata) or not attn_metadata.selecting:

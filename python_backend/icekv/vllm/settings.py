@@ -8,16 +8,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from icekv.config.paths import build_config
-from icekv.config.selection import SelectionConfig
+from icekv.config.selection import REQUEST_SETTINGS, SelectionConfig
 from icekv.config.settings import BY_NAME
 from icekv.errors import ConfigError
-from icekv.policies import PolicyPlan, resolve
+from icekv.methods.base import Policy
+from icekv.policies import REGISTERED, PolicyPlan, resolve
 
 PREFIX = "engine.selection."
-REQUEST_FIELDS = ("policy", "budget")  # what a request may set; the rest is the server's
-# the methods whose selector needs only the keys of the layers it budgets (no prompt queries,
-# dense filter layers or sampled attention): the ones the backend can run over vLLM's cache
-SUPPORTED = ("full", "streaming", "quest", "icecache", "icecache_r", "arkvale", "pqcache")
 
 
 def server_selection(additional_config: dict | None) -> SelectionConfig | None:
@@ -42,13 +39,21 @@ def server_selection(additional_config: dict | None) -> SelectionConfig | None:
 
 def request_selection(server: SelectionConfig, extra_args: dict | None) -> SelectionConfig:
     """The server's selection with what the request's ``vllm_xargs`` override (every other setting kept)."""
-    overrides = {k: BY_NAME[k].parse(str(v)) for k, v in (extra_args or {}).items() if k in REQUEST_FIELDS}
+    overrides = {k: BY_NAME[k].parse(str(v)) for k, v in (extra_args or {}).items() if k in REQUEST_SETTINGS}
     return replace(server, **overrides) if overrides else server
 
 
 def plan(selection: SelectionConfig) -> PolicyPlan:
     """``selection`` resolved; ConfigError for a method the backend cannot run inside vLLM."""
     resolved = resolve(selection)
-    if resolved.name not in SUPPORTED:
-        raise ConfigError(f"policy {resolved.name!r} is not available inside vLLM; choose one of {', '.join(SUPPORTED)}")
+    if not runs_inside_vllm(resolved.policy):
+        names = [p.name for p in REGISTERED if runs_inside_vllm(p)]
+        raise ConfigError(f"policy {resolved.name!r} is not available inside vLLM; choose one of {', '.join(names)}")
     return resolved
+
+
+def runs_inside_vllm(policy: Policy) -> bool:
+    """Does the method's selector need only the keys of the layers the budget binds (no prompt
+    queries, dense filter layers of its own or sampled attention)? Those the backend runs."""
+    return (policy.budgeted_layers is None and policy.indexed_layers is None and not policy.sampled
+            and policy.window_queries(SelectionConfig()) == 0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from icekv.config.selection import SelectionConfig
+from icekv.config.selection import REQUEST_SETTINGS, SelectionConfig
 from icekv.errors import ConfigError
 from icekv.vllm import settings
 
@@ -16,7 +16,7 @@ class IceKVSettings(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         extra = sampling_params.extra_args or {}
-        if not any(k in extra for k in settings.REQUEST_FIELDS):
+        if not any(k in extra for k in REQUEST_SETTINGS):
             return
         try:  # only policy and budget are the request's, and the server's other settings cannot refuse them
             settings.plan(settings.request_selection(SelectionConfig(), extra))
