@@ -4,6 +4,9 @@ import json
 
 import pytest
 
+from icekv.config.selection import SelectionConfig
+from icekv.policies import resolve
+
 from tests.test_cli import icekv
 
 
@@ -129,8 +132,9 @@ def test_gpu_benches_time_each_policy_with_its_serving_pool_placement():
     from icekv.cli.bench import _pool_groups
 
     policies = ("full", "icecache", "icecache_r")
-    assert _pool_groups(policies, {"device": "cuda"}, "cuda") == [
+    plans = {p: resolve(SelectionConfig(policy=p)) for p in policies}
+    assert _pool_groups(plans, {"device": "cuda"}, "cuda") == [
         ({"device": "cuda", "kv_pool": "device"}, ("full",)),
         ({"device": "cuda", "kv_pool": "host"}, ("icecache", "icecache_r"))]
-    assert _pool_groups(policies, {"kv_pool": "host"}, "cuda") == [({"kv_pool": "host"}, policies)]  # as asked
-    assert _pool_groups(policies, {}, "cpu") == [({}, policies)]  # one place on a CPU: one engine
+    assert _pool_groups(plans, {"kv_pool": "host"}, "cuda") == [({"kv_pool": "host"}, policies)]  # as asked
+    assert _pool_groups(plans, {}, "cpu") == [({}, policies)]  # one place on a CPU: one engine

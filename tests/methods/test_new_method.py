@@ -29,8 +29,9 @@ class OldestSelector(StreamingSelector):
         return Selection.ranked([oldest] * self.num_kv_heads)
 
 
-OLDEST = Policy("oldest", selector=lambda plan: OldestSelector(plan.page_size))
-WITH_OLDEST = REGISTERED + (OLDEST,)  # the one registry line
+def oldest(made: list) -> Policy:
+    """The method's registry entry (its selectors kept in ``made``, for the test to look at)."""
+    return Policy("oldest", selector=lambda plan: made.append(OldestSelector(plan.page_size)) or made[-1])
 
 
 def test_an_unregistered_method_is_refused():
@@ -39,13 +40,16 @@ def test_an_unregistered_method_is_refused():
 
 
 def test_a_new_method_runs_through_the_engine(engine):
-    plan = resolve(SelectionConfig(policy="oldest", budget=128), WITH_OLDEST)
+    made = []
+    registered = REGISTERED + (oldest(made),)  # the one registry line
+    plan = resolve(SelectionConfig(policy="oldest", budget=128), registered)
     assert plan.sparse and plan.selected_pages == 4 and plan.sparse_layers(30) == range(2, 30)
     ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60)[:600]
     seq = engine.submit(ids, SamplingConfig(max_tokens=40, ignore_eos=True), plan)
     gen = engine.run(seq)
     assert gen.new_tokens == 40 and gen.policy == "oldest" and gen.budget == 128
-    picked = seq.backend.selector.picked
+    (selector,) = made  # one request, one selector
+    picked = selector.picked
     assert {layer for layer, _ in picked} == set(range(2, engine.model.args.num_layers))  # every budgeted layer
     assert all(pages == [0, 1, 2, 3] for _, pages in picked)  # the oldest 4 pages, every step
     assert engine.scheduler.idle and not engine.cache.has(seq.seq_id)  # finished and freed

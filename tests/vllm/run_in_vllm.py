@@ -1,6 +1,6 @@
 """Run by the plugin's tests under the vLLM environment (.venv-vllm): one vLLM engine with icekv's
 plugin on MODEL, the cases of tests/vllm/test_vllm_plugin.py, their tokens and icekv's state as one
-JSON object on stdout's last line."""
+JSON object on one line of stdout (the only one starting with "{")."""
 
 import json
 import os
@@ -33,7 +33,7 @@ def main() -> None:
            "stats": llm.collective_rpc("icekv_stats"),
            "refused": refused(llm, SamplingParams, TokensPrompt, first),
            "layouts": layouts()}
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
 
 
 def layouts() -> dict:

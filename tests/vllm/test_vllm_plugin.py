@@ -31,7 +31,8 @@ def vllm_run(smollm2_dir, prompts):
     proc = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("run_in_vllm.py")), str(smollm2_dir),
                            json.dumps(prompts)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("{")]  # vLLM logs around it
+    return json.loads(line)
 
 
 def test_vllm_runs_icekvs_backend(vllm_run):
