@@ -12,6 +12,7 @@ from icekv.compress.scoring import keydiff_scores, refeed_scores, run_steps
 from icekv.config.engine import EngineConfig
 from icekv.config.paging import PagingConfig
 from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.engine.compression import scoring_context
 from tests.conftest import make_tiny_hf_model

@@ -95,8 +95,6 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
         if is_quantized_kv_cache(self.kv_cache_dtype):
             raise ValueError(f"icekv reads the KV cache's rows: a quantized kv_cache_dtype ({self.kv_cache_dtype}) "
                              "is not supported")
-        if self.window_size is not None:
-            raise ValueError("icekv selects over the whole context: a model with sliding-window attention is not supported")
         if not vllm_config.parallel_config.worker_cls.startswith("icekv.vllm.worker."):
             raise ValueError("icekv's settings need its worker (it tells the backend which request each batch row "
                              "holds): start vLLM with --worker-cls icekv.vllm.worker.IceKVCPUWorker")
@@ -174,7 +172,8 @@ class IceKVImpl(CPUAttentionBackendImpl):
         from vllm.config import get_current_vllm_config
 
         if settings.server_selection(get_current_vllm_config().additional_config) is not None:
-            unsupported = [name for name, given in (("ALiBi", self.alibi_slopes is not None),
+            unsupported = [name for name, given in (("a sliding window", self.sliding_window != -1),
+                                                    ("ALiBi", self.alibi_slopes is not None),
                                                     ("a logits soft cap", bool(self.logits_soft_cap)),
                                                     ("attention sinks", self.sinks is not None)) if given]
             if unsupported:
