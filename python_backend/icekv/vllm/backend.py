@@ -90,6 +90,8 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
         self.selection = settings.server_selection(vllm_config.additional_config)
         self.plans: dict[str, PolicyPlan] = {}  # vLLM request id -> its plan, resolved at its first step
         self.indexes: dict[str, RequestIndex] = {}  # vLLM request id -> its index, from its first selecting step
+        self.runner = None  # the model runner, handed over by the worker: its batch rows' request ids
+        self.selecting_steps = 0  # (request, step) pairs that selected, finished requests' too
         if self.selection is None:  # vLLM's own backend, nothing more
             return
         if is_quantized_kv_cache(self.kv_cache_dtype):
@@ -100,8 +102,6 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
                              "holds): start vLLM with --worker-cls icekv.vllm.worker.IceKVCPUWorker")
         self.layout = probe_layout(self.isa, self.dtype, self.block_size, self.head_dim)
         self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
-        self.runner = None  # the model runner, handed over by the worker: its batch rows' request ids
-        self.selecting_steps = 0  # (request, step) pairs that selected, finished requests' too
 
     def forget(self, request_ids) -> None:
         """Drop the plans and indexes of requests that ended or lost their blocks."""
@@ -125,9 +125,7 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if self.selection is None:
-            return metadata
-        if self.runner is None:  # a warm-up run, before the worker's first step
+        if self.selection is None or self.runner is None:  # vLLM's own; or a warm-up, before the worker's first step
             return metadata
         starts = common_attn_metadata.query_start_loc_cpu.tolist()
         lengths = common_attn_metadata.seq_lens.cpu().tolist()
