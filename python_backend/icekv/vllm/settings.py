@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from icekv.config.paths import build_config
 from icekv.config.selection import REQUEST_SETTINGS, SelectionConfig
-from icekv.config.settings import BY_NAME
+from icekv.config.settings import BY_NAME, serving_config
 from icekv.errors import ConfigError
 from icekv.methods.base import Policy
 from icekv.policies import REGISTERED, PolicyPlan, resolve
@@ -25,14 +24,11 @@ def server_selection(additional_config: dict | None) -> SelectionConfig | None:
         return None
     if not isinstance(given, dict):
         raise ConfigError(f"additional_config icekv must be an object of settings, got {given!r}")
-    values = {}
-    for name, value in given.items():
-        setting = BY_NAME.get(name)
-        if setting is None or not setting.fields[0].startswith(PREFIX):
-            known = sorted(s.name for s in BY_NAME.values() if s.fields[0].startswith(PREFIX))
-            raise ConfigError(f"icekv setting {name!r} is not a selection setting; known: {', '.join(known)}")
-        values[setting.fields[0].removeprefix(PREFIX)] = setting.parse(str(value))
-    selection = build_config(SelectionConfig, values)
+    selection_settings = sorted(s.name for s in BY_NAME.values() if s.fields[0].startswith(PREFIX))
+    unknown = sorted(set(given) - set(selection_settings))
+    if unknown:
+        raise ConfigError(f"icekv settings {unknown} are not selection settings; known: {', '.join(selection_settings)}")
+    selection = serving_config({name: str(value) for name, value in given.items()}).engine.selection
     plan(selection)  # refused here, at load, when it cannot run
     return selection
 
