@@ -25,7 +25,7 @@ def one_engine(args) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    icekv = {"policy": args.policy, "budget": args.budget} if args.policy else None
+    icekv = {"policy": args.policy, "budget": args.budget} if args.policy != "none" else None
     extra = {"worker_cls": "icekv.vllm.worker.IceKVCPUWorker", "additional_config": {"icekv": icekv}} if icekv else {}
     llm = LLM(model=args.model, dtype=args.dtype, block_size=32, max_model_len=args.context + args.tokens + 64,
               enforce_eager=True, enable_prefix_caching=True, **extra)
@@ -47,7 +47,7 @@ def one_engine(args) -> dict:
     tpots = [(b - a) / args.tokens for a, b in zip(short, long)]
     tpot = statistics.median(tpots)
     first_s = statistics.median(short) - args.tokens * tpot  # the prompt from the cache, the index, the first steps
-    return {"policy": args.policy or "vllm", "budget": args.budget if args.policy else None,
+    return {"policy": "vllm" if icekv is None else args.policy, "budget": args.budget if icekv else None,
             "tpot_s": tpot, "tpots_s": tpots, "until_decoding_s": first_s}
 
 
@@ -60,18 +60,18 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # set for the child that runs icekv
+    parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # set in a child: its engine ("none": vLLM's)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.policy is not None or os.environ.get("ICEKV_VLLM_TPOT_CHILD"):
+    if args.policy is not None:
         print(json.dumps(one_engine(args)), flush=True)
         return 0
     records = []
-    for policy in (None, "icecache"):  # plain vLLM first, then the plugin: one engine at a time
+    for policy in ("none", "icecache"):  # plain vLLM first, then the plugin: one engine at a time
         child = [sys.executable, __file__, "--model", args.model, "--texts", args.texts, "--context", str(args.context),
                  "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--dtype", args.dtype,
-                 "--budget", str(args.budget), *(["--policy", policy] if policy else [])]
-        proc = subprocess.run(child, capture_output=True, text=True, env={**os.environ, "ICEKV_VLLM_TPOT_CHILD": "1"})
+                 "--budget", str(args.budget), "--policy", policy]
+        proc = subprocess.run(child, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode or not lines:
             print(proc.stderr[-3000:], file=sys.stderr)
