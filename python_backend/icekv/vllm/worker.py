@@ -27,10 +27,11 @@ class IceKVCPUWorker(CPUWorker):
     def icekv_stats(self) -> dict:
         """What icekv holds in this worker (``LLM.collective_rpc("icekv_stats")``): the live
         requests' indexes and the selecting decode steps they ran, all layers."""
-        indexes = [i for b in self._icekv_builders() for i in b.indexes.values()]
-        return {"builders": len(self._icekv_builders()), "indexes": len(indexes),
+        builders = self._icekv_builders()
+        indexes = [i for b in builders for i in b.indexes.values()]
+        return {"builders": len(builders), "indexes": len(indexes),
                 "index_bytes": sum(i.selector.index_bytes() for i in indexes),
-                "selecting_steps": sum(b.selecting_steps for b in self._icekv_builders())}
+                "selecting_steps": sum(b.selecting_steps for b in builders)}
 
     def _icekv_builders(self) -> list[IceKVBuilder]:
         groups = getattr(self.model_runner, "attn_groups", [])
