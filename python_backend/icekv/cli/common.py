@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from icekv.config.engine import DTYPES, KV_POOLS
+from icekv.config.engine import KV_POOLS
 from icekv.methods.icecache import IceCacheConfig
 from icekv.errors import IcekvError
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
@@ -42,8 +42,8 @@ def _device_flags(parser, random_weights: bool = False) -> None:
     parser.add_argument("--kv-pool", choices=KV_POOLS, default=None,
                         help="the KV page pool: host memory (pinned for a GPU) or the compute device "
                              "(auto: host under a sparse policy, device under full attention)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights and KV (default: bfloat16 on a GPU, "
-                        "float32 on a CPU)")
+    _setting_flag(parser, "dtype")
+    _setting_flag(parser, "weights")
     _setting_flag(parser, "kv_dtype")
     if random_weights:
         parser.add_argument("--random-weights", default=None, metavar="SHAPE",
@@ -66,7 +66,7 @@ def _bench_run_flags(parser) -> None:
 
 def _device_settings(args) -> dict:
     """The EngineConfig fields the device flags set (absent ones keep their defaults)."""
-    names = ("device", "kv_pool", "dtype", "random_weights")
+    names = ("device", "kv_pool", "dtype", "weights", "random_weights")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

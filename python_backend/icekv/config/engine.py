@@ -13,6 +13,8 @@ from icekv.config.selection import SelectionConfig
 from icekv.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# how linear weights are stored (icekv.model.weights); auto: in the compute dtype
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 KV_POOLS = ("auto", "host", "device")  # where the KV page pool lives, see EngineConfig
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -78,6 +80,7 @@ class EngineConfig:
     random_weights: str | None = None
     device: str = "auto"
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU (dtype_on)
+    weights: str = "auto"  # WEIGHT_FORMATS: how linear weights are stored and multiplied (weights_on)
     kv_pool: str = "auto"
     paging: PagingConfig = field(default_factory=PagingConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
@@ -100,6 +103,10 @@ class EngineConfig:
             raise ConfigError("model_dir and random_weights exclude each other: give one")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        if self.weights == "float32" and self.dtype not in (None, "float32"):
+            raise ConfigError(f"float32 weights need the float32 dtype, got dtype {self.dtype}")
         if self.prefill_chunk_tokens < 1:
             raise ConfigError(
                 f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}"
@@ -119,6 +126,10 @@ class EngineConfig:
     def dtype_on(self, device_type: str) -> str:
         """The dtype setting, or its default on this kind of device."""
         return self.dtype or ("bfloat16" if device_type == "cuda" else "float32")
+
+    def weights_on(self, device_type: str) -> str:
+        """The weights setting, ``auto`` resolved to the compute dtype on this kind of device."""
+        return self.dtype_on(device_type) if self.weights == "auto" else self.weights
 
     def pool_placement(self, sparse_default: bool) -> str:
         """``host`` or ``device``: the ``kv_pool`` setting, ``auto`` decided by whether the default

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from icekv.config.engine import DTYPES, KV_POOLS
+from icekv.config.engine import DTYPES, KV_POOLS, WEIGHT_FORMATS
 from icekv.config.paging import KV_DTYPES
 from icekv.config.paths import build_config, field_value
 from icekv.config.serving import ServingConfig
@@ -115,8 +115,11 @@ SETTINGS = (
             "prompts that start with the same tokens (a chat's next turn), evicted when the pool needs room", bool,
             configmap=True),
     Setting("page_size", ("engine.paging.page_size", "engine.selection.page_size"), "page size, tokens"),
-    Setting("dtype", ("engine.dtype",), "weights and KV dtype", str, DTYPES,
+    Setting("dtype", ("engine.dtype",), "compute dtype: activations, the KV cache, and the weights under `--weights auto`", str, DTYPES,
             default_doc="`bfloat16` on a GPU, `float32` on a CPU"),
+    Setting("weights", ("engine.weights",), "how linear weights are stored: `auto` (in the compute dtype), `bfloat16`, or "
+            "weight-only `int8` (a scale per output channel) / `int4` (a scale and zero per group of inputs); "
+            "the narrower formats multiply in bfloat16", str, WEIGHT_FORMATS, configmap=True),
     Setting("kv_dtype", ("engine.paging.kv_dtype",), "how KV pages are stored (pool, device slots, stored "
             "contexts): `auto` (the model's dtype), or `int8` / `fp8_e4m3` codes with a scale per token and KV head "
             "(about half the bytes of bf16, a quarter of fp32)", str, KV_DTYPES, configmap=True),

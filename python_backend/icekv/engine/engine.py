@@ -33,6 +33,7 @@ from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache, PrefixCache
 from icekv.kv.quant import KVFormat
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
+from icekv.model.weights import store_weights
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import PolicyPlan, resolve
 
@@ -63,6 +64,10 @@ class Engine:
             self.tokenizer = Tokenizer(self.model_dir)
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)
+        weights = config.weights_on(self.device.type)
+        store_weights(self.model, weights, dtype)
+        if weights != dtype_name:  # stored KV (prefix pages, compressed contexts) differs per weight format
+            self.model_id += f":weights-{weights}"
         if config.paging.kv_dtype != "auto":  # stored KV (prefix pages, compressed contexts) differs per format
             self.model_id += f":kv-{config.paging.kv_dtype}"
         args = self.model.args

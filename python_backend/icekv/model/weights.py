@@ -1,0 +1,172 @@
+"""Linear weights stored smaller than the compute dtype: bfloat16, or weight-only int8 / int4.
+
+A decode step reads every weight once, so its time is the weights' bytes over memory bandwidth;
+a prefill chunk is compute-bound, and bfloat16 products run on the CPU's bf16 units (AMX,
+AVX512-BF16) several times faster than float32 ones. So each format stores the weight as small as
+it allows and multiplies in bfloat16 through torch's maintained kernels, while everything else
+(norms, rotary, attention, the KV cache, the residual stream) keeps the engine's compute dtype:
+
+- ``bfloat16``: the checkpoint's own bf16 weights (lossless for bf16 checkpoints);
+- ``int8``: symmetric, one scale per output channel; few rows on a CPU go through
+  ``_weight_int8pack_mm``, more rows (or input widths the kernel cannot take) dequantize the
+  weight to bf16 for one matmul;
+- ``int4``: asymmetric, a scale and a zero per group of input channels, packed for
+  ``_weight_int4pack_mm_for_cpu`` on a CPU (its layout is the kernel's own, so every row count goes
+  through it), or kept as two codes per byte and dequantized elsewhere.
+
+The tests compare each kernel with ``F.linear`` on the weight that the quantizers' codes stand for
+(:func:`quantize_int8`, :func:`quantize_int4` and :func:`dequantize_int4` are that reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from icekv.errors import ConfigError
+
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")  # auto: the compute dtype
+PRODUCT_DTYPE = torch.bfloat16  # what quantized and bf16 weights multiply in
+KERNEL_ROWS = 16  # at most this many rows take the int8 kernel on a CPU; more dequantize for one matmul
+INT8_KERNEL_IN = 16  # the CPU int8 kernel reads inputs in blocks of this many (others: wrong sums, unchecked)
+INT4_GROUP = 32  # input channels per int4 scale and zero (wider groups lose far more accuracy)
+INT4_KERNEL_OUT = 16  # the CPU int4 kernel packs output channels in blocks of this many
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> codes [out, in] int8 and scales [out] float32, ``weight ≈ codes * scale``."""
+    scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+    codes = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [out, in]
+    return codes, scales
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> codes [out, in] in 0..15 (uint8), scales and zeros [out, in/group] float32,
+    with ``weight ≈ (codes - 8) * scale + zero`` per group (the convention of torch's int4 kernels)."""
+    out_features, in_features = weight.shape
+    grouped = weight.float().view(out_features, in_features // group, group)  # [out, G, group]
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [out, G]
+    scales = (high - low).clamp(min=1e-12) / 15  # [out, G]
+    codes = torch.round((grouped - low[..., None]) / scales[..., None]).clamp(0, 15)  # [out, G, group]
+    return codes.to(torch.uint8).view(out_features, in_features), scales, low + 8 * scales
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """codes [out, in] (0..15), scales and zeros [out, G] -> weight [out, in] in the scales' dtype."""
+    out_features, in_features = codes.shape
+    grouped = codes.view(out_features, scales.shape[1], -1).to(scales.dtype)  # [out, G, group]
+    return ((grouped - 8) * scales[..., None] + zeros[..., None]).view(out_features, in_features)
+
+
+def int4_fits(in_features: int, out_features: int) -> bool:
+    """Whether a layer of this shape can be stored in int4 (whole groups, the kernel's blocks)."""
+    return in_features % INT4_GROUP == 0 and out_features % INT4_KERNEL_OUT == 0
+
+
+class _WeightOnly(nn.Module):
+    """What the stored formats share: the input flattened to rows, the product in bf16, the output
+    back in the input's dtype plus the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(PRODUCT_DTYPE)  # [N, in]
+        y = self.product(rows).to(x.dtype)  # [N, out]
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class BF16Linear(_WeightOnly):
+    """A linear layer with bfloat16 weights under a wider compute dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.register_buffer("weight", weight.detach().to(PRODUCT_DTYPE))  # [out, in]
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.weight)
+
+
+class Int8Linear(_WeightOnly):
+    """Weight-only int8, one scale per output channel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        codes, scales = quantize_int8(weight)
+        self.register_buffer("codes", codes)  # [out, in] int8
+        self.register_buffer("scales", scales.to(PRODUCT_DTYPE))  # [out]
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_ROWS and self.in_features % INT8_KERNEL_IN == 0:
+            return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+        return F.linear(rows, self.dequantized())
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.to(PRODUCT_DTYPE) * self.scales[:, None]  # [out, in]
+
+
+class Int4Linear(_WeightOnly):
+    """Weight-only int4 in groups of input channels (:func:`int4_fits` says which shapes take it).
+
+    On a CPU the codes live only in the kernel's packed layout; elsewhere two codes share a byte
+    (low nibble first) and the weight is dequantized for each product."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.group = group
+        codes, scales, zeros = quantize_int4(weight, group)
+        self.register_buffer("scales", scales.to(PRODUCT_DTYPE))  # [out, G]
+        self.register_buffer("zeros", zeros.to(PRODUCT_DTYPE))  # [out, G]
+        if weight.device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            self.register_buffer("packed", packed)  # [out, in/2] uint8, the kernel's layout
+            self.register_buffer("scales_and_zeros", torch.stack([self.scales, self.zeros], -1)
+                                 .transpose(0, 1).contiguous())  # [G, out, 2]
+            self.nibbles = None
+        else:
+            self.register_buffer("nibbles", codes[:, 0::2] | (codes[:, 1::2] << 4))  # [out, in/2] uint8
+            self.packed = None
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
+        return F.linear(rows, self.dequantized())
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] from the nibbles (the CPU kernel's packed layout has no reader)."""
+        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(self.out_features, -1)
+        return dequantize_int4(codes, self.scales, self.zeros)  # [out, in]
+
+
+def stored_linear(linear: nn.Linear, weights: str) -> nn.Module:
+    """``linear`` with its weight stored in ``weights`` (bfloat16, int8 or int4; an int4 layer of a
+    shape the kernel cannot take is stored in int8)."""
+    weight, bias = linear.weight.detach(), linear.bias
+    if weights == "bfloat16":
+        return BF16Linear(weight, bias)
+    if weights == "int4" and int4_fits(linear.in_features, linear.out_features):
+        return Int4Linear(weight, bias)
+    return Int8Linear(weight, bias)
+
+
+def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype) -> None:
+    """Replace every linear layer of ``model`` by its ``weights`` form, one layer at a time, so that
+    the float copy of only one layer is held beside the converted ones. Weights stored in the
+    compute dtype (``weights`` is that dtype's name) stay as they are; float32 weights need a float32
+    compute dtype."""
+    if weights == str(compute_dtype).removeprefix("torch."):
+        return
+    if weights == "float32":
+        raise ConfigError(f"float32 weights need the float32 compute dtype, not {compute_dtype}")
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, stored_linear(child, weights))

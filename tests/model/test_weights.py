@@ -1,0 +1,112 @@
+"""Stored weight formats against F.linear on the weight their codes stand for, over awkward shapes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from icekv.config.engine import EngineConfig
+from icekv.errors import ConfigError
+from icekv.model.random import random_model
+from icekv.model.weights import (
+    INT4_GROUP, KERNEL_ROWS, BF16Linear, Int4Linear, Int8Linear, dequantize_int4, int4_fits, quantize_int4,
+    quantize_int8, store_weights,
+)
+
+ROWS = (1, 3, KERNEL_ROWS, KERNEL_ROWS + 1, 40)
+BF16_TOLERANCE = 0.01  # relative error of a bf16 product (inputs and output rounded to 8 bits of mantissa)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+def _layer(out_features: int, in_features: int, bias: bool, seed: int):
+    torch.manual_seed(seed)
+    weight = torch.randn(out_features, in_features) / in_features ** 0.5  # [out, in]
+    return weight, torch.randn(out_features) if bias else None
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (33, 130), (5, 1000), (200, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_equals_its_codes_product(shape, bias):
+    weight, b = _layer(*shape, bias, seed=sum(shape))
+    layer = Int8Linear(weight, b)
+    codes, scales = quantize_int8(weight)
+    assert (codes.float() * scales[:, None] - weight).abs().max() <= scales.max() / 2 + 1e-6  # rounding, no clipping
+    for rows in ROWS:
+        x = torch.randn(rows, shape[1])  # [N, in]
+        want = F.linear(x, codes.float() * scales[:, None], b)  # [N, out]
+        assert layer(x).shape == (rows, shape[0]) and layer(x).dtype == torch.float32
+        assert _relative_error(layer(x), want) < BF16_TOLERANCE, (shape, rows)
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (32, 576), (64, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_equals_its_codes_product(shape, bias):
+    weight, b = _layer(*shape, bias, seed=sum(shape))
+    codes, scales, zeros = quantize_int4(weight, INT4_GROUP)
+    dequantized = dequantize_int4(codes, scales, zeros)  # [out, in]
+    assert int(codes.max()) <= 15 and (dequantized - weight).abs().max() <= scales.max() / 2 + 1e-6
+    for kernel in (True, False):  # the CPU kernel's packed layout, and the nibbles other devices keep
+        layer = Int4Linear(weight, b)
+        if not kernel:
+            layer = _as_nibbles(layer, codes)
+        for rows in ROWS:
+            x = torch.randn(rows, shape[1])
+            assert _relative_error(layer(x), F.linear(x, dequantized, b)) < BF16_TOLERANCE, (shape, rows, kernel)
+
+
+def _as_nibbles(layer: Int4Linear, codes: torch.Tensor) -> Int4Linear:
+    """The layer as a device without the CPU kernel holds it."""
+    layer.packed = None
+    layer.nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return layer
+
+
+def test_bf16_and_batched_inputs():
+    """A [B, T, in] input keeps its leading dimensions, in every format."""
+    weight, b = _layer(64, 96, True, seed=1)
+    x = torch.randn(2, 5, 96)
+    want = F.linear(x, weight, b)  # [2, 5, 64]
+    for layer in (BF16Linear(weight, b), Int8Linear(weight, b), Int4Linear(weight, b)):
+        y = layer(x)
+        assert y.shape == (2, 5, 64)
+        assert _relative_error(y, want) < (0.15 if isinstance(layer, Int4Linear) else 0.02)
+
+
+def test_int4_shapes_and_fallback():
+    assert int4_fits(896, 4864) and int4_fits(576, 1536) and int4_fits(96, 48)
+    assert not int4_fits(100, 64) and not int4_fits(128, 20)  # no whole groups / not the kernel's blocks
+    model = nn.Sequential(nn.Linear(100, 64), nn.Linear(64, 32))
+    store_weights(model, "int4", torch.float32)
+    assert isinstance(model[0], Int8Linear) and isinstance(model[1], Int4Linear)
+
+
+def test_store_weights_replaces_every_linear_and_keeps_the_rest():
+    model = random_model("llama-tiny")
+    tokens, positions = torch.arange(6), torch.arange(6)
+    embedding = model.embed_tokens.weight.clone()
+    store_weights(model, "int8", torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears == [] and isinstance(model.lm_head, Int8Linear)
+    torch.testing.assert_close(model.embed_tokens.weight, embedding)  # the tied or not embedding stays
+    assert model.layers[0].input_layernorm.weight.dtype == torch.float32
+
+
+def test_formats_named_by_the_compute_dtype_stay():
+    model = random_model("llama-tiny")
+    before = model.lm_head
+    store_weights(model, "float32", torch.float32)
+    assert model.lm_head is before
+    with pytest.raises(ConfigError, match="float32 weights"):
+        store_weights(random_model("llama-tiny", torch.bfloat16), "float32", torch.bfloat16)
+
+
+def test_config_checks_and_resolves_weights():
+    assert EngineConfig().weights_on("cpu") == "float32" and EngineConfig().weights_on("cuda") == "bfloat16"
+    assert EngineConfig(weights="int8").weights_on("cpu") == "int8"
+    with pytest.raises(ConfigError, match="weights must be one of"):
+        EngineConfig(weights="int3")
+    with pytest.raises(ConfigError, match="float32 weights need"):
+        EngineConfig(weights="float32", dtype="bfloat16")
