@@ -110,3 +110,21 @@ def test_config_checks_and_resolves_weights():
         EngineConfig(weights="int3")
     with pytest.raises(ConfigError, match="float32 weights need"):
         EngineConfig(weights="float32", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_planned_bytes_are_the_bytes_held(weights, tied):
+    """The bench plan's count of a model's bytes equals what the stored model holds."""
+    from dataclasses import replace
+
+    from icekv.eval.bench_plan import model_bytes
+    from icekv.model.llama import Decoder
+    from icekv.model.random import shape_args
+
+    args = replace(shape_args("llama-tiny"), tie_word_embeddings=tied)
+    model = Decoder(args)
+    store_weights(model, weights, torch.float32)
+    held = {t.data_ptr(): t.numel() * t.element_size()
+            for name, t in [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary")}
+    assert sum(held.values()) == model_bytes(args, "float32", weights)

@@ -111,8 +111,9 @@ def _plan(args, settings: dict, device_type: str, groups, cfg, batches, peer: bo
 
     run = BenchRun(cfg.contexts, batches, plans, tuple((_placement(s, plans[g[0]]), g) for s, g in groups),
                    cfg.max_tokens, cfg.seed_tokens, peer)
-    dtype = EngineConfig(dtype=settings.get("dtype")).dtype_on(device_type)
-    return plan_bench(_model_args(args), dtype, run, _machine(args, device_type), _kv_dtype(args))
+    engine = EngineConfig(dtype=settings.get("dtype"), weights=settings.get("weights", "auto"))
+    return plan_bench(_model_args(args), engine.dtype_on(device_type), run, _machine(args, device_type),
+                      _kv_dtype(args), engine.weights_on(device_type))
 
 
 def _placement(pool_settings: dict, plan) -> str:

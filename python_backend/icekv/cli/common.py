@@ -182,7 +182,7 @@ def _meta(engine) -> dict:
 
     return {"command": "icekv " + " ".join(sys.argv[1:]), "model": engine.model_name,
             "device": str(engine.device), "kv_pool": str(engine.cache.pool.device),
-            "dtype": str(engine.cache.dtype), "kv_dtype": engine.cache.kv_format.name,
+            "dtype": str(engine.cache.dtype), "weights": engine.weights, "kv_dtype": engine.cache.kv_format.name,
             "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
                        f"{huge_pages_setting()}"}

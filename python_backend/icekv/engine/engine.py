@@ -64,10 +64,10 @@ class Engine:
             self.tokenizer = Tokenizer(self.model_dir)
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)
-        weights = config.weights_on(self.device.type)
-        store_weights(self.model, weights, dtype)
-        if weights != dtype_name:  # stored KV (prefix pages, compressed contexts) differs per weight format
-            self.model_id += f":weights-{weights}"
+        self.weights = config.weights_on(self.device.type)  # how the linear weights are stored
+        store_weights(self.model, self.weights, dtype)
+        if self.weights != dtype_name:  # stored KV (prefix pages, compressed contexts) differs per weight format
+            self.model_id += f":weights-{self.weights}"
         if config.paging.kv_dtype != "auto":  # stored KV (prefix pages, compressed contexts) differs per format
             self.model_id += f":kv-{config.paging.kv_dtype}"
         args = self.model.args

@@ -134,20 +134,29 @@ class BenchPlan:
         return out
 
 
-def weights_bytes(args: ModelArgs, dtype: str) -> int:
-    """The model's parameters in ``dtype``, counted on the meta device (nothing allocated)."""
+def model_bytes(args: ModelArgs, dtype: str, weights: str = "auto") -> int:
+    """The model's parameters in ``dtype``, its linear weights stored as ``weights`` (auto: in
+    ``dtype``), counted on the meta device (nothing allocated). A tied output layer stored in
+    another format is a copy beside the embedding."""
     import torch
 
     from icekv.model.llama import Decoder
+    from icekv.model.weights import stored_bytes
 
     with torch.device("meta"):
         model = Decoder(args)
-    return sum(p.numel() for p in model.state_dict().values()) * DTYPE_BYTES[dtype]
+    if weights in ("auto", dtype):
+        return sum(p.numel() for p in model.parameters()) * DTYPE_BYTES[dtype]
+    linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    rest = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False) if name not in linears)
+    return rest * DTYPE_BYTES[dtype] + sum(stored_bytes(m.out_features, m.in_features, weights)
+                                           for m in linears.values())
 
 
-def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_dtype: str = "auto") -> BenchPlan:
+def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_dtype: str = "auto",
+               weights: str = "auto") -> BenchPlan:
     """The limits ``run`` needs on ``machine`` and, per wave, whether the engine admits it at once;
-    the pool stores K/V as ``kv_dtype``."""
+    the pool stores K/V as ``kv_dtype``, the linear layers their weights as ``weights``."""
     page = next(iter(run.plans.values())).page_size
     pages_of = lambda tokens: math.ceil(tokens / page)  # noqa: E731
     largest = max(run.batches) * pages_of(max(run.contexts) + run.max_tokens)
@@ -168,9 +177,9 @@ def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_
     device_limit = max(charged) if charged and machine.device_type != "cpu" else None
     batch = max(run.batches)
     scheduler = SchedulerConfig(max_active_requests=batch, max_step_tokens=batch + STEP_TOKENS, max_device_bytes=device_limit)
-    weights = weights_bytes(args, dtype)
+    weights_bytes = model_bytes(args, dtype, weights)
     groups = tuple(_group_memory(pool, policies, [w for w in waves if w.policy in policies], run, machine,
-                                 weights, pool_bytes, token_bytes * args.num_layers, i == 0)
+                                 weights_bytes, pool_bytes, token_bytes * args.num_layers, i == 0)
                    for i, (pool, policies) in enumerate(run.groups))
     refusals = []
     for g in groups:
@@ -180,7 +189,7 @@ def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_
         if machine.device_bytes is not None and machine.device_type != "cpu" and g.device_bytes > machine.device_bytes:
             refusals.append(f"{'+'.join(g.policies)} needs {g.device_bytes / GIB:,.1f} GiB of device memory, the "
                             f"device has {machine.device_bytes / GIB:,.1f} GiB")
-    return BenchPlan(paging, scheduler, pool_bytes, weights, tuple(waves), groups, machine, tuple(refusals))
+    return BenchPlan(paging, scheduler, pool_bytes, weights_bytes, tuple(waves), groups, machine, tuple(refusals))
 
 
 def _wave(args: ModelArgs, dtype: str, run: BenchRun, policy: str, context: int, batch: int, pool: str,

@@ -123,13 +123,11 @@ class Int4Linear(_WeightOnly):
         super().__init__(weight.shape[1], weight.shape[0], bias)
         self.group = group
         codes, scales, zeros = quantize_int4(weight, group)
-        self.register_buffer("scales", scales.to(PRODUCT_DTYPE))  # [out, G]
-        self.register_buffer("zeros", zeros.to(PRODUCT_DTYPE))  # [out, G]
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1)
+                             .contiguous().to(PRODUCT_DTYPE))  # [G, out, 2], as the kernel takes them
         if weight.device.type == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
             self.register_buffer("packed", packed)  # [out, in/2] uint8, the kernel's layout
-            self.register_buffer("scales_and_zeros", torch.stack([self.scales, self.zeros], -1)
-                                 .transpose(0, 1).contiguous())  # [G, out, 2]
             self.nibbles = None
         else:
             self.register_buffer("nibbles", codes[:, 0::2] | (codes[:, 1::2] << 4))  # [out, in/2] uint8
@@ -143,7 +141,18 @@ class Int4Linear(_WeightOnly):
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] from the nibbles (the CPU kernel's packed layout has no reader)."""
         codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(self.out_features, -1)
-        return dequantize_int4(codes, self.scales, self.zeros)  # [out, in]
+        scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [out, G] each
+        return dequantize_int4(codes, scales, zeros)  # [out, in]
+
+
+def stored_bytes(out_features: int, in_features: int, weights: str) -> int:
+    """Bytes of a linear layer's weight stored in ``weights`` (a dtype's name, int8 or int4), as
+    :func:`stored_linear` stores it."""
+    if weights == "int4" and int4_fits(in_features, out_features):
+        return out_features * in_features // 2 + out_features * (in_features // INT4_GROUP) * 2 * PRODUCT_DTYPE.itemsize
+    if weights in ("int8", "int4"):
+        return out_features * in_features + out_features * PRODUCT_DTYPE.itemsize
+    return out_features * in_features * getattr(torch, weights).itemsize
 
 
 def stored_linear(linear: nn.Linear, weights: str) -> nn.Module:
