@@ -51,7 +51,8 @@ def test_a_row_reads_the_same_alone_or_in_a_batch():
 def test_which_inputs_stream():
     assert streams_weight(torch.zeros(STREAMED_ROWS, 8))
     assert not streams_weight(torch.zeros(STREAMED_ROWS + 1, 8))  # a prefill chunk: F.linear
-    assert not streams_weight(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert streams_weight(torch.zeros(2, 8, dtype=torch.bfloat16))  # bf16 weights: the streamed form
+    assert not streams_weight(torch.zeros(2, 8, dtype=torch.float16))
     assert not streams_weight(torch.zeros(2, 3, 8))  # not a flat batch
 
 

@@ -1,14 +1,14 @@
 """A linear layer whose few-row products read the weight once, at full memory bandwidth, on a CPU.
 
 A decode step multiplies a few rows (one per request) by every weight matrix: the product is bound
-by reading the weights from memory. CPU BLAS (MKL) computes ``x @ W.T`` for a few rows by packing
-the transposed weight first, and a one-row product as a matrix-vector product: either way it reads
-the weight well below what memory delivers. So on a CPU, in float32:
+by reading the weights from memory. CPU BLAS (MKL, oneDNN) computes ``x @ W.T`` for a few rows by
+packing the transposed weight first, and a one-row product as a matrix-vector product: either way
+it reads the weight well below what memory delivers. So on a CPU:
 
-- up to ``COMPILED_ROWS`` rows (a decode step of up to that many requests) go through a compiled
-  loop that reads each weight row once and multiplies it by every row of ``x``;
-- up to ``STREAMED_ROWS`` rows (a short prompt) take ``(W @ x.T).T``, with at least two columns,
-  which BLAS computes streaming the weight once;
+- up to ``COMPILED_ROWS`` float32 rows (a decode step of up to that many requests) go through a
+  compiled loop that reads each weight row once and multiplies it by every row of ``x``;
+- up to ``STREAMED_ROWS`` float32 or bfloat16 rows (a short prompt, a bf16 decode step) take
+  ``(W @ x.T).T``, with at least two columns, which BLAS computes streaming the weight once;
 - more rows (a prefill chunk) are compute-bound, and ``F.linear`` is the faster form there.
 
 CUDA and other dtypes keep ``F.linear``. ``bench/small_batch_linear.py`` measures the forms.
@@ -28,7 +28,16 @@ STREAMED_ROWS = 64  # at most this many rows take the weight-streaming form
 
 def streams_weight(x: torch.Tensor) -> bool:
     """Whether ``x`` [N, in] is multiplied in one of the forms that read the weight once."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= STREAMED_ROWS
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+            and x.shape[0] <= STREAMED_ROWS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [N, in] @ weight [out, in].T + bias -> [N, out], in the fastest form for ``x``'s rows."""
+    if not streams_weight(x):
+        return F.linear(x, weight, bias)
+    form = compiled_linear if x.shape[0] <= COMPILED_ROWS and x.dtype == torch.float32 else streamed_linear
+    return form(x, weight, bias)
 
 
 def compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -80,7 +89,4 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and checkpoint names) with the few-row CPU forms."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if streams_weight(x):
-            form = compiled_linear if x.shape[0] <= COMPILED_ROWS else streamed_linear
-            return form(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

@@ -6,7 +6,8 @@ AVX512-BF16) several times faster than float32 ones. So each format stores the w
 it allows and multiplies in bfloat16 through torch's maintained kernels, while everything else
 (norms, rotary, attention, the KV cache, the residual stream) keeps the engine's compute dtype:
 
-- ``bfloat16``: the checkpoint's own bf16 weights (lossless for bf16 checkpoints);
+- ``bfloat16``: the checkpoint's own bf16 weights (lossless for bf16 checkpoints), few rows on a
+  CPU in the weight-streaming form of :mod:`icekv.model.linear`;
 - ``int8``: symmetric, one scale per output channel; few rows on a CPU go through
   ``_weight_int8pack_mm``, more rows (or input widths the kernel cannot take) dequantize the
   weight to bf16 for one matmul;
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from icekv.errors import ConfigError
+from icekv.model.linear import linear
 
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")  # auto: the compute dtype
 PRODUCT_DTYPE = torch.bfloat16  # what quantized and bf16 weights multiply in
@@ -92,7 +94,7 @@ class BF16Linear(_WeightOnly):
         self.register_buffer("weight", weight.detach().to(PRODUCT_DTYPE))  # [out, in]
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows, self.weight)
+        return linear(rows, self.weight, None)
 
 
 class Int8Linear(_WeightOnly):
