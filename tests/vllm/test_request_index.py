@@ -47,6 +47,23 @@ def test_rows_come_back_through_the_block_table(length):
     assert torch.equal(rows.key_range(0, length), keys)
 
 
+@pytest.mark.parametrize("start, end", [(0, 1), (5, 6), (31, 33), (32, 64), (3, 97), (64, 100)])
+def test_key_ranges_equal_the_rows_gathered_one_by_one(start, end):
+    """Ranges starting and ending inside blocks, under a layout that is not the plain one (keys
+    dim-major in the tile, as vLLM packs fp32 for its vector kernel)."""
+    keys, values, plain_cache, table = _cache(100)
+    dim_major = BlockLayout(torch.arange(BLOCK * D).view(D, BLOCK).T, LAYOUT.values)  # [bs, D]: K[t, j] at j * bs + t
+    cache = plain_cache.clone()
+    tiles = cache.view(cache.shape[0], HKV, -1)  # [nb, Hkv, 2 * bs * D]
+    plain_tiles = plain_cache.view(cache.shape[0], HKV, -1)
+    tiles[:, :, dim_major.keys.flatten()] = plain_tiles[:, :, LAYOUT.keys.flatten()]
+    for layout, c in ((LAYOUT, plain_cache), (dim_major, cache)):
+        rows = BlockRows(c, table, layout)
+        positions = torch.arange(start, end).expand(HKV, -1)
+        assert torch.equal(rows.key_range(start, end), rows.gather(positions)[0])
+        assert torch.equal(rows.key_range(start, end), keys[:, start:end])
+
+
 def test_a_budget_that_covers_every_page_attends_every_token_as_decoding_moves_the_window():
     keys, values, cache, table = _cache(360)
     index = RequestIndex(resolve(SelectionConfig(policy="quest", budget=384)))  # 20 pages: every page

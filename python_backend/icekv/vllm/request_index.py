@@ -53,9 +53,15 @@ class BlockRows:
         return keys, self.tiles[blocks, heads, self.layout.values[rows]]
 
     def key_range(self, start: int, end: int) -> torch.Tensor:
-        """Every KV head's keys of positions [start, end): [Hkv, end - start, D]."""
-        positions = torch.arange(start, end).expand(self.kv_heads, -1)  # [Hkv, n]
-        return self.gather(positions)[0]
+        """Every KV head's keys of positions [start, end): [Hkv, end - start, D]. Whole blocks are
+        read through the block table, then their key offsets (one index for every block and head),
+        where :meth:`gather` indexes every value of every row."""
+        first, last = start // self.block_size, -(-end // self.block_size)
+        tiles = self.tiles.index_select(0, self.block_table[first:last])  # [nb, Hkv, 2 * bs * D]
+        keys = tiles[:, :, self.layout.keys.flatten()]  # [nb, Hkv, bs * D] (index_select on this dim is slower)
+        keys = keys.view(last - first, self.kv_heads, self.block_size, -1).transpose(0, 1)  # [Hkv, nb, bs, D]
+        offset = first * self.block_size
+        return keys.reshape(self.kv_heads, -1, keys.shape[-1])[:, start - offset:end - offset]
 
 
 class RequestIndex:
