@@ -53,13 +53,18 @@ class Rotary(nn.Module):
             inv_freq = _llama3_scale(inv_freq, args.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, H, D], positions [N] -> x rotated by its position."""
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> cos and sin [N, 1, D] of their angles, computed once per forward pass
+        for every layer's queries and keys."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] rotated by the angles whose cos and sin [N, 1, D] are given (rotate-half)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def _llama3_scale(inv_freq: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -87,16 +92,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, backend: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """x [N, hidden] at the positions whose rotary ``cos`` and ``sin`` [N, 1, D] are given."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.n_heads, self.head_dim)  # [N, Hq, D]
         k = self.k_proj(x).view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
         v = self.v_proj(x).view(n, self.n_kv, self.head_dim)  # [N, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, positions), rotary(k, positions)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = backend.attend(self.layer, q, k, v)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
@@ -120,8 +124,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, positions, rotary, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend)
+    def forward(self, x, cos, sin, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -149,8 +153,9 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """tokens, positions [N] -> logits [R, V] for ``logit_rows`` (all N rows when None)."""
         x = self.embed_tokens(tokens)  # [N, hidden]
+        cos, sin = self.rotary.angles(positions, x.dtype)  # [N, 1, D] each
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, backend)
+            x = layer(x, cos, sin, backend)
         if logit_rows is not None:
             x = x[logit_rows]  # [R, hidden]
         return self.lm_head(self.norm(x)).float()  # [R, V]
