@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="asked of each prefilled context, each of its own needle, key or chain (default 1; with "
                          "--compress: 4)")
     _kv2_flag(ev, "with --compress kv2, its settings")
+    _setting_flag(ev, "weights")
     _setting_flag(ev, "kv_dtype")
     ev.add_argument("--chat-template", action="store_true",
                     help="ask each question as a user turn of the model's chat template (answer prefix after it)")

@@ -82,7 +82,8 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     # an evaluation submits its answers in waves and each waits its turn however long the ones
     # before it take (serving's queue limit would fail a long context's later answers as busy)
     scheduler = SchedulerConfig(max_queue_wait_s=float("inf"))
-    engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler))
+    engine = Engine(EngineConfig(model_dir=args.model, weights=args.weights or EngineConfig.weights, paging=paging,
+                                 scheduler=scheduler))
     pages = _spill_to(args.prefix_store, engine)
     # the mean rate since the start (units differ in cost: one policy's decode takes 100x another's),
     # over this run's units only (those kept from a resumed log took no time)
