@@ -99,7 +99,7 @@ def test_formats_named_by_the_compute_dtype_stay():
     before = model.lm_head
     store_weights(model, "float32", torch.float32)
     assert model.lm_head is before
-    with pytest.raises(ConfigError, match="float32 weights"):
+    with pytest.raises(ValueError, match="cannot be stored"):
         store_weights(random_model("llama-tiny", torch.bfloat16), "float32", torch.bfloat16)
 
 
@@ -109,7 +109,10 @@ def test_config_checks_and_resolves_weights():
     with pytest.raises(ConfigError, match="weights must be one of"):
         EngineConfig(weights="int3")
     with pytest.raises(ConfigError, match="float32 weights need"):
-        EngineConfig(weights="float32", dtype="bfloat16")
+        EngineConfig(weights="float32", dtype="bfloat16").weights_on("cpu")
+    with pytest.raises(ConfigError, match="float32 weights need"):
+        EngineConfig(weights="float32").weights_on("cuda")  # bfloat16 there by default
+    assert EngineConfig(weights="float32").weights_on("cpu") == "float32"
 
 
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "int4"])

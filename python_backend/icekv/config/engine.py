@@ -105,8 +105,6 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
-        if self.weights == "float32" and self.dtype not in (None, "float32"):
-            raise ConfigError(f"float32 weights need the float32 dtype, got dtype {self.dtype}")
         if self.prefill_chunk_tokens < 1:
             raise ConfigError(
                 f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}"
@@ -128,8 +126,12 @@ class EngineConfig:
         return self.dtype or ("bfloat16" if device_type == "cuda" else "float32")
 
     def weights_on(self, device_type: str) -> str:
-        """The weights setting, ``auto`` resolved to the compute dtype on this kind of device."""
-        return self.dtype_on(device_type) if self.weights == "auto" else self.weights
+        """The weights setting, ``auto`` resolved to the compute dtype on this kind of device; float32
+        weights need the float32 compute dtype."""
+        dtype = self.dtype_on(device_type)
+        if self.weights == "float32" and dtype != "float32":
+            raise ConfigError(f"float32 weights need the float32 dtype, and the dtype is {dtype} on {device_type}")
+        return dtype if self.weights == "auto" else self.weights
 
     def pool_placement(self, sparse_default: bool) -> str:
         """``host`` or ``device``: the ``kv_pool`` setting, ``auto`` decided by whether the default

@@ -52,6 +52,7 @@ class Engine:
         self.device = resolve_device(config.device)
         dtype_name = config.dtype_on(self.device.type)
         dtype = getattr(torch, dtype_name)
+        self.weights = config.weights_on(self.device.type)  # how the linear weights are stored
         if config.random_weights is not None:
             self.model_dir, self.model_name = None, f"random {config.random_weights}"
             self.model = random_model(config.random_weights, dtype, self.device)
@@ -64,7 +65,6 @@ class Engine:
             self.tokenizer = Tokenizer(self.model_dir)
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)
-        self.weights = config.weights_on(self.device.type)  # how the linear weights are stored
         store_weights(self.model, self.weights, dtype)
         if self.weights != dtype_name:  # stored KV (prefix pages, compressed contexts) differs per weight format
             self.model_id += f":weights-{self.weights}"

@@ -25,10 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from icekv.errors import ConfigError
 from icekv.model.linear import linear
 
-WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")  # auto: the compute dtype
 PRODUCT_DTYPE = torch.bfloat16  # what quantized and bf16 weights multiply in
 KERNEL_ROWS = 16  # at most this many rows take the int8 kernel on a CPU; more dequantize for one matmul
 INT8_KERNEL_IN = 16  # the CPU int8 kernel reads inputs in blocks of this many (others: wrong sums, unchecked)
@@ -151,32 +149,33 @@ def stored_bytes(out_features: int, in_features: int, weights: str) -> int:
     """Bytes of a linear layer's weight stored in ``weights`` (a dtype's name, int8 or int4), as
     :func:`stored_linear` stores it."""
     if weights == "int4" and int4_fits(in_features, out_features):
-        return out_features * in_features // 2 + out_features * (in_features // INT4_GROUP) * 2 * PRODUCT_DTYPE.itemsize
+        groups = out_features * (in_features // INT4_GROUP)
+        return out_features * in_features // 2 + groups * 2 * PRODUCT_DTYPE.itemsize
     if weights in ("int8", "int4"):
         return out_features * in_features + out_features * PRODUCT_DTYPE.itemsize
     return out_features * in_features * getattr(torch, weights).itemsize
 
 
-def stored_linear(linear: nn.Linear, weights: str) -> nn.Module:
-    """``linear`` with its weight stored in ``weights`` (bfloat16, int8 or int4; an int4 layer of a
+def stored_linear(layer: nn.Linear, weights: str) -> nn.Module:
+    """``layer`` with its weight stored in ``weights`` (bfloat16, int8 or int4; an int4 layer of a
     shape the kernel cannot take is stored in int8)."""
-    weight, bias = linear.weight.detach(), linear.bias
+    weight, bias = layer.weight.detach(), layer.bias
     if weights == "bfloat16":
         return BF16Linear(weight, bias)
-    if weights == "int4" and int4_fits(linear.in_features, linear.out_features):
+    if weights == "int4" and int4_fits(layer.in_features, layer.out_features):
         return Int4Linear(weight, bias)
     return Int8Linear(weight, bias)
 
 
 def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype) -> None:
-    """Replace every linear layer of ``model`` by its ``weights`` form, one layer at a time, so that
-    the float copy of only one layer is held beside the converted ones. Weights stored in the
-    compute dtype (``weights`` is that dtype's name) stay as they are; float32 weights need a float32
-    compute dtype."""
+    """Replace every linear layer of ``model`` by its ``weights`` form, one layer at a time (each
+    float weight is freed as its layer is replaced, so the conversion holds at most one converted
+    layer beyond the model). Weights stored in the compute dtype (``weights`` is that dtype's name)
+    stay as they are."""
     if weights == str(compute_dtype).removeprefix("torch."):
         return
-    if weights == "float32":
-        raise ConfigError(f"float32 weights need the float32 compute dtype, not {compute_dtype}")
+    if weights not in ("bfloat16", "int8", "int4"):
+        raise ValueError(f"weights {weights!r} cannot be stored under the compute dtype {compute_dtype}")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
