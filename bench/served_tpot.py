@@ -68,7 +68,7 @@ def main() -> int:
     prompt = tokenizer.decode(tokenizer.encode(assets.haystack_text("essays"))[: args.context])
     settings = {"model_dir": str(model_dir), "policy": args.policy, "budget": str(args.budget),
                 "weights": args.weights, "pool_tokens": str(2 * (args.context + args.max_tokens) + 64),
-                "max_active_requests": "1", "max_tokens_limit": str(args.max_tokens)}
+                "max_active_requests": "1"}
     with TritonServer(settings) as server:
         prefill = timed_request(server.grpc_url, prompt, args.max_tokens)
         served = [timed_request(server.grpc_url, prompt, args.max_tokens) for _ in range(args.repeats)]
