@@ -38,7 +38,7 @@ def one_engine(args) -> dict:
         llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - t0
 
-    run(1)  # the prefill, and the prefix cache holds the prompt from here on
+    prefill_s = run(1)  # the prefill, and the prefix cache holds the prompt from here on
     run(args.tokens + 1)  # warm-up
     short, long = [], []
     for _ in range(args.repeats):
@@ -48,7 +48,7 @@ def one_engine(args) -> dict:
     tpot = statistics.median(tpots)
     first_s = statistics.median(short) - args.tokens * tpot  # the prompt from the cache, the index, the first steps
     return {"policy": "vllm" if icekv is None else args.policy, "budget": args.budget if icekv else None,
-            "tpot_s": tpot, "tpots_s": tpots, "until_decoding_s": first_s}
+            "tpot_s": tpot, "tpots_s": tpots, "until_decoding_s": first_s, "prefill_s": prefill_s}
 
 
 def main() -> int:
