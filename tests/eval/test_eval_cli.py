@@ -111,6 +111,22 @@ def test_a_prefix_store_gives_a_later_run_its_contexts_without_prefilling(tmp_pa
 
 
 @pytest.mark.model
+def test_another_weight_format_never_reads_the_stored_pages(tmp_path):
+    """Pages kept by an fp32 run belong to that model: a run under int8 weights prefills its contexts
+    again (the store keys entries by the model's identity, which names the weight format)."""
+    store = tmp_path / "prefixes"
+    grid = ["--task", "niah_single", "--lengths", "600", "--policies", "full", "--samples", "1",
+            "--prefix-store", str(store)]
+    for name, weights in (("fp32", "auto"), ("int8", "int8"), ("int8_again", "int8")):
+        proc = icekv("eval", *grid, "--weights", weights, "--out", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr
+    cached = {name: json.loads((tmp_path / name / "runs.jsonl").read_text().splitlines()[1])["prefill_cached_tokens"]
+              for name in ("fp32", "int8", "int8_again")}
+    assert cached["fp32"] == cached["int8"] == 0 and cached["int8_again"] > 0
+    assert json.loads((tmp_path / "int8" / "results.json").read_text())["meta"]["weights"] == "int8"
+
+
+@pytest.mark.model
 def test_an_interrupted_context_resumes_from_its_next_question(tmp_path, smollm2_dir, essays_text):
     """Each answered question is logged as it finishes; a run stopped inside a context asks it only
     the questions not logged (the same answers as one uninterrupted run), and the finished
