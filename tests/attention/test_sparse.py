@@ -54,6 +54,25 @@ def test_matches_reference_over_awkward_shapes(backend, hq, hkv, sink, n_pages, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("sink,n_pages,win", [(2, 3, 5), (0, 1, 1), (4, 5, 16)])
+def test_bf16_pages_match_the_reference_over_their_values(backend, hq, hkv, sink, n_pages, win):
+    """A bf16 cache: queries, pages and tail in bf16 (the compiled kernel widens them as it reads),
+    against plain attention in fp32 over the same bf16 values; the result is bf16."""
+    if backend == "triton":
+        pytest.skip("triton's interpreter runs on numpy, which has no bf16 (the GPU check runs the kernel in bf16)")
+    g = torch.Generator().manual_seed(hq + 10 * n_pages)
+    rnd = lambda *s: torch.randn(*s, generator=g).bfloat16()
+    q, page_k, page_v = rnd(hq, 64), rnd(hkv, n_pages, 4, 64), rnd(hkv, n_pages, 4, 64)
+    page_len = torch.randint(0, 5, (hkv, n_pages), generator=g)
+    tail = [rnd(hkv, n, 64) for n in (sink, sink, win, win)]
+    got = sparse_paged_attention(q, *tail[:2], page_k, page_v, page_len, *tail[2:])
+    want = reference(q.float(), *(t.float() for t in tail[:2]), page_k.float(), page_v.float(), page_len,
+                     *(t.float() for t in tail[2:]))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # the output rounded to bf16
+
+
 def test_garbage_in_unattended_slots_is_ignored(backend):
     q = torch.randn(2, 16)
     page_k = torch.randn(1, 2, 4, 16)

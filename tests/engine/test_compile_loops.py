@@ -44,3 +44,19 @@ def test_a_magicpig_decode_after_engine_load_compiles_no_hashing_loop(engine, es
                           selection=SelectionConfig(policy="magicpig", budget=64))
     assert out.new_tokens == 24 and out.timings["insert_s"] > 0  # tokens leaving the window were hashed too
     assert [list(f.signatures) for f in loops] == before
+
+
+@pytest.mark.model
+def test_a_bf16_engine_decodes_through_the_compiled_kernel_and_compiles_nothing(smollm2_dir, essays_text):
+    """Under a bf16 compute dtype the sparse decode reads sink, window and slots as bf16 words in
+    place (the int16 variant, compiled at load), and its tokens stay close to the torch path's."""
+    from icekv.config.engine import EngineConfig
+    from icekv.engine import Engine
+
+    engine = Engine(EngineConfig(model_dir=str(smollm2_dir), dtype="bfloat16"))
+    before = _signatures()
+    assert any("int16" in str(signature) for signature in before["attention"])
+    sel = SelectionConfig(policy="icecache", budget=64, n_unlimited_layers=1)
+    prompt = engine.tokenizer.encode(essays_text)[:700]
+    out = engine.generate(prompt, SamplingConfig(max_tokens=16, ignore_eos=True), selection=sel)
+    assert out.new_tokens == 16 and _signatures() == before

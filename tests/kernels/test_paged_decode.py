@@ -42,6 +42,19 @@ def test_compiled_matches_reference(lengths, hq, hkv):
                                paged_decode_reference(q, pool, ids, starts, lens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lengths", [[1], [5], [1, 9, 4, 17], [33, 2]])
+@pytest.mark.parametrize("hq, hkv", [(6, 2), (8, 1)])
+def test_compiled_reads_a_bf16_pool(lengths, hq, hkv):
+    """bf16 queries over a bf16 pool, widened as read: the reference over the same values in fp32."""
+    q, pool, ids, starts, lens = _batch(lengths, hq, hkv)
+    q, pool = q.bfloat16(), pool.bfloat16()
+    out = paged_decode_attention(q, pool, _table(ids, starts, lens))  # the dispatch takes the compiled loop
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, paged_decode_cpu(q, pool, ids, starts, lens), rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), paged_decode_reference(q.float(), pool.float(), ids, starts, lens),
+                               rtol=1e-2, atol=1e-2)
+
+
 def test_reference_is_attention_over_each_requests_tokens():
     q, pool, ids, starts, lens = _batch([7, 12, 3])
     out = paged_decode_reference(q, pool, ids, starts, lens)

@@ -62,10 +62,10 @@ def sparse_paged_attention(
     every cached token, so no causal mask is needed.
     """
     from icekv.kernels import kernel_backend, sparse_decode_attention
-    from icekv.kernels.cpu_decode import sparse_decode_cpu
+    from icekv.kernels.cpu_decode import compiled_reads, sparse_decode_cpu
 
     backend = kernel_backend(q.device)
-    if backend == "numba" and q.dtype == torch.float32:
+    if backend == "numba" and compiled_reads(q.dtype, page_k.dtype, kv_format):
         return sparse_decode_cpu(q, sink_k, sink_v, page_k, page_v, page_len, win_k, win_v, kv_format)
     tail_k, tail_v = torch.cat([sink_k, win_k], dim=1), torch.cat([sink_v, win_v], dim=1)  # order is free
     tail_k, tail_v = kv_format.pack(tail_k), kv_format.pack(tail_v)  # [Hkv, S+W, W] stored rows

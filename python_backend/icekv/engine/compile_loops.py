@@ -20,7 +20,7 @@ from icekv.index import DCITree
 from icekv.index.device_rescoring import DeviceRescoring
 from icekv.index.fused_search import candidate_search, centroid_search
 from icekv.index.lsh import collision_counts, simhash
-from icekv.kernels.cpu_decode import paged_decode_cpu, sparse_decode_cpu
+from icekv.kernels.cpu_decode import compiled_reads, paged_decode_cpu, sparse_decode_cpu
 from icekv.kv import DevicePageCache, PagedKVCache
 from icekv.kv.quant import KVFormat
 
@@ -51,10 +51,11 @@ def compile_loops(kv_dtype: torch.dtype, kv_format: KVFormat = KVFormat()) -> No
     DevicePageCache(1, 1, 4, width, storage).plan(one, one, one)  # slot plan
     DevicePageCache(1, 1, 4, width, storage).fill_from_pool(one, one, one, torch.zeros(1, 4, dtype=torch.long),
                                                             cache.pool[0], cache.page_ids(0))  # plan + copy
-    # the decode kernels read fp32 values or packed rows, whatever the model's dtype
-    pool = torch.zeros_like(cache.pool[0], dtype=kv_format.storage_dtype(torch.float32))  # [2, Hkv, pages, P, W]
-    rows = torch.zeros(1, 1, 8)  # [Hkv, 1, D]
-    sparse_decode_cpu(torch.zeros(2, 8), rows, rows, pool[0, :, :1], pool[1, :, :1], torch.ones(1, 1, dtype=torch.long),
-                      rows, rows, kv_format)  # decode attention (also the pool-tail kernel)
+    # the decode kernels read the model's dtype where they take it (fp32, bf16; else fp32 values)
+    dtype = kv_dtype if compiled_reads(kv_dtype, kv_format.storage_dtype(kv_dtype), kv_format) else torch.float32
+    pool = torch.zeros_like(cache.pool[0], dtype=kv_format.storage_dtype(dtype))  # [2, Hkv, pages, P, W]
+    rows = torch.zeros(1, 1, 8, dtype=dtype)  # [Hkv, 1, D]
+    sparse_decode_cpu(torch.zeros(2, 8, dtype=dtype), rows, rows, pool[0, :, :1], pool[1, :, :1],
+                      torch.ones(1, 1, dtype=torch.long), rows, rows, kv_format)  # decode attention (also the pool tail)
     one_page = torch.zeros(1, dtype=torch.long)
-    paged_decode_cpu(torch.zeros(1, 2, 8), pool, one_page, one_page, one_page + 1, kv_format)  # full decode
+    paged_decode_cpu(torch.zeros(1, 2, 8, dtype=dtype), pool, one_page, one_page, one_page + 1, kv_format)  # full decode

@@ -7,8 +7,9 @@ window tokens) in place, two passes: scores and their max, then the weighted sum
 tail is read straight from the request's pages in the host pool, by position ranges
 (:func:`sparse_decode_pool_cpu`, the decode loop's path: no views or copies to build per layer),
 or from given tensors (:func:`sparse_decode_cpu`). At decode sizes (a few hundred tokens per head)
-torch's dozen calls cost more in dispatch than in arithmetic; this is one call. fp32 queries (numba has no
-bf16); KV heads run in parallel, each reading (and decoding) its rows once for all the query heads
+torch's dozen calls cost more in dispatch than in arithmetic; this is one call. Queries and the result
+are fp32 inside (numba has no bf16: bf16 queries are widened, the result narrowed back); bf16
+pages are read as their 16-bit words and widened as they are read. KV heads run in parallel, each reading (and decoding) its rows once for all the query heads
 that share it (GQA), at the price of leaving cores idle where there are more cores than KV heads
 (the call is short: a few hundred rows per head). Pages and pool may hold packed quantized rows
 (:mod:`icekv.kv.quant`): each row is then decoded as it is read (int8 codes converted, fp8 codes
@@ -37,6 +38,12 @@ from numba.extending import intrinsic, overload
 from icekv.kv.quant import KVFormat, as_words
 
 
+def compiled_reads(query_dtype: torch.dtype, rows_dtype: torch.dtype, kv_format: KVFormat) -> bool:
+    """Whether these kernels take queries of ``query_dtype`` over stored rows of ``rows_dtype``:
+    fp32 or bf16 queries over values of their own dtype, or over packed quantized rows."""
+    return query_dtype in (torch.float32, torch.bfloat16) and (kv_format.quantized or rows_dtype == query_dtype)
+
+
 def sparse_decode_cpu(q: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, page_k: torch.Tensor,
                       page_v: torch.Tensor, page_len: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
                       kv_format: KVFormat = KVFormat()) -> torch.Tensor:
@@ -57,23 +64,23 @@ def sparse_decode_pool_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: 
     """q [Hq, D]; tail tokens: the positions in ``ranges`` [R, 2] (start, end) of a request whose
     page list is ``page_ids`` [pages] in pool_layer [2, Hkv, pool pages, P, W]; page_k/v [Hkv, K,
     P, W] slots with page_len [Hkv, K] valid tokens (0: not attended). Rows in ``kv_format`` (fp32
-    when not quantized), CPU -> [Hq, D] fp32."""
+    when not quantized), CPU -> [Hq, D] in q's dtype."""
     out = np.empty(q.shape, dtype=np.float32)  # [Hq, D]
-    _decode(q.contiguous().numpy(), _rows(pool_layer, kv_format), _words(pool_layer, kv_format), page_ids.numpy(),
+    _decode(_queries(q), _rows(pool_layer, kv_format), _words(pool_layer, kv_format), page_ids.numpy(),
             ranges, _rows(page_k, kv_format), _words(page_k, kv_format), _rows(page_v, kv_format),
             _words(page_v, kv_format), page_len.numpy(), q.shape[-1] ** -0.5, out)
-    return torch.from_numpy(out)
+    return torch.from_numpy(out).to(q.dtype)
 
 
 def paged_decode_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
                      lengths: torch.Tensor, kv_format: KVFormat = KVFormat()) -> torch.Tensor:
     """q [B, Hq, D]; pool_layer [2, Hkv, pool pages, P, W] rows in ``kv_format``; page_ids [total
     pages] and starts [B] (request b's pages begin at ``page_ids[starts[b]]``), lengths [B] >= 1
-    tokens -> [B, Hq, D]."""
+    tokens -> [B, Hq, D] in q's dtype."""
     out = np.empty(q.shape, dtype=np.float32)  # [B, Hq, D]
-    _paged_decode(q.contiguous().numpy(), _rows(pool_layer, kv_format), _words(pool_layer, kv_format),
+    _paged_decode(_queries(q), _rows(pool_layer, kv_format), _words(pool_layer, kv_format),
                   page_ids.numpy(), starts.numpy(), lengths.numpy(), q.shape[-1] ** -0.5, out)
-    return torch.from_numpy(out)
+    return torch.from_numpy(out).to(q.dtype)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
@@ -106,10 +113,17 @@ def _words(rows: torch.Tensor, kv_format: KVFormat) -> np.ndarray | None:
     return as_words(rows).numpy() if kv_format.quantized else None
 
 
+def _queries(q: torch.Tensor) -> np.ndarray:
+    """The queries as the kernels read them: fp32."""
+    return q.float().contiguous().numpy()
+
+
 def _rows(rows: torch.Tensor, kv_format: KVFormat) -> np.ndarray:
-    """Stored rows as the kernels read them: the element type names the reader (fp32 values,
-    int8 codes, or fp8 codes as uint8 bytes)."""
-    return (rows.view(torch.uint8) if kv_format.name == "fp8_e4m3" else rows).numpy()
+    """Stored rows as the kernels read them: the element type names the reader (fp32 values, bf16
+    values as int16 words, int8 codes, or fp8 codes as uint8 bytes)."""
+    if kv_format.name == "fp8_e4m3":
+        return rows.view(torch.uint8).numpy()
+    return (rows.view(torch.int16) if rows.dtype == torch.bfloat16 else rows).numpy()
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
@@ -153,25 +167,36 @@ def _decode(q, pool, pool_w, page_ids, ranges, page_k, page_kw, page_v, page_vw,
 
 
 def stored_row(row, words, at, scratch):
-    """The values [D] of a stored row: the row itself when plain (``words`` None), else scratch
-    [D] filled with its codes (int8 values, or fp8 bytes when the row is uint8) times its scale,
-    word D / 4 of ``words[at]`` (the row as float32 words). Compiled callers get the variant of
-    their argument types (:func:`_stored_row_variant`): one kernel source serves plain and packed
-    pools."""
+    """The values [D] of a stored row: the row itself when plain fp32 (``words`` None), scratch [D]
+    filled with its values widened when plain bf16 (int16 words), else scratch filled with its
+    codes (int8 values, or fp8 bytes when the row is uint8) times its scale, word D / 4 of
+    ``words[at]`` (the row as float32 words). Compiled callers get the variant of their argument
+    types (:func:`_stored_row_variant`): one kernel source serves plain and packed pools."""
     if words is None:
-        return row
+        return _bf16_row(row, scratch) if row.dtype == np.int16 else row
     scale = words[at][scratch.shape[0] // 4]
     return _fp8_row(row, scale, scratch) if row.dtype == np.uint8 else _int8_row(row, scale, scratch)
 
 
 @overload(stored_row, inline="always")
 def _stored_row_variant(row, words, at, scratch):
-    """stored_row for compiled callers: the plain, int8 or fp8 reader, by argument types."""
+    """stored_row for compiled callers: the plain fp32, bf16, int8 or fp8 reader, by argument types."""
     if isinstance(words, types.NoneType):
+        if row.dtype == types.int16:
+            return lambda row, words, at, scratch: _bf16_row(row, scratch)
         return lambda row, words, at, scratch: row
     if row.dtype == types.uint8:
         return lambda row, words, at, scratch: _fp8_row(row, words[at][scratch.shape[0] // 4], scratch)
     return lambda row, words, at, scratch: _int8_row(row, words[at][scratch.shape[0] // 4], scratch)
+
+
+@numba.njit(inline="always")
+def _bf16_row(row, scratch):
+    """scratch [D] = the bf16 values whose bits are the row's int16 words: each word is the upper
+    half of its fp32."""
+    for i in range(scratch.shape[0]):
+        scratch[i] = _bits_to_float(np.uint32(np.uint16(row[i])) << np.uint32(16))
+    return scratch
 
 
 @numba.njit(inline="always")
@@ -204,6 +229,14 @@ def _half_to_float(typingctx, bits):
     def codegen(context, builder, signature, args):
         half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
         return builder.fpext(half, ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _bits_to_float(typingctx, bits):
+    """The float32 whose bit pattern is ``bits`` (uint32)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
     return types.float32(types.uint32), codegen
 
 

@@ -175,17 +175,15 @@ def paged_decode_attention(q: torch.Tensor, pool_layer: torch.Tensor, table: Pag
     """Full decode attention of a batch of requests (q [B, Hq, D]) over their pages in the pool,
     ``table`` naming request ``b``'s (contract in
     :func:`icekv.kernels.reference.paged_decode_reference`, rows stored in ``kv_format``): compiled
-    on a CPU for fp32 queries (over an fp32 or a packed pool), the sparse decode kernel over every
+    on a CPU for fp32 or bf16 queries (over a pool of their dtype or a packed one), the sparse decode kernel over every
     page of each request under triton (the table's per-head form, made once per table), the
     reference elsewhere."""
-    choice = kernel_backend(q.device, backend)
-    quantized = kv_format.quantized
-    csr = (table.indices, table.starts, table.lengths)
-    if choice == "numba" and (q.dtype == torch.float32 if quantized else q.dtype == pool_layer.dtype == torch.float32):
-        from icekv.kernels.cpu_decode import paged_decode_cpu
+    from icekv.kernels.cpu_decode import compiled_reads, paged_decode_cpu
 
-        packed = {"kv_format": kv_format} if quantized else {}
-        return paged_decode_cpu(q, pool_layer, *csr, **packed)
+    choice = kernel_backend(q.device, backend)
+    csr = (table.indices, table.starts, table.lengths)
+    if choice == "numba" and compiled_reads(q.dtype, pool_layer.dtype, kv_format):
+        return paged_decode_cpu(q, pool_layer, *csr, kv_format)
     if choice != "triton":
         return reference.paged_decode_reference(q, pool_layer, *csr, kv_format)
     ids, lens = table.per_head(pool_layer.shape[1])

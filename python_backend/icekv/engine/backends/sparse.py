@@ -22,6 +22,7 @@ from icekv.engine.backends.sources import RequestPages
 from icekv.engine.backends.tail import DeviceTail, PoolTail
 from icekv.engine.results import KVStats
 from icekv.kernels import scatter_pages
+from icekv.kernels.cpu_decode import compiled_reads
 from icekv.kernels.dispatch import kernel_backend
 from icekv.kv import DevicePageCache
 from icekv.model import ModelArgs
@@ -71,10 +72,11 @@ class SparseAttention(DenseAttention):
                                    pool.dtype, self.cache.compute, scatter=scatter_pages)
             for layer in self.sparse_layers
         }
-        # pool and slots in CPU memory, fp32 values: the compiled kernel reads sink and window from
-        # the pool in place; otherwise they are kept on the compute device (copied once, then appended)
-        compiled_fp32 = self.cache.dtype == torch.float32 and kernel_backend(pool.device) == "numba"
-        in_place = compiled_fp32 and all(source.pool_rows(layer) is not None for layer in self.sparse_layers)
+        # pool and slots in CPU memory, fp32 or bf16 values: the compiled kernel reads sink and window
+        # from the pool in place; otherwise they are kept on the compute device (copied once, then appended)
+        compiled = (compiled_reads(self.cache.dtype, pool.dtype, self.cache.kv_format)
+                    and kernel_backend(pool.device) == "numba")
+        in_place = compiled and all(source.pool_rows(layer) is not None for layer in self.sparse_layers)
         self.tails = {
             layer: PoolTail(source, layer, self.sink_end, self.win_start, length) if in_place else
             DeviceTail(*source.sink_window(layer, self.sink_end, self.win_start, length), self.win_start,
