@@ -12,7 +12,9 @@ policy and, with ``peer_hf``, Hugging Face transformers' own full-cache decoding
 Each timed decode starts with ``warmup_steps`` untimed steps at the measured shape (the same
 request, context and policy: kernels compile and caches fill there, not in the timed steps);
 ``tpot_s`` is the mean of the timed steps, ``tpot_median_s`` their median (the steady state) and
-the stage split covers the timed steps only. Each record goes to ``emit`` as soon as it is measured.
+the stage split covers the timed steps only: page search, transfer, attention, insertion, the
+linear layers (``weights_s``, on a CPU: :mod:`icekv.eval.linear_clock`) and the rest (norms, rotary,
+sampling, Python). Each record goes to ``emit`` as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from icekv.devices import synchronize
 from icekv.engine import Engine, Prefilled
 from icekv.eval.device_memory import DevicePeak
 from icekv.eval.hf_peer import hf_model
+from icekv.eval.linear_clock import LinearClock
 from icekv.policies import PolicyPlan, resolve
 
 
@@ -158,10 +161,13 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, plan: Po
     with DevicePeak(engine.device) as peak:
         seq = engine.submit_decode(req, sampling, plan)
         warm = _step_until(engine, seq, cfg.warmup_steps)  # stage times after the warm-up
-        gen = engine.run(seq)
+        with LinearClock(engine.model) as linears:
+            gen = engine.run(seq)
     timed = seq.step_s[cfg.warmup_steps:] or seq.step_s[-1:]  # each timed step's wall time
     steps = len(timed)
     split = {k: (gen.timings.get(k, 0.0) - warm.get(k, 0.0)) / steps for k in SPLIT}
+    if engine.device.type == "cpu":  # on a GPU the layers' calls return before their kernels end
+        split["weights_s"] = linears.seconds / steps
     tpot = sum(timed) / steps
     ice = policy.startswith("icecache")
     index_build_s = gen.timings.get("index_build_s", 0.0)
@@ -175,7 +181,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, plan: Po
         "rescoring": cfg.icecache.rescoring if ice else None,
         "gqa_merge": cfg.icecache.gqa_merge if ice else None,
         "tpot_s": tpot, "tpot_median_s": statistics.median(timed), "step_max_s": max(timed),
-        "first_step_s": gen.first_step_s, "warmup_steps": len(seq.step_s) - steps, **split,
+        "first_step_s": gen.first_step_s, "warmup_steps": len(seq.step_s) - steps, "weights_s": None, **split,
         "other_s": max(tpot - sum(split.values()), 0.0),
         "index_build_s": index_build_s,
         "index_prebuilt": prebuilt,
@@ -200,8 +206,8 @@ def _step_until(engine: Engine, seq: Sequence, steps: int) -> dict:
 
 SPLIT = ("select_s", "transfer_s", "attention_s", "insert_s")
 FIRST_TOKEN = ("index_build_s", "ttft_s")
-TIMES = ("tpot_s", "tpot_median_s", "step_max_s", "first_step_s", "select_s", "transfer_s", "attention_s", "insert_s", "other_s",
-         "index_build_s", "ttft_s")
+TIMES = ("tpot_s", "tpot_median_s", "step_max_s", "first_step_s", "select_s", "transfer_s", "attention_s", "insert_s",
+         "weights_s", "other_s", "index_build_s", "ttft_s")
 
 
 def median_record(runs: list[dict]) -> dict:

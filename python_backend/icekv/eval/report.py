@@ -159,9 +159,9 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
     lines = ["# icekv bench decode", "", "```", meta.get("command", ""), "```", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items() if k != "command"] + [""]
     lines += ["| context | policy | TPOT ms | slowest step ms | first step ms | select ms | transfer ms | "
-              "attention ms | insert ms | other ms | index build s | TTFT s | resident KV MiB | total KV MiB | "
-              "index MiB | TPOT / full |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "attention ms | insert ms | weights ms | other ms | index build s | TTFT s | resident KV MiB | "
+              "total KV MiB | index MiB | TPOT / full |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         base = full.get(r["context"])
         ratio = f"{r['tpot_s'] / base['tpot_s']:.2f}" if base else "-"
@@ -169,7 +169,8 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
         build = f"{r.get('index_build_s', 0):.2f}" + (" *" if r.get("index_prebuilt") else "")
         lines.append(f"| {r['context']} | {r['policy']} | {ms(r['tpot_s'])} | {ms(r.get('step_max_s'))} | "
                      f"{ms(r.get('first_step_s'))} | {ms(r.get('select_s'))} | {ms(r.get('transfer_s'))} | "
-                     f"{ms(r.get('attention_s'))} | {ms(r.get('insert_s'))} | {ms(r.get('other_s'))} | {build} | "
+                     f"{ms(r.get('attention_s'))} | {ms(r.get('insert_s'))} | {ms(r.get('weights_s'))} | "
+                     f"{ms(r.get('other_s'))} | {build} | "
                      f"{'-' if r.get('ttft_s') is None else format(r['ttft_s'], '.2f')} | {mib('resident_kv_bytes')} | "
                      f"{mib('total_kv_bytes')} | {mib('index_bytes')} | {ratio} |")
     if any(r.get("index_prebuilt") for r in records):

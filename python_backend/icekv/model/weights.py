@@ -64,7 +64,7 @@ def int4_fits(in_features: int, out_features: int) -> bool:
     return in_features % INT4_GROUP == 0 and out_features % INT4_KERNEL_OUT == 0
 
 
-class _WeightOnly(nn.Module):
+class WeightOnlyLinear(nn.Module):
     """What the stored formats share: the input flattened to rows, the product in bf16, the output
     back in the input's dtype plus the bias."""
 
@@ -84,7 +84,7 @@ class _WeightOnly(nn.Module):
         raise NotImplementedError
 
 
-class BF16Linear(_WeightOnly):
+class BF16Linear(WeightOnlyLinear):
     """A linear layer with bfloat16 weights under a wider compute dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -95,7 +95,7 @@ class BF16Linear(_WeightOnly):
         return linear(rows, self.weight, None)
 
 
-class Int8Linear(_WeightOnly):
+class Int8Linear(WeightOnlyLinear):
     """Weight-only int8, one scale per output channel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -113,7 +113,7 @@ class Int8Linear(_WeightOnly):
         return self.codes.to(PRODUCT_DTYPE) * self.scales[:, None]  # [out, in]
 
 
-class Int4Linear(_WeightOnly):
+class Int4Linear(WeightOnlyLinear):
     """Weight-only int4 in groups of input channels (:func:`int4_fits` says which shapes take it).
 
     On a CPU the codes live only in the kernel's packed layout; elsewhere two codes share a byte
