@@ -72,7 +72,10 @@ def main() -> int:
     with TritonServer(settings) as server:
         prefill = timed_request(server.grpc_url, prompt, args.max_tokens)
         served = [timed_request(server.grpc_url, prompt, args.max_tokens) for _ in range(args.repeats)]
-    served_tpot = statistics.median(r["tpot_s"] for r in served)
+    timed = [r["tpot_s"] for r in served if r["tpot_s"] is not None]  # None: a reply of one token
+    if not timed:
+        raise SystemExit("every timed request ended after one token: nothing to time")
+    served_tpot = statistics.median(timed)
     own_tpot = engine_tpot(args)
     result = {"command": " ".join(["bench/served_tpot.py", *sys.argv[1:]]), "settings": settings,
               "prefill_request": prefill, "served": served, "served_tpot_s": served_tpot,

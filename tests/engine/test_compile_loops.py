@@ -47,9 +47,10 @@ def test_a_magicpig_decode_after_engine_load_compiles_no_hashing_loop(engine, es
 
 
 @pytest.mark.model
-def test_a_bf16_engine_decodes_through_the_compiled_kernel_and_compiles_nothing(smollm2_dir, essays_text):
+def test_a_bf16_engine_decodes_through_the_compiled_kernel_and_compiles_nothing(smollm2_dir, essays_text,
+                                                                                 monkeypatch):
     """Under a bf16 compute dtype the sparse decode reads sink, window and slots as bf16 words in
-    place (the int16 variant, compiled at load), and its tokens stay close to the torch path's."""
+    place (the int16 variant, compiled at load), and starts as the torch path does."""
     from icekv.config.engine import EngineConfig
     from icekv.engine import Engine
 
@@ -60,3 +61,6 @@ def test_a_bf16_engine_decodes_through_the_compiled_kernel_and_compiles_nothing(
     prompt = engine.tokenizer.encode(essays_text)[:700]
     out = engine.generate(prompt, SamplingConfig(max_tokens=16, ignore_eos=True), selection=sel)
     assert out.new_tokens == 16 and _signatures() == before
+    monkeypatch.setenv("ICEKV_KERNELS", "torch")  # the tail on the side, attention by the torch reference
+    reference = engine.generate(prompt, SamplingConfig(max_tokens=16, ignore_eos=True), selection=sel)
+    assert out.token_ids[:4] == reference.token_ids[:4]

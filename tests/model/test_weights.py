@@ -7,9 +7,9 @@ from torch import nn
 
 from icekv.config.engine import EngineConfig
 from icekv.errors import ConfigError
-from icekv.model.random import random_model
+from icekv.model.random import random_model, shape_args
 from icekv.model.weights import (
-    INT4_GROUP, KERNEL_ROWS, BF16Linear, Int4Linear, Int8Linear, dequantize_int4, int4_fits, quantize_int4,
+    INT4_GROUP, KERNEL_ROWS, BF16Linear, dense_weight, Int4Linear, Int8Linear, dequantize_int4, int4_fits, quantize_int4,
     quantize_int8, store_weights,
 )
 
@@ -49,19 +49,11 @@ def test_int4_equals_its_codes_product(shape, bias):
     dequantized = dequantize_int4(codes, scales, zeros)  # [out, in]
     assert int(codes.max()) <= 15 and (dequantized - weight).abs().max() <= scales.max() / 2 + 1e-6
     for kernel in (True, False):  # the CPU kernel's packed layout, and the nibbles other devices keep
-        layer = Int4Linear(weight, b)
-        if not kernel:
-            layer = _as_nibbles(layer, codes)
+        layer = Int4Linear(weight, b, nibbles=not kernel)
+        assert (layer.packed is not None) == kernel
         for rows in ROWS:
             x = torch.randn(rows, shape[1])
             assert _relative_error(layer(x), F.linear(x, dequantized, b)) < BF16_TOLERANCE, (shape, rows, kernel)
-
-
-def _as_nibbles(layer: Int4Linear, codes: torch.Tensor) -> Int4Linear:
-    """The layer as a device without the CPU kernel holds it."""
-    layer.packed = None
-    layer.nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return layer
 
 
 def test_bf16_and_batched_inputs():
@@ -83,15 +75,34 @@ def test_int4_shapes_and_fallback():
     assert isinstance(model[0], Int8Linear) and isinstance(model[1], Int4Linear)
 
 
-def test_store_weights_replaces_every_linear_and_keeps_the_rest():
-    model = random_model("llama-tiny")
-    tokens, positions = torch.arange(6), torch.arange(6)
-    embedding = model.embed_tokens.weight.clone()
+@pytest.mark.parametrize("tied", [False, True])
+def test_store_weights_replaces_every_linear_and_keeps_the_rest(tied):
+    """A tied output layer becomes a quantized copy; the embedding it shared stays as it was."""
+    from dataclasses import replace
+
+    from icekv.model.llama import Decoder
+
+    model = Decoder(replace(shape_args("llama-tiny"), tie_word_embeddings=tied))
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    embedding, head = model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone()
     store_weights(model, "int8", torch.float32)
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert linears == [] and isinstance(model.lm_head, Int8Linear)
-    torch.testing.assert_close(model.embed_tokens.weight, embedding)  # the tied or not embedding stays
+    assert [m for m in model.modules() if isinstance(m, nn.Linear)] == [] and isinstance(model.lm_head, Int8Linear)
+    assert model.embed_tokens.weight.dtype == torch.float32 and torch.equal(model.embed_tokens.weight, embedding)
+    codes, scales = quantize_int8(head)  # the embedding itself when tied
+    assert torch.equal(dense_weight(model.lm_head), codes.bfloat16() * scales.bfloat16()[:, None])
     assert model.layers[0].input_layernorm.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", [BF16Linear, Int8Linear, Int4Linear])
+def test_dense_weight_is_the_weight_a_product_uses(kind):
+    """What KV²'s normalisation reads: the stored form's weight, such that x @ w.T is its product."""
+    weight, _ = _layer(32, 64, False, seed=3)
+    layer = kind(weight, None)
+    x = torch.randn(3, 64)
+    assert dense_weight(layer).shape == (32, 64)
+    assert _relative_error(layer(x), F.linear(x, dense_weight(layer).float())) < BF16_TOLERANCE
+    plain = nn.Linear(4, 2)
+    assert dense_weight(plain) is plain.weight
 
 
 def test_formats_named_by_the_compute_dtype_stay():

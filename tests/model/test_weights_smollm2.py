@@ -50,3 +50,6 @@ def test_engine_stores_and_serves_the_format(smollm2_dir, engine, weights, kind)
     want = engine.generate(prompt, sampling, selection=full).token_ids
     got = quantized.generate(prompt, sampling, selection=full).token_ids
     assert got[:2] == want[:2]
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)
+    context = quantized.compress(ids, "kv2", 0.25, normalize=True)  # KV²+ reads the output projections
+    assert 0 < context.nbytes < context.full_bytes

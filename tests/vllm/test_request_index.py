@@ -47,7 +47,7 @@ def test_rows_come_back_through_the_block_table(length):
     assert torch.equal(rows.key_range(0, length), keys)
 
 
-@pytest.mark.parametrize("start, end", [(0, 1), (5, 6), (31, 33), (32, 64), (3, 97), (64, 100)])
+@pytest.mark.parametrize("start, end", [(0, 1), (5, 6), (31, 33), (32, 64), (3, 97), (64, 100), (32, 32), (7, 7)])
 def test_key_ranges_equal_the_rows_gathered_one_by_one(start, end):
     """Ranges starting and ending inside blocks, under a layout that is not the plain one (keys
     dim-major in the tile, as vLLM packs fp32 for its vector kernel)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from icekv.cli.common import _csv, _icecache_config, _kv_dtype, _timed
+from icekv.cli.common import _csv, _device_settings, _icecache_config, _kv_dtype, _timed
 from icekv.errors import IcekvError
 
 
@@ -82,8 +82,7 @@ def _run_and_report(args, run, write, unit: str, pool_tokens: int = 0) -> int:
     # an evaluation submits its answers in waves and each waits its turn however long the ones
     # before it take (serving's queue limit would fail a long context's later answers as busy)
     scheduler = SchedulerConfig(max_queue_wait_s=float("inf"))
-    engine = Engine(EngineConfig(model_dir=args.model, weights=args.weights or EngineConfig.weights, paging=paging,
-                                 scheduler=scheduler))
+    engine = Engine(EngineConfig(model_dir=args.model, paging=paging, scheduler=scheduler, **_device_settings(args)))
     pages = _spill_to(args.prefix_store, engine)
     # the mean rate since the start (units differ in cost: one policy's decode takes 100x another's),
     # over this run's units only (those kept from a resumed log took no time)

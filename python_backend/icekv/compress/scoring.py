@@ -15,6 +15,7 @@ from typing import Callable, Generator
 import torch
 
 from icekv.kv import PagedKVCache
+from icekv.model.weights import dense_weight
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ def refeed_steps(model, cache: PagedKVCache, seq_id: int, ids: list[int], positi
     """Feed ``ids`` at ``positions``, yielding after each chunk's model pass; returns the scores
     S [L, Hkv, T] of the context (see :class:`ScoringAttention` for ``scored``, ``visible`` and
     ``normalize``)."""
-    out_proj = [layer.self_attn.o_proj.weight for layer in model.layers] if normalize else None
+    out_proj = [dense_weight(layer.self_attn.o_proj) for layer in model.layers] if normalize else None
     backend = ScoringAttention(cache, seq_id, scored, model.args.num_layers, visible, out_proj)
     device, last = cache.compute, torch.tensor([-1], device=cache.compute)
     for start in range(0, len(ids), chunk):

@@ -33,7 +33,7 @@ from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache, PrefixCache
 from icekv.kv.quant import KVFormat
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
-from icekv.model.weights import store_weights
+from icekv.model.weights import store_weights, stored_apart
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import PolicyPlan, resolve
 
@@ -66,7 +66,7 @@ class Engine:
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)
         store_weights(self.model, self.weights, dtype)
-        if self.weights != dtype_name:  # stored KV (prefix pages, compressed contexts) differs per weight format
+        if stored_apart(self.weights, dtype_name):  # stored KV (prefix pages, compressed contexts) differs per format
             self.model_id += f":weights-{self.weights}"
         if config.paging.kv_dtype != "auto":  # stored KV (prefix pages, compressed contexts) differs per format
             self.model_id += f":kv-{config.paging.kv_dtype}"

@@ -141,11 +141,11 @@ def model_bytes(args: ModelArgs, dtype: str, weights: str = "auto") -> int:
     import torch
 
     from icekv.model.llama import Decoder
-    from icekv.model.weights import stored_bytes
+    from icekv.model.weights import stored_apart, stored_bytes
 
     with torch.device("meta"):
         model = Decoder(args)
-    if weights in ("auto", dtype):
+    if not stored_apart(weights, dtype):
         return sum(p.numel() for p in model.parameters()) * DTYPE_BYTES[dtype]
     linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     rest = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False) if name not in linears)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from icekv.errors import ConfigError
 from icekv.model import ModelArgs
+from icekv.model.weights import stored_apart
 
 
 def hf_config(args: ModelArgs) -> dict:
@@ -27,6 +29,9 @@ def hf_model(engine) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     dtype = engine.cache.dtype
+    if stored_apart(engine.weights, str(dtype).removeprefix("torch.")):
+        raise ConfigError(f"the transformers peer runs the checkpoint's weights, not {engine.weights} ones: "
+                          "compare it with --weights auto")
     if engine.model_dir is not None:
         return AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=dtype).to(engine.device).eval()
     config = LlamaConfig(**hf_config(engine.model.args))

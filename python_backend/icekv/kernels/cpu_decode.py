@@ -48,7 +48,7 @@ def sparse_decode_cpu(q: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tenso
                       page_v: torch.Tensor, page_len: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
                       kv_format: KVFormat = KVFormat()) -> torch.Tensor:
     """q [Hq, D]; sink_k/v [Hkv, S, D]; page_k/v [Hkv, K, P, W] stored rows, page_len [Hkv, K];
-    win_k/v [Hkv, W, D] (fp32 values, CPU; quantized here as the pool would hold them) -> [Hq, D];
+    win_k/v [Hkv, W, D] (values in q's dtype, CPU; quantized here as the pool would hold them) -> [Hq, D];
     query head ``h`` reads KV head ``h // (Hq / Hkv)``."""
     tail = torch.stack([torch.cat([sink_k, win_k], 1), torch.cat([sink_v, win_v], 1)])  # [2, Hkv, S+W, D]
     tail = kv_format.pack(tail)  # [2, Hkv, S+W, W]

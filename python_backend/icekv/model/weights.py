@@ -59,6 +59,12 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return ((grouped - 8) * scales[..., None] + zeros[..., None]).view(out_features, in_features)
 
 
+def stored_apart(weights: str, dtype: str) -> bool:
+    """Whether linear weights of format ``weights`` are stored otherwise than in the compute
+    ``dtype`` (a dtype's name): what changes the model's bytes and identity."""
+    return weights not in ("auto", dtype)
+
+
 def int4_fits(in_features: int, out_features: int) -> bool:
     """Whether a layer of this shape can be stored in int4 (whole groups, the kernel's blocks)."""
     return in_features % INT4_GROUP == 0 and out_features % INT4_KERNEL_OUT == 0
@@ -74,13 +80,17 @@ class WeightOnlyLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(PRODUCT_DTYPE)  # [N, in]
+        rows = x.reshape(-1, self.in_features).to(PRODUCT_DTYPE).contiguous()  # [N, in]: the kernels' layout
         y = self.product(rows).to(x.dtype)  # [N, out]
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] the stored form stands for, in bf16."""
         raise NotImplementedError
 
 
@@ -93,6 +103,9 @@ class BF16Linear(WeightOnlyLinear):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         return linear(rows, self.weight, None)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight
 
 
 class Int8Linear(WeightOnlyLinear):
@@ -107,7 +120,7 @@ class Int8Linear(WeightOnlyLinear):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_ROWS and self.in_features % INT8_KERNEL_IN == 0:
             return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
-        return F.linear(rows, self.dequantized())
+        return linear(rows, self.dequantized(), None)
 
     def dequantized(self) -> torch.Tensor:
         return self.codes.to(PRODUCT_DTYPE) * self.scales[:, None]  # [out, in]
@@ -117,15 +130,16 @@ class Int4Linear(WeightOnlyLinear):
     """Weight-only int4 in groups of input channels (:func:`int4_fits` says which shapes take it).
 
     On a CPU the codes live only in the kernel's packed layout; elsewhere two codes share a byte
-    (low nibble first) and the weight is dequantized for each product."""
+    (low nibble first) and the weight is dequantized for each product. The kernel needs torch 2.6
+    or newer."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, nibbles: bool = False):
+        """``nibbles``: keep two codes a byte even on a CPU (what other devices hold; for tests)."""
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        self.group = group
-        codes, scales, zeros = quantize_int4(weight, group)
+        codes, scales, zeros = quantize_int4(weight, INT4_GROUP)
         self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1)
                              .contiguous().to(PRODUCT_DTYPE))  # [G, out, 2], as the kernel takes them
-        if weight.device.type == "cpu":
+        if weight.device.type == "cpu" and not nibbles:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
             self.register_buffer("packed", packed)  # [out, in/2] uint8, the kernel's layout
             self.nibbles = None
@@ -135,11 +149,14 @@ class Int4Linear(WeightOnlyLinear):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
         return F.linear(rows, self.dequantized())
 
     def dequantized(self) -> torch.Tensor:
-        """The weight [out, in] from the nibbles (the CPU kernel's packed layout has no reader)."""
+        """From the nibbles; from the CPU kernel's packed layout, which has no reader, as the
+        kernel's product with the identity (in x in x out multiply-adds: for occasional use)."""
+        if self.packed is not None:
+            return self.product(torch.eye(self.in_features, dtype=PRODUCT_DTYPE)).T  # [out, in]
         codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(self.out_features, -1)
         scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [out, G] each
         return dequantize_int4(codes, scales, zeros)  # [out, in]
@@ -154,6 +171,11 @@ def stored_bytes(out_features: int, in_features: int, weights: str) -> int:
     if weights in ("int8", "int4"):
         return out_features * in_features + out_features * PRODUCT_DTYPE.itemsize
     return out_features * in_features * getattr(torch, weights).itemsize
+
+
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """A linear layer's weight [out, in], whichever form stores it (dequantized where it is)."""
+    return layer.dequantized() if isinstance(layer, WeightOnlyLinear) else layer.weight
 
 
 def stored_linear(layer: nn.Linear, weights: str) -> nn.Module:
@@ -172,11 +194,11 @@ def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype) ->
     float weight is freed as its layer is replaced, so the conversion holds at most one converted
     layer beyond the model). Weights stored in the compute dtype (``weights`` is that dtype's name)
     stay as they are."""
-    if weights == str(compute_dtype).removeprefix("torch."):
+    if not stored_apart(weights, str(compute_dtype).removeprefix("torch.")):
         return
-    if weights not in ("bfloat16", "int8", "int4"):
+    if weights not in ("bfloat16", "int8", "int4"):  # EngineConfig.weights_on refuses these before a load
         raise ValueError(f"weights {weights!r} cannot be stored under the compute dtype {compute_dtype}")
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, stored_linear(child, weights))
+    places = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+              if isinstance(child, nn.Linear)]  # no reference to the layers themselves: each is freed when replaced
+    for parent, name in places:
+        setattr(parent, name, stored_linear(getattr(parent, name), weights))

@@ -59,9 +59,10 @@ class BlockRows:
         first, last = start // self.block_size, -(-end // self.block_size)
         tiles = self.tiles.index_select(0, self.block_table[first:last])  # [nb, Hkv, 2 * bs * D]
         keys = tiles[:, :, self.layout.keys.flatten()]  # [nb, Hkv, bs * D] (index_select on this dim is slower)
-        keys = keys.view(last - first, self.kv_heads, self.block_size, -1).transpose(0, 1)  # [Hkv, nb, bs, D]
+        head_dim = self.layout.keys.shape[1]
+        keys = keys.view(last - first, self.kv_heads, self.block_size, head_dim).transpose(0, 1)  # [Hkv, nb, bs, D]
         offset = first * self.block_size
-        return keys.reshape(self.kv_heads, -1, keys.shape[-1])[:, start - offset:end - offset]
+        return keys.reshape(self.kv_heads, -1, head_dim)[:, start - offset:end - offset]
 
 
 class RequestIndex:
