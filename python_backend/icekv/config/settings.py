@@ -115,7 +115,8 @@ SETTINGS = (
             "prompts that start with the same tokens (a chat's next turn), evicted when the pool needs room", bool,
             configmap=True),
     Setting("page_size", ("engine.paging.page_size", "engine.selection.page_size"), "page size, tokens"),
-    Setting("dtype", ("engine.dtype",), "compute dtype: activations, the KV cache, and the weights under `--weights auto`", str, DTYPES,
+    Setting("dtype", ("engine.dtype",), "compute dtype: activations, the KV cache, and the weights under "
+            "`--weights auto`", str, DTYPES,
             default_doc="`bfloat16` on a GPU, `float32` on a CPU"),
     Setting("weights", ("engine.weights",), "how linear weights are stored: `auto` (in the compute dtype), `bfloat16`, or "
             "weight-only `int8` (a scale per output channel) / `int4` (a scale and zero per group of inputs); "

@@ -55,7 +55,8 @@ def compile_loops(kv_dtype: torch.dtype, kv_format: KVFormat = KVFormat()) -> No
     dtype = kv_dtype if compiled_reads(kv_dtype, kv_format.storage_dtype(kv_dtype), kv_format) else torch.float32
     pool = torch.zeros_like(cache.pool[0], dtype=kv_format.storage_dtype(dtype))  # [2, Hkv, pages, P, W]
     rows = torch.zeros(1, 1, 8, dtype=dtype)  # [Hkv, 1, D]
+    # decode attention (also the pool tail), then the full decode
     sparse_decode_cpu(torch.zeros(2, 8, dtype=dtype), rows, rows, pool[0, :, :1], pool[1, :, :1],
-                      torch.ones(1, 1, dtype=torch.long), rows, rows, kv_format)  # decode attention (also the pool tail)
+                      torch.ones(1, 1, dtype=torch.long), rows, rows, kv_format)
     one_page = torch.zeros(1, dtype=torch.long)
-    paged_decode_cpu(torch.zeros(1, 2, 8, dtype=dtype), pool, one_page, one_page, one_page + 1, kv_format)  # full decode
+    paged_decode_cpu(torch.zeros(1, 2, 8, dtype=dtype), pool, one_page, one_page, one_page + 1, kv_format)

@@ -7,12 +7,13 @@ window tokens) in place, two passes: scores and their max, then the weighted sum
 tail is read straight from the request's pages in the host pool, by position ranges
 (:func:`sparse_decode_pool_cpu`, the decode loop's path: no views or copies to build per layer),
 or from given tensors (:func:`sparse_decode_cpu`). At decode sizes (a few hundred tokens per head)
-torch's dozen calls cost more in dispatch than in arithmetic; this is one call. Queries and the result
-are fp32 inside (numba has no bf16: bf16 queries are widened, the result narrowed back); bf16
-pages are read as their 16-bit words and widened as they are read. KV heads run in parallel, each reading (and decoding) its rows once for all the query heads
-that share it (GQA), at the price of leaving cores idle where there are more cores than KV heads
-(the call is short: a few hundred rows per head). Pages and pool may hold packed quantized rows
-(:mod:`icekv.kv.quant`): each row is then decoded as it is read (int8 codes converted, fp8 codes
+torch's dozen calls cost more in dispatch than in arithmetic; this is one call. Queries and the
+result are fp32 inside (numba has no bf16: bf16 queries are widened, the result narrowed back);
+bf16 pages are read as their 16-bit words and widened as they are read. KV heads run in parallel,
+each reading (and decoding) its rows once for all the query heads that share it (GQA), at the
+price of leaving cores idle where there are more cores than KV heads (the call is short: a few
+hundred rows per head). Pages and pool may hold packed quantized rows (:mod:`icekv.kv.quant`):
+each row is then decoded as it is read (int8 codes converted, fp8 codes
 moved into fp16 bits, times the row's scale) into one row of scratch, inside the loop (no
 dequantized copy of the pages).
 
