@@ -1,10 +1,15 @@
 """Run by the plugin's tests under the vLLM environment (.venv-vllm): one vLLM engine with icekv's
 plugin on MODEL, the cases of tests/vllm/test_vllm_plugin.py, their tokens and icekv's state as one
-JSON object on one line of stdout (the only one starting with "{")."""
+JSON object on one line of stdout (the only one starting with "{").
+
+The cache holds 64 blocks of 32 tokens (vLLM keeps one back): two requests of 960 + 96 tokens fit
+on admission (30 blocks each) and outgrow it while they decode, so vLLM preempts one."""
 
 import json
 import os
 import sys
+
+CACHE_BLOCKS, BLOCK_SIZE = 64, 32
 
 
 def main() -> None:
@@ -13,27 +18,53 @@ def main() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     model, prompts = sys.argv[1], json.loads(sys.argv[2])
-    llm = LLM(model=model, dtype="float32", block_size=32, max_model_len=4096, enforce_eager=True, seed=0,
-              worker_cls="icekv.vllm.worker.IceKVCPUWorker", enable_prefix_caching=True,
-              additional_config={"icekv": {"policy": "icecache", "budget": 128}})
+    llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1536, enforce_eager=True, seed=0,
+              num_gpu_blocks_override=CACHE_BLOCKS, worker_cls="icekv.vllm.worker.IceKVCPUWorker",
+              enable_prefix_caching=True, additional_config={"icekv": {"policy": "icecache", "budget": 128}})
+
+    def params(xargs=None, max_tokens=16):
+        return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=xargs)
 
     def generate(ids_list, xargs=None, max_tokens=16):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args=xargs)
         return [o.outputs[0].token_ids for o in llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids_list],
-                                                              params, use_tqdm=False)]
+                                                              params(xargs, max_tokens), use_tqdm=False)]
 
-    first = prompts[0]
+    def stats():
+        return llm.collective_rpc("icekv_stats")[0]
+
+    first, *others = prompts["short"]
     out = {"backend": AttentionBackendEnum.CPU_ATTN.get_path(),
            "full": generate([first], {"policy": "full"})[0],
            "icecache": generate([first])[0],
            "quest": generate([first], {"policy": "quest", "budget": 128})[0],
            "wide": generate([first], {"budget": 4096})[0],
-           "batched": generate(prompts),
-           "alone": [generate([p])[0] for p in prompts[1:]],
+           "batched": generate(prompts["short"]),
+           "alone": [generate([p])[0] for p in others],
            "stats": llm.collective_rpc("icekv_stats"),
-           "refused": refused(llm, SamplingParams, TokensPrompt, first),
+           "refused": refused(llm, params, TokensPrompt, first),
            "layouts": layouts()}
+    # before the long requests evict the short ones' blocks from the cache
+    shared = llm.generate([TokensPrompt(prompt_token_ids=prompts["extended"])], params(), use_tqdm=False)[0]
+    out["prefix_hit"] = {"cached": shared.num_cached_tokens, "tokens": shared.outputs[0].token_ids,
+                         "stats": stats()}
+    before = stats()
+    together = generate(prompts["long"], max_tokens=96)
+    out["preempted"] = {"together": together, "before": before, "stats": stats(),
+                        "alone": [generate([p], max_tokens=96)[0] for p in prompts["long"]]}
+    out["aborted"] = aborted(llm, params, TokensPrompt(prompt_token_ids=others[0]), stats)
     print(json.dumps(out), flush=True)
+
+
+def aborted(llm, params, prompt, stats) -> dict:
+    """A request aborted while it selects: its index, held while it decodes, gone at the next step."""
+    engine = llm.llm_engine
+    engine.add_request("to-abort", prompt, params(max_tokens=200))
+    for _ in range(8):  # its prefill, then decoding steps that select
+        engine.step()
+    during = stats()
+    engine.abort_request(["to-abort"])
+    llm.generate([prompt], params(max_tokens=1), use_tqdm=False)  # the next steps
+    return {"during": during, "after": stats()}
 
 
 def layouts() -> dict:
@@ -63,14 +94,13 @@ def layouts() -> dict:
     return out
 
 
-def refused(llm, sampling_params, tokens_prompt, ids) -> dict:
+def refused(llm, params, tokens_prompt, ids) -> dict:
     """What vLLM answers requests whose icekv settings icekv cannot run (its error, per case)."""
     out = {}
     for name, xargs in {"unknown policy": {"policy": "magic"}, "budget 0": {"budget": 0},
                         "budget off the page size": {"budget": 100}, "not inside vLLM": {"policy": "snapkv"}}.items():
         try:
-            llm.generate([tokens_prompt(prompt_token_ids=ids[:50])], sampling_params(max_tokens=2, extra_args=xargs),
-                         use_tqdm=False)
+            llm.generate([tokens_prompt(prompt_token_ids=ids[:50])], params(xargs, max_tokens=2), use_tqdm=False)
             out[name] = None
         except Exception as e:  # vLLM's validation error
             out[name] = f"{type(e).__name__}: {e}"

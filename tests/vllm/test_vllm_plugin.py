@@ -1,7 +1,8 @@
 """icekv inside a real vLLM (the CPU build, in its own environment: `make setup-vllm`): the plugin
-registers and vLLM runs it; vLLM's tokens are icekv's own engine's under the same plan; batched
-requests keep their own indexes, freed as they finish; bad settings get vLLM's 400 error. One vLLM
-start for the module (tests/vllm/run_in_vllm.py, the embedded SmolLM2 in fp32)."""
+registers and vLLM runs it; vLLM's tokens are icekv's own engine's under the same plan; batched,
+preempted, aborted and prefix-sharing requests keep their own indexes, freed as they end; bad
+settings get vLLM's validation error. One vLLM start for the module (tests/vllm/run_in_vllm.py, the
+embedded SmolLM2 in fp32)."""
 
 import json
 import subprocess
@@ -23,13 +24,15 @@ PLANS = {"full": SelectionConfig(policy="full"), "icecache": SelectionConfig(pol
 @pytest.fixture(scope="module")
 def prompts(engine, essays_text):
     ids = engine.tokenizer.encode(essays_text)
-    return [ids[:700], ids[5000:5600], ids[9000:9500]]  # each past the budget: decodes select
+    return {"short": [ids[:700], ids[5000:5600], ids[9000:9500]],  # each past the budget: decodes select
+            "long": [ids[12000:12960], ids[15000:15960]],  # 30 blocks each: together they outgrow the cache
+            "extended": ids[:700] + ids[800:850]}  # the first short prompt's blocks, from vLLM's prefix cache
 
 
 @pytest.fixture(scope="module")
 def vllm_run(smollm2_dir, prompts):
     proc = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("run_in_vllm.py")), str(smollm2_dir),
-                           json.dumps(prompts)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+                           json.dumps(prompts)], capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("{")]  # vLLM logs around it
     return json.loads(line)
@@ -42,13 +45,13 @@ def test_vllm_runs_icekvs_backend(vllm_run):
 
 def test_a_budget_covering_the_context_is_vllms_own_attention(vllm_run, engine, prompts):
     assert vllm_run["wide"] == vllm_run["full"]
-    mine = engine.generate(prompts[0], SamplingConfig(max_tokens=16, ignore_eos=True), selection=PLANS["full"])
+    mine = engine.generate(prompts["short"][0], SamplingConfig(max_tokens=16, ignore_eos=True), selection=PLANS["full"])
     assert vllm_run["full"] == mine.token_ids  # vLLM's kernel and icekv's engine agree in fp32
 
 
 @pytest.mark.parametrize("name", ["icecache", "quest"])
 def test_inside_vllm_a_method_decodes_what_icekvs_engine_decodes(vllm_run, engine, prompts, name):
-    mine = engine.generate(prompts[0], SamplingConfig(max_tokens=16, ignore_eos=True), selection=PLANS[name])
+    mine = engine.generate(prompts["short"][0], SamplingConfig(max_tokens=16, ignore_eos=True), selection=PLANS[name])
     assert vllm_run[name] == mine.token_ids
     assert vllm_run[name] != vllm_run["full"]  # the budget selected: these are not full attention's tokens
 
@@ -70,3 +73,31 @@ def test_settings_icekv_cannot_run_get_vllms_validation_error(vllm_run):
     assert "not a multiple of the page size" in refused["budget off the page size"]
     assert "not available inside vLLM" in refused["not inside vLLM"]
     assert all(error.startswith("VLLMValidationError") for error in refused.values())
+
+
+def test_a_preempted_request_builds_its_index_again_and_the_other_keeps_its_own(vllm_run):
+    run = vllm_run["preempted"]
+    stats, before = run["stats"], run["before"]
+    assert stats["preemptions"] - before["preemptions"] == 1
+    assert stats["indexes_built"] - before["indexes_built"] == 3  # each request, and the preempted one again
+    assert stats["indexes"] == 0
+    kept, preempted = run["together"]
+    assert kept == run["alone"][0]  # never lost its blocks: its index saw only its own rows
+    # vLLM preempts the later request once both need a 32nd block (62 of the 63 usable held at 32
+    # tokens each); resumed, it recomputes its generated tokens' KV under full attention, so it
+    # decodes its own tokens up to there and may part from them after
+    assert len(preempted) == 96 and preempted[:32] == run["alone"][1][:32]
+
+
+def test_an_aborted_request_drops_its_index(vllm_run):
+    during, after = vllm_run["aborted"]["during"], vllm_run["aborted"]["after"]
+    assert during["indexes"] == 1 and during["index_bytes"] > 0
+    assert after["indexes"] == 0 and after["index_bytes"] == 0
+
+
+def test_a_prefix_cache_hit_selects_over_the_shared_blocks(vllm_run, engine, prompts):
+    hit = vllm_run["prefix_hit"]
+    assert hit["cached"] >= 640  # the first short prompt's 21 full blocks, computed by an earlier request
+    mine = engine.generate(prompts["extended"], SamplingConfig(max_tokens=16, ignore_eos=True),
+                           selection=PLANS["icecache"])
+    assert hit["tokens"] == mine.token_ids and hit["stats"]["indexes"] == 0

@@ -92,6 +92,7 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
         self.indexes: dict[str, RequestIndex] = {}  # vLLM request id -> its index, from its first selecting step
         self.runner = None  # the model runner, handed over by the worker: its batch rows' request ids
         self.selecting_steps = 0  # (request, step) pairs that selected, finished requests' too
+        self.indexes_built = 0  # finished requests' too; a preempted request builds its index again
         if self.selection is None:  # vLLM's own backend, nothing more
             return
         if is_quantized_kv_cache(self.kv_cache_dtype):
@@ -121,6 +122,7 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
             if not plan.selects(length):
                 return None
             index = self.indexes[request_id] = RequestIndex(plan)
+            self.indexes_built += 1
         return index
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):

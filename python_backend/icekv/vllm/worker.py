@@ -16,8 +16,14 @@ from icekv.vllm.backend import IceKVBuilder
 
 
 class IceKVCPUWorker(CPUWorker):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.preemptions = 0  # requests vLLM preempted (their indexes dropped with their blocks)
+
     def execute_model(self, scheduler_output):
-        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        preempted = set(scheduler_output.preempted_req_ids or ())
+        self.preemptions += len(preempted)
+        gone = set(scheduler_output.finished_req_ids) | preempted
         gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         for builder in self._icekv_builders():
             builder.runner = self.model_runner
@@ -26,12 +32,14 @@ class IceKVCPUWorker(CPUWorker):
 
     def icekv_stats(self) -> dict:
         """What icekv holds in this worker (``LLM.collective_rpc("icekv_stats")``): the live
-        requests' indexes and the selecting decode steps they ran, all layers."""
+        requests' indexes, the indexes built and the selecting decode steps run (finished requests'
+        too), and the preemptions seen."""
         builders = self._icekv_builders()
         indexes = [i for b in builders for i in b.indexes.values()]
         return {"builders": len(builders), "indexes": len(indexes),
                 "index_bytes": sum(i.selector.index_bytes() for i in indexes),
-                "selecting_steps": sum(b.selecting_steps for b in builders)}
+                "indexes_built": sum(b.indexes_built for b in builders),
+                "selecting_steps": sum(b.selecting_steps for b in builders), "preemptions": self.preemptions}
 
     def _icekv_builders(self) -> list[IceKVBuilder]:
         groups = getattr(self.model_runner, "attn_groups", [])
