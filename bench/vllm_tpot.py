@@ -1,11 +1,16 @@
 """Time per output token of vLLM (its CPU build) with and without icekv's plugin, one request, one
 context length: run under .venv-vllm (`make setup-vllm`). Each engine runs in a process of its own,
-one after the other; the decode time is (time for 2N + 1 tokens - time for N + 1 tokens) / N, the
-median of --repeats, after a warm-up request: both runs prefill from the prefix cache and build the
-plugin's index at their first selecting step, so the difference is N decode steps alone (the index
-build is timed apart, as the first selecting step's extra time).
+one after the other. After the prefill (timed) and a warm-up request, each of --repeats requests
+decodes N + 2 tokens from the prefix cache, stepped one engine step at a time: its first two steps
+(the prompt's last block, then the first decode step, which builds the plugin's index) are timed
+as "until decoding", the median of the N steps after them as its time per token; the figure is
+the median over the requests.
 
     .venv-vllm/bin/python bench/vllm_tpot.py --model DIR --context 4096 --out bench/results/vllm_tpot_X
+
+``--shape llama-3.2-1b`` times a checkpoint's shape without its weights: its config.json is written
+to a scratch folder beside a fetched model's tokenizer (``--model``, for the prompt's ids), and vLLM
+loads dummy weights (speed only; the tokens mean nothing).
 """
 
 from __future__ import annotations
@@ -16,8 +21,29 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+
+# the public config.json of each shape (meta-llama/Llama-3.2-1B-Instruct)
+SHAPES = {"llama-3.2-1b": {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "vocab_size": 128256, "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001,
+    "torch_dtype": "bfloat16"}}
+
+
+def shape_dir(shape: str, tokenizer_dir: Path, scratch: Path) -> Path:
+    """A model folder of ``shape``'s config and ``tokenizer_dir``'s tokenizer files, no weights."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "config.json").write_text(json.dumps(SHAPES[shape]))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (scratch / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return scratch
 
 
 def one_engine(args) -> dict:
@@ -27,28 +53,35 @@ def one_engine(args) -> dict:
 
     icekv = {"policy": args.policy, "budget": args.budget} if args.policy != "none" else None
     extra = {"worker_cls": "icekv.vllm.worker.IceKVCPUWorker", "additional_config": {"icekv": icekv}} if icekv else {}
-    llm = LLM(model=args.model, dtype=args.dtype, block_size=32, max_model_len=args.context + args.tokens + 64,
+    if args.shape:
+        extra["load_format"] = "dummy"
+    llm = LLM(model=args.model, dtype=args.dtype, block_size=32, max_model_len=args.context + 2 * args.tokens + 64,
               enforce_eager=True, enable_prefix_caching=True, **extra)
     text = " ".join(Path(f).read_text() for f in sorted(Path(args.texts).glob("*.txt")))
     ids = llm.get_tokenizer().encode(text)[: args.context]
     prompt = TokensPrompt(prompt_token_ids=ids)
 
-    def run(tokens: int) -> float:
-        t0 = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t0
+    def steps(tokens: int) -> list[float]:
+        """One request decoding ``tokens`` tokens: the seconds of each engine step."""
+        engine = llm.llm_engine
+        engine.add_request(f"timed-{time.perf_counter_ns()}", prompt,
+                           SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        times, t0 = [], time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+        return times
 
-    prefill_s = run(1)  # the prefill, and the prefix cache holds the prompt from here on
-    run(args.tokens + 1)  # warm-up
-    short, long = [], []
-    for _ in range(args.repeats):
-        short.append(run(args.tokens + 1))
-        long.append(run(2 * args.tokens + 1))
-    tpots = [(b - a) / args.tokens for a, b in zip(short, long)]
+    prefill_s = sum(steps(1))  # the prefill, and the prefix cache holds the prompt from here on
+    steps(args.tokens + 2)  # warm-up
+    runs = [steps(args.tokens + 2) for _ in range(args.repeats)]
+    tpots = [statistics.median(r[2:]) for r in runs]
     tpot = statistics.median(tpots)
-    first_s = statistics.median(short) - args.tokens * tpot  # the prompt from the cache, the index, the first steps
+    first_s = statistics.median(sum(r[:2]) for r in runs)  # the prompt from the cache, then the index build
     return {"policy": "vllm" if icekv is None else args.policy, "budget": args.budget if icekv else None,
-            "tpot_s": tpot, "tpots_s": tpots, "until_decoding_s": first_s, "prefill_s": prefill_s}
+            "tpot_s": tpot, "tpots_s": tpots, "until_decoding_s": first_s, "prefill_s": prefill_s,
+            "steps_per_request": len(runs[0])}
 
 
 def main() -> int:
@@ -60,17 +93,21 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="a checkpoint's shape, dummy weights")
     parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # set in a child: its engine ("none": vLLM's)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.policy is not None:
         print(json.dumps(one_engine(args)), flush=True)
         return 0
+    model = args.model
+    if args.shape:
+        model = str(shape_dir(args.shape, Path(args.model), Path(tempfile.mkdtemp(prefix=f"icekv-{args.shape}-"))))
     records = []
     for policy in ("none", "icecache"):  # plain vLLM first, then the plugin: one engine at a time
-        child = [sys.executable, __file__, "--model", args.model, "--texts", args.texts, "--context", str(args.context),
+        child = [sys.executable, __file__, "--model", model, "--texts", args.texts, "--context", str(args.context),
                  "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--dtype", args.dtype,
-                 "--budget", str(args.budget), "--policy", policy]
+                 "--budget", str(args.budget), "--policy", policy] + (["--shape", args.shape] if args.shape else [])
         proc = subprocess.run(child, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode or not lines:
@@ -79,6 +116,7 @@ def main() -> int:
         records.append(json.loads(lines[0]))
         print(records[-1], flush=True)
     result = {"command": " ".join(["bench/vllm_tpot.py", *sys.argv[1:]]), "context": args.context, "dtype": args.dtype,
+              "shape": args.shape,
               "records": records, "ratio": records[1]["tpot_s"] / records[0]["tpot_s"]}
     print(json.dumps(result))
     if args.out:

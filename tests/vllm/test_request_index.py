@@ -1,12 +1,14 @@
 """The plugin's index over vLLM's cache layout, checked without vLLM: rows read back through a
 shuffled block table, and decode attention against plain torch over the tokens it must attend."""
 
+import numpy as np
 import pytest
 import torch
 
 from icekv.config.selection import SelectionConfig
 from icekv.policies import resolve
-from icekv.vllm.request_index import BlockLayout, BlockRows, RequestIndex
+from icekv.kernels.cpu_decode import block_rows_decode_cpu
+from icekv.vllm.request_index import BlockLayout, BlockRows, RequestIndex, attend_reference
 
 HKV, GROUP, D, BLOCK = 2, 3, 16, 32
 LAYOUT = BlockLayout.plain(BLOCK, D)
@@ -101,3 +103,32 @@ def test_icecache_selects_per_kv_head_within_its_budget():
     attended = [p[p >= 0] for p in attended]
     assert all(len(p) <= index.plan.budget for p in attended)
     torch.testing.assert_close(out, _reference(q, keys, values, attended, D**-0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads, group, head_dim, block, dim_major", [
+    (1, 1, 16, 32, False), (2, 7, 64, 32, True), (3, 3, 80, 64, False), (8, 4, 128, 128, True), (2, 1, 8, 16, True)])
+def test_the_compiled_decode_over_vllms_blocks_matches_plain_torch(dtype, kv_heads, group, head_dim, block, dim_major):
+    """Odd head dims and groups, one KV head or many, a dim-major key layout, pages with empty
+    slots, a head with no picked page, an empty sink range, bf16 read as its words."""
+    g = torch.Generator().manual_seed(kv_heads * head_dim + block)
+    blocks, page = 12, 16
+    cache = torch.randn(blocks + 2, kv_heads, block, 2 * head_dim, generator=g).to(dtype)  # [nb, Hkv, bs, 2D]
+    table = torch.randperm(blocks + 2, generator=g)[:blocks].int()  # [blocks]
+    cache[[b for b in range(blocks + 2) if b not in table.tolist()]] = float("nan")  # not the request's: never read
+    plain = BlockLayout.plain(block, head_dim)
+    layout = BlockLayout(torch.arange(block * head_dim).view(head_dim, block).T, plain.values) if dim_major else plain
+    rows = BlockRows(cache, table, layout)
+    length = blocks * block
+    heads = torch.tensor([h for h in range(kv_heads) if h != 1 for _ in range(3)])  # [n]: KV head 1 picks none
+    picked = torch.randperm(length // page - 3, generator=g)[: len(heads)][:, None] * page + torch.arange(page)  # [n, P]
+    picked[:, page - 5:] = -1  # empty slots
+    q = torch.randn(kv_heads * group, head_dim, generator=g).to(dtype)
+    for ranges in ([[0, 16], [length - 40, length]], [[0, 0], [length - 1, length]]):
+        ranges = np.array(ranges, dtype=np.int64)  # [2, 2] sink, window
+        want = attend_reference(q, rows, ranges, heads, picked, head_dim**-0.5)
+        got = block_rows_decode_cpu(q, rows.tiles, rows.block_table, layout.keys, layout.values, ranges, heads, picked,
+                                    head_dim**-0.5)
+        assert got.dtype == dtype and got.shape == q.shape
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -23,7 +23,7 @@ from icekv.errors import ConfigError
 from icekv.eval.needles import check_distinct_key_words, longest_answer_room
 from icekv.eval.run_log import ContextGrid, RunLog, context_key, grid_of
 from icekv.eval.stats import aggregate
-from icekv.eval.tasks import TASKS, HaystackSampler, PromptFormat
+from icekv.eval.tasks import TASKS, ContextSample, HaystackSampler, PromptFormat
 from icekv.policies import PolicyPlan, resolve
 
 @dataclass(frozen=True)
@@ -79,8 +79,28 @@ class EvalConfig(ContextGrid):
                       for p in self.policies if p != "full" for b in self.budgets]
 
 
-def _sample_seed(cfg: EvalConfig, task: str, length: int, i: int) -> int:
-    return zlib.crc32(f"{cfg.seed}/{cfg.haystack}/{task}/{length}/{i}".encode())
+@dataclass(frozen=True)
+class ContextPrompts:
+    """One context of a grid, as token ids: the context, and after it each question's suffix and the
+    tokens its answer is decoded under. Every engine evaluated on the grid gets these ids."""
+
+    seed: int
+    sample: ContextSample
+    context_ids: list[int]
+    suffixes: list[list[int]]
+    max_tokens: list[int]
+
+
+def context_prompts(cfg: EvalConfig, sampler: HaystackSampler, form: PromptFormat, encode: Callable[[str], list[int]],
+                    task: str, length: int, i: int) -> ContextPrompts:
+    """The ``i``-th context of ``task`` at ``length``: its seed and needle depth follow from the grid."""
+    depth = cfg.depths[i % len(cfg.depths)] if cfg.depths else (i + 0.5) / cfg.samples
+    seed = zlib.crc32(f"{cfg.seed}/{cfg.haystack}/{task}/{length}/{i}".encode())
+    sample = sampler.make_context(task, length, seed, cfg.questions, depth if cfg.questions == 1 else None,
+                                  cfg.num_needles, cfg.num_values, cfg.num_hops, cfg.distinct_key_words)
+    return ContextPrompts(seed, sample, encode(form.context(sample.context)),
+                          [encode(form.question(q.text)) for q in sample.questions],
+                          [q.tokens_to_decode(cfg.max_tokens) for q in sample.questions])
 
 
 def run_eval(engine: Engine, cfg: EvalConfig, haystack_text: str,
@@ -127,13 +147,8 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
     """Prefill one context, ask each of its questions under every plan (each question's runs
     logged as it is answered; those an interrupted run logged are kept); the context's log entry."""
     key = context_key(task, length, i)
-    depth = cfg.depths[i % len(cfg.depths)] if cfg.depths else (i + 0.5) / cfg.samples
-    seed = _sample_seed(cfg, task, length, i)
-    sample = sampler.make_context(task, length, seed, cfg.questions, depth if cfg.questions == 1 else None,
-                                  cfg.num_needles, cfg.num_values, cfg.num_hops, cfg.distinct_key_words)
-    context_ids = engine.tokenizer.encode(form.context(sample.context))
-    suffixes = [engine.tokenizer.encode(form.question(q.text)) for q in sample.questions]
-    max_tokens = [q.tokens_to_decode(cfg.max_tokens) for q in sample.questions]
+    prompts = context_prompts(cfg, sampler, form, engine.tokenizer.encode, task, length, i)
+    sample, context_ids, suffixes, max_tokens = prompts.sample, prompts.context_ids, prompts.suffixes, prompts.max_tokens
     answered = dict(run_log.asked(key))  # question -> its runs
     for runs in answered.values():
         on_run(len(runs), resumed=True)
@@ -160,7 +175,7 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
     finally:
         if req is not None:
             engine.release(req)
-    return {"context": key, "seed": seed, "context_tokens": len(context_ids), "depths": list(sample.depths),
+    return {"context": key, "seed": prompts.seed, "context_tokens": len(context_ids), "depths": list(sample.depths),
             "prefill_s": req.prefill_s if req is not None else None,  # a read where the prefix store held it
             "prefill_cached_tokens": req.cached_tokens if req is not None else None,
             "runs": [r for q in sorted(answered) for r in answered[q]]}

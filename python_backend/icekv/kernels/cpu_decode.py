@@ -108,6 +108,77 @@ def _paged_decode(q, pool, pool_w, page_ids, starts, lengths, scale, out):
                 out[i, kv * group + g, t] = acc[g, t] / totals[g]
 
 
+def block_rows_decode_cpu(q: torch.Tensor, tiles: torch.Tensor, block_table: torch.Tensor, key_at: torch.Tensor,
+                          value_at: torch.Tensor, ranges: np.ndarray, heads: torch.Tensor, picked: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Decode attention over one request's tokens in vLLM's CPU cache of one layer, read in place.
+
+    q [Hq, D] (fp32 or bf16); tiles [nb, Hkv, 2 * bs * D] (fp32 or bf16): each (block, KV head)
+    tile holds its rows' K value ``j`` at ``key_at[row, j]`` and V value at ``value_at[row, j]``
+    ([bs, D] flat offsets each); block_table [blocks] the request's. Every KV head attends the
+    positions in ``ranges`` [R, 2] (start, end: sink and window) and the positions ``picked[i]``
+    [n, P] of the selected pages ``i`` with ``heads[i]`` == its index (-1: an empty slot) -> [Hq, D]
+    in q's dtype. Reference: :func:`icekv.vllm.request_index.attend_reference`."""
+    out = np.empty(q.shape, dtype=np.float32)  # [Hq, D]
+    _block_rows_decode(_queries(q), _rows(tiles, KVFormat()), block_table.long().numpy(), key_at.numpy(),
+                       value_at.numpy(), ranges, heads.long().numpy(), picked.long().numpy(), scale, out)
+    return torch.from_numpy(out).to(q.dtype)
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
+def _block_rows_decode(q, tiles, block_table, key_at, value_at, ranges, heads, picked, scale, out):
+    hq, d = q.shape
+    hkv = tiles.shape[1]
+    group = hq // hkv
+    n_fixed = 0
+    for r in range(ranges.shape[0]):
+        n_fixed += max(ranges[r, 1] - ranges[r, 0], 0)
+    for kv in numba.prange(hkv):  # each KV head reads (and widens) its rows once for its query heads
+        qs = q[kv * group : (kv + 1) * group]  # [G, D]
+        scores = np.empty((group, n_fixed + picked.shape[0] * picked.shape[1]), dtype=np.float32)  # [G, most]
+        raw = np.empty(d, dtype=tiles.dtype)  # [D] a row's stored values, gathered from its tile
+        scratch = np.empty(d, dtype=np.float32)  # [D] the row widened
+        n = 0
+        for r in range(ranges.shape[0]):
+            for pos in range(ranges[r, 0], ranges[r, 1]):
+                _score(qs, _tile_row(tiles, block_table, kv, pos, key_at, raw, scratch), scale, scores, n)
+                n += 1
+        for i in range(picked.shape[0]):
+            if heads[i] == kv:
+                for pos in picked[i]:
+                    if pos >= 0:
+                        _score(qs, _tile_row(tiles, block_table, kv, pos, key_at, raw, scratch), scale, scores, n)
+                        n += 1
+        totals = _softmax(scores, n)  # [G]
+        acc = np.zeros((group, d), dtype=np.float32)  # [G, D]
+        n = 0
+        for r in range(ranges.shape[0]):
+            for pos in range(ranges[r, 0], ranges[r, 1]):
+                _accumulate(scores, n, _tile_row(tiles, block_table, kv, pos, value_at, raw, scratch), acc)
+                n += 1
+        for i in range(picked.shape[0]):
+            if heads[i] == kv:
+                for pos in picked[i]:
+                    if pos >= 0:
+                        _accumulate(scores, n, _tile_row(tiles, block_table, kv, pos, value_at, raw, scratch), acc)
+                        n += 1
+        for g in range(group):
+            for j in range(d):
+                out[kv * group + g, j] = acc[g, j] / totals[g]
+
+
+@numba.njit(inline="always")
+def _tile_row(tiles, block_table, kv, pos, offsets_at, raw, scratch):
+    """The values [D] of KV head ``kv``'s row at ``pos``, its stored values (fp32, or bf16 as int16
+    words) at ``offsets_at[pos % block size]`` in its block's tile."""
+    block_size = offsets_at.shape[0]
+    tile = tiles[block_table[pos // block_size], kv]
+    offsets = offsets_at[pos % block_size]
+    for j in range(offsets.shape[0]):
+        raw[j] = tile[offsets[j]]
+    return stored_row(raw, None, 0, scratch)
+
+
 def _words(rows: torch.Tensor, kv_format: KVFormat) -> np.ndarray | None:
     """Packed rows as float32 words (each row's scale, read in place); None when not quantized:
     the kernels' signal to read plain values."""

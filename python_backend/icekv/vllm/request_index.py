@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from icekv.kernels.cpu_decode import block_rows_decode_cpu
 from icekv.policies import PolicyPlan
 
 
@@ -93,16 +95,32 @@ class RequestIndex:
     @staticmethod
     def _attend(q, rows: BlockRows, heads, picked, sink_end: int, window_start: int, length: int, scale: float):
         """Each KV head's sink + picked + window tokens, attended by its query heads."""
-        kv_heads = rows.kv_heads
-        fixed = torch.cat([torch.arange(0, sink_end), torch.arange(window_start, length)])  # [f]
-        per_head = [torch.cat([fixed, picked[heads == h].flatten()]) for h in range(kv_heads)]
-        most = max(len(p) for p in per_head)
-        positions = torch.stack([torch.nn.functional.pad(p, (0, most - len(p)), value=-1) for p in per_head])  # [Hkv, n]
-        valid = positions >= 0  # [Hkv, n]
-        keys, values = rows.gather(positions.clamp(min=0))  # [Hkv, n, D] each
-        group = q.shape[0] // kv_heads
-        qh = q.float().view(kv_heads, group, -1)  # [Hkv, G, D]
-        scores = torch.einsum("hgd,hnd->hgn", qh, keys.float()) * scale  # [Hkv, G, n]
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        out = torch.einsum("hgn,hnd->hgd", scores.softmax(-1), values.float())  # [Hkv, G, D]
-        return out.reshape(q.shape).to(q.dtype)
+        ranges = np.array([[0, sink_end], [window_start, length]], dtype=np.int64)  # [2, 2]
+        if q.dtype in COMPILED and rows.tiles.dtype in COMPILED:
+            return block_rows_decode_cpu(q, rows.tiles, rows.block_table, rows.layout.keys, rows.layout.values, ranges,
+                                         heads, picked, scale)
+        return attend_reference(q, rows, ranges, heads, picked, scale)
+
+
+COMPILED = (torch.float32, torch.bfloat16)  # the dtypes of queries and cache the compiled decode reads
+
+
+def attend_reference(q: torch.Tensor, rows: BlockRows, ranges: np.ndarray, heads: torch.Tensor, picked: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [Hq, D] over each KV head's positions in ``ranges`` [R, 2] and in its picked pages
+    (``picked[i]`` [n, P] where ``heads[i]`` is the head, -1: empty), in plain torch: what
+    :func:`icekv.kernels.cpu_decode.block_rows_decode_cpu` computes in one call."""
+    kv_heads = rows.kv_heads
+    fixed = torch.cat([torch.arange(int(start), int(end)) for start, end in ranges])  # [f]
+    per_head = [torch.cat([fixed, picked[heads == h].flatten()]) for h in range(kv_heads)]
+    per_head = [p[p >= 0] for p in per_head]  # without the empty slots
+    most = max(len(p) for p in per_head)
+    positions = torch.stack([torch.nn.functional.pad(p, (0, most - len(p))) for p in per_head])  # [Hkv, n]
+    valid = torch.arange(most)[None, :] < torch.tensor([len(p) for p in per_head])[:, None]  # [Hkv, n]
+    keys, values = rows.gather(positions)  # [Hkv, n, D] each
+    group = q.shape[0] // kv_heads
+    qh = q.float().view(kv_heads, group, -1)  # [Hkv, G, D]
+    scores = torch.einsum("hgd,hnd->hgn", qh, keys.float()) * scale  # [Hkv, G, n]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    out = torch.einsum("hgn,hnd->hgd", scores.softmax(-1), values.float())  # [Hkv, G, D]
+    return out.reshape(q.shape).to(q.dtype)
