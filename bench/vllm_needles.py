@@ -26,6 +26,33 @@ def plans(budgets: list[int]) -> list[tuple[str, int | None, dict]]:
                                                     for b in budgets]
 
 
+# what makes a grid's prompts and plans: two runs are compared only where these agree
+SAME_FIELDS = ("haystack", "questions", "seed", "depths", "max_tokens", "num_needles", "num_values", "num_hops",
+               "distinct_key_words", "chat_template", "icecache")
+
+
+def grid(cfg) -> dict:
+    from icekv.eval.run_log import grid_of
+
+    full = grid_of(cfg, ())
+    return {name: full[name] for name in SAME_FIELDS}
+
+
+def read_log(path: Path) -> tuple[dict | None, list[dict]]:
+    """A log's config line and its context entries (a line an interrupted write cut short is skipped)."""
+    config, entries = None, []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "config" in entry:
+            config = entry["config"]
+        elif "runs" in entry:
+            entries.append(entry)
+    return config, entries
+
+
 def run(args, out: Path) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -41,14 +68,23 @@ def run(args, out: Path) -> None:
     tokenizer = Tokenizer(args.model)
     sampler = HaystackSampler(Assets().haystack_text(cfg.haystack), tokenizer)
     log = out / "runs.jsonl"
-    done = {json.loads(line)["context"] for line in log.read_text().splitlines()} if log.exists() else set()
+    mine = {**grid(cfg), "budgets": list(cfg.budgets), "dtype": args.dtype}
+    if log.exists():
+        config, entries = read_log(log)
+        if config != mine:
+            sys.exit(f"{log} holds a run of another grid ({config}): give another --out")
+    else:
+        log.write_text(json.dumps({"config": mine}) + "\n")
+        entries = []
+    done = {entry["context"] for entry in entries}
+    todo = [(task, length, i) for task, length, i in cfg.contexts() if f"{task}/{length}/{i}" not in done]
+    if not todo:
+        return
     llm = LLM(model=args.model, dtype=args.dtype, block_size=32, max_model_len=max(cfg.lengths) + 1024,
               enforce_eager=True, enable_prefix_caching=True, worker_cls="icekv.vllm.worker.IceKVCPUWorker",
               additional_config={"icekv": {"policy": "icecache", "budget": max(cfg.budgets)}})
-    for task, length, i in cfg.contexts():
+    for task, length, i in todo:
         key = f"{task}/{length}/{i}"
-        if key in done:
-            continue
         prompts = context_prompts(cfg, sampler, PromptFormat(), tokenizer.encode, task, length, i)
         runs = []
         for q, question in enumerate(prompts.sample.questions):
@@ -67,12 +103,15 @@ def run(args, out: Path) -> None:
 def summarize(args, out: Path) -> dict:
     """Accuracy per (policy, budget) through vLLM, and where a saved icekv run has the same
     question under the same plan, both scores and the questions they differ on."""
-    mine = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    config, mine = read_log(out / "runs.jsonl")
     theirs = {}
     for path in args.compare:
-        for line in (Path(path) / "runs.jsonl").read_text().splitlines():
-            entry = json.loads(line)
-            for r in entry.get("runs", []):
+        other, entries = read_log(Path(path) / "runs.jsonl")
+        differs = [name for name in SAME_FIELDS if (other or {}).get(name) != config[name]]
+        if differs:
+            sys.exit(f"--compare {path}: another grid (its {', '.join(differs)} differ)")
+        for entry in entries:
+            for r in entry["runs"]:
                 budget = None if r["policy"] == "full" else r["budget"]
                 theirs[(entry["context"], r["question"], r["policy"], budget)] = r["score"]
     table = defaultdict(lambda: {"questions": 0, "vllm": 0.0, "icekv": 0.0, "compared": 0, "differ": []})

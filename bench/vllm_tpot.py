@@ -39,7 +39,6 @@ SHAPES = {"llama-3.2-1b": {
 
 def shape_dir(shape: str, tokenizer_dir: Path, scratch: Path) -> Path:
     """A model folder of ``shape``'s config and ``tokenizer_dir``'s tokenizer files, no weights."""
-    scratch.mkdir(parents=True, exist_ok=True)
     (scratch / "config.json").write_text(json.dumps(SHAPES[shape]))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (scratch / name).write_bytes((tokenizer_dir / name).read_bytes())
@@ -100,21 +99,20 @@ def main() -> int:
     if args.policy is not None:
         print(json.dumps(one_engine(args)), flush=True)
         return 0
-    model = args.model
-    if args.shape:
-        model = str(shape_dir(args.shape, Path(args.model), Path(tempfile.mkdtemp(prefix=f"icekv-{args.shape}-"))))
-    records = []
-    for policy in ("none", "icecache"):  # plain vLLM first, then the plugin: one engine at a time
-        child = [sys.executable, __file__, "--model", model, "--texts", args.texts, "--context", str(args.context),
-                 "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--dtype", args.dtype,
-                 "--budget", str(args.budget), "--policy", policy] + (["--shape", args.shape] if args.shape else [])
-        proc = subprocess.run(child, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode or not lines:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            return 1
-        records.append(json.loads(lines[0]))
-        print(records[-1], flush=True)
+    with tempfile.TemporaryDirectory(prefix="icekv-shape-") as scratch:
+        model = str(shape_dir(args.shape, Path(args.model), Path(scratch))) if args.shape else args.model
+        records = []
+        for policy in ("none", "icecache"):  # plain vLLM first, then the plugin: one engine at a time
+            child = [sys.executable, __file__, "--model", model, "--texts", args.texts, "--context", str(args.context),
+                     "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--dtype", args.dtype,
+                     "--budget", str(args.budget), "--policy", policy] + (["--shape", args.shape] if args.shape else [])
+            proc = subprocess.run(child, capture_output=True, text=True)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode or not lines:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return 1
+            records.append(json.loads(lines[0]))
+            print(records[-1], flush=True)
     result = {"command": " ".join(["bench/vllm_tpot.py", *sys.argv[1:]]), "context": args.context, "dtype": args.dtype,
               "shape": args.shape,
               "records": records, "ratio": records[1]["tpot_s"] / records[0]["tpot_s"]}

@@ -30,6 +30,8 @@ def main() -> None:
                                                               params(xargs, max_tokens), use_tqdm=False)]
 
     def stats():
+        """icekv's state after one more step (in which the worker hears of the requests that just ended)."""
+        llm.generate([TokensPrompt(prompt_token_ids=prompts["short"][0][:8])], params(max_tokens=1), use_tqdm=False)
         return llm.collective_rpc("icekv_stats")[0]
 
     first, *others = prompts["short"]
@@ -40,7 +42,7 @@ def main() -> None:
            "wide": generate([first], {"budget": 4096})[0],
            "batched": generate(prompts["short"]),
            "alone": [generate([p])[0] for p in others],
-           "stats": llm.collective_rpc("icekv_stats"),
+           "stats": [stats()],
            "refused": refused(llm, params, TokensPrompt, first),
            "layouts": layouts()}
     # before the long requests evict the short ones' blocks from the cache
@@ -61,9 +63,8 @@ def aborted(llm, params, prompt, stats) -> dict:
     engine.add_request("to-abort", prompt, params(max_tokens=200))
     for _ in range(8):  # its prefill, then decoding steps that select
         engine.step()
-    during = stats()
+    during = llm.collective_rpc("icekv_stats")[0]  # no step: it is still decoding
     engine.abort_request(["to-abort"])
-    llm.generate([prompt], params(max_tokens=1), use_tqdm=False)  # the next steps
     return {"during": during, "after": stats()}
 
 

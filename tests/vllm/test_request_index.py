@@ -121,7 +121,8 @@ def test_the_compiled_decode_over_vllms_blocks_matches_plain_torch(dtype, kv_hea
     rows = BlockRows(cache, table, layout)
     length = blocks * block
     heads = torch.tensor([h for h in range(kv_heads) if h != 1 for _ in range(3)])  # [n]: KV head 1 picks none
-    picked = torch.randperm(length // page - 3, generator=g)[: len(heads)][:, None] * page + torch.arange(page)  # [n, P]
+    pages = torch.randperm(length // page - 3, generator=g)[: len(heads)]  # [n]
+    picked = pages[:, None] * page + torch.arange(page)  # [n, P]
     picked[:, page - 5:] = -1  # empty slots
     q = torch.randn(kv_heads * group, head_dim, generator=g).to(dtype)
     for ranges in ([[0, 16], [length - 40, length]], [[0, 0], [length - 1, length]]):

@@ -83,9 +83,9 @@ def test_a_preempted_request_builds_its_index_again_and_the_other_keeps_its_own(
     assert stats["indexes"] == 0
     kept, preempted = run["together"]
     assert kept == run["alone"][0]  # never lost its blocks: its index saw only its own rows
-    # vLLM preempts the later request once both need a 32nd block (62 of the 63 usable held at 32
-    # tokens each); resumed, it recomputes its generated tokens' KV under full attention, so it
-    # decodes its own tokens up to there and may part from them after
+    # each holds 31 blocks once decoding starts (62 of the 63 usable); at their 33rd token both need
+    # one more, and vLLM preempts the later request. Resumed, it recomputes its generated tokens' KV
+    # under full attention, so it decodes its own tokens up to there and may part from them after
     assert len(preempted) == 96 and preempted[:32] == run["alone"][1][:32]
 
 

@@ -7,6 +7,7 @@ endpoint on so the test can read icekv's state (``/collective_rpc``)."""
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -38,19 +39,19 @@ def server(smollm2_dir, tmp_path_factory):
              "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
              "--worker-cls", "icekv.vllm.worker.IceKVCPUWorker",
              "--additional-config", json.dumps({"icekv": {"policy": "icecache", "budget": 128}})],
-            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + START_S
         while call(port, "GET", "/health")[0] != 200:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(1)
         yield port
-    finally:
-        proc.terminate()
+    finally:  # the server and its engine process, a session of their own
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict | None]:
@@ -97,6 +98,7 @@ def test_the_server_decodes_icekvs_tokens_under_its_settings_and_a_requests_own(
     assert status == 200, body
     full = body["choices"][0]["token_ids"]
     assert full == engine_tokens(engine, prompt, SelectionConfig(policy="full")) and full != icecache
+    complete(server, prompt[:50], max_tokens=1)  # a step after theirs, in which the worker hears they finished
     assert icekv_stats(server)["indexes"] == 0
 
 
@@ -117,9 +119,12 @@ def test_a_dropped_stream_leaves_no_index(server, prompt):
                                                         "temperature": 0, "ignore_eos": True, "stream": True}),
                  {"Content-Type": "application/json"})
     response = conn.getresponse()
+    assert response.status == 200
     chunks = 0
     while chunks < 8:  # its first tokens: it selects from its second decode step
-        chunks += response.readline().startswith(b"data: {")
+        line = response.readline()
+        assert line and b'"error"' not in line, f"the stream ended early: {line!r}"
+        chunks += line.startswith(b"data: {")
     assert icekv_stats(server)["indexes"] == 1
     conn.close()  # the client goes away mid-stream: vLLM aborts the request
     deadline = time.monotonic() + 60

@@ -148,7 +148,8 @@ def _run_context(engine: Engine, cfg: EvalConfig, sampler: HaystackSampler, form
     logged as it is answered; those an interrupted run logged are kept); the context's log entry."""
     key = context_key(task, length, i)
     prompts = context_prompts(cfg, sampler, form, engine.tokenizer.encode, task, length, i)
-    sample, context_ids, suffixes, max_tokens = prompts.sample, prompts.context_ids, prompts.suffixes, prompts.max_tokens
+    sample, context_ids, suffixes = prompts.sample, prompts.context_ids, prompts.suffixes
+    max_tokens = prompts.max_tokens
     answered = dict(run_log.asked(key))  # question -> its runs
     for runs in answered.values():
         on_run(len(runs), resumed=True)
