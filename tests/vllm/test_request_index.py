@@ -133,3 +133,18 @@ def test_the_compiled_decode_over_vllms_blocks_matches_plain_torch(dtype, kv_hea
         assert got.dtype == dtype and got.shape == q.shape
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_the_compiled_decode_refuses_a_position_past_the_requests_blocks():
+    cache = torch.randn(3, HKV, BLOCK, 2 * D)  # [nb, Hkv, bs, 2D]
+    rows = BlockRows(cache, torch.tensor([2, 0], dtype=torch.int32), LAYOUT)  # 64 tokens
+    q = torch.randn(HKV * GROUP, D)
+    picked = torch.arange(16)[None, :] + 48  # [1, P]: the request's last page
+    ranges = np.array([[0, 16], [60, 64]], dtype=np.int64)
+    out = block_rows_decode_cpu(q, rows.tiles, rows.block_table, LAYOUT.keys, LAYOUT.values, ranges,
+                                torch.tensor([1]), picked, 0.25)
+    torch.testing.assert_close(out, attend_reference(q, rows, ranges, torch.tensor([1]), picked, 0.25))
+    for ranges, picked in ((np.array([[0, 16], [60, 65]]), picked), (ranges, picked + 1)):
+        with pytest.raises(IndexError, match="past the request's 64 tokens"):
+            block_rows_decode_cpu(q, rows.tiles, rows.block_table, LAYOUT.keys, LAYOUT.values, ranges,
+                                  torch.tensor([1]), picked, 0.25)

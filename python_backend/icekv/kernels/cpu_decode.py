@@ -23,7 +23,11 @@ call: each reads its whole sequence in place, page by page, through the batch's 
 reference is :func:`icekv.kernels.reference.paged_decode_reference`. (request, KV head) pairs run
 in parallel, and each pair's arithmetic does not depend on the other requests in the batch.
 
-Both kernels share their row reader and softmax steps, and live in this one module: numba's disk
+:func:`block_rows_decode_cpu` is the vLLM plugin's decode: one request's rows read in place from
+vLLM's CPU cache through its block table, each value at the offset vLLM's cache writer put it
+(its reference is :func:`icekv.vllm.request_index.attend_reference`).
+
+The kernels share their row reader and softmax steps, and live in this one module: numba's disk
 cache of a compiled function is invalidated by its own file's changes only.
 """
 
@@ -119,6 +123,10 @@ def block_rows_decode_cpu(q: torch.Tensor, tiles: torch.Tensor, block_table: tor
     positions in ``ranges`` [R, 2] (start, end: sink and window) and the positions ``picked[i]``
     [n, P] of the selected pages ``i`` with ``heads[i]`` == its index (-1: an empty slot) -> [Hq, D]
     in q's dtype. Reference: :func:`icekv.vllm.request_index.attend_reference`."""
+    held = block_table.shape[0] * key_at.shape[0]  # tokens the request's blocks hold
+    last = max(int(ranges[:, 1].max(initial=0)), int(picked.max()) + 1 if picked.numel() else 0)
+    if last > held:  # the kernel reads without bounds checks
+        raise IndexError(f"position {last - 1} is past the request's {held} tokens of blocks")
     out = np.empty(q.shape, dtype=np.float32)  # [Hq, D]
     _block_rows_decode(_queries(q), _rows(tiles, KVFormat()), block_table.long().numpy(), key_at.numpy(),
                        value_at.numpy(), ranges, heads.long().numpy(), picked.long().numpy(), scale, out)
