@@ -107,9 +107,7 @@ def _paged_decode(q, pool, pool_w, page_ids, starts, lengths, scale, out):
         for pos in range(n):
             page, slot = page_ids[first + pos // page_size], pos % page_size
             _accumulate(scores, pos, stored_row(pool[1, kv, page, slot], pool_w, (1, kv, page, slot), scratch), acc)
-        for g in range(group):
-            for t in range(d):
-                out[i, kv * group + g, t] = acc[g, t] / totals[g]
+        _normalized(acc, totals, out[i, kv * group : (kv + 1) * group])
 
 
 def block_rows_decode_cpu(q: torch.Tensor, tiles: torch.Tensor, block_table: torch.Tensor, key_at: torch.Tensor,
@@ -143,36 +141,28 @@ def _block_rows_decode(q, tiles, block_table, key_at, value_at, ranges, heads, p
         n_fixed += max(ranges[r, 1] - ranges[r, 0], 0)
     for kv in numba.prange(hkv):  # each KV head reads (and widens) its rows once for its query heads
         qs = q[kv * group : (kv + 1) * group]  # [G, D]
-        scores = np.empty((group, n_fixed + picked.shape[0] * picked.shape[1]), dtype=np.float32)  # [G, most]
+        attended = np.empty(n_fixed + picked.shape[0] * picked.shape[1], dtype=np.int64)  # [most] its positions
+        n = 0
+        for r in range(ranges.shape[0]):
+            for pos in range(ranges[r, 0], ranges[r, 1]):
+                attended[n] = pos
+                n += 1
+        for i in range(picked.shape[0]):
+            if heads[i] == kv:
+                for pos in picked[i]:
+                    if pos >= 0:
+                        attended[n] = pos
+                        n += 1
+        scores = np.empty((group, max(n, 1)), dtype=np.float32)  # [G, n]
         raw = np.empty(d, dtype=tiles.dtype)  # [D] a row's stored values, gathered from its tile
         scratch = np.empty(d, dtype=np.float32)  # [D] the row widened
-        n = 0
-        for r in range(ranges.shape[0]):
-            for pos in range(ranges[r, 0], ranges[r, 1]):
-                _score(qs, _tile_row(tiles, block_table, kv, pos, key_at, raw, scratch), scale, scores, n)
-                n += 1
-        for i in range(picked.shape[0]):
-            if heads[i] == kv:
-                for pos in picked[i]:
-                    if pos >= 0:
-                        _score(qs, _tile_row(tiles, block_table, kv, pos, key_at, raw, scratch), scale, scores, n)
-                        n += 1
+        for i in range(n):
+            _score(qs, _tile_row(tiles, block_table, kv, attended[i], key_at, raw, scratch), scale, scores, i)
         totals = _softmax(scores, n)  # [G]
         acc = np.zeros((group, d), dtype=np.float32)  # [G, D]
-        n = 0
-        for r in range(ranges.shape[0]):
-            for pos in range(ranges[r, 0], ranges[r, 1]):
-                _accumulate(scores, n, _tile_row(tiles, block_table, kv, pos, value_at, raw, scratch), acc)
-                n += 1
-        for i in range(picked.shape[0]):
-            if heads[i] == kv:
-                for pos in picked[i]:
-                    if pos >= 0:
-                        _accumulate(scores, n, _tile_row(tiles, block_table, kv, pos, value_at, raw, scratch), acc)
-                        n += 1
-        for g in range(group):
-            for j in range(d):
-                out[kv * group + g, j] = acc[g, j] / totals[g]
+        for i in range(n):
+            _accumulate(scores, i, _tile_row(tiles, block_table, kv, attended[i], value_at, raw, scratch), acc)
+        _normalized(acc, totals, out[kv * group : (kv + 1) * group])
 
 
 @numba.njit(inline="always")
@@ -241,9 +231,7 @@ def _decode(q, pool, pool_w, page_ids, ranges, page_k, page_kw, page_v, page_vw,
             for t in range(page_len[kv, j]):
                 _accumulate(scores, n, stored_row(page_v[kv, j, t], page_vw, (kv, j, t), scratch), acc)
                 n += 1
-        for g in range(group):
-            for i in range(d):
-                out[kv * group + g, i] = acc[g, i] / totals[g]
+        _normalized(acc, totals, out[kv * group : (kv + 1) * group])
 
 
 def stored_row(row, words, at, scratch):
@@ -348,6 +336,14 @@ def _accumulate(scores, n, value, acc):
     """acc[g] += scores[g, n] * value for each query head g."""
     for g in range(acc.shape[0]):
         _axpy(scores[g, n], value, acc[g])
+
+
+@numba.njit(inline="always", fastmath={"reassoc", "contract"})
+def _normalized(acc, totals, out):
+    """out [G, D] = each query head's weighted sum acc[g] over its softmax total."""
+    for g in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
+            out[g, j] = acc[g, j] / totals[g]
 
 
 @numba.njit(inline="always", fastmath={"reassoc", "contract"})
