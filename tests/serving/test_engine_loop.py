@@ -84,3 +84,4 @@ def test_one_mapping_from_error_to_what_the_client_is_told():
         assert got == kind, error
         assert kind_of(tag(message, got)) == kind  # what the HTTP frontend reads back
     assert "a bug" not in error_reply(KeyError("a bug"))[0]  # an internal error's details stay in the log
+    assert kind_of("Stub process 'icekv_0_0' is not healthy.") == "busy"  # Triton's, not the client's fault

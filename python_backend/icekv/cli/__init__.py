@@ -10,13 +10,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_int,
+from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_float, _positive_int,
                               _serving_flags, _serving_parameters, _setting_flag)
 from icekv.cli.common import _bench_run_flags
 from icekv.config.engine import default_cache_dir
 from icekv.config.paging import PagingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.config.serving import CompressionConfig
+from icekv.serving.openai.config import OpenAIConfig
 from icekv.methods.icecache import IceCacheConfig
 from icekv.errors import IcekvError
 from icekv.policies import policy_names
@@ -171,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=_positive_int("--metrics-port"), default=8002)
     serve.add_argument("--openai-port", type=_positive_int("--openai-port"), default=None,
                        help="also listen on this port (the OpenAI API's usual place; it serves /v1 and /v2)")
+    serve.add_argument("--idle-timeout-s", type=_positive_float("--idle-timeout-s"),
+                       default=OpenAIConfig.idle_timeout_s,
+                       help="cancel a request after this many seconds without output (its first piece: queueing and "
+                            "prefill included); a reply runs for as long as its pieces keep coming")
+    serve.add_argument("--request-timeout-s", type=_positive_float("--request-timeout-s"),
+                       default=OpenAIConfig.request_timeout_s, help="cancel a request that runs longer than this in all "
+                                                                    "(default: no limit)")
     serve.add_argument("--model-repository", type=Path, default=None,
                        help="serve this repository as is (default: generate one from the flags below)")
     _serving_flags(serve)

@@ -26,6 +26,19 @@ def _positive_int(flag: str, least: int = 1):
     return parse
 
 
+def _positive_float(flag: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive number of seconds, got {text!r}")
+        return value
+
+    return parse
+
+
 def _csv(flag: str, text: str, cast):
     try:
         values = tuple(cast(x) for x in text.split(",") if x.strip())

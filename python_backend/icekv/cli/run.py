@@ -180,7 +180,8 @@ def _cmd_serve(args) -> int:
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     frontend = OpenAIFrontendProcess(OpenAIConfig(
         triton_grpc_url=f"{local}:{server.grpc_port}", host=args.host, port=args.http_port,
-        extra_ports=(args.openai_port,) if args.openai_port is not None else ()))
+        extra_ports=(args.openai_port,) if args.openai_port is not None else (), idle_timeout_s=args.idle_timeout_s,
+        request_timeout_s=args.request_timeout_s))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -140,18 +140,23 @@ class ContextService:
         self.shared.release(key)
 
     # ---- the engine thread
-    def compress_or_join(self, spec: ContextSpec, waiter) -> str:
-        """Attach ``waiter`` to the compression of ``spec`` (started now if none runs): "compressed"
-        or "joined". Raises IcekvError (bad settings, busy) when a new job cannot start."""
+    def start(self, spec: ContextSpec, waiter) -> tuple[str, CompressedContext | None]:
+        """Where ``waiter`` gets ``spec``'s context: ``("hit", context)`` when another request has
+        just made it (held for the waiter); else attached to its compression, started now if none
+        runs: ``("compressed", None)`` or ``("joined", None)``. Raises IcekvError (bad settings,
+        busy) when a new job cannot start."""
+        context = self.find_in_memory(spec.key)
+        if context is not None:
+            return "hit", context
         running = self._jobs.get(spec.key)
         if running is not None:
             running.waiters.append(waiter)
             self.stats.joined += 1
-            return "joined"
+            return "joined", None
         job = CompressionJob(self.engine, list(spec.ids), spec.method, spec.kv_budget, **dict(spec.settings))
         self._jobs[spec.key] = _Job(job, spec, [waiter])
         self.stats.misses += 1
-        return "compressed"
+        return "compressed", None
 
     @property
     def busy(self) -> bool:

@@ -207,26 +207,23 @@ class EngineLoop:
                 log.exception("could not tell a client that the engine stopped")
 
     def _compress(self, request: GenerateRequest, sink: Sink, spec: ContextSpec) -> None:
-        """Find ``spec``'s context (another request may have just made it), or compress or join."""
-        context = self.contexts.find_in_memory(spec.key)
-        if context is not None:
-            self._start_waiters(spec.key, [(request, sink)], context, None, status="hit")
-            return
+        """Run ``request`` over ``spec``'s context once it is ready (now, if another request has
+        just made it)."""
         try:
-            status = self.contexts.compress_or_join(spec, (request, sink))
+            status, context = self.contexts.start(spec, (request, sink))
         except IcekvError as e:
             self._fail(sink, e)
             return
         sink.context_used(spec.key, status)
+        if context is not None:
+            self._start_waiters(spec.key, [(request, sink)], context, None)
 
-    def _start_waiters(self, key: str, waiters: list, context, error, status: str | None = None) -> None:
+    def _start_waiters(self, key: str, waiters: list, context, error) -> None:
         """Run each waiting request over its finished context (held once per waiter), or fail it."""
         for request, sink in waiters:
             if error is not None:
                 self._fail(sink, error)
                 continue
-            if status is not None:
-                sink.context_used(key, status)
             if request.text is None:
                 self.contexts.release(key)
                 self.stats.completed += 1

@@ -2,13 +2,16 @@
 
 Triton's gRPC stream delivers a decoupled model's error as text only (no status code), so the
 kind travels as a fixed prefix of the message: the Triton model adds it, the OpenAI frontend
-reads it back to choose the HTTP status. A message without a prefix is the client's fault.
+reads it back to choose the HTTP status. A message without a prefix is the client's fault,
+except Triton's own report that the model's process does not answer (a stalled or restarting
+Python stub), which is the server's.
 """
 
 from __future__ import annotations
 
 PREFIXES = {"busy": "server busy", "cancelled": "request cancelled", "internal": "internal error"}
 KINDS = ("client", *PREFIXES)
+MODEL_PROCESS_DOWN = "Stub process"  # how Triton's Python backend starts that report
 
 
 def tag(message: str, kind: str) -> str:
@@ -20,5 +23,8 @@ def tag(message: str, kind: str) -> str:
 
 
 def kind_of(message: str) -> str:
-    """The kind :func:`tag` wrote into ``message``."""
+    """The kind :func:`tag` wrote into ``message``; "busy" for Triton's report that the model's
+    process does not answer."""
+    if MODEL_PROCESS_DOWN in message:
+        return "busy"
     return next((kind for kind, prefix in PREFIXES.items() if message.startswith(prefix)), "client")

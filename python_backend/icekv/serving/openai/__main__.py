@@ -17,12 +17,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=OpenAIConfig.port)
     parser.add_argument("--extra-port", type=int, action="append", default=[], help="another port, same routes")
     parser.add_argument("--max-body-bytes", type=int, default=OpenAIConfig.max_body_bytes)
+    parser.add_argument("--idle-timeout-s", type=float, default=OpenAIConfig.idle_timeout_s)
     parser.add_argument("--request-timeout-s", type=float, default=OpenAIConfig.request_timeout_s)
     args = parser.parse_args(argv)
     try:
         config = OpenAIConfig(triton_grpc_url=args.triton_grpc_url, model=args.model, host=args.host, port=args.port,
                               extra_ports=tuple(args.extra_port), max_body_bytes=args.max_body_bytes,
-                              request_timeout_s=args.request_timeout_s)
+                              idle_timeout_s=args.idle_timeout_s, request_timeout_s=args.request_timeout_s)
     except IcekvError as e:
         print(f"icekv openai frontend: error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -179,20 +180,30 @@ class OpenAIFrontend:
         return kind.choice(index, body.echoed(index) + text, final.finish_reason, logprobs)
 
     async def _timed(self, pieces: AsyncIterator) -> AsyncIterator:
-        """``pieces`` within the request timeout (the gRPC call is cancelled when it runs out).
+        """``pieces`` for as long as they keep coming: at most ``idle_timeout_s`` without one (from
+        the request's start to its first piece, then between any two), and within
+        ``request_timeout_s`` in all where one is set. Running out cancels the gRPC call, and with
+        it the request in the engine.
 
-        Per-piece waits against one deadline, not ``asyncio.timeout``: a streamed response's first
-        piece and the rest are awaited from different tasks."""
+        Per-piece waits, not ``asyncio.timeout``: a streamed response's first piece and the rest
+        are awaited from different tasks."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.request_timeout_s
+        idle, total = self.config.idle_timeout_s, self.config.request_timeout_s
+        deadline = None if total is None else loop.time() + total
         try:
             while True:
+                left = math.inf if deadline is None else max(deadline - loop.time(), 0.0)
                 try:
-                    piece = await asyncio.wait_for(anext(pieces), max(deadline - loop.time(), 0.0))
+                    piece = await asyncio.wait_for(anext(pieces), min(idle, left))
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
-                    raise OpenAIError(504, f"the request took longer than {self.config.request_timeout_s:g} s") from None
+                    if left <= idle:
+                        raise OpenAIError(504, f"the request took longer than {total:g} s (request_timeout_s); "
+                                          "it was cancelled") from None
+                    raise OpenAIError(504, f"no output for {idle:g} s (idle_timeout_s, the longest wait for the "
+                                      "next piece, the first one's queueing and prefill included); the request was "
+                                      "cancelled") from None
                 yield piece
         finally:
             await pieces.aclose()

@@ -20,7 +20,8 @@ class OpenAIConfig:
     extra_ports: tuple[int, ...] = ()  # more ports serving the same routes (icekv serve: the HTTP port)
     max_body_bytes: int = 4 << 20  # larger bodies get a 413 before they are read
     max_stop_sequences: int = ServingConfig.max_stop_sequences  # the model's own limit
-    request_timeout_s: float = 600.0
+    idle_timeout_s: float = 600.0  # the longest wait for a request's next piece (its first: queue and prefill)
+    request_timeout_s: float | None = None  # a whole request's limit; None: none, a reply runs while pieces come
 
     def __post_init__(self) -> None:
         for port in (self.port, *self.extra_ports):
@@ -30,5 +31,7 @@ class OpenAIConfig:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_stop_sequences < 0:
             raise ConfigError(f"max_stop_sequences must be >= 0, got {self.max_stop_sequences}")
-        if self.request_timeout_s <= 0:
+        if not self.idle_timeout_s > 0:
+            raise ConfigError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
