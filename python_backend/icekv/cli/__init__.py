@@ -115,6 +115,27 @@ def build_parser() -> argparse.ArgumentParser:
                          "later or resumed run over the same contexts reads them back instead of prefilling")
     _model_flag(ev)
 
+    fid = sub.add_parser("fidelity", help="teacher-forced fidelity of policies against the full cache over a long output")
+    given = fid.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt-file", type=Path, help="the prompt (any text)")
+    given.add_argument("--haystack", help="or a long context: the first --length tokens of this text (essays | kjv | "
+                                          "PATH), then --ask")
+    fid.add_argument("--length", type=_positive_int("--length"), default=8000, help="with --haystack: context tokens")
+    fid.add_argument("--ask", default="Summarize the text above in detail, part by part.",
+                     help="with --haystack: the request after the context")
+    fid.add_argument("--chat-template", action="store_true", help="send it as a user turn of the model's chat template")
+    fid.add_argument("--new-tokens", type=_positive_int("--new-tokens"), default=1024,
+                     help="the full cache's greedy output, at most this long, fed back under each policy")
+    fid.add_argument("--policies", default="icecache")
+    fid.add_argument("--budgets", default=str(SelectionConfig.budget))
+    fid.add_argument("--window", type=_positive_int("--window"), default=128, help="output positions per report column")
+    fid.add_argument("--top", type=_positive_int("--top"), default=64,
+                     help="the full cache's most likely tokens kept per position, over which KL is measured")
+    _icecache_flags(fid)
+    fid.add_argument("--out", type=Path, required=True, help="directory for results.json and report.md")
+    _model_flag(fid)
+    _device_flags(fid)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bd = bench_sub.add_parser("decode", help="time per output token by stage, across contexts and policies")
@@ -214,13 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from icekv.cli.build import _cmd_build
     from icekv.cli.compress import _cmd_compress
+    from icekv.cli.fidelity import _cmd_fidelity
     from icekv.cli.bench import _cmd_bench
     from icekv.cli.measure import _cmd_eval, _cmd_size
     from icekv.cli.run import _cmd_demo, _cmd_fetch, _cmd_generate, _cmd_serve
 
     handlers = {"fetch": _cmd_fetch, "generate": _cmd_generate, "demo": _cmd_demo, "eval": _cmd_eval,
                 "serve": _cmd_serve, "compress": _cmd_compress, "size": _cmd_size,
-                "bench": _cmd_bench, "build": _cmd_build}
+                "bench": _cmd_bench, "build": _cmd_build, "fidelity": _cmd_fidelity}
     try:
         return handlers[args.command](args)
     except IcekvError as e:

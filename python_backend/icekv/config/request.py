@@ -37,7 +37,9 @@ class SamplingConfig:
     per time a token was generated, ``presence_penalty`` once if it was; ``logit_bias`` adds to
     the logits of the token ids it names. ``json_schema`` (JSON text) holds the output to that
     schema, ``grammar`` to a Lark grammar (:mod:`icekv.engine.grammar`): the tokens they forbid
-    are masked before sampling.
+    are masked before sampling. ``forced_tokens`` (teacher forcing) is the output itself: each
+    step feeds the next of them in place of a sampled token, so a decode under any policy runs
+    over exactly that text (:mod:`icekv.eval.fidelity` compares policies so).
     """
 
     max_tokens: int = 64
@@ -54,6 +56,7 @@ class SamplingConfig:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (the whole prompt is prefilled)
     json_schema: str | None = None  # the output is JSON valid under this schema (checked by the engine at submit)
     grammar: str | None = None  # the output matches this Lark grammar, llguidance's dialect (forced tool calls)
+    forced_tokens: tuple[int, ...] = ()  # the output, fed in place of sampled tokens (max_tokens: its length)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -73,6 +76,11 @@ class SamplingConfig:
                 raise ConfigError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         if self.json_schema is not None and self.grammar is not None:
             raise ConfigError("an output is held to one grammar: send json_schema or grammar, not both")
+        if self.forced_tokens and self.max_tokens != len(self.forced_tokens):
+            raise ConfigError(f"max_tokens must be the number of forced_tokens ({len(self.forced_tokens)}), "
+                              f"got {self.max_tokens}")
+        if any(t < 0 for t in self.forced_tokens):
+            raise ConfigError("forced_tokens must be token ids >= 0")
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ConfigError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")

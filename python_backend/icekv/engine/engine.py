@@ -27,7 +27,7 @@ from icekv.engine.kv_manager import KVCacheManager
 from icekv.engine.model_dir import model_identity, resolve_model_dir
 from icekv.engine.results import Generation, Prefilled
 from icekv.engine.scheduler import Scheduler
-from icekv.engine.sequence import OnProgress, OnText, Phase, Request, Sequence
+from icekv.engine.sequence import OnLogits, OnProgress, OnText, Phase, Request, Sequence
 from icekv.engine.step import StepRunner
 from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache, PrefixCache
@@ -144,11 +144,13 @@ class Engine:
 
     def submit_decode(self, req: Prefilled, sampling: SamplingConfig = SamplingConfig(),
                       selection: SelectionConfig | PolicyPlan | None = None, suffix: list[int] = (),
-                      on_text: OnText | None = None, probe: bool = False) -> Sequence:
+                      on_text: OnText | None = None, probe: bool = False,
+                      on_logits: OnLogits | None = None) -> Sequence:
         """Queue a decode over a prefilled prompt (:meth:`decode`'s), after prefilling ``suffix``
-        over it; ``probe``: measure attention recall at each decode step."""
+        over it; ``probe``: measure attention recall at each decode step; ``on_logits``: sees each
+        step's logits before its token is picked."""
         return self._submit(req.prompt_ids + list(suffix), sampling, selection, req.context, on_text, None,
-                            prefilled=req, probe=probe)
+                            on_logits, prefilled=req, probe=probe)
 
     def submit_prefill(self, ids: list[int], selection: SelectionConfig | PolicyPlan | None = None,
                        on_progress: OnProgress | None = None, *,
@@ -161,18 +163,18 @@ class Engine:
 
     def _submit(self, ids: list[int], sampling: SamplingConfig, selection: SelectionConfig | PolicyPlan | None,
                 context: CompressedContext | None, on_text: OnText | None, on_progress: OnProgress | None,
-                **kind) -> Sequence:
+                on_logits: OnLogits | None = None, **kind) -> Sequence:
         """The one way in: the request checked, charged its worst case, queued. ``kind``: the
         :class:`Request` fields that make it a decode over a prefilled prompt, a prefill only, a
         probed decode, or set its prompt caching."""
-        biased = max((t for t, _ in sampling.logit_bias), default=-1)
-        if biased >= self.model.args.vocab_size:
-            raise ConfigError(f"logit_bias names token {biased}; this model's vocabulary has "
-                              f"{self.model.args.vocab_size} tokens")
+        for name, named in (("logit_bias", [t for t, _ in sampling.logit_bias]), ("forced_tokens", sampling.forced_tokens)):
+            if max(named, default=-1) >= self.model.args.vocab_size:
+                raise ConfigError(f"{name} names token {max(named)}; this model's vocabulary has "
+                                  f"{self.model.args.vocab_size} tokens")
         plan = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
         prefilled = kind.get("prefilled")
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
-        seq = Sequence(seq_id, Request(ids, sampling, plan, context, **kind), on_text, on_progress)
+        seq = Sequence(seq_id, Request(ids, sampling, plan, context, **kind), on_text, on_progress, on_logits)
         seq.grammar = self.grammars.for_request(sampling)
         if prefilled is not None:  # its prompt continues the prefilled one (submit_decode)
             seq.prefill_done = len(prefilled.prompt_ids)
@@ -259,10 +261,10 @@ class Engine:
 
     def decode(self, req: Prefilled, sampling: SamplingConfig = SamplingConfig(),
                selection: SelectionConfig | PolicyPlan | None = None, on_text: OnText | None = None,
-               probe: bool = False, suffix: list[int] = ()) -> Generation:
+               probe: bool = False, suffix: list[int] = (), on_logits: OnLogits | None = None) -> Generation:
         """Decode after a prefilled prompt under ``selection``, after prefilling ``suffix`` over it
         (a question asked of a prefilled context); leaves the prompt's KV as it was."""
-        return self.run(self.submit_decode(req, sampling, selection, suffix, on_text, probe))
+        return self.run(self.submit_decode(req, sampling, selection, suffix, on_text, probe, on_logits))
 
     def release(self, req: Prefilled) -> None:
         if req.index is not None:

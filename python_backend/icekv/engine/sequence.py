@@ -23,6 +23,7 @@ from icekv.policies import PolicyPlan
 
 OnText = Callable[[str], None]
 OnProgress = Callable[[int, int], None]
+OnLogits = Callable[[torch.Tensor], None]  # each decode step's logits [V], before any adjustment
 
 
 class Phase(enum.Enum):
@@ -63,6 +64,7 @@ class Sequence:
     request: Request
     on_text: OnText | None = None
     on_progress: OnProgress | None = None
+    on_logits: OnLogits | None = None
     admission: Admission = Admission()  # what admission charges (worst case): set by the engine at submit
     # progress
     phase: Phase = Phase.WAITING
@@ -178,14 +180,18 @@ class Sequence:
         self.accept(logits)
 
     def accept(self, logits: torch.Tensor) -> None:
-        """Sample the next token from logits [V]; finishes on EOS, a stop string or max_tokens."""
+        """Sample the next token from logits [V] (or take the next forced one); finishes on EOS, a
+        stop string or max_tokens."""
         s, raw = self.request.sampling, logits
+        if self.on_logits:
+            self.on_logits(raw)
         if s.adjusts_logits:
             logits = adjusted_logits(logits, s, torch.tensor(self.request.prompt_ids, dtype=torch.long),
                                      torch.tensor(self.stream.token_ids, dtype=torch.long))
         if self.grammar is not None:
             logits = self.grammar.mask(logits)
-        token = sample_next(logits, s, self.generator)
+        forced = s.forced_tokens
+        token = forced[len(self.stream.token_ids)] if forced else sample_next(logits, s, self.generator)
         if s.logprobs is not None:  # an end-of-sequence token too, as vLLM reports it
             self.logprobs += token_logprobs(raw[None], [token], s.logprobs, self.stream.tokenizer.decode)
         if token in self.eos:
@@ -218,7 +224,7 @@ class Sequence:
         self.result, self.error, self.phase = result, error, Phase.DONE
         # what it referred to goes now, not at the next cyclic collection: a serving request's
         # callbacks hold its response sender, and Triton cannot unload the model while one lives
-        self.on_text = self.on_progress = self.backend = self.index = None
+        self.on_text = self.on_progress = self.on_logits = self.backend = self.index = None
         self._done.set()
 
     def generation(self, kv) -> Generation:

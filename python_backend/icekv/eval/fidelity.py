@@ -1,0 +1,101 @@
+"""Teacher-forced fidelity: how closely a policy's decode follows the full cache's, position by
+position, over a long output.
+
+The full cache decodes a prompt greedily (the reference). Each policy then decodes with exactly
+the reference's tokens fed back (teacher forcing, :attr:`SamplingConfig.forced_tokens`), so at
+every output position both caches see the same text, and the policy's next-token distribution is
+compared with the full cache's there:
+
+- ``agrees``: the policy's most likely token is the full cache's (the reference's token);
+- ``kl``: KL(full || policy) over the full cache's ``top`` most likely tokens at that position,
+  with the rest of the vocabulary as one more outcome: a lower bound of the exact divergence
+  (merging outcomes never raises it), tight where those tokens hold the probability;
+- ``first_divergence``: the first position where greedy decoding under the policy would leave the
+  reference's text (None: it never would).
+
+The reference keeps ``top`` log-probabilities per position, not the full distributions, so an
+output of thousands of tokens over a large vocabulary stays small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from icekv.config.request import SamplingConfig
+from icekv.engine import Engine
+from icekv.engine.results import Prefilled
+from icekv.policies import PolicyPlan
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The full cache's greedy output and, per position, its most likely tokens."""
+
+    tokens: tuple[int, ...]  # [N] the output (an end-of-sequence token not included)
+    top_ids: torch.Tensor  # [N, top] the most likely tokens at each position, most likely first
+    top_logprobs: torch.Tensor  # [N, top + 1] their log-probabilities, then the rest's
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """A policy's decode against the reference, per output position."""
+
+    agrees: torch.Tensor  # [N] bool
+    kl: torch.Tensor  # [N] float64, nats
+
+    @property
+    def first_divergence(self) -> int | None:
+        parted = torch.nonzero(~self.agrees)
+        return int(parted[0]) if len(parted) else None
+
+    def windows(self, size: int) -> list[dict]:
+        """Per window of ``size`` positions: its start, agreement rate and mean KL."""
+        return [{"start": start, "agreement": float(self.agrees[start:start + size].double().mean()),
+                 "kl": float(self.kl[start:start + size].mean())}
+                for start in range(0, len(self.agrees), size)]
+
+
+def merged(logprobs: torch.Tensor, named: torch.Tensor) -> torch.Tensor:
+    """logprobs [V] of a whole distribution, named ids [k] -> [k + 1]: the named outcomes'
+    log-probabilities, then all the others' as one (summed over them, not taken as one minus the
+    named: that difference is rounding noise where the named hold nearly everything)."""
+    others = logprobs.index_fill(0, named, -torch.inf)  # [V]
+    return torch.cat([logprobs[named], torch.logsumexp(others, 0, keepdim=True)])
+
+
+def divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) [...] of log-probabilities p, q [..., k] over the same outcomes (0 log 0 = 0)."""
+    terms = torch.where(p > -torch.inf, p.exp() * (p - q), torch.zeros_like(p))  # [..., k]
+    return terms.sum(-1)
+
+
+def reference(engine: Engine, prompt: Prefilled, max_tokens: int, full: PolicyPlan, top: int = 64) -> Reference:
+    """The full cache's greedy decode of up to ``max_tokens`` tokens after ``prompt``, keeping
+    each position's ``top`` most likely tokens."""
+    ids, logprobs = [], []
+
+    def keep(logits: torch.Tensor) -> None:
+        whole = torch.log_softmax(logits.double(), -1)  # [V]
+        ids.append(whole.topk(top).indices)  # [top]
+        logprobs.append(merged(whole, ids[-1]))  # [top + 1]
+
+    out = engine.decode(prompt, SamplingConfig(max_tokens=max_tokens), full, on_logits=keep)
+    n = len(out.token_ids)  # an end-of-sequence step saw logits too: not a position of the output
+    return Reference(tuple(out.token_ids), torch.stack(ids[:n]), torch.stack(logprobs[:n]))
+
+
+def teacher_forced(engine: Engine, prompt: Prefilled, ref: Reference, plan: PolicyPlan) -> Fidelity:
+    """``plan``'s decode of the reference's tokens after ``prompt``, compared position by position."""
+    agrees, kl = [], []
+
+    def compare(logits: torch.Tensor) -> None:
+        at = len(agrees)
+        logprobs = torch.log_softmax(logits.double(), -1)  # [V]
+        agrees.append(int(logprobs.argmax()) == ref.tokens[at])
+        kl.append(divergence(ref.top_logprobs[at], merged(logprobs, ref.top_ids[at])))
+
+    engine.decode(prompt, SamplingConfig(max_tokens=len(ref.tokens), forced_tokens=ref.tokens), plan,
+                  on_logits=compare)
+    return Fidelity(torch.tensor(agrees, dtype=torch.bool), torch.stack(kl))

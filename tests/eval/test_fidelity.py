@@ -1,0 +1,113 @@
+"""Teacher forcing and the fidelity measures: forced tokens are emitted as given, teacher forcing
+under the full cache reproduces the free-running logits exactly, the merged KL is a lower bound
+of the exact one, and a policy that drops what the answer needs parts from the full cache."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from icekv.config.request import SamplingConfig
+from icekv.config.selection import SelectionConfig
+from icekv.errors import ConfigError
+from icekv.eval.fidelity import divergence, merged, reference, teacher_forced
+from icekv.policies import resolve
+
+FULL = resolve(SelectionConfig(policy="full"))
+PROMPT = ("The keeper of the northern lighthouse logged every ship that passed. " * 40
+          + "Now retell the log in detail, ship by ship.")
+
+
+def test_forced_tokens_need_their_count_as_max_tokens_and_token_ids():
+    with pytest.raises(ConfigError, match="max_tokens must be the number of forced_tokens"):
+        SamplingConfig(max_tokens=3, forced_tokens=(1, 2))
+    with pytest.raises(ConfigError, match="token ids >= 0"):
+        SamplingConfig(max_tokens=1, forced_tokens=(-1,))
+
+
+def test_a_forced_decode_emits_exactly_the_forced_tokens(engine):
+    prompt = engine.prefill(engine.tokenizer.encode(PROMPT))
+    try:
+        forced = tuple(torch.randint(100, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist())
+        out = engine.decode(prompt, SamplingConfig(max_tokens=len(forced), forced_tokens=forced), FULL)
+        assert tuple(out.token_ids) == forced  # not what greedy decoding picks
+        with pytest.raises(ConfigError, match="forced_tokens names token"):
+            engine.decode(prompt, SamplingConfig(max_tokens=1, forced_tokens=(engine.model.args.vocab_size,)), FULL)
+    finally:
+        engine.release(prompt)
+
+
+def test_teacher_forcing_under_the_full_cache_reproduces_the_free_running_logits(engine):
+    prompt = engine.prefill(engine.tokenizer.encode(PROMPT))
+    try:
+        free, forced = [], []
+        out = engine.decode(prompt, SamplingConfig(max_tokens=40), FULL, on_logits=free.append)
+        tokens = tuple(out.token_ids)
+        engine.decode(prompt, SamplingConfig(max_tokens=len(tokens), forced_tokens=tokens), FULL,
+                      on_logits=forced.append)
+        assert len(forced) == len(tokens) and all(torch.equal(a, b) for a, b in zip(free, forced))
+        ref = reference(engine, prompt, 40, FULL, top=16)
+        assert ref.tokens == tokens and ref.top_ids[:, 0].tolist() == list(tokens)  # greedy: the most likely
+        same = teacher_forced(engine, prompt, ref, FULL)
+        assert same.agrees.all() and torch.equal(same.kl, torch.zeros(len(tokens), dtype=torch.float64))
+        assert same.first_divergence is None
+    finally:
+        engine.release(prompt)
+
+
+def test_a_policy_that_keeps_only_recent_tokens_parts_from_the_full_cache(engine):
+    prompt = engine.prefill(engine.tokenizer.encode(PROMPT))
+    try:
+        ref = reference(engine, prompt, 48, FULL, top=32)
+        recent = teacher_forced(engine, prompt, ref, resolve(SelectionConfig(policy="streaming", budget=48)))
+        assert recent.kl.mean() > 0.01 and len(recent.kl) == len(ref.tokens)
+        windows = recent.windows(16)
+        assert [w["start"] for w in windows] == list(range(0, len(ref.tokens), 16))
+        assert windows[0]["agreement"] == float(recent.agrees[:16].double().mean())
+    finally:
+        engine.release(prompt)
+
+
+def test_the_merged_kl_is_exact_over_the_whole_vocabulary_and_a_lower_bound_over_part_of_it():
+    g = torch.Generator().manual_seed(0)
+    p = torch.log_softmax(3 * torch.randn(5, 50, generator=g, dtype=torch.float64), -1)  # [5, V]
+    q = torch.log_softmax(3 * torch.randn(5, 50, generator=g, dtype=torch.float64), -1)
+    exact = torch.nn.functional.kl_div(q, p, log_target=True, reduction="none").sum(-1)  # [5]
+    assert torch.allclose(divergence(p, q), exact)
+    for row in range(5):
+        top = p[row].topk(8).indices  # [8]
+        part = divergence(merged(p[row], top), merged(q[row], top))
+        assert 0 < part <= exact[row] + 1e-12
+        every = torch.arange(50)  # every outcome named: the rest holds nothing, in either
+        assert merged(q[row], every)[-1] == -torch.inf
+        assert torch.allclose(divergence(merged(p[row], every), merged(q[row], every)), exact[row])
+
+
+def test_a_peaked_distribution_keeps_a_finite_divergence():
+    """Where the named outcomes hold all but a rounding error of the mass, the rest is the sum of
+    the others (tiny, finite), not one minus the named (zero in one, noise in the other)."""
+    p = torch.log_softmax(torch.tensor([40.0, 0.0, 0.0, -5.0], dtype=torch.float64), -1)
+    q = torch.log_softmax(torch.tensor([41.0, 0.0, -1.0, -5.0], dtype=torch.float64), -1)
+    named = torch.tensor([0, 1])
+    part = divergence(merged(p, named), merged(q, named))
+    assert torch.isfinite(part) and 0 <= part <= divergence(p, q) + 1e-15
+
+
+def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(smollm2_dir, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT)
+    cmd = [sys.executable, "-m", "icekv.cli", "fidelity", "--model", str(smollm2_dir), "--prompt-file", str(prompt),
+           "--new-tokens", "24", "--policies", "full,streaming", "--budgets", "48,64", "--window", "8",
+           "--out", str(tmp_path / "out")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["policy"], r["budget"]) for r in results["records"]] == [("full", None), ("streaming", 48),
+                                                                         ("streaming", 64)]
+    assert results["records"][0]["agreement"] == 1.0 and results["records"][0]["kl"] == 0.0
+    assert "| streaming | 48 |" in (tmp_path / "out" / "report.md").read_text()
+    prompt.write_text("  \n")
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "is empty" in run.stderr and "Traceback" not in run.stderr
