@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--steps", type=_positive_int("--steps"), default=16)
     bd.add_argument("--repeats", type=_positive_int("--repeats"), default=1,
                     help="timed decodes per policy, interleaved across policies; reports the medians")
+    bd.add_argument("--window", type=_positive_int("--window"), default=None,
+                    help="also report the timed steps in windows of this many (a long output: --steps 4096 "
+                         "--window 256): step times, stage split, KV and index bytes added per token")
     bd.add_argument("--peer", choices=("none", "hf"), default="none", help="hf: also time transformers' decoding")
     _icecache_flags(bd)
     bd.add_argument("--unlimited-layers", type=int, default=SelectionConfig.n_unlimited_layers,

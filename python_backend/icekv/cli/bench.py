@@ -49,7 +49,8 @@ def _cmd_bench(args) -> int:
             raise IcekvError(f"--ttft-contexts {args.ttft_contexts} must be among --contexts {args.contexts}")
         cfg = DecodeBenchConfig(contexts, policies, args.budget, args.steps, peer_hf=args.peer == "hf",
                                 ttft_contexts=ttft, icecache=_icecache_config(args),
-                                unlimited_layers=args.unlimited_layers, repeats=args.repeats, **warmup)
+                                unlimited_layers=args.unlimited_layers, repeats=args.repeats, window=args.window,
+                                **warmup)
         batches, run, peer = (1,), run_decode_bench, cfg.peer_hf
         line = lambda r: f"{r['context']:>6} {r['policy']:<16} {r['tpot_s'] * 1000:8.1f} ms/token"
     from icekv.eval.decode_bench import plans_for

@@ -14,7 +14,10 @@ request, context and policy: kernels compile and caches fill there, not in the t
 ``tpot_s`` is the mean of the timed steps, ``tpot_median_s`` their median (the steady state) and
 the stage split covers the timed steps only: page search, transfer, attention, insertion, the
 linear layers (``weights_s``, on a CPU: :mod:`icekv.eval.linear_clock`) and the rest (norms, rotary,
-sampling, Python). Each record goes to ``emit`` as soon as it is measured.
+sampling, Python). With ``window``, a record also splits its timed steps into windows of that
+many (a long output: the index grows as the output does), each with its step times, its stage
+split and how the request's KV and index bytes grew per token. Each record goes to ``emit`` as
+soon as it is measured.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.methods.icecache import IceCacheConfig
 from icekv.devices import synchronize
+from icekv.errors import ConfigError
 from icekv.engine import Engine, Prefilled
 from icekv.eval.device_memory import DevicePeak
 from icekv.eval.hf_peer import hf_model
@@ -52,6 +56,12 @@ class DecodeBenchConfig:
     unlimited_layers: int = SelectionConfig.n_unlimited_layers  # first layers kept whole
     repeats: int = 1  # timed decodes per policy, interleaved; records carry the medians
     warmup_steps: int = 2  # untimed decode steps before the timed ones, at the measured shape
+    window: int | None = None  # timed steps per window of a long output's report (None: no windows)
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (self.window < 1 or self.warmup_steps < 1):
+            raise ConfigError("a window is >= 1 step and follows at least one warm-up step (the decode's first "
+                              "step builds its index)")
 
     @property
     def max_tokens(self) -> int:
@@ -162,6 +172,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, plan: Po
         seq = engine.submit_decode(req, sampling, plan)
         warm = _step_until(engine, seq, cfg.warmup_steps)  # stage times after the warm-up
         with LinearClock(engine.model) as linears:
+            marks = [_mark(seq, 0), *_window_marks(engine, seq, cfg.warmup_steps, cfg.window)] if cfg.window else []
             gen = engine.run(seq)
     timed = seq.step_s[cfg.warmup_steps:] or seq.step_s[-1:]  # each timed step's wall time
     steps = len(timed)
@@ -194,7 +205,37 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, plan: Po
         # host -> device over the decode (the first step fills empty slots): KV pages, index copies
         "kv_bytes_moved": gen.kv.bytes_moved, "index_bytes_moved": gen.kv.index_bytes_moved,
         "steps": steps,
+        "windows": _windows(seq.step_s[cfg.warmup_steps:], marks + [(steps, gen.timings, gen.kv)]) if cfg.window else None,
     }
+
+
+def _mark(seq: Sequence, timed: int) -> tuple[int, dict, object]:
+    """(timed steps done, the decode's stage times so far, its KV stats now)."""
+    return timed, dict(seq.backend.timings), seq.backend.kv_stats()
+
+
+def _window_marks(engine: Engine, seq: Sequence, warmup: int, window: int) -> list[tuple[int, dict, object]]:
+    """Step ``seq`` until it is done, marking every ``window`` timed steps (but the last)."""
+    marks = []
+    while not seq.done:
+        engine.step()
+        timed = len(seq.step_s) - warmup
+        if not seq.done and timed and timed % window == 0:
+            marks.append(_mark(seq, timed))
+    return marks
+
+
+def _windows(step_s: list[float], marks: list[tuple[int, dict, object]]) -> list[dict]:
+    """Per window between consecutive marks: its steps' times, stage split per step, and the KV
+    and index bytes it added per step (the request's own pages, all layers; the index's host memory)."""
+    out = []
+    for (start, before, kv0), (end, after, kv1) in zip(marks, marks[1:]):
+        times, n = step_s[start:end], end - start
+        out.append({"start": start, "steps": n, "tpot_s": sum(times) / n, "tpot_median_s": statistics.median(times),
+                    "step_max_s": max(times), **{k: (after.get(k, 0.0) - before.get(k, 0.0)) / n for k in SPLIT},
+                    "kv_bytes_per_token": (kv1.total_bytes - kv0.total_bytes) / n,
+                    "index_bytes_per_token": (kv1.index_bytes - kv0.index_bytes) / n, "index_bytes": kv1.index_bytes})
+    return out
 
 
 def _step_until(engine: Engine, seq: Sequence, steps: int) -> dict:

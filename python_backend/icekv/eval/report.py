@@ -176,12 +176,30 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
     if any(r.get("index_prebuilt") for r in records):
         lines += ["", "\\* index built layer by layer during prefill: the time shown is what was left to wait "
                   "for after it"]
+    lines += _window_tables(records)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     series = {}
     for policy in sorted({r["policy"] for r in records}):
         rs = sorted((r for r in records if r["policy"] == policy), key=lambda r: r["context"])
         series[policy] = ([r["context"] for r in rs], [1000 * r["tpot_s"] for r in rs])
     plot_lines(series, "context tokens", "ms per output token", out / "tpot.png")
+
+
+def _window_tables(records: list[dict]) -> list[str]:
+    """A long output's windows, one table per record that has them."""
+    lines = []
+    for r in (r for r in records if r.get("windows")):
+        lines += ["", f"## {r['policy']} at {r['context']} tokens, per window of the output", "",
+                  "| output steps | TPOT ms | median ms | slowest ms | select ms | transfer ms | attention ms | "
+                  "insert ms | KV bytes / token | index bytes / token | index MiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for w in r["windows"]:
+            ms = lambda k: f"{1000 * w[k]:.1f}"  # noqa: E731
+            lines.append(f"| {w['start']}-{w['start'] + w['steps'] - 1} | {ms('tpot_s')} | {ms('tpot_median_s')} | "
+                         f"{ms('step_max_s')} | {ms('select_s')} | {ms('transfer_s')} | {ms('attention_s')} | "
+                         f"{ms('insert_s')} | {w['kv_bytes_per_token']:,.0f} | {w['index_bytes_per_token']:,.0f} | "
+                         f"{w['index_bytes'] / 2**20:.1f} |")
+    return lines
 
 
 def plot_lines(series: dict[str, tuple[list, list]], xlabel: str, ylabel: str, path: Path) -> None:
