@@ -24,11 +24,32 @@ def test_samples_have_the_asked_length_and_their_answers(sampler, task, length):
     assert length - 40 <= s.prompt_tokens <= length + 5
     for answer in s.answers:
         assert answer in s.prompt
-    assert s.score(" ".join(s.answers)) == 1.0 and s.score("nothing") == 0.0
+    truth = " ".join(s.answers)
+    if task == "recall_all":  # a line per needle, its key first (the first key is the answer prefix's)
+        truth = " " + "\n".join(f"{k}: {v}" for k, v in zip(s.keys, s.answers))[len(s.keys[0]) + 1:]
+    assert s.score(truth) == 1.0 and s.score("nothing") == 0.0
     if task == "niah_multikey":
         assert s.prompt.count("One of the special magic numbers") == 3 and len(s.answers) == 1
     if task == "niah_multivalue":
         assert len(s.answers) == 2 and s.score(s.answers[0]) == 0.5
+
+
+def test_recall_all_asks_every_needle_and_scores_each_value_only_on_its_keys_line(sampler):
+    s = sampler.make("recall_all", 3000, seed=7, num_needles=16)
+    again = sampler.make("recall_all", 3000, seed=7, num_needles=16)
+    assert s == again and s != sampler.make("recall_all", 3000, seed=8, num_needles=16)  # seeded
+    found = list(find_needles(s.prompt))
+    assert [(m["key"], m["value"]) for m in found] == list(zip(s.keys, s.answers))  # every needle, in text order
+    assert len(set(s.keys)) == 16 and s.prompt.endswith(f"are:\n{s.keys[0]}:")  # the first key starts the answer
+    lines = [f"{k}: {v}" for k, v in zip(s.keys, s.answers)]
+    truth = "\n".join(lines)[len(s.keys[0]) + 1:]
+    assert s.score(truth) == 1.0
+    assert s.score("\n".join(lines[:8])[len(s.keys[0]) + 1:]) == 0.5  # cut off halfway
+    swapped = [f"{k}: {v}" for k, v in zip(s.keys, s.answers[1:] + s.answers[:1])]  # every value, wrong key
+    assert s.score("\n".join(swapped)[len(s.keys[0]) + 1:]) == 0.0
+    assert s.score(" ".join(s.answers)) == 1 / 16  # the values alone: only the first is on its key's line
+    with pytest.raises(ConfigError, match="recall_all: 1"):
+        sampler.make_context("recall_all", 3000, seed=7, questions=2, num_needles=16)
 
 
 def test_same_seed_same_sample_and_depth_is_honoured(sampler):

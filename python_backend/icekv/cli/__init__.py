@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="RULER-style accuracy across lengths, policies and budgets")
     ev.add_argument("--task", default="niah_single",
-                    help="comma list: niah_single, niah_multikey, niah_multivalue, variable_tracking, passkey")
+                    help="comma list: niah_single, niah_multikey, niah_multivalue, variable_tracking, passkey, "
+                         "recall_all (every needle asked at once: a long answer)")
     ev.add_argument("--haystack", default="essays", help="essays | kjv | PATH to a text file")
     ev.add_argument("--lengths", default="2000", help="comma list of prompt lengths in tokens")
     ev.add_argument("--depths", default=None, help="comma list of needle depths in 0..1 (default: spread)")
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--samples", type=_positive_int("--samples"), default=10)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--num-needles", type=_positive_int("--num-needles"), default=2,
-                    help="niah_multikey: needles in all, the asked ones and distractors")
+                    help="niah_multikey: needles in all, the asked ones and distractors; recall_all: needles, all asked")
     ev.add_argument("--distinct-key-words", action="store_true",
                     help="niah tasks: no two keys of a context share a word (by default they may, which makes "
                          "keys easier to mistake for one another)")
@@ -121,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     given.add_argument("--haystack", help="or a long context: the first --length tokens of this text (essays | kjv | "
                                           "PATH), then --ask")
     fid.add_argument("--length", type=_positive_int("--length"), default=8000, help="with --haystack: context tokens")
-    fid.add_argument("--ask", default="Summarize the text above in detail, part by part.",
+    fid.add_argument("--ask", default="Rewrite the text above in full, paragraph by paragraph, in your own words, "
+                                      "leaving nothing out.",
                      help="with --haystack: the request after the context")
     fid.add_argument("--chat-template", action="store_true", help="send it as a user turn of the model's chat template")
     fid.add_argument("--new-tokens", type=_positive_int("--new-tokens"), default=1024,

@@ -20,6 +20,9 @@ QUESTION = (
 )
 MULTIVALUE_QUESTION = ("\nWhat are all the special magic numbers for {key} mentioned in the provided text? The "
                        "special magic numbers for {key} mentioned in the provided text are")  # every value of a key
+RECALL_ALL_QUESTION = ("\nWhat are all the special magic numbers mentioned in the provided text, each with its key, one "
+                       "per line as 'key: number'? The special magic numbers mentioned in the provided text "
+                       "are:\n{key}:")  # every needle of a context: a long answer, started with the first one's key
 
 
 def find_needles(text: str) -> Iterator[re.Match]:
@@ -54,6 +57,8 @@ class Question:
     text: str  # follows the context: the question, then its answer prefix
     answers: tuple[str, ...]  # every one must appear in the output
     stop: tuple[str, ...] = ("\n",)  # where the answer ends (a list of names may span lines)
+    keys: tuple[str, ...] = ()  # where given, answer i counts only on a line that names keys[i] too (the
+    # answer's first line starts in the text: its last line comes before the output)
 
     @property
     def answer_room(self) -> int:
@@ -61,6 +66,8 @@ class Question:
         spare, or a list in its longest usual form, a numbered line per answer after a lead-in (":")."""
         if len(self.answers) == 1:
             return len(self.answers[0]) + 4
+        if self.keys:
+            return len("\n".join(f"{i}. {k}: {a}" for i, (k, a) in enumerate(zip(self.keys, self.answers), 1))) + 8
         return len("\n".join(f"{i}. {a}" for i, a in enumerate(self.answers, 1))) + 8
 
     def tokens_to_decode(self, floor: int) -> int:
@@ -69,14 +76,22 @@ class Question:
         return max(floor, self.answer_room)
 
     def score(self, output: str) -> float:
-        """1.0 when every expected answer appears in the output, else the share that did."""
-        return sum(a in output for a in self.answers) / len(self.answers)
+        """1.0 when every expected answer appears in the output (with ``keys``: on a line naming its
+        key), else the share that did."""
+        if not self.keys:
+            return sum(a in output for a in self.answers) / len(self.answers)
+        lines = (self.text.rsplit("\n", 1)[-1] + output).splitlines()
+        bound = [any(k in line and a in line for line in lines) for k, a in zip(self.keys, self.answers)]
+        return sum(bound) / len(self.answers)
 
 
-def longest_answer_room(task: str, num_values: int, num_hops: int) -> int:
+def longest_answer_room(task: str, num_values: int, num_hops: int, num_needles: int) -> int:
     """The most :attr:`Question.answer_room` any question of ``task`` may need: a key's
     ``num_values`` values (niah_multivalue), a chain's ``num_hops`` + 1 names (variable_tracking),
-    else one value."""
+    every one of ``num_needles`` keys and values (recall_all), else one value."""
+    if task == "recall_all":
+        longest_key = "x" * (2 * max(map(len, KEY_WORDS)) + 1)
+        return Question("", ("x" * VALUE_DIGITS,) * num_needles, keys=(longest_key,) * num_needles).answer_room
     answers, width = {"niah_multivalue": (num_values, VALUE_DIGITS),
                       "variable_tracking": (num_hops + 1, NAME_LETTERS)}.get(task, (1, VALUE_DIGITS))
     return Question("", ("x" * width,) * answers).answer_room
@@ -84,7 +99,9 @@ def longest_answer_room(task: str, num_values: int, num_hops: int) -> int:
 
 def keyed_needles(rng: random.Random, task: str, questions: int, num_needles: int, num_values: int,
                   distinct_words: bool = False) -> tuple[list[str], list[Question]]:
-    """The needles' texts (asked ones first, then distractors) and one question per asked key.
+    """The needles' texts (asked ones first, then distractors) and one question per asked key;
+    ``recall_all``: ``num_needles`` needles and one question asking for all of them
+    (:func:`recall_all_question`, once their order in the text is known).
 
     Keys are two words of :data:`KEY_WORDS`; by default two keys may share a word ("spruce-timber",
     "timber-comet"), which with this small vocabulary happens in most contexts of several keys and
@@ -96,6 +113,9 @@ def keyed_needles(rng: random.Random, task: str, questions: int, num_needles: in
     words_left = list(KEY_WORDS) if distinct_words else None
     values_used: set[str] = set()
     pairs, asked = [], []
+    if task == "recall_all":
+        pairs = [(_key(rng, keys_used, words_left), _value(rng, values_used)) for _ in range(num_needles)]
+        return [NEEDLE.format(key=k, value=v) for k, v in pairs], []
     many = task == "niah_multivalue"  # asks for every value of a key: they may come one a line
     template, stop = (MULTIVALUE_QUESTION, ()) if many else (QUESTION, ("\n",))
     for _ in range(questions):
@@ -108,9 +128,17 @@ def keyed_needles(rng: random.Random, task: str, questions: int, num_needles: in
     return [NEEDLE.format(key=k, value=v) for k, v in pairs], asked
 
 
+def recall_all_question(text: str) -> Question:
+    """The question asking for every needle of ``text``, its answer started with the first
+    needle's key (a small model then keeps to the 'key: number' lines the score binds)."""
+    found = list(find_needles(text))
+    keys, values = tuple(m["key"] for m in found), tuple(m["value"] for m in found)
+    return Question(RECALL_ALL_QUESTION.format(key=keys[0]), values, (), keys)
+
+
 def check_distinct_key_words(task: str, questions: int, num_needles: int) -> None:
     """Refuses a context of more keys than :data:`KEY_WORDS` holds pairs of unused words for."""
-    n_keys = num_needles if task == "niah_multikey" else questions
+    n_keys = num_needles if task in ("niah_multikey", "recall_all") else questions
     if 2 * n_keys > len(KEY_WORDS):
         raise ConfigError(f"--distinct-key-words: {n_keys} keys need {2 * n_keys} words; the key vocabulary has "
                           f"{len(KEY_WORDS)}")

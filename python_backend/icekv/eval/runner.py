@@ -41,7 +41,8 @@ class EvalConfig(ContextGrid):
     seed: int = 0
     depths: tuple[float, ...] | None = None
     max_tokens: int = 12  # least room for an answer; a longer answer gets its Question.answer_room
-    num_needles: int = 2  # niah_multikey: needles with distinct keys in all (the asked ones, then distractors)
+    num_needles: int = 2  # niah_multikey: needles with distinct keys in all (the asked ones, then distractors);
+    # recall_all: the needles, every one asked
     num_values: int = 2  # niah_multivalue: values of each asked key, all expected
     num_hops: int = 4  # variable_tracking: assignments after the first in each chain
     distinct_key_words: bool = False  # niah tasks: no word shared by two keys of a context
@@ -55,21 +56,23 @@ class EvalConfig(ContextGrid):
                 raise ConfigError(f"--task: unknown task {t!r}; choose from {', '.join(TASKS)}")
         if self.samples < 1 or self.questions < 1:
             raise ConfigError(f"--samples and --questions must be >= 1, got {self.samples} and {self.questions}")
-        if "passkey" in self.tasks and self.questions > 1:
-            raise ConfigError("--task passkey holds one key: it takes --questions 1")
+        for one in ("passkey", "recall_all"):
+            if one in self.tasks and self.questions > 1:
+                raise ConfigError(f"--task {one} asks one question of a context: it takes --questions 1")
         if "niah_multikey" in self.tasks and self.num_needles <= self.questions:
             raise ConfigError(f"niah_multikey needs distractors: --num-needles ({self.num_needles}) must exceed "
                               f"--questions ({self.questions})")
         if self.distinct_key_words:
             for t in self.tasks:
-                if t.startswith("niah_"):
+                if t.startswith("niah_") or t == "recall_all":
                     check_distinct_key_words(t, self.questions, self.num_needles)
 
     @property
     def answer_tokens(self) -> int:
         """``max_tokens``, or the longest :attr:`Question.answer_room` a task here may need, whichever
         is more."""
-        return max([self.max_tokens] + [longest_answer_room(t, self.num_values, self.num_hops) for t in self.tasks])
+        return max([self.max_tokens] + [longest_answer_room(t, self.num_values, self.num_hops, self.num_needles)
+                                   for t in self.tasks])
 
     def plans(self) -> list[PolicyPlan]:
         """Every (policy, budget) of the grid resolved, full attention once (ConfigError for a

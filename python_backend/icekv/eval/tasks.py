@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from icekv.errors import ConfigError
-from icekv.eval.needles import QUESTION, Question, find_needles, keyed_needles, variable_chains
+from icekv.eval.needles import (QUESTION, Question, find_needles, keyed_needles, recall_all_question,
+                                variable_chains)
 from icekv.model import Tokenizer
 
 PREAMBLE = (
@@ -27,7 +28,7 @@ PASSKEY_FILLER = "The river runs to the sea. The hills are quiet. The day is lon
 PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key. "
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 QUESTION_ROOM = 512  # tokens a context's prompt may run past its length (a question, a chat template's tail)
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "passkey")
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "passkey", "recall_all")
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,10 @@ class Sample:
     answers: tuple[str, ...]  # every one must appear in the output
     depths: tuple[float, ...]
     prompt_tokens: int
+    keys: tuple[str, ...] = ()  # recall_all: each answer's key, on its line (Question.keys)
 
     def score(self, output: str) -> float:
-        return Question(self.prompt, self.answers).score(output)
+        return Question(self.prompt, self.answers, keys=self.keys).score(output)
 
 
 class HaystackSampler:
@@ -72,7 +74,8 @@ class HaystackSampler:
             return self._passkey(length, random.Random(seed), depth)
         c = self.make_context(task, length, seed, 1, depth, num_needles, num_values)
         prompt = c.context + c.questions[0].text
-        return Sample(task, prompt, c.questions[0].answers, c.depths, len(self.tokenizer.encode(prompt)))
+        asked = c.questions[0]
+        return Sample(task, prompt, asked.answers, c.depths, len(self.tokenizer.encode(prompt)), asked.keys)
 
     def make_context(self, task: str, length: int, seed: int, questions: int = 1, depth: float | None = None,
                      num_needles: int = 1, num_values: int = 1, num_hops: int = 4,
@@ -83,14 +86,15 @@ class HaystackSampler:
         plus distractors up to ``num_needles`` in all, never asked; ``niah_multivalue``: per question
         one key with ``num_values`` values, all asked; ``variable_tracking``: per question a chain of
         ``num_hops`` + 1 variables (``VAR A = 12345.``, ``VAR B = VAR A.``, ...) in order through the
-        text, every name asked. ``depth`` places a lone needle; otherwise depths come from the seed.
+        text, every name asked; ``recall_all``: ``num_needles`` needles, one question asking for
+        every one of them with its key (a long answer, decoded with its earlier lines in the cache). ``depth`` places a lone needle; otherwise depths come from the seed.
         ``distinct_key_words``: no two keys share a word (:func:`icekv.eval.needles.keyed_needles`).
         """
         if task not in TASKS or task == "passkey":
             choices = ", ".join(t for t in TASKS if t != "passkey")
             raise ConfigError(f"unknown context task {task!r}; choose from {choices}")
-        if questions < 1:
-            raise ConfigError(f"questions must be >= 1, got {questions}")
+        if questions < 1 or (task == "recall_all" and questions != 1):
+            raise ConfigError(f"questions must be >= 1 (recall_all: 1, asking for every needle), got {questions}")
         rng = random.Random(seed)
         if task == "variable_tracking":
             needles, asked = variable_chains(rng, questions, num_hops)
@@ -104,7 +108,8 @@ class HaystackSampler:
             depths = [depth if depth is not None else rng.random()] if n_needles == 1 else [rng.random() for _ in needles]
             if n_needles > 1:
                 rng.shuffle(needles)
-        overhead = len(self.tokenizer.encode(PREAMBLE + " ".join(needles) + asked[0].text)) + 2
+        question = asked[0].text if asked else recall_all_question(" ".join(needles)).text
+        overhead = len(self.tokenizer.encode(PREAMBLE + " ".join(needles) + question)) + 2
         budget = length - overhead
         if budget < 64:
             raise ConfigError(f"length {length} is too short for the task ({overhead} tokens of needles and question)")
@@ -114,6 +119,8 @@ class HaystackSampler:
         context = self.tokenizer.decode(self.ids[start : start + budget])
         for needle, d in sorted(zip(needles, depths), key=lambda x: -x[1]):
             context = _insert_at_sentence(context, needle, d)
+        if task == "recall_all":
+            asked = [recall_all_question(context)]  # in the order the text holds them
         return ContextSample(task, PREAMBLE + context, tuple(asked), tuple(depths))
 
     def _passkey(self, length: int, rng: random.Random, depth: float | None) -> Sample:
