@@ -23,8 +23,9 @@ def test_a_long_output_is_reported_in_windows_that_add_up_to_its_timed_steps(eng
     from icekv.errors import ConfigError
     from icekv.eval.decode_bench import SPLIT, DecodeBenchConfig, plans_for, run_decode_bench
 
-    with pytest.raises(ConfigError, match="warm-up"):
-        DecodeBenchConfig(window=4, warmup_steps=0)
+    for bad in ({"warmup_steps": 0}, {"repeats": 2}):
+        with pytest.raises(ConfigError, match=r"warm-up step .* \(no repeats\)"):
+            DecodeBenchConfig(window=4, **bad)
     cfg = DecodeBenchConfig(contexts=(600,), policies=("full", "icecache"), budget=64, steps=40, seed_tokens=300,
                             window=16)
     for r in run_decode_bench(engine, cfg, essays_text, plans_for(cfg)):

@@ -25,14 +25,18 @@ def test_forced_tokens_need_their_count_as_max_tokens_and_token_ids():
         SamplingConfig(max_tokens=3, forced_tokens=(1, 2))
     with pytest.raises(ConfigError, match="token ids >= 0"):
         SamplingConfig(max_tokens=1, forced_tokens=(-1,))
+    with pytest.raises(ConfigError, match="stop, json_schema and grammar do not apply"):
+        SamplingConfig(max_tokens=1, forced_tokens=(5,), stop=("\n",))
 
 
 def test_a_forced_decode_emits_exactly_the_forced_tokens(engine):
     prompt = engine.prefill(engine.tokenizer.encode(PROMPT))
     try:
         forced = tuple(torch.randint(100, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist())
+        assert engine.model.args.eos_token_ids
+        forced = forced[:5] + engine.model.args.eos_token_ids[:1] + forced[5:]  # an end-of-sequence token inside
         out = engine.decode(prompt, SamplingConfig(max_tokens=len(forced), forced_tokens=forced), FULL)
-        assert tuple(out.token_ids) == forced  # not what greedy decoding picks
+        assert tuple(out.token_ids) == forced  # not what greedy decoding picks, and not cut at the end-of-sequence
         with pytest.raises(ConfigError, match="forced_tokens names token"):
             engine.decode(prompt, SamplingConfig(max_tokens=1, forced_tokens=(engine.model.args.vocab_size,)), FULL)
     finally:
@@ -48,6 +52,8 @@ def test_teacher_forcing_under_the_full_cache_reproduces_the_free_running_logits
         engine.decode(prompt, SamplingConfig(max_tokens=len(tokens), forced_tokens=tokens), FULL,
                       on_logits=forced.append)
         assert len(forced) == len(tokens) and all(torch.equal(a, b) for a, b in zip(free, forced))
+        with pytest.raises(ConfigError, match="top must be in 1.."):
+            reference(engine, prompt, 40, FULL, top=engine.model.args.vocab_size + 1)
         ref = reference(engine, prompt, 40, FULL, top=16)
         assert ref.tokens == tokens and ref.top_ids[:, 0].tolist() == list(tokens)  # greedy: the most likely
         same = teacher_forced(engine, prompt, ref, FULL)

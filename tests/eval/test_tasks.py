@@ -47,7 +47,9 @@ def test_recall_all_asks_every_needle_and_scores_each_value_only_on_its_keys_lin
     assert s.score("\n".join(lines[:8])[len(s.keys[0]) + 1:]) == 0.5  # cut off halfway
     swapped = [f"{k}: {v}" for k, v in zip(s.keys, s.answers[1:] + s.answers[:1])]  # every value, wrong key
     assert s.score("\n".join(swapped)[len(s.keys[0]) + 1:]) == 0.0
-    assert s.score(" ".join(s.answers)) == 1 / 16  # the values alone: only the first is on its key's line
+    assert s.score(" ".join(s.answers)) == 1 / 16  # the values alone: only the first follows its key
+    crossed = f" {s.answers[1]}, {s.keys[1]}: {s.answers[0]}"  # both keys and values on one line, crossed
+    assert s.score(crossed) == 0.0
     with pytest.raises(ConfigError, match="recall_all: 1"):
         sampler.make_context("recall_all", 3000, seed=7, questions=2, num_needles=16)
 

@@ -17,11 +17,11 @@ from icekv.config.engine import default_cache_dir
 from icekv.config.paging import PagingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.config.serving import CompressionConfig
-from icekv.serving.openai.config import OpenAIConfig
 from icekv.methods.icecache import IceCacheConfig
 from icekv.errors import IcekvError
 from icekv.policies import policy_names
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
+from icekv.serving.openai.config import OpenAIConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--samples", type=_positive_int("--samples"), default=10)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--num-needles", type=_positive_int("--num-needles"), default=2,
-                    help="niah_multikey: needles in all, the asked ones and distractors; recall_all: needles, all asked")
+                    help="niah_multikey: needles in all, the asked ones and distractors; recall_all: needles, "
+                         "all asked")
     ev.add_argument("--distinct-key-words", action="store_true",
                     help="niah tasks: no two keys of a context share a word (by default they may, which makes "
                          "keys easier to mistake for one another)")
@@ -116,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "later or resumed run over the same contexts reads them back instead of prefilling")
     _model_flag(ev)
 
-    fid = sub.add_parser("fidelity", help="teacher-forced fidelity of policies against the full cache over a long output")
+    fid = sub.add_parser("fidelity",
+                         help="teacher-forced fidelity of policies against the full cache over a long output")
     given = fid.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt-file", type=Path, help="the prompt (any text)")
     given.add_argument("--haystack", help="or a long context: the first --length tokens of this text (essays | kjv | "
@@ -203,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cancel a request after this many seconds without output (its first piece: queueing and "
                             "prefill included); a reply runs for as long as its pieces keep coming")
     serve.add_argument("--request-timeout-s", type=_positive_float("--request-timeout-s"),
-                       default=OpenAIConfig.request_timeout_s, help="cancel a request that runs longer than this in all "
-                                                                    "(default: no limit)")
+                       default=OpenAIConfig.request_timeout_s,
+                       help="cancel a request that runs longer than this in all (default: no limit)")
     serve.add_argument("--model-repository", type=Path, default=None,
                        help="serve this repository as is (default: generate one from the flags below)")
     _serving_flags(serve)

@@ -56,7 +56,8 @@ class SamplingConfig:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (the whole prompt is prefilled)
     json_schema: str | None = None  # the output is JSON valid under this schema (checked by the engine at submit)
     grammar: str | None = None  # the output matches this Lark grammar, llguidance's dialect (forced tool calls)
-    forced_tokens: tuple[int, ...] = ()  # the output, fed in place of sampled tokens (max_tokens: its length)
+    forced_tokens: tuple[int, ...] = ()  # the whole output, fed in place of sampled tokens (an end-of-sequence
+    # one does not end it early; max_tokens: its length)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -81,6 +82,8 @@ class SamplingConfig:
                               f"got {self.max_tokens}")
         if any(t < 0 for t in self.forced_tokens):
             raise ConfigError("forced_tokens must be token ids >= 0")
+        if self.forced_tokens and (self.stop or self.json_schema is not None or self.grammar is not None):
+            raise ConfigError("forced_tokens are the whole output: stop, json_schema and grammar do not apply")
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ConfigError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")

@@ -167,10 +167,11 @@ class Engine:
         """The one way in: the request checked, charged its worst case, queued. ``kind``: the
         :class:`Request` fields that make it a decode over a prefilled prompt, a prefill only, a
         probed decode, or set its prompt caching."""
-        for name, named in (("logit_bias", [t for t, _ in sampling.logit_bias]), ("forced_tokens", sampling.forced_tokens)):
-            if max(named, default=-1) >= self.model.args.vocab_size:
-                raise ConfigError(f"{name} names token {max(named)}; this model's vocabulary has "
-                                  f"{self.model.args.vocab_size} tokens")
+        vocab = self.model.args.vocab_size
+        named_tokens = (("logit_bias", [t for t, _ in sampling.logit_bias]), ("forced_tokens", sampling.forced_tokens))
+        for name, named in named_tokens:
+            if (largest := max(named, default=-1)) >= vocab:
+                raise ConfigError(f"{name} names token {largest}; this model's vocabulary has {vocab} tokens")
         plan = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
         prefilled = kind.get("prefilled")
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)

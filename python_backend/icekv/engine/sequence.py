@@ -194,7 +194,7 @@ class Sequence:
         token = forced[len(self.stream.token_ids)] if forced else sample_next(logits, s, self.generator)
         if s.logprobs is not None:  # an end-of-sequence token too, as vLLM reports it
             self.logprobs += token_logprobs(raw[None], [token], s.logprobs, self.stream.tokenizer.decode)
-        if token in self.eos:
+        if token in self.eos and not forced:
             self.finish_reason = "stop"
             return self._emit_last()
         self._emit(self.stream.push(token))

@@ -59,9 +59,9 @@ class DecodeBenchConfig:
     window: int | None = None  # timed steps per window of a long output's report (None: no windows)
 
     def __post_init__(self) -> None:
-        if self.window is not None and (self.window < 1 or self.warmup_steps < 1):
-            raise ConfigError("a window is >= 1 step and follows at least one warm-up step (the decode's first "
-                              "step builds its index)")
+        if self.window is not None and (self.window < 1 or self.warmup_steps < 1 or self.repeats > 1):
+            raise ConfigError("a window is >= 1 step, follows at least one warm-up step (the decode's first step "
+                              "builds its index) and reports one run (no repeats)")
 
     @property
     def max_tokens(self) -> int:
@@ -205,7 +205,7 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, plan: Po
         # host -> device over the decode (the first step fills empty slots): KV pages, index copies
         "kv_bytes_moved": gen.kv.bytes_moved, "index_bytes_moved": gen.kv.index_bytes_moved,
         "steps": steps,
-        "windows": _windows(seq.step_s[cfg.warmup_steps:], marks + [(steps, gen.timings, gen.kv)]) if cfg.window else None,
+        "windows": _windows(seq.step_s[cfg.warmup_steps:], [*marks, (steps, gen.timings, gen.kv)]) if marks else None,
     }
 
 

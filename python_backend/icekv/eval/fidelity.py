@@ -14,7 +14,9 @@ compared with the full cache's there:
   reference's text (None: it never would).
 
 The reference keeps ``top`` log-probabilities per position, not the full distributions, so an
-output of thousands of tokens over a large vocabulary stays small.
+output of thousands of tokens over a large vocabulary stays small. Position 0 is the prompt's own
+next token, from the prefill (full attention under every policy): it agrees by construction, and
+each policy's decode starts at position 1.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from icekv.config.request import SamplingConfig
 from icekv.engine import Engine
+from icekv.errors import ConfigError, IcekvError
 from icekv.engine.results import Prefilled
 from icekv.policies import PolicyPlan
 
@@ -73,7 +76,11 @@ def divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def reference(engine: Engine, prompt: Prefilled, max_tokens: int, full: PolicyPlan, top: int = 64) -> Reference:
     """The full cache's greedy decode of up to ``max_tokens`` tokens after ``prompt``, keeping
-    each position's ``top`` most likely tokens."""
+    each position's ``top`` most likely tokens. IcekvError when it is empty (an end-of-sequence
+    token first)."""
+    vocab = engine.model.args.vocab_size
+    if not 1 <= top <= vocab:
+        raise ConfigError(f"top must be in 1..{vocab} (this model's vocabulary), got {top}")
     ids, logprobs = [], []
 
     def keep(logits: torch.Tensor) -> None:
@@ -83,6 +90,8 @@ def reference(engine: Engine, prompt: Prefilled, max_tokens: int, full: PolicyPl
 
     out = engine.decode(prompt, SamplingConfig(max_tokens=max_tokens), full, on_logits=keep)
     n = len(out.token_ids)  # an end-of-sequence step saw logits too: not a position of the output
+    if not n:
+        raise IcekvError("the full cache's output is empty (an end-of-sequence token first): nothing to compare")
     return Reference(tuple(out.token_ids), torch.stack(ids[:n]), torch.stack(logprobs[:n]))
 
 
@@ -98,4 +107,6 @@ def teacher_forced(engine: Engine, prompt: Prefilled, ref: Reference, plan: Poli
 
     engine.decode(prompt, SamplingConfig(max_tokens=len(ref.tokens), forced_tokens=ref.tokens), plan,
                   on_logits=compare)
+    if len(agrees) != len(ref.tokens):
+        raise RuntimeError(f"a forced decode of {len(ref.tokens)} tokens saw {len(agrees)} steps' logits")
     return Fidelity(torch.tensor(agrees, dtype=torch.bool), torch.stack(kl))

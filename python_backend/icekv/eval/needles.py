@@ -20,8 +20,8 @@ QUESTION = (
 )
 MULTIVALUE_QUESTION = ("\nWhat are all the special magic numbers for {key} mentioned in the provided text? The "
                        "special magic numbers for {key} mentioned in the provided text are")  # every value of a key
-RECALL_ALL_QUESTION = ("\nWhat are all the special magic numbers mentioned in the provided text, each with its key, one "
-                       "per line as 'key: number'? The special magic numbers mentioned in the provided text "
+RECALL_ALL_QUESTION = ("\nWhat are all the special magic numbers mentioned in the provided text, each with its key, "
+                       "one per line as 'key: number'? The special magic numbers mentioned in the provided text "
                        "are:\n{key}:")  # every needle of a context: a long answer, started with the first one's key
 
 
@@ -57,8 +57,8 @@ class Question:
     text: str  # follows the context: the question, then its answer prefix
     answers: tuple[str, ...]  # every one must appear in the output
     stop: tuple[str, ...] = ("\n",)  # where the answer ends (a list of names may span lines)
-    keys: tuple[str, ...] = ()  # where given, answer i counts only on a line that names keys[i] too (the
-    # answer's first line starts in the text: its last line comes before the output)
+    keys: tuple[str, ...] = ()  # where given, answer i counts only stated as "keys[i]: answer" (the answer's
+    # first line starts in the text: its last line comes before the output)
 
     @property
     def answer_room(self) -> int:
@@ -76,13 +76,12 @@ class Question:
         return max(floor, self.answer_room)
 
     def score(self, output: str) -> float:
-        """1.0 when every expected answer appears in the output (with ``keys``: on a line naming its
-        key), else the share that did."""
+        """1.0 when every expected answer appears in the output (with ``keys``: as ``key: answer``),
+        else the share that did."""
         if not self.keys:
             return sum(a in output for a in self.answers) / len(self.answers)
-        lines = (self.text.rsplit("\n", 1)[-1] + output).splitlines()
-        bound = [any(k in line and a in line for line in lines) for k, a in zip(self.keys, self.answers)]
-        return sum(bound) / len(self.answers)
+        stated = set(re.findall(r"([\w-]+): *(\d+)", self.text.rsplit("\n", 1)[-1] + output))  # (key, value) pairs
+        return sum(pair in stated for pair in zip(self.keys, self.answers)) / len(self.answers)
 
 
 def longest_answer_room(task: str, num_values: int, num_hops: int, num_needles: int) -> int:

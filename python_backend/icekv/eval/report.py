@@ -185,6 +185,43 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
     plot_lines(series, "context tokens", "ms per output token", out / "tpot.png")
 
 
+def fidelity_line(r: dict) -> str:
+    """One policy's fidelity record in a line."""
+    return (f"{_policy_at(r)}: top-1 agreement {r['agreement']:.3f}, KL {r['kl']:.4f} nats, greedy would part at "
+            f"{_first_divergence(r)}")
+
+
+def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
+    """Teacher-forced fidelity: results.json, and report.md with a table per measure (a row per
+    policy and budget, a column per window of output positions)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    starts = [w["start"] for w in records[0]["windows"]] if records else []
+    lines = ["# Teacher-forced fidelity against the full cache", "", "```", meta.get("command", ""), "```", "",
+             f"{meta['model']}: a {meta['prompt_tokens']}-token prompt, the full cache's greedy output of "
+             f"{meta['output_tokens']} tokens fed back under each policy. KL(full || policy) over the full cache's "
+             f"top {meta['top']} tokens and the rest (a lower bound of the exact KL). Position 0 comes from the "
+             "prefill under every policy.", ""]
+    for measure, unit, digits in (("agreement", "top-1 agreement", 3), ("kl", "mean KL, nats", 4)):
+        lines += [f"## {unit}, per window of {meta['window']} output positions", "",
+                  "| policy | budget | first divergence | all | " + " | ".join(f"{s}-" for s in starts) + " |",
+                  "|---|---|---|---|" + "---|" * len(starts)]
+        for r in records:
+            cells = [f"{v:.{digits}f}" for v in [r[measure]] + [w[measure] for w in r["windows"]]]
+            budget = "-" if r["budget"] is None else r["budget"]
+            lines.append(f"| {r['policy']} | {budget} | {_first_divergence(r)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def _policy_at(r: dict) -> str:
+    return r["policy"] if r["budget"] is None else f"{r['policy']}@{r['budget']}"
+
+
+def _first_divergence(r: dict) -> str:
+    return "never" if r["first_divergence"] is None else str(r["first_divergence"])
+
+
 def _window_tables(records: list[dict]) -> list[str]:
     """A long output's windows, one table per record that has them."""
     lines = []

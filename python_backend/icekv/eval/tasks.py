@@ -87,7 +87,8 @@ class HaystackSampler:
         one key with ``num_values`` values, all asked; ``variable_tracking``: per question a chain of
         ``num_hops`` + 1 variables (``VAR A = 12345.``, ``VAR B = VAR A.``, ...) in order through the
         text, every name asked; ``recall_all``: ``num_needles`` needles, one question asking for
-        every one of them with its key (a long answer, decoded with its earlier lines in the cache). ``depth`` places a lone needle; otherwise depths come from the seed.
+        every one of them with its key (a long answer, decoded with its earlier lines in the cache).
+        ``depth`` places a lone needle; otherwise depths come from the seed.
         ``distinct_key_words``: no two keys share a word (:func:`icekv.eval.needles.keyed_needles`).
         """
         if task not in TASKS or task == "passkey":

@@ -140,7 +140,7 @@ class ContextService:
         self.shared.release(key)
 
     # ---- the engine thread
-    def start(self, spec: ContextSpec, waiter) -> tuple[str, CompressedContext | None]:
+    def attach(self, spec: ContextSpec, waiter) -> tuple[str, CompressedContext | None]:
         """Where ``waiter`` gets ``spec``'s context: ``("hit", context)`` when another request has
         just made it (held for the waiter); else attached to its compression, started now if none
         runs: ``("compressed", None)`` or ``("joined", None)``. Raises IcekvError (bad settings,

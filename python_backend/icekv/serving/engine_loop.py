@@ -210,7 +210,7 @@ class EngineLoop:
         """Run ``request`` over ``spec``'s context once it is ready (now, if another request has
         just made it)."""
         try:
-            status, context = self.contexts.start(spec, (request, sink))
+            status, context = self.contexts.attach(spec, (request, sink))
         except IcekvError as e:
             self._fail(sink, e)
             return

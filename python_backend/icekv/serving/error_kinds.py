@@ -9,9 +9,11 @@ Python stub), which is the server's.
 
 from __future__ import annotations
 
+import re
+
 PREFIXES = {"busy": "server busy", "cancelled": "request cancelled", "internal": "internal error"}
 KINDS = ("client", *PREFIXES)
-MODEL_PROCESS_DOWN = "Stub process"  # how Triton's Python backend starts that report
+MODEL_PROCESS_DOWN = re.compile(r"Stub process '[^']*' is not healthy")  # Triton's Python backend's report
 
 
 def tag(message: str, kind: str) -> str:
@@ -25,6 +27,6 @@ def tag(message: str, kind: str) -> str:
 def kind_of(message: str) -> str:
     """The kind :func:`tag` wrote into ``message``; "busy" for Triton's report that the model's
     process does not answer."""
-    if MODEL_PROCESS_DOWN in message:
+    if MODEL_PROCESS_DOWN.search(message):
         return "busy"
     return next((kind for kind, prefix in PREFIXES.items() if message.startswith(prefix)), "client")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from icekv.config.serving import ServingConfig
@@ -31,7 +32,7 @@ class OpenAIConfig:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_stop_sequences < 0:
             raise ConfigError(f"max_stop_sequences must be >= 0, got {self.max_stop_sequences}")
-        if not self.idle_timeout_s > 0:
-            raise ConfigError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
-        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
-            raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        for name in ("idle_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
