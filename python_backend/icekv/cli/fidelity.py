@@ -23,9 +23,10 @@ def _cmd_fidelity(args) -> int:
         for budget in _csv("--budgets", args.budgets, int):
             plan = resolve(SelectionConfig(policy=policy, budget=budget, icecache=icecache))
             plans[plan.name, plan.budget if plan.sparse else None] = plan
+    text = _text(args)  # before the model loads: a bad file or haystack fails at once
     paging = PagingConfig(kv_dtype=_kv_dtype(args))
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging, **_device_settings(args)))
-    prompt = _prompt(args, engine.tokenizer)
+    prompt = text if args.prompt_file is not None else _long_context(args, text, engine.tokenizer)
     if args.chat_template:
         prompt = engine.chat_prompt([{"role": "user", "content": prompt}])
     ids = engine.tokenizer.encode(prompt)
@@ -54,18 +55,23 @@ def _cmd_fidelity(args) -> int:
     return 0
 
 
-def _prompt(args, tokenizer) -> str:
-    """The prompt file's text, or the haystack's first ``--length`` tokens and the request."""
+def _text(args) -> str:
+    """The prompt file's text, or the haystack's."""
     from icekv.assets import Assets
 
-    if args.prompt_file is not None:
-        if not args.prompt_file.is_file():
-            raise IcekvError(f"--prompt-file {args.prompt_file} is not a readable file")
-        prompt = args.prompt_file.read_text()
-        if not prompt.strip():
-            raise IcekvError(f"--prompt-file {args.prompt_file} is empty")
-        return prompt
-    context = tokenizer.encode(Assets().haystack_text(args.haystack))
+    if args.prompt_file is None:
+        return Assets().haystack_text(args.haystack)
+    if not args.prompt_file.is_file():
+        raise IcekvError(f"--prompt-file {args.prompt_file} is not a readable file")
+    prompt = args.prompt_file.read_text()
+    if not prompt.strip():
+        raise IcekvError(f"--prompt-file {args.prompt_file} is empty")
+    return prompt
+
+
+def _long_context(args, haystack: str, tokenizer) -> str:
+    """The haystack's first ``--length`` tokens, then the request."""
+    context = tokenizer.encode(haystack)
     if len(context) < args.length:
         raise IcekvError(f"--haystack {args.haystack} holds {len(context)} tokens, fewer than --length {args.length}")
     return tokenizer.decode(context[: args.length]) + "\n\n" + args.ask
