@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="RULER-style accuracy across lengths, policies and budgets")
     ev.add_argument("--task", default="niah_single",
                     help="comma list: niah_single, niah_multikey, niah_multivalue, variable_tracking, passkey, "
-                         "recall_all (every needle asked at once: a long answer)")
+                         "recall_all (every needle asked at once: a long answer), cot_arith (a word problem answered "
+                         "with its reasoning, its facts through the context; a length it fills: the problem alone)")
     ev.add_argument("--haystack", default="essays", help="essays | kjv | PATH to a text file")
     ev.add_argument("--lengths", default="2000", help="comma list of prompt lengths in tokens")
     ev.add_argument("--depths", default=None, help="comma list of needle depths in 0..1 (default: spread)")
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-values", type=_positive_int("--num-values"), default=2,
                     help="niah_multivalue: values of each asked key")
     ev.add_argument("--num-hops", type=_positive_int("--num-hops"), default=4,
-                    help="variable_tracking: assignments after the first in each chain")
+                    help="variable_tracking: assignments after the first in each chain; cot_arith: changes after "
+                         "the start")
     ev.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=None,
                     help="least tokens decoded per answer (default 12); an expected answer that is longer "
                          "(several values, a chain of names) always gets room for all of it")

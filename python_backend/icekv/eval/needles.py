@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from icekv.errors import ConfigError
+from icekv.eval.arith import final_number
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = (
@@ -36,6 +37,7 @@ VAR_QUESTION = (
     "\nWhich variables are assigned the value {value} in the text above? According to the chain of "
     "variables assigned in the text above, {n} variables are assigned the value {value}, they are:"
 )
+WORKED_ANSWER_ROOM = 768  # a reasoning written out, then its number (cot_arith)
 VALUE_DIGITS = 7  # a needle's value
 NAME_LETTERS = 5  # a chain's variable name
 # Our own small vocabulary for needle keys ("word-word"), so keys are ordinary tokens.
@@ -59,11 +61,14 @@ class Question:
     stop: tuple[str, ...] = ("\n",)  # where the answer ends (a list of names may span lines)
     keys: tuple[str, ...] = ()  # where given, answer i counts only stated as "keys[i]: answer" (the answer's
     # first line starts in the text: its last line comes before the output)
+    final: bool = False  # only the output's final number counts (a worked answer states many): cot_arith
 
     @property
     def answer_room(self) -> int:
         """Tokens the whole answer may take, in characters (a token holds at least one): a value and 4 to
         spare, or a list in its longest usual form, a numbered line per answer after a lead-in (":")."""
+        if self.final:
+            return WORKED_ANSWER_ROOM
         if len(self.answers) == 1:
             return len(self.answers[0]) + 4
         if self.keys:
@@ -78,6 +83,8 @@ class Question:
     def score(self, output: str) -> float:
         """1.0 when every expected answer appears in the output (with ``keys``: as ``key: answer``),
         else the share that did."""
+        if self.final:
+            return float(final_number(output) == int(self.answers[0]))
         if not self.keys:
             return sum(a in output for a in self.answers) / len(self.answers)
         stated = set(re.findall(r"([\w-]+): *(\d+)", self.text.rsplit("\n", 1)[-1] + output))  # (key, value) pairs
@@ -88,6 +95,8 @@ def longest_answer_room(task: str, num_values: int, num_hops: int, num_needles: 
     """The most :attr:`Question.answer_room` any question of ``task`` may need: a key's
     ``num_values`` values (niah_multivalue), a chain's ``num_hops`` + 1 names (variable_tracking),
     every one of ``num_needles`` keys and values (recall_all), else one value."""
+    if task == "cot_arith":
+        return WORKED_ANSWER_ROOM
     if task == "recall_all":
         longest_key = "x" * (2 * max(map(len, KEY_WORDS)) + 1)
         return Question("", ("x" * VALUE_DIGITS,) * num_needles, keys=(longest_key,) * num_needles).answer_room

@@ -44,7 +44,7 @@ class EvalConfig(ContextGrid):
     num_needles: int = 2  # niah_multikey: needles with distinct keys in all (the asked ones, then distractors);
     # recall_all: the needles, every one asked
     num_values: int = 2  # niah_multivalue: values of each asked key, all expected
-    num_hops: int = 4  # variable_tracking: assignments after the first in each chain
+    num_hops: int = 4  # variable_tracking: assignments after the first in each chain; cot_arith: changes after the start
     distinct_key_words: bool = False  # niah tasks: no word shared by two keys of a context
     probe: bool = True  # per-layer attention recall and output cosine vs full attention
     icecache: IceCacheConfig = IceCacheConfig()  # e.g. search="exhaustive"
@@ -56,7 +56,7 @@ class EvalConfig(ContextGrid):
                 raise ConfigError(f"--task: unknown task {t!r}; choose from {', '.join(TASKS)}")
         if self.samples < 1 or self.questions < 1:
             raise ConfigError(f"--samples and --questions must be >= 1, got {self.samples} and {self.questions}")
-        for one in ("passkey", "recall_all"):
+        for one in ("passkey", "recall_all", "cot_arith"):
             if one in self.tasks and self.questions > 1:
                 raise ConfigError(f"--task {one} asks one question of a context: it takes --questions 1")
         if "niah_multikey" in self.tasks and self.num_needles <= self.questions:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from icekv.errors import ConfigError
+from icekv.eval.arith import ARITH_PREAMBLE, arith_problem
 from icekv.eval.needles import (QUESTION, Question, find_needles, keyed_needles, recall_all_question,
                                 variable_chains)
 from icekv.model import Tokenizer
@@ -28,7 +29,7 @@ PASSKEY_FILLER = "The river runs to the sea. The hills are quiet. The day is lon
 PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key. "
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 QUESTION_ROOM = 512  # tokens a context's prompt may run past its length (a question, a chat template's tail)
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "passkey", "recall_all")
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "passkey", "recall_all", "cot_arith")
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,11 @@ class Sample:
     answers: tuple[str, ...]  # every one must appear in the output
     depths: tuple[float, ...]
     prompt_tokens: int
-    keys: tuple[str, ...] = ()  # recall_all: each answer's key, on its line (Question.keys)
+    keys: tuple[str, ...] = ()  # recall_all: each answer's key (Question.keys)
+    final: bool = False  # cot_arith: only the output's final number counts (Question.final)
 
     def score(self, output: str) -> float:
-        return Question(self.prompt, self.answers, keys=self.keys).score(output)
+        return Question(self.prompt, self.answers, keys=self.keys, final=self.final).score(output)
 
 
 class HaystackSampler:
@@ -75,7 +77,8 @@ class HaystackSampler:
         c = self.make_context(task, length, seed, 1, depth, num_needles, num_values)
         prompt = c.context + c.questions[0].text
         asked = c.questions[0]
-        return Sample(task, prompt, asked.answers, c.depths, len(self.tokenizer.encode(prompt)), asked.keys)
+        return Sample(task, prompt, asked.answers, c.depths, len(self.tokenizer.encode(prompt)), asked.keys,
+                      asked.final)
 
     def make_context(self, task: str, length: int, seed: int, questions: int = 1, depth: float | None = None,
                      num_needles: int = 1, num_values: int = 1, num_hops: int = 4,
@@ -94,9 +97,11 @@ class HaystackSampler:
         if task not in TASKS or task == "passkey":
             choices = ", ".join(t for t in TASKS if t != "passkey")
             raise ConfigError(f"unknown context task {task!r}; choose from {choices}")
-        if questions < 1 or (task == "recall_all" and questions != 1):
-            raise ConfigError(f"questions must be >= 1 (recall_all: 1, asking for every needle), got {questions}")
+        if questions < 1 or (task in ("recall_all", "cot_arith") and questions != 1):
+            raise ConfigError(f"questions must be >= 1 (recall_all and cot_arith: 1), got {questions}")
         rng = random.Random(seed)
+        if task == "cot_arith":
+            return self._arith_context(length, rng, num_hops)
         if task == "variable_tracking":
             needles, asked = variable_chains(rng, questions, num_hops)
         else:
@@ -123,6 +128,22 @@ class HaystackSampler:
         if task == "recall_all":
             asked = [recall_all_question(context)]  # in the order the text holds them
         return ContextSample(task, PREAMBLE + context, tuple(asked), tuple(depths))
+
+    def _arith_context(self, length: int, rng: random.Random, steps: int) -> ContextSample:
+        """A word problem of ``steps`` changes after its start, its facts in order at random depths
+        of a ``length``-token context; the problem alone where ``length`` leaves no room for text."""
+        problem = arith_problem(rng, steps)
+        asked = (Question(problem.question, (str(problem.answer),), (), final=True),)
+        overhead = len(self.tokenizer.encode(ARITH_PREAMBLE + " ".join(problem.facts) + problem.question)) + 2
+        budget = length - overhead
+        if budget < 64:
+            return ContextSample("cot_arith", ARITH_PREAMBLE + " ".join(problem.facts), asked, ())
+        if budget > len(self.ids):
+            raise ConfigError(f"length {length} exceeds the haystack ({len(self.ids)} tokens)")
+        start = rng.randrange(0, len(self.ids) - budget + 1)
+        depths = sorted(rng.random() for _ in problem.facts)
+        context = _insert_in_order(self.tokenizer.decode(self.ids[start : start + budget]), problem.facts, depths)
+        return ContextSample("cot_arith", ARITH_PREAMBLE + context, asked, tuple(depths))
 
     def _passkey(self, length: int, rng: random.Random, depth: float | None) -> Sample:
         value = str(rng.randrange(10_000, 100_000))
@@ -201,6 +222,16 @@ class PromptFormat:
     def prompt(self, text: str) -> str:
         """A whole task prompt (context and question)."""
         return self.head + self.question(text) if self.chat else text
+
+
+def _insert_in_order(text: str, items: tuple[str, ...], depths: list[float]) -> str:
+    """``items`` inserted at the sentence boundaries nearest to their ascending ``depths``, in
+    their order (every boundary found in the text before any insertion)."""
+    bounds = [0] + [m.end() for m in re.finditer(r"[.!?]\s", text)] + [len(text)]
+    at = [min(bounds, key=lambda b: abs(b - int(len(text) * d))) for d in depths]  # non-decreasing
+    for item, where in reversed(list(zip(items, at))):
+        text = text[:where] + item + " " + text[where:]
+    return text
 
 
 def _insert_at_sentence(text: str, needle: str, depth: float) -> str:
