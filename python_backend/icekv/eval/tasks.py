@@ -236,7 +236,4 @@ def _insert_in_order(text: str, items: tuple[str, ...], depths: list[float]) -> 
 
 def _insert_at_sentence(text: str, needle: str, depth: float) -> str:
     """Insert ``needle`` at the sentence boundary nearest to ``depth`` (0 = start, 1 = end)."""
-    target = int(len(text) * depth)
-    bounds = [0] + [m.end() for m in re.finditer(r"[.!?]\s", text)] + [len(text)]
-    at = min(bounds, key=lambda b: abs(b - target))
-    return text[:at] + needle + " " + text[at:]
+    return _insert_in_order(text, (needle,), [depth])
