@@ -2,7 +2,7 @@
 
 The OpenAI-compatible API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent
 events when ``stream`` is true), ``GET /v1/models``, ``GET /health``, every error OpenAI-shaped;
-and Triton's generate extension (:mod:`icekv.serving.openai.generate_api`). A client that
+the OpenAPI description of every route at ``GET /openapi.json``; and Triton's generate extension (:mod:`icekv.serving.openai.generate_api`). A client that
 disconnects, streaming or not, cancels its Triton request.
 """
 
@@ -25,6 +25,7 @@ from starlette.routing import Route
 from icekv.serving.openai.config import OpenAIConfig
 from icekv.serving.client import Final
 from icekv.serving.openai.generate_api import GenerateAPI
+from icekv.serving.openai.openapi import openapi_document
 from icekv.serving.openai.shapes import Kind, ToolDeltas, answer_calls, called, final_logprobs, icekv_stats, usage
 from icekv.serving.openai.streams import gather_closing, merged, starting_with
 from icekv.serving.openai.protocol import ChatCompletionBody, CompletionBody, OpenAIError, parse_body
@@ -105,6 +106,7 @@ class OpenAIFrontend:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
             *GenerateAPI(self).routes(),
         ]
         handlers = {OpenAIError: _openai_error, HTTPException: _http_error, ClientDisconnect: _client_gone}
@@ -114,6 +116,9 @@ class OpenAIFrontend:
     async def models(self, request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
             {"id": self.config.model, "object": "model", "created": 0, "owned_by": "icekv"}]})
+
+    async def openapi(self, request: Request) -> JSONResponse:
+        return JSONResponse(openapi_document(self.config.model))
 
     async def health(self, request: Request) -> JSONResponse:
         if await self.bridge.ready() and await self.bridge.engine_alive():

@@ -44,6 +44,15 @@ def _check(name: str, value: Any, ttype: str, dims: str) -> Any:
     return value
 
 
+def input_schema(ttype: str, dims: str) -> dict[str, Any]:
+    """The JSON schema of what :func:`_check` accepts for an input of ``ttype`` and ``dims``."""
+    one: dict[str, Any] = {"TYPE_STRING": {"type": "string"}, "TYPE_FP32": {"type": "number"},
+                           "TYPE_BOOL": {"type": "boolean"}}.get(ttype, {"type": "integer"})
+    if ttype in _LIMITS:
+        one = {**one, "minimum": -_LIMITS[ttype], "maximum": _LIMITS[ttype] - 1}
+    return {"anyOf": [one, {"type": "array", "items": one}]} if "-1" in dims else one
+
+
 def generate_fields(raw: bytes) -> dict[str, Any]:
     """The model inputs of a generate body (top-level keys win over ``parameters``), ``stream`` aside."""
     try:
@@ -60,8 +69,8 @@ def generate_fields(raw: bytes) -> dict[str, Any]:
         unknown = sorted(set(keys) - set(inputs))
         if unknown:  # a misspelt setting would otherwise be dropped without a word
             raise OpenAIError(400, f"unknown {where} {unknown}; the model takes {sorted(inputs)}")
-    merged = {**params, **body}
-    fields = {name: _check(name, value, *inputs[name]) for name, value in merged.items()}
+    # each place's values checked, so that an overridden value in parameters is refused, not dropped
+    fields = {name: _check(name, value, *inputs[name]) for keys in (params, body) for name, value in keys.items()}
     fields.pop("stream", None)
     return fields
 
