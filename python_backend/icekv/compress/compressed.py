@@ -25,6 +25,25 @@ class CompressedLayer:
     positions: torch.Tensor  # [n_pages, P] int32, -1 = empty slot
     head_indptr: torch.Tensor  # [Hkv + 1] int64: head h owns pages head_indptr[h]:head_indptr[h+1]
 
+    def check(self, page_size: int, length: int) -> None:
+        """ValueError naming the first way the layer does not hold together (shapes, dtypes, the
+        CSR over its pages, lengths and positions): what a store entry is checked for before use."""
+        n = self.page_len.shape[0] if self.page_len.dim() == 1 else -1
+        if self.k.dim() != 3 or self.k.shape != self.v.shape or self.k.dtype != self.v.dtype:
+            raise ValueError(f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must be alike [pages, P, W]")
+        if n != self.k.shape[0] or self.k.shape[1] != page_size or self.page_len.dtype != torch.int32:
+            raise ValueError(f"page_len must be int32 [{self.k.shape[0]}] and pages of {page_size} slots")
+        if self.positions.shape != self.k.shape[:2] or self.positions.dtype != torch.int32:
+            raise ValueError(f"positions must be int32 {tuple(self.k.shape[:2])}")
+        ptr = self.head_indptr
+        if ptr.dim() != 1 or len(ptr) < 2 or ptr.dtype != torch.int64 or ptr[0] != 0 or ptr[-1] != n \
+                or bool((ptr.diff() < 0).any()):
+            raise ValueError(f"head_indptr must be int64, rise from 0 to the {n} pages")
+        if bool(((self.page_len < 0) | (self.page_len > page_size)).any()):
+            raise ValueError(f"a page length is outside 0..{page_size}")
+        if bool(((self.positions < -1) | (self.positions >= length)).any()):
+            raise ValueError(f"a position is outside -1..{length - 1}")
+
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pages regrouped per head for attention: k, v [Hkv, K, P, W] stored rows, page_len [Hkv, K] (0 = pad)."""
         counts = self.head_indptr.diff()  # [Hkv]

@@ -19,6 +19,7 @@ from safetensors.torch import load, save
 from icekv.compress.compressed import CompressedContext, CompressedLayer
 from icekv.compress.methods import resolved_settings
 from icekv.errors import IcekvError
+from icekv.kv.quant import KVFormat
 
 FORMAT = "icekv-compressed-context"
 VERSION = "2"
@@ -61,7 +62,7 @@ def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor], secret: bytes
     h.update(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-dim too
     return h.hexdigest()
 
 
@@ -89,6 +90,8 @@ def verified(blob: bytes, key: str, model_id: str, fmt: str, version: str, secre
         n_header = int.from_bytes(blob[:8], "little")
         meta = json.loads(blob[8 : 8 + n_header]).get("__metadata__", {})
         tensors = load(blob)
+        if not isinstance(meta, dict):
+            raise TypeError("metadata is not an object")
     except Exception as e:
         raise CorruptEntry(f"entry {key[:12]}... is not a readable safetensors blob ({type(e).__name__})") from None
     if meta.get("format") != fmt:
@@ -100,7 +103,7 @@ def verified(blob: bytes, key: str, model_id: str, fmt: str, version: str, secre
     if meta.get("digest_scheme") != digest_scheme(secret):
         raise StoreError(f"entry {key[:12]}... is signed with {meta.get('digest_scheme')}, this store expects "
                          f"{digest_scheme(secret)} (is the store key set alike on every replica?)")
-    if not hmac.compare_digest(digest(meta, tensors, secret), str(meta.get("digest"))):
+    if not hmac.compare_digest(digest(meta, tensors, secret).encode(), str(meta.get("digest")).encode()):
         if secret:  # forged, or another key: not ours to delete
             raise StoreError(f"entry {key[:12]}... is not signed with this store's key")
         raise CorruptEntry(f"entry {key[:12]}... is corrupt (digest mismatch)")
@@ -111,6 +114,18 @@ def decode(blob: bytes, key: str, model_id: str, secret: bytes | None = None) ->
     """Parse and verify an entry (its HMAC under ``secret`` when given); raises StoreError (or
     CorruptEntry) naming what is wrong."""
     meta, tensors = verified(blob, key, model_id, FORMAT, VERSION, secret, "context")
-    layers = [CompressedLayer(**{f: tensors[f"{i}.{f}"] for f in FIELDS}) for i in range(int(meta["layers"]))]
-    return CompressedContext(int(meta["length"]), int(meta["page_size"]), layers, meta["method"],
-                             float(meta["kv_budget"]), int(meta["full_bytes"]), meta.get("kv_dtype", "auto"))
+    # a digest proves the bytes are as written, not that the writer was icekv (an unkeyed store's
+    # sha256 anyone can make): the entry must also hold together
+    try:
+        length, page_size = int(meta["length"]), int(meta["page_size"])
+        layers = [CompressedLayer(**{f: tensors[f"{i}.{f}"] for f in FIELDS}) for i in range(int(meta["layers"]))]
+        for layer in layers:
+            layer.check(page_size, length)
+        kv_dtype = KVFormat(meta.get("kv_dtype", "auto")).name  # ValueError: not a format this icekv reads
+        ctx = CompressedContext(length, page_size, layers, meta["method"], float(meta["kv_budget"]),
+                                int(meta["full_bytes"]), kv_dtype)
+    except (KeyError, ValueError) as e:
+        raise StoreError(f"entry {key[:12]}... is malformed: {e}") from None
+    if len(tensors) != len(FIELDS) * len(layers):
+        raise StoreError(f"entry {key[:12]}... is malformed: {len(tensors)} tensors for {len(layers)} layers")
+    return ctx
