@@ -44,6 +44,7 @@ def test_json_mode_gives_an_object_and_leaves_other_requests_alone(engine):
     ("not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
     ('{"type": "nonsense"}', "cannot be compiled: .*nonsense"),
+    ('{"maximum": 18446744211039428608}', "cannot be compiled: .*not JSON serializable"),  # past 64 bits: was a 500
 ])
 def test_a_schema_it_cannot_compile_is_refused_at_submit(engine, schema, message):
     with pytest.raises(ConfigError, match=message):

@@ -53,7 +53,10 @@ class Grammars:
             raise ConfigError(f"the JSON schema is not valid JSON: {e.msg} at character {e.pos}") from None
         if not isinstance(parsed, dict):
             raise ConfigError(f"the JSON schema must be a JSON object, got {type(parsed).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(parsed, defaults=COMPACT)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(parsed, defaults=COMPACT)
+        except ValueError as e:  # what the library cannot hold, such as an integer past 64 bits
+            raise ConfigError(f"the JSON schema cannot be compiled: {e}") from None
 
     def _matcher(self, grammar: str, what: str) -> Grammar:
         import llguidance
