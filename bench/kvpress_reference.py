@@ -70,6 +70,27 @@ def until_stop(text: str, stop: tuple[str, ...]) -> str:
     return text[: min(ends)] if ends else text
 
 
+def compare(kvpress_log: Path, icekv_log: Path, policy: str) -> str:
+    """A markdown table: per budget, each side's summed scores and where they part (a question's
+    score is in 0..1: "both" sums the lower of the two, each "only" what one side scored above)."""
+    mine = {}
+    for line in icekv_log.read_text().splitlines():
+        entry = json.loads(line)
+        for run in entry.get("runs", ()):
+            mine[(f"{run['task']}/{run['length']}/{run['sample']}", run["policy"], run["budget"])] = run["score"]
+    theirs = [json.loads(line) for line in kvpress_log.read_text().splitlines()]
+    rows = ["| budget | icekv | kvpress | both right | icekv only | kvpress only |", "|---|---|---|---|---|---|"]
+    for budget in sorted({r["budget"] for r in theirs}, key=lambda b: b or 0):
+        pairs = [(mine.get((r["context"], policy if budget else "full", budget)), r["score"]) for r in theirs
+                 if r["budget"] == budget]
+        pairs = [(a, b) for a, b in pairs if a is not None]
+        n = len(pairs)
+        both, mine_only = sum(min(a, b) for a, b in pairs), sum(max(a - b, 0) for a, b in pairs)
+        rows.append(f"| {budget or 'full'} | {sum(a for a, _ in pairs):g}/{n} | {sum(b for _, b in pairs):g}/{n} | "
+                    f"{both:g} | {mine_only:g} | {sum(max(b - a, 0) for a, b in pairs):g} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a Hugging Face model folder")
@@ -80,7 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--press", default="snapkv", help="snapkv | streaming")
     ap.add_argument("--window", type=int, default=None, help="SnapKV's observation window (default: kvpress's)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--compare", metavar="ICEKV_EVAL_DIR", help="only compare --out's runs with an icekv eval's")
     args = ap.parse_args(argv)
+    if args.compare:
+        table = compare(Path(args.out) / "runs.jsonl", Path(args.compare) / "runs.jsonl", args.press)
+        (Path(args.out) / "comparison.md").write_text(table)
+        return print(table)
 
     import torch
     from transformers import AutoModelForCausalLM

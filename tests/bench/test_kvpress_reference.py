@@ -27,3 +27,16 @@ def test_an_answer_ends_before_its_first_stop_string():
     assert kvpress_reference.until_stop(" a; b. c", (".", ";")) == " a"
     assert kvpress_reference.until_stop(" 42", ("\n",)) == " 42"
     assert kvpress_reference.until_stop(" 42\n", ()) == " 42\n"
+
+
+def test_the_comparison_pairs_each_question_with_icekv_s_run_of_the_same_plan(tmp_path):
+    import json
+
+    icekv = [{"runs": [{"task": "t", "length": 9, "sample": i, "policy": p, "budget": b, "score": s}
+                       for p, b, s in (("full", None, 1.0), ("snapkv", 128, float(i == 0)))]} for i in range(3)]
+    kvpress = [{"context": f"t/9/{i}", "budget": b, "score": s}
+               for i in range(3) for b, s in ((None, 1.0), (128, float(i == 1)))]
+    (tmp_path / "icekv.jsonl").write_text("\n".join(json.dumps(e) for e in icekv))
+    (tmp_path / "kvpress.jsonl").write_text("\n".join(json.dumps(r) for r in kvpress))
+    table = kvpress_reference.compare(tmp_path / "kvpress.jsonl", tmp_path / "icekv.jsonl", "snapkv")
+    assert "| full | 3/3 | 3/3 | 3 | 0 | 0 |" in table and "| 128 | 1/3 | 1/3 | 0 | 1 | 1 |" in table
