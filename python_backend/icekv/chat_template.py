@@ -105,7 +105,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or past Python's int-string or recursion limit
             raise ChatTemplateError(f"{at}.function.arguments is not valid JSON") from None
         if not isinstance(arguments, dict):
             raise ChatTemplateError(f"{at}.function.arguments must be a JSON object")
@@ -184,10 +184,14 @@ class ChatTemplate:
 
     def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` (validated first), ending with the assistant's header;
-        ``tools``: the functions the model may call, shown as the template shows them."""
+        ``tools``: the functions the model may call, shown as the template shows them. A developer
+        message is a system message to a template that names no developer role."""
         from jinja2 import TemplateError
 
         messages = normalize_messages(messages)
+        if "developer" not in self.source:  # OpenAI's newer name of the system role; unknown to the template,
+            # which would drop the message (Qwen2.5's renders only the roles it knows)
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         extra = {}
         if tools:
             if not self.renders_tools:
@@ -198,7 +202,7 @@ class ChatTemplate:
             template = _environment().from_string(self.source)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    **extra, **self.special_tokens)
-        except TemplateError as e:
+        except (TemplateError, RecursionError) as e:  # RecursionError: printing arguments nested too deep
             raise ChatTemplateError(f"the model's chat template failed: {e}") from None
 
 

@@ -79,13 +79,27 @@ def _int(name: str, value: Any) -> int:
 def _float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past a float's range (not printed: it may be past Python's str limit too)
+        raise RequestError(f"{name} must be a number, got an integer too large for one") from None
 
 
 def _str(name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise RequestError(f"{name} must be a string, got {value!r}")
     return value
+
+
+def _json(name: str, value: Any) -> Any:
+    """The string field ``name`` read as JSON; RequestError where it is not JSON or Python cannot
+    read it (a number past its int-string limit: ValueError; nesting past its recursion limit)."""
+    try:
+        return json.loads(_str(name, value))
+    except json.JSONDecodeError as e:
+        raise RequestError(f"{name} is not valid JSON: {e.msg} at character {e.pos}") from None
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"{name} cannot be read: {e}") from None
 
 
 # the request fields that are SamplingConfig's fields of the same name, and how each is read
@@ -114,9 +128,7 @@ def _tool_use(fields: dict[str, Any]) -> ToolUse:
     tools = None
     if "tools" in fields:
         try:
-            tools = normalize_tools(json.loads(_str("tools", fields["tools"])))
-        except json.JSONDecodeError as e:
-            raise RequestError(f"tools is not valid JSON: {e.msg} at character {e.pos}") from None
+            tools = normalize_tools(_json("tools", fields["tools"]))
         except ChatTemplateError as e:
             raise RequestError(str(e)) from None
         if "messages" not in fields:
@@ -149,10 +161,7 @@ def _prompt(fields: dict[str, Any], chat_prompt: Callable[..., str] | None, tool
         if not text.strip():
             raise RequestError("text_input is empty")
         return text
-    try:
-        messages = json.loads(_str("messages", fields["messages"]))
-    except json.JSONDecodeError as e:
-        raise RequestError(f"messages is not valid JSON: {e.msg} at character {e.pos}") from None
+    messages = _json("messages", fields["messages"])
     if chat_prompt is None:
         raise RequestError("this server does not accept messages; send text_input")
     try:
@@ -195,10 +204,7 @@ def _logit_bias(fields: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     """``logit_bias``: a JSON object of token id (a decimal string, as OpenAI sends it) to bias."""
     if "logit_bias" not in fields:
         return ()
-    try:
-        bias = json.loads(_str("logit_bias", fields["logit_bias"]))
-    except json.JSONDecodeError as e:
-        raise RequestError(f"logit_bias is not valid JSON: {e.msg} at character {e.pos}") from None
+    bias = _json("logit_bias", fields["logit_bias"])
     if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
         raise RequestError(f"logit_bias must be a JSON object of at most {MAX_LOGIT_BIAS} token ids to biases")
     out = []

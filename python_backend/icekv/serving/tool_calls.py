@@ -35,7 +35,7 @@ def _parsed(body: str) -> ToolCall | None:
     """The call a block's body holds; None when it is not one (the block then stays text)."""
     try:
         value = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or past Python's int-string or recursion limit
         return None
     if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
         return None
@@ -100,14 +100,18 @@ class ToolCallStream:
                 if safe.strip():  # trailing whitespace waits: it is dropped if a call follows it
                     out.append(self._take(len(safe.rstrip())))
                 return out
-            text = self._take(start).rstrip()
+            end = self._held.find(CLOSE, start)
+            if end < 0:  # the block is open: the whitespace before it waits to know whether it is a call
+                text = self._held[:start].rstrip()
+                if text:
+                    out.append(self._take(len(text)))
+                return out
+            call = _parsed(self._held[start + len(OPEN): end])
+            text = self._take(start)
+            text = text.rstrip() if call is not None else text  # only a call's whitespace is dropped
             if text:
                 out.append(text)
-            end = self._held.find(CLOSE)
-            if end < 0:
-                return out
-            block = self._take(end + len(CLOSE))
-            call = _parsed(block[len(OPEN): -len(CLOSE)])
+            block = self._take(end - start + len(CLOSE))
             out.append(block if call is None else call)
             self.calls += call is not None
 

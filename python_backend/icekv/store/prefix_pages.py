@@ -47,7 +47,9 @@ def encode_page(rows: torch.Tensor, key: str, model_id: str, secret: bytes | Non
 def decode_page(blob: bytes, key: str, model_id: str, shape: tuple, dtype: torch.dtype,
                 secret: bytes | None = None) -> torch.Tensor:
     """The page's rows, verified; StoreError (CorruptEntry: unreadable or failing its digest)."""
-    rows = verified(blob, key, model_id, FORMAT, VERSION, secret, "prefix")[1]["rows"]
+    rows = verified(blob, key, model_id, FORMAT, VERSION, secret, "prefix")[1].get("rows")
+    if rows is None:  # a digest-right entry icekv did not write (an unkeyed store's sha256 anyone can make)
+        raise StoreError(f"entry {key[:12]}... holds no rows")
     if tuple(rows.shape) != tuple(shape) or rows.dtype != dtype:
         raise StoreError(f"entry {key[:12]}... has rows {tuple(rows.shape)} {rows.dtype}, this pool "
                          f"{tuple(shape)} {dtype}")

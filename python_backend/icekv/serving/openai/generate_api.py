@@ -41,6 +41,11 @@ def _check(name: str, value: Any, ttype: str, dims: str) -> Any:
         if wrong or (ttype in _LIMITS and not -_LIMITS[ttype] <= v < _LIMITS[ttype]):
             raise OpenAIError(400, f"input {name} must be {_TYPE_NAMES[ttype]}"
                               + (" or a list of them" if "-1" in dims else "") + f", got {json.dumps(v)[:40]}")
+        if isinstance(v, str) and not v.isascii():
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (a "\ud800" escape): no text the model can read
+                raise OpenAIError(400, f"input {name} is not valid Unicode text (a lone surrogate)") from None
     return value
 
 

@@ -28,7 +28,7 @@ class FunctionCall(Strict):
     def _a_json_object(cls, arguments: str) -> str:
         try:
             value = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or past Python's int-string or recursion limit
             raise ValueError("not valid JSON") from None
         if not isinstance(value, dict):
             raise ValueError("must be a JSON object")
