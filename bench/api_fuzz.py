@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
         "requests": sum(statuses.values()), "wall_s": round(time.monotonic() - started, 1),
         "statuses": dict(sorted(statuses.items())),

@@ -87,7 +87,7 @@ class StoreEntry:
         n_header = int.from_bytes(self.entry[:8], "little")
         meta = json.loads(self.entry[8: 8 + n_header])["__metadata__"]
         tensors = load(self.entry)
-        kind, _, rest = data[:1], None, data[1:]
+        kind, rest = data[:1], data[1:]
         name, _, value = rest.partition(b"\x00")
         name = name.decode("utf-8", "replace")
         if kind == b"\x01":
@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
                               "-print_final_stats=1", f"-artifact_prefix={out / 'crashes'}/{name}-",
                               "-rss_limit_mb=4096", str(corpus)], capture_output=True, text=True)
         stats = dict(re.findall(r"stat::(\w+):\s+(\d+)", run.stderr))
-        results[name] = {"seconds": round(time.monotonic() - t0), "executions": int(stats.get("number_of_executed_units", 0)),
+        results[name] = {"seconds": round(time.monotonic() - t0),
+                         "executions": int(stats.get("number_of_executed_units", 0)),
                          "exit_code": run.returncode, "crashed": run.returncode != 0,
                          "corpus_files": len(os.listdir(corpus)), "tail": run.stderr[-3000:] if run.returncode else ""}
         print(name, {k: v for k, v in results[name].items() if k != "tail"}, flush=True)

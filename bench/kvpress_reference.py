@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare:
         table = compare(Path(args.out) / "runs.jsonl", Path(args.compare) / "runs.jsonl", args.press)
         (Path(args.out) / "comparison.md").write_text(table)
-        return print(table)
+        print(table)
+        return
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
-    done = {(r["context"], r["budget"]) for r in map(json.loads, log.read_text().splitlines())} if log.exists() else set()
+    done = set()
+    if log.exists():
+        done = {(r["context"], r["budget"]) for r in map(json.loads, log.read_text().splitlines())}
     with log.open("a") as f:
         for task, length, i in cfg.contexts():
             prompts = context_prompts(cfg, sampler, PromptFormat(), tokenizer.encode, task, length, i)

@@ -15,7 +15,7 @@ Checked after each phase: no request hung; the server idle with no page held and
 the prefix cache's counters add up (its hit and miss tokens are every prompt token of every request
 that reached the engine, a chat prompt counted as the server's template and tokenizer make it);
 and then, with the cache off (``cache_prompt: false``), every greedy answer (and both choices of
-each ``n = 2``) is asked again: none may differ. JSON-mode answers must parse as objects.
+each ``n = 2``) is asked again: none may differ. JSON-mode answers that finish must parse as objects.
 
     .venv/bin/python bench/prefix_soak.py [--minutes 5] [--clients 4] [--out bench/results/prefix_soak]
 """
@@ -92,6 +92,7 @@ class Phase:
         self.work = Path(tempfile.mkdtemp(prefix=f"icekv-prefix-soak-{name}-"))
         self.http_port, self.grpc_port, self.metrics_port, self.redis_port = (free_port() for _ in range(4))
         self.records: list[dict] = []
+        self.corrupted = 0  # store entries overwritten in place (disk phase)
         self.lock = threading.Lock()
         self.redis = start_redis(self.redis_port, str(self.work)) if name == "redis" else None
         store = f"redis://127.0.0.1:{self.redis_port}/0" if self.redis else str(self.work / "store")
@@ -131,9 +132,10 @@ class Phase:
                 else:
                     extra = {"n": 2} if kind == "two_choices" else {}
                     if kind == "json":
-                        extra = {"response_format": {"type": "json_object"}, "max_tokens": 24}
+                        extra = {"response_format": {"type": "json_object"}, "max_tokens": 48}
                     record["status"], body = chat(self.http_port, messages, **extra)
                     record["answers"] = [ch["message"]["content"] for ch in body.get("choices", [])]
+                    record["finished"] = [ch["finish_reason"] == "stop" for ch in body.get("choices", [])]
                     record["usage_prompt"] = body.get("usage", {}).get("prompt_tokens")
                     if kind == "turn" and record["status"] == 200:
                         with self.lock:  # the conversation goes on with this answer
@@ -166,7 +168,7 @@ class Phase:
                     with open(path, "r+b") as f:  # in place, as a failing disk or a stray writer would
                         f.seek(rng.randrange(max(path.stat().st_size, 1)))
                         f.write(os.urandom(16))
-                    self.corrupted = getattr(self, "corrupted", 0) + 1
+                    self.corrupted += 1
                 except OSError:  # evicted meanwhile
                     pass
             time.sleep(1)
@@ -198,7 +200,7 @@ class Phase:
             - before["icekv_prefix_cache_hit_tokens_total"] - before["icekv_prefix_cache_miss_tokens_total"]
         wrong, bad_json = [], 0
         for r in reached:  # the same question with the cache off: the same greedy answer
-            if r["kind"] == "json":
+            if r["kind"] == "json" and r["finished"][0]:  # not one cut at max_tokens (JSON cut short)
                 try:
                     bad_json += not isinstance(json.loads(r["answers"][0]), dict)
                 except json.JSONDecodeError:
@@ -222,7 +224,8 @@ class Phase:
                 "prefix_cache_hit_plus_miss_tokens": counted,
                 "answers_compared": sum(len(r.get("answers", [])) for r in reached if r["kind"] != "json"),
                 "answers_differing": len(wrong), "differing": wrong[:5], "json_not_an_object": bad_json,
-                "entries_corrupted": getattr(self, "corrupted", 0),
+                "json_finished": sum(r["finished"][0] for r in reached if r["kind"] == "json"),
+                "entries_corrupted": self.corrupted,
                 "metrics_after": {k: v for k, v in (idle or {}).items() if "prefix_cache" in k or "kv_host" in k}}
 
 
@@ -245,15 +248,20 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Prefix cache soak\n\n`{result['command']}` on {result['machine']}, commit {result['commit']}, "
              f"{result['date']}.\n", "| phase | requests | hung | statuses | idle, alive | prompt tokens sent / "
-             "counted | answers differing / compared | JSON not an object | entries corrupted |",
+             "counted | answers differing / compared | JSON finished, not an object | entries corrupted |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['requests']} | {r['hung']} | {r['statuses']} | {r['idle_after']}, "
                      f"{r['server_alive']} | {r['prompt_tokens_sent']} / {r['prefix_cache_hit_plus_miss_tokens']:g} | "
-                     f"{r['answers_differing']} / {r['answers_compared']} | {r['json_not_an_object']} | "
+                     f"{r['answers_differing']} / {r['answers_compared']} | "
+                     f"{r['json_finished']}, {r['json_not_an_object']} | "
                      f"{r['entries_corrupted']} |")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    failed = [name for name, r in results.items() if r["hung"] or r["answers_differing"] or r["json_not_an_object"]
+              or not (r["idle_after"] and r["server_alive"])
+              or r["prompt_tokens_sent"] != r["prefix_cache_hit_plus_miss_tokens"]]
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from icekv.errors import IcekvError
+from icekv.json_text import JSONTextError, read_json
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -104,8 +105,8 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
             raise ChatTemplateError(f'{at} must be {{"type": "function", "function": {{"name", "arguments"}}}}')
         arguments = function.get("arguments", "{}")
         try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except (ValueError, RecursionError):  # not JSON, or past Python's int-string or recursion limit
+            arguments = read_json(arguments) if isinstance(arguments, str) else arguments
+        except JSONTextError:
             raise ChatTemplateError(f"{at}.function.arguments is not valid JSON") from None
         if not isinstance(arguments, dict):
             raise ChatTemplateError(f"{at}.function.arguments must be a JSON object")

@@ -53,9 +53,9 @@ def _context(draw) -> CompressedContext:
     page_size, length, width = draw(st.integers(1, 4)), draw(st.integers(1, 2**31 - 1)), draw(st.integers(1, 4))
     kv_dtype = draw(st.sampled_from(KV_DTYPES))
     dtype = torch.int8 if kv_dtype != "auto" else draw(st.sampled_from(FLOATS))
-    layers = draw(st.lists(_layer(page_size, length, width, dtype), max_size=3))
+    layers = draw(st.lists(_layer(page_size, length, width, dtype), min_size=1, max_size=3))  # a context has layers
     return CompressedContext(length, page_size, layers, draw(st.text(max_size=8)),
-                             draw(st.floats(allow_nan=False)), draw(st.integers(0, 2**62)), kv_dtype)
+                             draw(st.floats(0, 1, exclude_min=True)), draw(st.integers(0, 2**62)), kv_dtype)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

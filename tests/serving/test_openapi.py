@@ -1,7 +1,7 @@
 """The frontend's OpenAPI description (``GET /openapi.json``): it names every route the app serves
-and no other, and its body schemas accept and refuse what the frontend's own validation does
-(bodies drawn from the document by schemathesis: those it calls valid pass every type and bound
-the parser checks, those it calls invalid are refused with a 400)."""
+and no other, and its body schemas agree with the frontend's own validation (bodies drawn from the
+document by schemathesis: those it calls valid pass every type and bound the parser checks, only
+the models' own validators refusing some; those it calls invalid never validate)."""
 
 import json
 
@@ -59,8 +59,9 @@ def test_every_operation_documents_its_errors_with_the_family_s_body():
 @pytest.mark.parametrize("path,model", [("/v1/chat/completions", ChatCompletionBody),
                                         ("/v1/completions", CompletionBody)])
 def test_a_body_the_document_allows_passes_every_type_and_bound_check(path, model):
-    """Only the models' cross-field rules (``value_error``: top_logprobs without logprobs, a tool
-    choice among no tools, ...) may refuse it: the document is no looser than the parser."""
+    """Only the models' own validators (``value_error``: rules a JSON schema cannot state, such as
+    top_logprobs without logprobs or a tool call's arguments being a JSON object) may refuse it,
+    never a type or a bound: the document is no looser than the parser on those."""
 
     @FUZZ
     @given(case=_operation(path).as_strategy(GenerationMode.POSITIVE))

@@ -36,9 +36,10 @@ class CompressedLayer:
         if self.positions.shape != self.k.shape[:2] or self.positions.dtype != torch.int32:
             raise ValueError(f"positions must be int32 {tuple(self.k.shape[:2])}")
         ptr = self.head_indptr
-        if ptr.dim() != 1 or len(ptr) < 2 or ptr.dtype != torch.int64 or ptr[0] != 0 or ptr[-1] != n \
-                or bool((ptr.diff() < 0).any()):
-            raise ValueError(f"head_indptr must be int64, rise from 0 to the {n} pages")
+        if ptr.dim() != 1 or len(ptr) < 2 or ptr.dtype != torch.int64:
+            raise ValueError(f"head_indptr must be int64 [heads + 1], got {ptr.dtype} {tuple(ptr.shape)}")
+        if ptr[0] != 0 or ptr[-1] != n or bool((ptr.diff() < 0).any()):
+            raise ValueError(f"head_indptr must rise from 0 to the {n} pages")
         if bool(((self.page_len < 0) | (self.page_len > page_size)).any()):
             raise ValueError(f"a page length is outside 0..{page_size}")
         if bool(((self.positions < -1) | (self.positions >= length)).any()):

@@ -11,13 +11,13 @@ both). A request without a grammar never touches it.
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import torch
 
 from icekv.errors import ConfigError
 from icekv.config.request import SamplingConfig
+from icekv.json_text import JSONTextError, read_json
 
 
 # one space after separators, none elsewhere: the output reads as json.dumps writes it, and a model
@@ -48,9 +48,9 @@ class Grammars:
         import llguidance
 
         try:
-            parsed = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"the JSON schema is not valid JSON: {e.msg} at character {e.pos}") from None
+            parsed = read_json(schema)
+        except JSONTextError as e:
+            raise ConfigError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(parsed, dict):
             raise ConfigError(f"the JSON schema must be a JSON object, got {type(parsed).__name__}")
         try:

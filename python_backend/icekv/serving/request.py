@@ -7,7 +7,6 @@ Anything wrong raises :class:`RequestError` with a message the client sees as an
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -23,6 +22,7 @@ from icekv.policies import PolicyPlan, resolve
 from icekv.serving.fields import NAMES
 from icekv.serving.tool_calls import ToolCallError, call_grammar, tool_choice
 from icekv.store.format import StoreError, check_key
+from icekv.json_text import JSONTextError, read_json
 
 TRITON_PREFIX = "triton_"  # request parameters Triton itself reads (e.g. triton_enable_empty_final_response)
 INPUT_NAMES = NAMES - {"health"}  # a request's fields (health: a probe)
@@ -92,14 +92,11 @@ def _str(name: str, value: Any) -> str:
 
 
 def _json(name: str, value: Any) -> Any:
-    """The string field ``name`` read as JSON; RequestError where it is not JSON or Python cannot
-    read it (a number past its int-string limit: ValueError; nesting past its recursion limit)."""
+    """The string field ``name`` read as JSON; RequestError naming why where it cannot be."""
     try:
-        return json.loads(_str(name, value))
-    except json.JSONDecodeError as e:
-        raise RequestError(f"{name} is not valid JSON: {e.msg} at character {e.pos}") from None
-    except (ValueError, RecursionError) as e:
-        raise RequestError(f"{name} cannot be read: {e}") from None
+        return read_json(_str(name, value))
+    except JSONTextError as e:
+        raise RequestError(f"{name} is not valid JSON: {e}") from None
 
 
 # the request fields that are SamplingConfig's fields of the same name, and how each is read

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Collection
 
 from icekv.engine.grammar import COMPACT
+from icekv.json_text import JSONTextError, read_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")  # tool_choice's keywords; any other value names a function
@@ -34,8 +35,8 @@ class ToolCall:
 def _parsed(body: str) -> ToolCall | None:
     """The call a block's body holds; None when it is not one (the block then stays text)."""
     try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):  # not JSON, or past Python's int-string or recursion limit
+        value = read_json(body)
+    except JSONTextError:
         return None
     if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
         return None

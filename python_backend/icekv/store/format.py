@@ -117,8 +117,12 @@ def decode(blob: bytes, key: str, model_id: str, secret: bytes | None = None) ->
     # a digest proves the bytes are as written, not that the writer was icekv (an unkeyed store's
     # sha256 anyone can make): the entry must also hold together
     try:
-        length, page_size = int(meta["length"]), int(meta["page_size"])
-        layers = [CompressedLayer(**{f: tensors[f"{i}.{f}"] for f in FIELDS}) for i in range(int(meta["layers"]))]
+        length, page_size, n_layers = int(meta["length"]), int(meta["page_size"]), int(meta["layers"])
+        if length < 1 or page_size < 1 or n_layers < 1 or int(meta["full_bytes"]) < 0 \
+                or not 0 < float(meta["kv_budget"]) <= 1:
+            raise ValueError("length, page_size and layers must be positive, full_bytes not negative, "
+                             "kv_budget in (0, 1]")
+        layers = [CompressedLayer(**{f: tensors[f"{i}.{f}"] for f in FIELDS}) for i in range(n_layers)]
         for layer in layers:
             layer.check(page_size, length)
         kv_dtype = KVFormat(meta.get("kv_dtype", "auto")).name  # ValueError: not a format this icekv reads

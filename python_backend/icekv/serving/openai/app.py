@@ -2,8 +2,9 @@
 
 The OpenAI-compatible API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent
 events when ``stream`` is true), ``GET /v1/models``, ``GET /health``, every error OpenAI-shaped;
-the OpenAPI description of every route at ``GET /openapi.json``; and Triton's generate extension (:mod:`icekv.serving.openai.generate_api`). A client that
-disconnects, streaming or not, cancels its Triton request.
+the OpenAPI description of every route at ``GET /openapi.json``; and Triton's generate extension
+(:mod:`icekv.serving.openai.generate_api`). A client that disconnects, streaming or not, cancels
+its Triton request.
 """
 
 from __future__ import annotations

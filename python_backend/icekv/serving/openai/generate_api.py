@@ -20,12 +20,16 @@ from starlette.routing import Route
 from icekv.serving.client import Final
 from icekv.serving.openai.protocol import OpenAIError
 from icekv.serving.repository import INPUTS
+from icekv.json_text import JSONTextError, read_json
 
 _JSON_TYPES = {"TYPE_STRING": (str,), "TYPE_INT32": (int,), "TYPE_INT64": (int,), "TYPE_FP32": (int, float),
                "TYPE_BOOL": (bool,)}
-_LIMITS = {"TYPE_INT32": 2**31, "TYPE_INT64": 2**63}
+FLOAT32_MAX = 3.4028234663852886e38
+# the least and most value of each numeric type (a float32's bounds keep out inf and NaN)
+_BOUNDS = {"TYPE_INT32": (-(2**31), 2**31 - 1), "TYPE_INT64": (-(2**63), 2**63 - 1),
+           "TYPE_FP32": (-FLOAT32_MAX, FLOAT32_MAX)}
 _TYPE_NAMES = {"TYPE_STRING": "a string", "TYPE_INT32": "an int32", "TYPE_INT64": "an int64",
-               "TYPE_FP32": "a number", "TYPE_BOOL": "true or false"}
+               "TYPE_FP32": "a finite float32 number", "TYPE_BOOL": "true or false"}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -38,31 +42,27 @@ def _check(name: str, value: Any, ttype: str, dims: str) -> Any:
     for v in values:
         kinds = _JSON_TYPES[ttype]
         wrong = not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds)
-        if wrong or (ttype in _LIMITS and not -_LIMITS[ttype] <= v < _LIMITS[ttype]):
+        if wrong or (ttype in _BOUNDS and not _BOUNDS[ttype][0] <= v <= _BOUNDS[ttype][1]):
             raise OpenAIError(400, f"input {name} must be {_TYPE_NAMES[ttype]}"
                               + (" or a list of them" if "-1" in dims else "") + f", got {json.dumps(v)[:40]}")
-        if isinstance(v, str) and not v.isascii():
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate (a "\ud800" escape): no text the model can read
-                raise OpenAIError(400, f"input {name} is not valid Unicode text (a lone surrogate)") from None
     return value
 
 
 def input_schema(ttype: str, dims: str) -> dict[str, Any]:
-    """The JSON schema of what :func:`_check` accepts for an input of ``ttype`` and ``dims``."""
+    """The JSON schema of what :func:`_check` accepts for an input of ``ttype`` and ``dims`` (its
+    types and bounds from the same tables)."""
     one: dict[str, Any] = {"TYPE_STRING": {"type": "string"}, "TYPE_FP32": {"type": "number"},
                            "TYPE_BOOL": {"type": "boolean"}}.get(ttype, {"type": "integer"})
-    if ttype in _LIMITS:
-        one = {**one, "minimum": -_LIMITS[ttype], "maximum": _LIMITS[ttype] - 1}
+    if ttype in _BOUNDS:
+        one = {**one, "minimum": _BOUNDS[ttype][0], "maximum": _BOUNDS[ttype][1]}
     return {"anyOf": [one, {"type": "array", "items": one}]} if "-1" in dims else one
 
 
 def generate_fields(raw: bytes) -> dict[str, Any]:
     """The model inputs of a generate body (top-level keys win over ``parameters``), ``stream`` aside."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        body = read_json(raw)
+    except JSONTextError as e:
         raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")

@@ -4,10 +4,11 @@ refused)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from icekv.json_text import JSONTextError, read_json
 
 
 class Strict(BaseModel):
@@ -27,9 +28,9 @@ class FunctionCall(Strict):
     @classmethod
     def _a_json_object(cls, arguments: str) -> str:
         try:
-            value = json.loads(arguments)
-        except (ValueError, RecursionError):  # not JSON, or past Python's int-string or recursion limit
-            raise ValueError("not valid JSON") from None
+            value = read_json(arguments)
+        except JSONTextError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError("must be a JSON object")
         return arguments

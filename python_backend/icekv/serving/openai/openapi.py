@@ -1,7 +1,7 @@
 """The OpenAPI description of what the frontend serves (``GET /openapi.json``), generated from the
 models that validate the bodies, never written apart from them: the OpenAI bodies' schemas are
 their pydantic models' own, the generate body's comes from the Triton model's inputs
-(:data:`icekv.serving.repository.INPUTS`) through the same type table that checks them. Each
+(:data:`icekv.serving.repository.INPUTS`) with the types and bounds the frontend checks them by. Each
 operation lists every status it can answer, with the error body of its family (OpenAI's
 ``{"error": {"message", ...}}`` or Triton's ``{"error": "..."}``): what schema-driven fuzzers
 hold the server to.
@@ -76,8 +76,9 @@ def openapi_document(model: str) -> dict[str, Any]:
     model_param = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
     generate_ok = {"description": "the text, or its server-sent events",
                    "content": {JSON: {"schema": GENERATED}, EVENTS: {"schema": EVENT}}}
-    generate = {"parameters": model_param, "requestBody": {"required": True, "content": {
-        JSON: {"schema": _generate_body()}}}, "responses": {"200": generate_ok, **_errors(GENERATION_ERRORS, TRITON_ERROR)}}
+    generate = {"parameters": model_param,
+                "requestBody": {"required": True, "content": {JSON: {"schema": _generate_body()}}},
+                "responses": {"200": generate_ok, **_errors(GENERATION_ERRORS, TRITON_ERROR)}}
     probe = {"200": {"description": "ready"}, **_errors((503,), TRITON_ERROR)}
     paths = {
         "/v1/chat/completions": generation(ChatCompletionBody, "OpenAI chat completions"),
