@@ -52,7 +52,8 @@ def test_generate_stream_sends_pieces_then_the_statistics(front):
 @pytest.mark.parametrize("body, status, message", [
     ({"text_input": "hi", "max_tokens": "ten"}, 400, "input max_tokens must be an int32"),
     ({"text_input": "hi", "budget": 2**31}, 400, "input budget must be an int32"),
-    ({"text_input": "hi", "temperature": True}, 400, "input temperature must be a number"),
+    ({"text_input": "hi", "temperature": True}, 400, "input temperature must be a finite float32 number"),
+    ({"text_input": "hi", "temperature": 1e39}, 400, "input temperature must be a finite float32 number"),
     ({"text_input": "hi", "stop": ["a", 3]}, 400, "input stop must be a string or a list of them"),
     ({"text_input": "hi", "colour": "red"}, 400, "unknown inputs ['colour']"),
     ({"text_input": "hi", "parameters": [1]}, 400, "parameters must be a JSON object"),
