@@ -115,12 +115,6 @@ def fuzz(url: str, examples: int, seed: int | None = None, stop_at_failure: bool
     return failures
 
 
-def metrics(server) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith("icekv_")}
-
-
 def generate(frontend) -> str:
     req = urllib.request.Request(f"{frontend.url}/v2/models/icekv/generate", data=json.dumps(PROBE).encode())
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -128,6 +122,8 @@ def generate(frontend) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from soak import metrics  # bench/soak.py's reader of the icekv_ metrics (run as a script: bench/ is on the path)
+
     from icekv.serving.engine_loop import TICK_S
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -149,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
 
         failures = fuzz(frontend.url, args.examples, args.seed, stop_at_failure=False, on_answer=on_answer)
         time.sleep(3 * TICK_S)  # the last requests' counters are pushed on a tick
-        idle = metrics(server)
+        idle = metrics(server.metrics_port)
         after = generate(frontend)
     statuses = sum(answered.values(), Counter())
     result = {

@@ -11,7 +11,6 @@ both). A request without a grammar never touches it.
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
