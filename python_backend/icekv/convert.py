@@ -2,12 +2,49 @@
 
 Runs in its own process (the asset fetcher starts it) so transformers' memory and import cost
 never stay in the serving process. transformers dequantizes the GGUF weights to fp32.
+:func:`check_gguf` reads only the file's header, in the caller's process, so that a file icekv
+cannot run is refused by name before any conversion starts.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+from icekv.errors import ModelLoadError
+
+# GGUF architectures (``general.architecture``) whose conversion is a model icekv runs
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_gguf(gguf: Path) -> str:
+    """The architecture of the GGUF file ``gguf``, once it is one icekv runs and every tensor is of
+    a type the conversion dequantizes; ModelLoadError naming what is not."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(gguf)
+    except (ValueError, OSError) as e:  # a wrong magic, a truncated header or table
+        raise ModelLoadError(f"{gguf} is not a readable GGUF file ({e})") from None
+    field = reader.get_field("general.architecture")
+    architecture = field.contents() if field is not None else None
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{gguf}: GGUF architecture {architecture!r} is not one icekv runs "
+                             f"({', '.join(GGUF_ARCHITECTURES)})")
+    unreadable = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type
+        if kind.name in unreadable:
+            continue
+        try:
+            dequantize(tensor.data[:1], kind)  # one row: what the conversion does to every row
+        except (NotImplementedError, ValueError, KeyError):
+            unreadable[kind.name] = tensor.name
+    if unreadable:
+        listed = ", ".join(f"{kind} (first: {name})" for kind, name in unreadable.items())
+        raise ModelLoadError(f"{gguf}: tensor type(s) the conversion cannot dequantize: {listed}")
+    return architecture
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

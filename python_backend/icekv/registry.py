@@ -1,7 +1,7 @@
 """The models icekv knows by name: where each one ships in a package registry, how to check it,
 and what it is (license, trained context, chat template).
 
-A name is accepted wherever a model folder is (``--model``, the Triton parameter ``model_dir``,
+A name is accepted wherever a model folder or a GGUF file is (``--model``, the Triton parameter ``model_dir``,
 the ConfigMap's ``ICEKV_MODEL_DIR``); :class:`icekv.assets.Assets` fetches, verifies and converts
 it once into the cache. Only data lives here: nothing is fetched on import.
 """
@@ -9,6 +9,7 @@ it once into the cache. Only data lives here: nothing is fetched on import.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from icekv.errors import ConfigError, ModelLoadError
 
@@ -75,8 +76,16 @@ def known_model(name: str) -> KnownModel:
                           "(or give a model folder)") from None
 
 
+def is_gguf(model: str) -> bool:
+    """Whether --model ``model`` names a GGUF file (converted into the cache on first use)."""
+    return model.lower().endswith(".gguf") and Path(model).is_file()
+
+
 def not_a_model(model: str) -> ModelLoadError:
-    """The error for a --model that is neither a known name nor a model folder."""
+    """The error for a --model that is neither a known name, a model folder nor a GGUF file."""
+    if model.lower().endswith(".gguf"):
+        return ModelLoadError(f"GGUF file {model} does not exist")
     if "/" in model:  # meant as a folder
         return ModelLoadError(f"model folder {model} does not exist (or name a known model: {', '.join(KNOWN_MODELS)})")
-    return ModelLoadError(f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a model folder")
+    return ModelLoadError(f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}), a model folder "
+                          "nor a GGUF file")

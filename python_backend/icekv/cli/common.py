@@ -10,7 +10,7 @@ from pathlib import Path
 from icekv.config.engine import KV_POOLS
 from icekv.methods.icecache import IceCacheConfig
 from icekv.errors import IcekvError
-from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
+from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, is_gguf, not_a_model
 
 
 def _positive_int(flag: str, least: int = 1):
@@ -58,6 +58,7 @@ def _device_flags(parser, random_weights: bool = False) -> None:
     _setting_flag(parser, "dtype")
     _setting_flag(parser, "weights")
     _setting_flag(parser, "kv_dtype")
+    _setting_flag(parser, "allow_extra_weights")
     if random_weights:
         parser.add_argument("--random-weights", default=None, metavar="SHAPE",
                             help="a model of this shape (llama-3.1-8b, llama-tiny: icekv.model.random) with "
@@ -79,7 +80,7 @@ def _bench_run_flags(parser) -> None:
 
 def _device_settings(args) -> dict:
     """The EngineConfig fields the device flags set (absent ones keep their defaults)."""
-    names = ("device", "kv_pool", "dtype", "weights", "random_weights")
+    names = ("device", "kv_pool", "dtype", "weights", "allow_extra_weights", "random_weights")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -90,7 +91,8 @@ def _kv_dtype(args) -> str:
 
 def _model_flag(parser, what: str = "") -> None:
     parser.add_argument("--model", help=f"a known model ({', '.join(KNOWN_MODELS)}: fetched on first use) or a "
-                        f"Hugging Face model folder{' ' + what if what else ''} (default {DEFAULT_MODEL})")
+                        f"Hugging Face model folder{' ' + what if what else ''}, or a GGUF file (converted once into the cache) "
+                        f"(default {DEFAULT_MODEL})")
 
 
 def _serving_flags(parser) -> None:
@@ -169,11 +171,11 @@ def _serving_parameters(args, served_here: bool = False) -> dict[str, str]:
 
 
 def _model_location(model: str, served_here: bool) -> str:
-    """A known model's name as is (the server resolves it), a folder as an absolute path (which
+    """A known model's name as is (the server resolves it), a folder or a GGUF file as an absolute path (which
     must exist where it is ``served_here``)."""
     if model in KNOWN_MODELS:
         return model
-    if served_here and not Path(model).is_dir():
+    if served_here and not (Path(model).is_dir() or is_gguf(model)):
         raise not_a_model(model)
     return str(Path(model).resolve())
 

@@ -81,6 +81,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU (dtype_on)
     weights: str = "auto"  # WEIGHT_FORMATS: how linear weights are stored and multiplied (weights_on)
+    allow_extra_weights: bool = False  # skip checkpoint tensors the model has no place for (icekv.model.loader)
     kv_pool: str = "auto"
     paging: PagingConfig = field(default_factory=PagingConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)

@@ -79,7 +79,8 @@ def _policy_names() -> tuple[str, ...]:
 
 SETTINGS = (
     Setting("model_dir", ("engine.model_dir",), "model: a known model name (`icekv fetch --list`; fetched on first "
-            "use) or a folder in Hugging Face layout", str, configmap=True, flag="--model",
+            "use), a folder in Hugging Face layout, or a GGUF file (converted once into the cache)", str, configmap=True,
+            flag="--model",
             default_doc="`smollm2-135m` (SmolLM2-135M-Instruct in `$ICEKV_CACHE`)"),
     Setting("device", ("engine.device",), "compute device: `auto` (a GPU when there is one), `cpu`, `cuda`, "
             "`cuda:N`", str, configmap=True, default_doc="`auto` (`cuda` in the GPU overlay)"),
@@ -121,6 +122,8 @@ SETTINGS = (
     Setting("weights", ("engine.weights",), "how linear weights are stored: `auto` (in the compute dtype), `bfloat16`, or "
             "weight-only `int8` (a scale per output channel) / `int4` (a scale and zero per group of inputs); "
             "the narrower formats multiply in bfloat16", str, WEIGHT_FORMATS, configmap=True),
+    Setting("allow_extra_weights", ("engine.allow_extra_weights",), "load a checkpoint that holds tensors the model "
+            "has no place for, skipping them (refused by default: a wrong or damaged checkpoint)", bool),
     Setting("kv_dtype", ("engine.paging.kv_dtype",), "how KV pages are stored (pool, device slots, stored "
             "contexts): `auto` (the model's dtype), or `int8` / `fp8_e4m3` codes with a scale per token and KV head "
             "(about half the bytes of bf16, a quarter of fp32)", str, KV_DTYPES, configmap=True),

@@ -61,7 +61,7 @@ class Engine:
         else:
             self.model_dir = resolve_model_dir(config.model_dir)
             self.model_name = str(self.model_dir)
-            self.model = load_model(self.model_dir, dtype).to(self.device)
+            self.model = load_model(self.model_dir, dtype, config.allow_extra_weights).to(self.device)
             self.tokenizer = Tokenizer(self.model_dir)
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, not_a_model
+from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, is_gguf, not_a_model
 
 
 def model_identity(model_dir: Path, dtype: str) -> str:
@@ -17,13 +17,15 @@ def model_identity(model_dir: Path, dtype: str) -> str:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """A model folder, or a known model's name (:mod:`icekv.registry`: fetched and converted on
-    first use); None is the default model."""
-    if model is None or model in KNOWN_MODELS:
-        from icekv.assets import Assets
+    """A model folder, a known model's name (:mod:`icekv.registry`: fetched and converted on
+    first use) or a GGUF file (converted on first use); None is the default model."""
+    from icekv.assets import Assets
 
+    if model is None or model in KNOWN_MODELS:
         return Assets().model_dir(model or DEFAULT_MODEL)
     path = Path(model)
+    if is_gguf(model):
+        return Assets().gguf_model_dir(path)
     if not path.is_dir():
         raise not_a_model(model)
     return path
