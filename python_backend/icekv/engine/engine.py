@@ -104,9 +104,14 @@ class Engine:
         return require_template(self.chat_template, self.model_name).render(messages, tools)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse up front a request the KV pool could never hold."""
+        """Refuse up front a request the KV pool could never hold, or one that would reach past the
+        model's attention window (which icekv does not apply: past it, the model would differ)."""
         if prompt_tokens == 0:
             raise ConfigError("prompt is empty")
+        window = self.model.args.sliding_window
+        if window is not None and prompt_tokens + max_tokens > window:
+            raise ConfigError(f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds this model's "
+                              f"sliding attention window of {window} tokens, which icekv does not apply yet")
         capacity = self.cache.capacity_tokens
         if prompt_tokens + max_tokens > capacity:
             raise CacheFullError(

@@ -17,6 +17,19 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+def _sliding_window(cfg: dict) -> int | None:
+    """The attention window a config turns on for some of its layers, or None: Mistral's
+    ``sliding_window``, unless Qwen's ``use_sliding_window`` switch is off or ``layer_types``
+    names no sliding layer."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     """The shape and numerics of a Llama-family decoder."""
@@ -37,6 +50,9 @@ class ModelArgs:
     qkv_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    # the window of past tokens some layers attend (Mistral v0.1: 4096); None: every layer attends
+    # its whole context. icekv does not apply windows yet: the engine keeps requests within one.
+    sliding_window: int | None = None
 
     @property
     def gqa_group(self) -> int:
@@ -78,6 +94,7 @@ class ModelArgs:
             qkv_bias=default_bias or bool(cfg.get("attention_bias", False)),
             qk_norm=qk_norm,
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(cfg),
         )
 
     @classmethod
