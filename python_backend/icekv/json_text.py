@@ -6,25 +6,45 @@ malformed JSON, with a message that names the problem."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 
 class JSONTextError(ValueError):
     """The text is not JSON icekv can use; the message says why."""
 
 
-def read_json(text: str | bytes) -> Any:
-    """``json.loads(text)``; JSONTextError where it is not JSON or not usable as such."""
+def _decoded(decode: Callable[[], Any]) -> Any:
+    """``decode()``, its failures as JSONTextError."""
     try:
-        value = json.loads(text)
+        return decode()
     except json.JSONDecodeError as e:
         raise JSONTextError(f"{e.msg} at character {e.pos}") from None
     except RecursionError:
         raise JSONTextError("it is nested too deep") from None
     except (ValueError, UnicodeDecodeError):  # the int-string limit; bytes that are not UTF-8
         raise JSONTextError("it holds a number of too many digits, or bytes that are not UTF-8") from None
+
+
+def read_json(text: str | bytes) -> Any:
+    """``json.loads(text)``; JSONTextError where it is not JSON or not usable as such."""
+    value = _decoded(lambda: json.loads(text))
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise JSONTextError("it is not valid Unicode text (a lone surrogate)") from None
     return value
+
+
+def read_json_sequence(text: str, separators: str = "") -> list[Any]:
+    """The JSON values ``text`` holds one after another, apart by whitespace and any of
+    ``separators``, each read as :func:`read_json` reads one."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    gaps = " \t\r\n" + separators
+    while True:
+        while at < len(text) and text[at] in gaps:
+            at += 1
+        if at == len(text):
+            return values
+        _, end = _decoded(lambda: decoder.raw_decode(text, at))
+        values.append(read_json(text[at:end]))
+        at = end

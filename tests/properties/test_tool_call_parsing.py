@@ -9,7 +9,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from icekv.serving.tool_calls import CLOSE, OPEN, ToolCall, ToolCallError, ToolCallStream, split_calls, tool_choice
+from icekv.serving.tool_calls import CLOSE, OPEN, ToolCall, ToolCallError, ToolCallStream, tool_choice
+from icekv.serving.tool_formats import split_calls
 
 SETTINGS = settings(deadline=None, derandomize=True, database=None, max_examples=300)
 

@@ -13,7 +13,8 @@ import pytest
 from icekv.serving.launcher import TritonServer, free_port
 from icekv.serving.openai.config import OpenAIConfig
 from icekv.serving.openai.process import OpenAIFrontendProcess
-from icekv.serving.tool_calls import ToolCall, split_calls
+from icekv.serving.tool_calls import ToolCall
+from icekv.serving.tool_formats import split_calls
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 LONGCTX = "qwen2.5-coder-0.5b"
@@ -170,3 +171,43 @@ def test_malformed_tools_get_openai_shaped_400s(openai_frontend, body, param, me
     error = refused.value.body
     assert message in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
     assert client.chat.completions.create(model="icekv", messages=ASK, max_tokens=2).choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def llama3_url(assets, tmp_path_factory):
+    """The OpenAI frontend of the long-context model served with the Llama 3 tool-call format set (its template
+    teaches Hermes'; the setting overrides it, as for a model whose template names no format)."""
+    if not assets.is_fetched(LONGCTX):
+        pytest.skip(f"{LONGCTX} is not fetched (icekv fetch --model {LONGCTX})")
+    work = tmp_path_factory.mktemp("llama3_calls")
+    server = TritonServer({"model_dir": LONGCTX, "pool_tokens": "4096", "tool_format": "llama3"},
+                          log_path=work / "tritonserver.log")
+    server.start()
+    try:
+        config = OpenAIConfig(triton_grpc_url=server.grpc_url, port=free_port())
+        with OpenAIFrontendProcess(config, log_path=work / "frontend.log") as frontend:
+            yield frontend.url
+    finally:
+        server.stop()
+
+
+@pytest.mark.longctx_model
+def test_a_set_format_forces_and_reads_calls_in_that_format(llama3_url):
+    """The forced call is written as Llama 3's bare object with ``parameters``, and read back with
+    its arguments, whole and streamed."""
+    body = {"messages": json.dumps(ASK), "tools": json.dumps([WEATHER]), "tool_choice": "get_weather",
+            "parallel_tool_calls": False, "max_tokens": 60}
+    request = urllib.request.Request(f"{llama3_url}/v2/models/icekv/generate", data=json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=300) as r:
+        assert json.loads(r.read())["text_output"].startswith('{"name": "get_weather", "parameters": {')
+    llama3_calls = _client(llama3_url)
+    ask = dict(model="icekv", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=60,
+               parallel_tool_calls=False)
+    reply = llama3_calls.chat.completions.create(**ask)
+    assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+    assert _one_call(reply.choices[0].message).keys() == {"city"}
+    chunks = list(llama3_calls.chat.completions.create(**ask, stream=True))
+    calls = [c for chunk in chunks for d in chunk.choices for c in (d.delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == _one_call(reply.choices[0].message)
+    assert not any(d.delta.content for chunk in chunks for d in chunk.choices)  # the call is not shown as text

@@ -8,7 +8,8 @@ import pytest
 from icekv.config.request import SamplingConfig
 from icekv.engine.grammar import Grammars
 from icekv.errors import ConfigError
-from icekv.serving.tool_calls import ToolCall, ToolCallError, ToolCallStream, call_grammar, split_calls, tool_choice
+from icekv.serving.tool_calls import ToolCall, ToolCallError, ToolCallStream, tool_choice
+from icekv.serving.tool_formats import HERMES, split_calls
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -16,6 +17,10 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 PARIS = ToolCall("get_weather", '{"city": "Paris"}')
 TWO_CALLS = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def _hermes_grammar(tools, choice, parallel, token_id=lambda text: None):
+    return HERMES.grammar(tools, choice, parallel, token_id)
 
 
 def _streamed(text: str, size: int, names=()) -> list:
@@ -85,36 +90,37 @@ def test_tool_choice_is_checked_against_the_tools():
 
 
 @pytest.mark.model
-def test_the_forcing_grammar_takes_a_whole_call_and_nothing_else(smollm2_dir, assets):
-    """Compiled for the long-context model (its <tool_call> is one token); the embedded model's
-    tokenizer has no such token, and the grammar is refused there with the library's reason."""
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_the_forcing_grammar_takes_a_whole_call_and_nothing_else(name, smollm2_dir, assets):
+    """Compiled for the long-context model, whose <tool_call> is one token (written by its id), and
+    for the embedded model, whose tokenizer has no such token (written as text)."""
     from icekv.model import ModelArgs, Tokenizer
 
-    name = "qwen2.5-coder-0.5b"
     if not assets.is_fetched(name):
         pytest.skip(f"{name} is not fetched")
     folder = assets.model_path(name)
     tok = Tokenizer(folder)
+    assert (tok.token_id("<tool_call>") is not None) == (name == "qwen2.5-coder-0.5b")
     grammars = Grammars(tok.to_json(), list(ModelArgs.from_dir(folder).eos_token_ids))
+    first_call = TWO_CALLS.split("\n", 1)[1].split("\n<tool_call>")[0]
     for choice, parallel in (("required", True), ("get_weather", False)):
-        grammar = grammars.for_request(SamplingConfig(grammar=call_grammar([WEATHER, TIME], choice, parallel)))
-        for token in tok.encode(TWO_CALLS.split("\n", 1)[1].split("\n<tool_call>")[0]):  # the first call
+        grammar = grammars.for_request(SamplingConfig(grammar=HERMES.grammar([WEATHER, TIME], choice, parallel,
+                                                                             tok.token_id)))
+        for token in tok.encode(first_call):
             grammar.accept(token)
-        assert not grammar.complete or not parallel  # parallel: another call may follow
-    wrong = grammars.for_request(SamplingConfig(grammar=call_grammar([WEATHER, TIME], "get_time", False)))
+        assert grammar.complete == (not parallel)  # parallel: another call may follow
+    wrong = grammars.for_request(SamplingConfig(grammar=HERMES.grammar([WEATHER, TIME], "get_time", False,
+                                                                       tok.token_id)))
     with pytest.raises(RuntimeError, match="refused"):
-        for token in tok.encode(TWO_CALLS.split("\n", 1)[1]):
+        for token in tok.encode(first_call):
             wrong.accept(token)
-    smol = Tokenizer(smollm2_dir)
-    with pytest.raises(ConfigError, match="grammar cannot be compiled"):
-        Grammars(smol.to_json(), [2]).for_request(SamplingConfig(grammar=call_grammar([WEATHER], "required", True)))
 
 
 def test_the_grammar_holds_arguments_to_the_parameters_schema():
-    grammar = call_grammar([WEATHER, TIME], "get_weather", False)
+    grammar = _hermes_grammar([WEATHER, TIME], "get_weather", False)
     schema = json.loads(grammar.split("%json ", 1)[1])
     assert [c["properties"]["name"]["const"] for c in schema["anyOf"]] == ["get_weather"]
     assert schema["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
     assert '("\\n" call)*' not in grammar
-    both = json.loads(call_grammar([WEATHER, TIME], "required", True).split("%json ", 1)[1])
+    both = json.loads(_hermes_grammar([WEATHER, TIME], "required", True).split("%json ", 1)[1])
     assert both["anyOf"][1]["properties"]["arguments"] == {"type": "object"}  # no parameters: any object

@@ -30,6 +30,9 @@ class CompressionConfig:
             raise ConfigError(f"max_compress_tokens must be >= 1, got {self.max_compress_tokens}")
 
 
+TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral")  # icekv.serving.tool_formats
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """The Triton model's settings: the engine plus request admission limits.
@@ -49,8 +52,11 @@ class ServingConfig:
     max_input_bytes: int = 4 << 20  # text_input, messages or context: larger ones are refused before tokenizing
     max_cache_retention_s: float = 600.0  # the longest cache_retention_s a request may ask
     prefix_cache_spill: bool = False  # the prefix cache's pages also written to the store, read back on a miss
+    tool_format: str = "auto"  # TOOL_FORMATS: how the model writes tool calls (auto: read off its chat template)
 
     def __post_init__(self) -> None:
+        if self.tool_format not in TOOL_FORMATS:
+            raise ConfigError(f"tool_format must be one of {', '.join(TOOL_FORMATS)}, got {self.tool_format!r}")
         if self.prefix_cache_spill and not self.store:
             raise ConfigError("prefix_cache_spill needs a store (store: a directory or redis://...)")
         if self.prefix_cache_spill and not self.engine.paging.prefix_cache:

@@ -16,7 +16,7 @@ from typing import Callable
 from icekv.config.engine import DTYPES, KV_POOLS, WEIGHT_FORMATS
 from icekv.config.paging import KV_DTYPES
 from icekv.config.paths import build_config, field_value
-from icekv.config.serving import ServingConfig
+from icekv.config.serving import TOOL_FORMATS, ServingConfig
 from icekv.errors import ConfigError
 from icekv.methods.icecache import CENTROID_SCORING, GQA_MERGES, RESCORING, SCORE_DTYPES, SEARCHES
 
@@ -127,6 +127,9 @@ SETTINGS = (
     Setting("kv_dtype", ("engine.paging.kv_dtype",), "how KV pages are stored (pool, device slots, stored "
             "contexts): `auto` (the model's dtype), or `int8` / `fp8_e4m3` codes with a scale per token and KV head "
             "(about half the bytes of bf16, a quarter of fp32)", str, KV_DTYPES, configmap=True),
+    Setting("tool_format", ("tool_format",), "how the model writes tool calls: `hermes` (`<tool_call>` blocks: Qwen, "
+            "Hermes), `llama3` (a bare call object with `parameters`: Llama 3.x), `mistral` (`[TOOL_CALLS]` and a "
+            "list), or `auto` (read off the model's chat template; hermes when it shows none)", str, TOOL_FORMATS),
     Setting("max_active_requests", ("engine.scheduler.max_active_requests",), "requests batched at once (in prefill or "
             "decode)", configmap=True),
     Setting("max_queued_requests", ("engine.scheduler.max_queued_requests",), "requests waiting; beyond it \"server busy\"",

@@ -30,6 +30,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of ``text`` where the vocabulary holds it as one token (an added or special one)."""
+        return self._tok.token_to_id(text)
+
     def to_json(self) -> str:
         """The tokenizer as its ``tokenizer.json`` text (for a grammar library's own tokenizer)."""
         return self._tok.to_str()
@@ -44,6 +48,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
+
+    def token_id(self, text: str) -> None:
+        return None  # bytes only: no token of a longer text
 
     def to_json(self) -> None:
         return None  # no tokenizer.json: no structured output

@@ -66,9 +66,10 @@ FIELDS = (
                  "\"function\", \"function\": {\"name\", \"description\", \"parameters\"}}`), shown to the model "
                  "through its chat template; a template that cannot show tools (the embedded SmolLM2's) gets a 400"),
     RequestField("tool_choice", "TYPE_STRING", "`auto` (the default with tools), `none` (tools not shown), "
-                 "`required`, or a function's name: the last two make the output tool calls, held to `<tool_call>` "
-                 "blocks whose `arguments` satisfy the function's `parameters` (a Lark grammar, llguidance); the text "
-                 "comes back raw, the OpenAI API parses it"),
+                 "`required`, or a function's name: the last two make the output tool calls, held to the model's call "
+                 "format (`tool_format`) with arguments that satisfy the function's `parameters` (a Lark grammar, "
+                 "llguidance; a delimiter the vocabulary holds as one token is written as that token, otherwise as "
+                 "text); the text comes back raw, the OpenAI API parses it"),
     RequestField("parallel_tool_calls", "TYPE_BOOL", "default true; false: a forced output is one call (and the "
                  "OpenAI API returns only the first call)"),
     RequestField("logprobs", "TYPE_INT32", "in [0, 20]: report each sampled token's log-probability (an "

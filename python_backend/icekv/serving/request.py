@@ -20,7 +20,8 @@ from icekv.errors import ConfigError, IcekvError
 from icekv.chat_template import ChatTemplateError, normalize_tools
 from icekv.policies import PolicyPlan, resolve
 from icekv.serving.fields import NAMES
-from icekv.serving.tool_calls import ToolCallError, call_grammar, tool_choice
+from icekv.serving.tool_calls import ToolCallError, tool_choice
+from icekv.serving.tool_formats import ModelToolCalls
 from icekv.store.format import StoreError, check_key
 from icekv.json_text import JSONTextError, read_json
 
@@ -119,9 +120,10 @@ class ToolUse:
     grammar: str | None  # the Lark grammar that makes it call (tool_choice required, or one function)
 
 
-def _tool_use(fields: dict[str, Any]) -> ToolUse:
+def _tool_use(fields: dict[str, Any], tool_calls: ModelToolCalls) -> ToolUse:
     """``tools`` (a JSON list of OpenAI function tools), ``tool_choice`` (none, auto, required or a
-    function's name) and ``parallel_tool_calls`` checked together."""
+    function's name) and ``parallel_tool_calls`` checked together; a forced call's grammar in the
+    model's format (``tool_calls``)."""
     tools = None
     if "tools" in fields:
         try:
@@ -141,7 +143,7 @@ def _tool_use(fields: dict[str, Any]) -> ToolUse:
     if choice != "auto" and "json_schema" in fields:
         raise RequestError(f"tool_choice {choice} makes the output a tool call; it cannot also be held to "
                            "json_schema (response_format)")
-    return ToolUse(tools, None if choice == "auto" else call_grammar(tools, choice, parallel))
+    return ToolUse(tools, None if choice == "auto" else tool_calls.grammar(tools, choice, parallel))
 
 
 def _prompt(fields: dict[str, Any], chat_prompt: Callable[..., str] | None, tools: list[dict] | None) -> str | None:
@@ -224,9 +226,11 @@ def _caching(fields: dict[str, Any], cfg: ServingConfig) -> PromptCaching:
 
 
 def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingConfig,
-                  chat_prompt: Callable[..., str] | None = None) -> GenerateRequest:
+                  chat_prompt: Callable[..., str] | None = None,
+                  tool_calls: ModelToolCalls = ModelToolCalls()) -> GenerateRequest:
     """inputs: name -> numpy array (absent inputs omitted); params: the request's parameters;
-    chat_prompt: renders ``messages`` (and tools) with the model's chat template (Engine.chat_prompt)."""
+    chat_prompt: renders ``messages`` (and tools) with the model's chat template (Engine.chat_prompt);
+    tool_calls: the model's tool-call format, for a forced call's grammar."""
     unknown = sorted(k for k in params if k not in INPUT_NAMES and not k.startswith(TRITON_PREFIX))
     if unknown:  # a misspelt setting would otherwise be dropped without a word
         raise RequestError(f"unknown parameters {unknown}; the model takes {sorted(INPUT_NAMES)}")
@@ -237,7 +241,7 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
         if size > cfg.max_input_bytes:
             raise RequestError(f"{name} is {size} bytes, above this server's limit of {cfg.max_input_bytes} "
                                "(max_input_bytes)")
-    tool_use = _tool_use(fields)
+    tool_use = _tool_use(fields, tool_calls)
     text = _prompt(fields, chat_prompt, tool_use.tools)
     max_tokens = _int("max_tokens", fields.get("max_tokens", cfg.default_max_tokens))
     if max_tokens < 1:

@@ -33,6 +33,7 @@ class Final:
     context_cache: str = _out("", "TYPE_STRING")  # ... found (hit), compressed for it, or joined another's compression
     logprobs: str = _out("", "TYPE_STRING")  # asked for: a JSON list, per new token (icekv.engine.sampling.token_logprobs)
     prompt_logprobs: str = _out("", "TYPE_STRING")  # asked for: the same, per prompt token (the first's logprob null)
+    tool_format: str = _out("", "TYPE_STRING")  # a health answer's: how the model writes tool calls (tool_formats)
 
 
 OUTPUTS = (TEXT_OUTPUT, *((f.name, f.metadata["triton"]) for f in fields(Final)))  # name, Triton type

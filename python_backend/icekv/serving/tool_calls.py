@@ -1,11 +1,11 @@
-"""Tool calls in the Hermes format, the one Qwen2.5's chat template teaches (and Hermes', and many
-others'): each call is a JSON object ``{"name": ..., "arguments": {...}}`` between ``<tool_call>``
-and ``</tool_call>`` in the assistant's text.
+"""Tool calls: what every format shares, and the Hermes format's reading, the one Qwen2.5's chat
+template teaches (and Hermes', and many others'): each call is a JSON object
+``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>`` in the
+assistant's text (the other families' formats: :mod:`icekv.serving.tool_formats`).
 
+- :func:`read_call` reads one call object, as every format writes it.
 - :class:`ToolCallStream` splits streamed text into content and calls as they close, holding back
-  only what may still become a call; :func:`split_calls` does the same for a whole text.
-- :func:`call_grammar` is the Lark grammar (llguidance's dialect) that makes a model call: for
-  ``tool_choice`` ``required``, or one named function.
+  only what may still become a call.
 - :func:`tool_choice` checks a request's ``tool_choice`` against its tools.
 """
 
@@ -15,7 +15,6 @@ import json
 from dataclasses import dataclass
 from typing import Collection
 
-from icekv.engine.grammar import COMPACT
 from icekv.json_text import JSONTextError, read_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -32,18 +31,33 @@ class ToolCall:
     arguments: str  # a JSON object, as text (OpenAI's shape)
 
 
+def read_call(value) -> ToolCall:
+    """A call object as the formats write it: ``name``, and its arguments as an object under
+    ``arguments`` (or Llama's ``parameters``; JSON text of an object is read too); ToolCallError
+    saying what is wrong otherwise, never a call with its arguments dropped."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        raise ToolCallError("a call is a JSON object with a function's name under \"name\"")
+    keys = [k for k in ("arguments", "parameters") if k in value]
+    if len(keys) > 1:
+        raise ToolCallError(f"call {value['name']!r} holds both arguments and parameters")
+    arguments = value[keys[0]] if keys else {}
+    if isinstance(arguments, str):
+        try:
+            arguments = read_json(arguments)
+        except JSONTextError as e:
+            raise ToolCallError(f"call {value['name']!r}: its arguments text is not JSON ({e})") from None
+    if not isinstance(arguments, dict):
+        raise ToolCallError(f"call {value['name']!r}: its arguments must be a JSON object, got "
+                            f"{type(arguments).__name__}")
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
 def _parsed(body: str) -> ToolCall | None:
     """The call a block's body holds; None when it is not one (the block then stays text)."""
     try:
-        value = read_json(body)
-    except JSONTextError:
+        return read_call(read_json(body))
+    except (JSONTextError, ToolCallError):
         return None
-    if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
-        return None
-    arguments = value.get("arguments", {})
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def _held_back(text: str) -> int:
@@ -121,15 +135,6 @@ class ToolCallStream:
         return text
 
 
-def split_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, list[ToolCall]]:
-    """A whole output's content (None when it is only calls) and its calls."""
-    stream = ToolCallStream(names)
-    parts = stream.feed(text) + stream.finish()
-    calls = [p for p in parts if isinstance(p, ToolCall)]
-    content = "".join(p for p in parts if isinstance(p, str))
-    return (content.strip() or None) if calls else content, calls
-
-
 def tool_choice(choice: str | None, tools: list[dict]) -> str:
     """``choice`` checked: ``none``, ``auto`` (the default with tools), ``required``, or the name of
     one of ``tools``."""
@@ -142,17 +147,3 @@ def tool_choice(choice: str | None, tools: list[dict]) -> str:
         raise ToolCallError(f"tool_choice names the function {choice!r}, which is not among the tools "
                             f"({', '.join(names)})")
     return choice
-
-
-def call_grammar(tools: list[dict], choice: str, parallel: bool) -> str:
-    """The Lark grammar of the output ``choice`` forces: one call (or, ``parallel``, one or more)
-    to any of ``tools`` (``required``) or to the function ``choice`` names, each ``arguments``
-    held to that function's ``parameters`` schema."""
-    chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
-             for f in chosen]
-    body = json.dumps({"x-guidance": COMPACT, "anyOf": calls})
-    more = ' ("\\n" call)*' if parallel else ""
-    # <tool_call> in angle brackets: the tokenizer's own token of that text, as the model writes it
-    return f'start: call{more}\ncall: {OPEN} "\\n" body "\\n" {CLOSE}\nbody: %json {body}\n'

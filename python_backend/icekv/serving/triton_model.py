@@ -25,6 +25,7 @@ from icekv.serving.error_kinds import tag
 from icekv.serving.repository import DTYPES, INPUTS
 from icekv.serving.response import OUTPUTS, Final
 from icekv.serving.request import parse_request
+from icekv.serving.tool_formats import ModelToolCalls, tool_format
 from icekv.serving.context_service import ContextService
 from icekv.serving.engine_loop import EngineLoop
 from icekv.serving.loop_api import EngineStopped, error_reply
@@ -86,9 +87,9 @@ class TritonSink:
         self._final(Final(finish_reason="context_ready", prompt_tokens=context.length,
                           kv_resident_bytes=context.nbytes, kv_total_bytes=context.full_bytes))
 
-    def healthy(self) -> None:
-        """A health request's answer: the engine thread is alive."""
-        self._final(Final(finish_reason="healthy"))
+    def healthy(self, calls_format: str) -> None:
+        """A health request's answer: the engine thread is alive; the model's tool-call format."""
+        self._final(Final(finish_reason="healthy", tool_format=calls_format))
 
     def _final(self, final: Final, text: str = "") -> None:
         """The request's last response: its text (if not streamed) and every field of ``final``,
@@ -230,6 +231,8 @@ class TritonModel:
         self.loop = EngineLoop(lambda: Engine(self.cfg.engine), on_tick=self.metrics.update,
                                make_contexts=self._contexts)
         self.engine = self.loop.engine
+        template = self.engine.chat_template.source if self.engine.chat_template else None
+        self.tool_calls = ModelToolCalls(tool_format(self.cfg.tool_format, template), self.engine.tokenizer.token_id)
         log.warning("icekv: loaded %s in %.1f s (policy %s)", self.engine.model_name, time.perf_counter() - t0,
                     self.cfg.engine.selection.policy)
 
@@ -239,7 +242,7 @@ class TritonModel:
             try:
                 if self._is_health_check(request):  # answered here, without the engine's queue
                     self.loop.check_alive()
-                    sink.healthy()
+                    sink.healthy(self.tool_calls.format.name)
                     continue
                 self.loop.check_accepting()  # cheap refusals before any parsing or tokenizing
                 inputs = {}
@@ -248,7 +251,7 @@ class TritonModel:
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
                 params = json.loads(request.parameters() or "{}")
-                req = parse_request(inputs, params, self.cfg, self.engine.chat_prompt)
+                req = parse_request(inputs, params, self.cfg, self.engine.chat_prompt, self.tool_calls)
                 sink.stream = req.stream
                 self.loop.serve(req, sink)
             except Exception as e:

@@ -31,6 +31,7 @@ from icekv.serving.openai.shapes import Kind, ToolDeltas, answer_calls, called, 
 from icekv.serving.openai.streams import gather_closing, merged, starting_with
 from icekv.serving.openai.protocol import ChatCompletionBody, CompletionBody, OpenAIError, parse_body
 from icekv.serving.openai.triton_bridge import TritonBridge
+from icekv.serving.tool_formats import FORMATS, HERMES, ToolFormat
 
 
 def _error_response(error: OpenAIError) -> JSONResponse:
@@ -92,6 +93,7 @@ class OpenAIFrontend:
     def __init__(self, config: OpenAIConfig):
         self.config = config
         self.bridge: TritonBridge | None = None
+        self.tool_format: ToolFormat | None = None  # the model's, asked of it at the first request with tools
 
     @asynccontextmanager
     async def lifespan(self, app):
@@ -156,6 +158,7 @@ class OpenAIFrontend:
                               f"{self.config.model!r}", "model", "model_not_found")
         meta = {"id": f"{kind.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model}
         wants_logprobs = body.top_logprobs_asked is not None
+        calls_format = await self._tool_format() if kind.chat and body.calls_tools else None
         # each prompt's first choice, up to its first piece: a refused request gets its status code
         # (not a 200 stream), and the prompt is prefilled, its pages in the prefix cache for the
         # prompt's other choices to share
@@ -170,18 +173,27 @@ class OpenAIFrontend:
                    for i in range(body.choice_count)]
         if not body.stream:
             results = await _unless_disconnected(request, gather_closing(self._collect(s) for s in streams))
-            choices = [self._choice(kind, body, i, text, final, wants_logprobs) for i, (text, final) in enumerate(results)]
+            choices = [self._choice(kind, body, i, text, final, wants_logprobs, calls_format)
+                       for i, (text, final) in enumerate(results)]
             finals = [final for _, final in results]
             return JSONResponse({**meta, "object": kind.object, "choices": choices,
                                  "usage": usage(finals, body.n), "icekv": icekv_stats(finals[0])})
-        return StreamingResponse(self._events(streams, meta, kind, body, wants_logprobs),
+        return StreamingResponse(self._events(streams, meta, kind, body, wants_logprobs, calls_format),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    async def _tool_format(self) -> ToolFormat:
+        """How the model writes tool calls, asked of it once."""
+        if self.tool_format is None:
+            self.tool_format = FORMATS.get(await self.bridge.tool_format(), HERMES)
+        return self.tool_format
+
     @staticmethod
-    def _choice(kind: Kind, body, index: int, text: str, final: Final, wants_logprobs: bool) -> dict:
+    def _choice(kind: Kind, body, index: int, text: str, final: Final, wants_logprobs: bool,
+                calls_format: ToolFormat | None) -> dict:
+        """``calls_format``: the model's tool-call format, where the answer's calls are read (a chat with tools)."""
         logprobs = final_logprobs(final, body.echoes_prompt) if wants_logprobs else None
-        if kind.chat and body.calls_tools:
-            content, calls = answer_calls(text, body.tool_names, body.parallel_calls)
+        if calls_format is not None:
+            content, calls = answer_calls(text, calls_format, body.tool_names, body.parallel_calls)
             return kind.choice(index, content, final.finish_reason, logprobs, calls)
         return kind.choice(index, body.echoed(index) + text, final.finish_reason, logprobs)
 
@@ -223,7 +235,8 @@ class OpenAIFrontend:
             text.append(piece)
         raise OpenAIError(500, "the inference server ended the request without a result")
 
-    async def _events(self, streams: list[AsyncIterator], meta: dict, kind: Kind, body, wants_logprobs: bool):
+    async def _events(self, streams: list[AsyncIterator], meta: dict, kind: Kind, body, wants_logprobs: bool,
+                      calls_format: ToolFormat | None):
         """Server-sent events: each choice's chunks as they come, then usage if asked, then
         ``[DONE]``; an error mid-stream as an event. Log-probabilities, when asked, come whole with
         a choice's finishing chunk (a streamed piece of text need not end on a token)."""
@@ -235,8 +248,8 @@ class OpenAIFrontend:
             return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
         finals: dict[int, Final] = {}
-        calls = [ToolDeltas(body.tool_names, body.parallel_calls) if kind.chat and body.calls_tools
-                 else None for _ in streams]
+        calls = [None if calls_format is None else ToolDeltas(calls_format, body.tool_names, body.parallel_calls)
+                 for _ in streams]
 
         def deltas(i: int, parts: list) -> list[str]:  # a choice's content pieces and tool call entries
             return [event([kind.delta(i, None, None, calls=p) if isinstance(p, dict) else kind.delta(i, p, None)])

@@ -8,7 +8,8 @@ import uuid
 from itertools import accumulate
 
 from icekv.serving.client import Final
-from icekv.serving.tool_calls import ToolCall, ToolCallStream, split_calls
+from icekv.serving.tool_calls import ToolCall
+from icekv.serving.tool_formats import ToolFormat, split_calls
 
 
 def usage(finals: list[Final], n: int = 1) -> dict:
@@ -50,10 +51,10 @@ def called(finish_reason: str | None, calls: bool) -> str | None:
 
 class ToolDeltas:
     """One streamed chat choice's text -> its deltas' content and ``tool_calls`` entries, each call
-    whole as it closes (``parallel`` false: the first call only)."""
+    whole as it closes (``parallel`` false: the first call only), read in the model's ``tool_format``."""
 
-    def __init__(self, names: list[str], parallel: bool):
-        self._stream, self._parallel = ToolCallStream(names), parallel
+    def __init__(self, tool_format: ToolFormat, names: list[str], parallel: bool):
+        self._stream, self._parallel = tool_format.stream(names), parallel
         self.calls = 0
 
     def feed(self, text: str) -> list[str | dict]:
@@ -73,9 +74,10 @@ class ToolDeltas:
         return out
 
 
-def answer_calls(text: str, names: list[str], parallel: bool) -> tuple[str | None, list[ToolCall]]:
+def answer_calls(text: str, tool_format: ToolFormat, names: list[str], parallel: bool
+                 ) -> tuple[str | None, list[ToolCall]]:
     """A whole chat answer's content and the calls it made (``parallel`` false: the first only)."""
-    content, calls = split_calls(text, names)
+    content, calls = split_calls(text, names, tool_format)
     return content, calls if parallel else calls[:1]
 
 

@@ -40,12 +40,22 @@ class TritonBridge:
     async def engine_alive(self) -> bool:
         """The model's engine thread is alive (a health request, answered without queueing)."""
         try:
-            async for piece in self.generate({"health": True}):
-                if isinstance(piece, Final):
-                    return piece.finish_reason == "healthy"
+            return (await self._health()).finish_reason == "healthy"
         except OpenAIError:
             return False
-        return False
+
+    async def tool_format(self) -> str:
+        """How the model writes tool calls (its health answer says); OpenAIError when it cannot answer."""
+        final = await self._health()
+        if final.finish_reason != "healthy":
+            raise OpenAIError(503, f"the Triton model {self.model} is not ready")
+        return final.tool_format
+
+    async def _health(self) -> Final:
+        async for piece in self.generate({"health": True}):
+            if isinstance(piece, Final):
+                return piece
+        return Final()
 
     async def generate(self, fields: dict[str, Any]) -> AsyncIterator[str | Final]:
         """Yield the text pieces, then the Final; OpenAIError for any failure."""
