@@ -31,14 +31,11 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def qwen_url(assets, tmp_path_factory):
-    """The OpenAI frontend of a tritonserver serving the long-context model."""
+def _served(assets, work, parameters: dict):
+    """The OpenAI frontend's URL of a tritonserver serving the long-context model with ``parameters``."""
     if not assets.is_fetched(LONGCTX):
         pytest.skip(f"{LONGCTX} is not fetched (icekv fetch --model {LONGCTX})")
-    work = tmp_path_factory.mktemp("qwen_tools")
-    server = TritonServer({"model_dir": LONGCTX, "pool_tokens": "8192", "max_active_requests": "4"},
-                          log_path=work / "tritonserver.log")
+    server = TritonServer({"model_dir": LONGCTX, **parameters}, log_path=work / "tritonserver.log")
     server.start()
     try:
         config = OpenAIConfig(triton_grpc_url=server.grpc_url, port=free_port())
@@ -46,6 +43,12 @@ def qwen_url(assets, tmp_path_factory):
             yield frontend.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen_url(assets, tmp_path_factory):
+    yield from _served(assets, tmp_path_factory.mktemp("qwen_tools"), {"pool_tokens": "8192",
+                                                                      "max_active_requests": "4"})
 
 
 @pytest.fixture(scope="module")
@@ -175,20 +178,10 @@ def test_malformed_tools_get_openai_shaped_400s(openai_frontend, body, param, me
 
 @pytest.fixture(scope="module")
 def llama3_url(assets, tmp_path_factory):
-    """The OpenAI frontend of the long-context model served with the Llama 3 tool-call format set (its template
-    teaches Hermes'; the setting overrides it, as for a model whose template names no format)."""
-    if not assets.is_fetched(LONGCTX):
-        pytest.skip(f"{LONGCTX} is not fetched (icekv fetch --model {LONGCTX})")
-    work = tmp_path_factory.mktemp("llama3_calls")
-    server = TritonServer({"model_dir": LONGCTX, "pool_tokens": "4096", "tool_format": "llama3"},
-                          log_path=work / "tritonserver.log")
-    server.start()
-    try:
-        config = OpenAIConfig(triton_grpc_url=server.grpc_url, port=free_port())
-        with OpenAIFrontendProcess(config, log_path=work / "frontend.log") as frontend:
-            yield frontend.url
-    finally:
-        server.stop()
+    """The long-context model served with the Llama 3 tool-call format set (its template teaches
+    Hermes'; the setting overrides it, as for a model whose template names no format)."""
+    yield from _served(assets, tmp_path_factory.mktemp("llama3_calls"), {"pool_tokens": "4096",
+                                                                        "tool_format": "llama3"})
 
 
 @pytest.mark.longctx_model

@@ -10,6 +10,7 @@ from icekv.engine.grammar import Grammars
 from icekv.errors import ConfigError
 from icekv.serving.tool_calls import ToolCall, ToolCallError, ToolCallStream, tool_choice
 from icekv.serving.tool_formats import HERMES, split_calls
+from tests.serving.test_tool_formats import streamed
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -24,18 +25,8 @@ def _hermes_grammar(tools, choice, parallel, token_id=lambda text: None):
 
 
 def _streamed(text: str, size: int, names=()) -> list:
-    """The stream's output for ``text`` fed ``size`` characters at a time, adjacent text merged."""
-    stream, parts = ToolCallStream(names), []
-    for i in range(0, len(text), size):
-        parts += stream.feed(text[i: i + size])
-    parts += stream.finish()
-    merged = []
-    for part in parts:
-        if isinstance(part, str) and merged and isinstance(merged[-1], str):
-            merged[-1] += part
-        else:
-            merged.append(part)
-    return merged
+    """The Hermes stream's output for ``text`` fed ``size`` characters at a time, adjacent text merged."""
+    return streamed(text, size, HERMES, names)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 11, 1000])

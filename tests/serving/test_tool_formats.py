@@ -21,9 +21,9 @@ NESTED = ToolCall("get_weather", '{"city": "Oslo", "when": {"days": [1, 2], "uni
 NAMES = ("get_weather", "get_time")
 
 
-def _streamed(text: str, size: int, fmt) -> list:
-    """The format's stream fed ``size`` characters at a time, adjacent text merged."""
-    stream, parts = fmt.stream(NAMES), []
+def streamed(text: str, size: int, fmt, names=NAMES) -> list:
+    """``fmt``'s stream fed ``text`` ``size`` characters at a time, adjacent text merged."""
+    stream, parts = fmt.stream(names), []
     for i in range(0, len(text), size):
         parts += stream.feed(text[i: i + size])
     parts += stream.finish()
@@ -82,10 +82,10 @@ HERMES_OUTPUTS = [
 @pytest.mark.parametrize("fmt, text, calls", [(LLAMA3, t, c) for t, c in LLAMA_OUTPUTS]
                          + [(MISTRAL, t, c) for t, c in MISTRAL_OUTPUTS] + [(HERMES, t, c) for t, c in HERMES_OUTPUTS])
 @pytest.mark.parametrize("size", [1, 4, 1000])
-def test_good_outputs_are_read_whole_and_streamed(fmt, text, calls, size):
+def test_good_outputs_are_read_whole_andstreamed(fmt, text, calls, size):
     assert fmt.read(text) == calls
     assert split_calls(text, NAMES, fmt) == (None, calls)
-    assert _streamed(text, size, fmt) == calls
+    assert streamed(text, size, fmt) == calls
 
 
 @pytest.mark.parametrize("fmt, text, reason", [
@@ -105,7 +105,7 @@ def test_malformed_outputs_are_refused_with_a_reason_and_stay_content(fmt, text,
     with pytest.raises(ToolCallError, match=reason):
         fmt.read(text)
     assert split_calls(text, NAMES, fmt) == (text, [])  # the client gets the text whole, nothing dropped
-    assert _streamed(text, 3, fmt) == [text]
+    assert streamed(text, 3, fmt) == [text]
 
 
 @pytest.mark.parametrize("fmt", [LLAMA3, MISTRAL])
