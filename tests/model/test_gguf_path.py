@@ -58,11 +58,16 @@ def test_a_gguf_file_converts_once_and_is_found_again_by_hash(smollm2_gguf, smol
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted again")
 
+    import icekv.assets as asset_cache
+
+    hashed = []
     monkeypatch.setattr("icekv.assets._run", no_conversion)
+    monkeypatch.setattr("icekv.assets._sha256", lambda path, real=asset_cache._sha256: hashed.append(path) or real(path))
+    assert resolve_model_dir(str(gguf)) == folder and hashed == []  # the same file: its digest is remembered
     moved = tmp_path / "elsewhere" / "renamed.gguf"
     moved.parent.mkdir()
     gguf.rename(moved)
-    assert resolve_model_dir(str(moved)) == folder  # found by its bytes, not its name
+    assert resolve_model_dir(str(moved)) == folder and hashed == [moved]  # found by its bytes, not its name
 
     proc = icekv("generate", "--model", str(moved), "--prompt", "The capital of France is", "--max-tokens", "4")
     assert proc.returncode == 0 and "Paris" in proc.stdout, proc.stderr

@@ -48,7 +48,7 @@ def test_an_extra_tensor_is_refused_by_name_unless_allowed(tmp_path):
     _resave(tmp_path, lambda s: {**s, "model.layers.1.mlp.router.weight": torch.zeros(4, 128)})
     with pytest.raises(ModelLoadError, match=r"1 tensor\(s\) .* no place for: layers\.1\.mlp\.router\.weight"):
         load_model(tmp_path)
-    model = load_model(tmp_path, allow_extra=True)
+    model = load_model(tmp_path, allow_extra_weights=True)
     assert not hasattr(model.layers[1].mlp, "router")
 
 
@@ -57,8 +57,9 @@ def test_a_missing_tensor_is_refused_by_name(tmp_path):
 
     make_tiny_hf_model("qwen2", tmp_path)
     _resave(tmp_path, lambda s: {k: v for k, v in s.items() if k != "model.layers.2.self_attn.k_proj.bias"})
-    with pytest.raises(ModelLoadError, match=r"lacks 1 weight\(s\) of Qwen2ForCausalLM: layers\.2\.self_attn\.k_proj\.bias"):
-        load_model(tmp_path, allow_extra=True)
+    with pytest.raises(ModelLoadError, match=r"lacks 1 weight\(s\) of Qwen2ForCausalLM: "
+                                             r"layers\.2\.self_attn\.k_proj\.bias"):
+        load_model(tmp_path, allow_extra_weights=True)
 
 
 def test_many_extras_are_listed_then_counted(tmp_path):

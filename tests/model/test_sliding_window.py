@@ -25,6 +25,10 @@ def test_the_window_is_read_where_a_config_turns_it_on():
     qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
     assert ModelArgs.from_hf_config({**qwen, "use_sliding_window": False}).sliding_window is None
     assert ModelArgs.from_hf_config({**qwen, "use_sliding_window": True}).sliding_window == 4096
+    assert ModelArgs.from_hf_config({**qwen, "use_sliding_window": True, "max_window_layers": 2}).sliding_window \
+        is None  # layers from index 2 on would slide: there are none
+    assert ModelArgs.from_hf_config({**qwen, "use_sliding_window": True, "max_window_layers": 1}).sliding_window \
+        == 4096
     full = ["full_attention", "full_attention"]
     assert ModelArgs.from_hf_config({**qwen, "layer_types": full}).sliding_window is None
     assert ModelArgs.from_hf_config({**qwen, "layer_types": ["sliding_attention", "full_attention"]}).sliding_window \
@@ -49,6 +53,9 @@ def test_a_request_past_the_window_is_refused(windowed):
     _, engine = windowed
     with pytest.raises(ConfigError, match=f"exceeds this model's sliding attention window of {WINDOW} tokens"):
         engine.submit(list(range(1, 41)), SamplingConfig(max_tokens=9))
+    with pytest.raises(ConfigError, match=f"after a context of 30 \\+ max_tokens 9 exceeds .* window of {WINDOW}"):
+        engine.check_request(10, 9, None, context_tokens=30)  # a compressed context's positions come first
+    engine.check_request(10, 8, None, context_tokens=30)
 
 
 def test_a_request_within_the_window_is_the_model(windowed):

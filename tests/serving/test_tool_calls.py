@@ -7,7 +7,6 @@ import pytest
 
 from icekv.config.request import SamplingConfig
 from icekv.engine.grammar import Grammars
-from icekv.errors import ConfigError
 from icekv.serving.tool_calls import ToolCall, ToolCallError, ToolCallStream, tool_choice
 from icekv.serving.tool_formats import HERMES, split_calls
 from tests.serving.test_tool_formats import streamed

@@ -46,9 +46,9 @@ def test_the_format_is_read_off_the_template_or_set(assets):
     assert detect("{{ messages }}") is HERMES and detect(None) is HERMES
     from icekv.chat_template import ChatTemplate
 
-    for name in ("smollm2-135m", "qwen2.5-coder-0.5b"):  # the shipped models' own templates
-        if assets.is_fetched(name):
-            assert detect(ChatTemplate.load(assets.model_path(name)).source) is HERMES
+    if assets.is_fetched("qwen2.5-coder-0.5b"):  # a shipped template that shows its format
+        source = ChatTemplate.load(assets.model_path("qwen2.5-coder-0.5b")).source
+        assert "<tool_call>" in source and detect(source) is HERMES
     assert tool_format("mistral", "<tool_call>") is MISTRAL and tool_format("auto", "[TOOL_CALLS]") is MISTRAL
     assert set(FORMATS) == set(TOOL_FORMATS) - {"auto"}
     with pytest.raises(ConfigError, match="tool_format must be one of auto, hermes, llama3, mistral"):
@@ -118,10 +118,22 @@ def test_plain_answers_pass_at_once(fmt):
 
 def test_a_call_object_is_read_by_one_rule():
     assert read_call({"name": "f", "parameters": {"x": [1, {"y": None}]}}) == ToolCall("f", '{"x": [1, {"y": null}]}')
-    assert read_call({"name": "f"}) == ToolCall("f", "{}")
+    assert read_call({"name": "f"}) == read_call({"name": "f", "id": "c1", "type": "function"}) == ToolCall("f", "{}")
     for bad in ([], {"name": ""}, {"name": 3}, {"name": "f", "arguments": 3}):
         with pytest.raises(ToolCallError):
             read_call(bad)
+    with pytest.raises(ToolCallError, match="holds args, which is not its arguments"):  # never read as f({})
+        read_call({"name": "f", "args": {"city": "Paris"}})
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (LLAMA3, '{"name": "Ada Lovelace", "born": 1815}'),  # an answer that is JSON of its own
+    (LLAMA3, '{"name": "get_weather", "parameters": {}}; {"name": "rm_rf", "parameters": {}}'),
+    (MISTRAL, '[{"name": "Ada", "arguments": {}}]'),
+])
+def test_a_call_to_a_function_not_offered_is_content(fmt, text):
+    assert split_calls(text, NAMES, fmt) == (text, [])
+    assert streamed(text, 5, fmt) == [text]
 
 
 CALL_TEXT = {  # a forced call as each format's grammar writes it (compact JSON: one space after separators)
@@ -153,6 +165,26 @@ def test_each_format_forces_its_own_calls_with_a_tokenizer_that_lacks_its_tokens
     with pytest.raises(RuntimeError, match="refused"):
         for token in tok.encode(CALL_TEXT[fmt]):
             wrong.accept(token)
+
+
+@pytest.mark.model
+def test_an_optional_marker_token_compiles_and_may_be_left_out(assets):
+    """Mistral's ``[TOOL_CALLS]`` written as a token id, optional: compiled with Qwen's tokenizer,
+    its ``<tool_call>`` token standing in for the marker."""
+    from icekv.model import Tokenizer
+
+    if not assets.is_fetched("qwen2.5-coder-0.5b"):
+        pytest.skip("qwen2.5-coder-0.5b is not fetched")
+    tok = Tokenizer(assets.model_path("qwen2.5-coder-0.5b"))
+    marker = tok.token_id("<tool_call>")
+    grammars = Grammars(tok.to_json(), [tok.token_id("<|im_end|>")])
+    text = CALL_TEXT[MISTRAL].removeprefix("[TOOL_CALLS]")
+    for ids in ([marker] + tok.encode(text), tok.encode(text)):
+        grammar = grammars.for_request(SamplingConfig(grammar=MISTRAL.grammar(
+            [WEATHER], "required", False, lambda t: marker if t == "[TOOL_CALLS]" else None)))
+        for token in ids:
+            grammar.accept(token)
+        assert grammar.complete
 
 
 def test_a_delimiter_the_vocabulary_holds_is_written_as_its_token():

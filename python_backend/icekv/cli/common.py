@@ -90,9 +90,9 @@ def _kv_dtype(args) -> str:
 
 
 def _model_flag(parser, what: str = "") -> None:
-    parser.add_argument("--model", help=f"a known model ({', '.join(KNOWN_MODELS)}: fetched on first use) or a "
-                        f"Hugging Face model folder{' ' + what if what else ''}, or a GGUF file (converted once into the cache) "
-                        f"(default {DEFAULT_MODEL})")
+    parser.add_argument("--model", help=f"a known model ({', '.join(KNOWN_MODELS)}: fetched on first use), a "
+                        f"Hugging Face model folder{' ' + what if what else ''}, or a GGUF file (converted once into "
+                        f"the cache) (default {DEFAULT_MODEL})")
 
 
 def _serving_flags(parser) -> None:

@@ -79,8 +79,8 @@ def _policy_names() -> tuple[str, ...]:
 
 SETTINGS = (
     Setting("model_dir", ("engine.model_dir",), "model: a known model name (`icekv fetch --list`; fetched on first "
-            "use), a folder in Hugging Face layout, or a GGUF file (converted once into the cache)", str, configmap=True,
-            flag="--model",
+            "use), a folder in Hugging Face layout, or a GGUF file (converted once into the cache)", str,
+            configmap=True, flag="--model",
             default_doc="`smollm2-135m` (SmolLM2-135M-Instruct in `$ICEKV_CACHE`)"),
     Setting("device", ("engine.device",), "compute device: `auto` (a GPU when there is one), `cpu`, `cuda`, "
             "`cuda:N`", str, configmap=True, default_doc="`auto` (`cuda` in the GPU overlay)"),

@@ -104,14 +104,9 @@ class Engine:
         return require_template(self.chat_template, self.model_name).render(messages, tools)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse up front a request the KV pool could never hold, or one that would reach past the
-        model's attention window (which icekv does not apply: past it, the model would differ)."""
+        """Refuse up front a request the KV pool could never hold."""
         if prompt_tokens == 0:
             raise ConfigError("prompt is empty")
-        window = self.model.args.sliding_window
-        if window is not None and prompt_tokens + max_tokens > window:
-            raise ConfigError(f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds this model's "
-                              f"sliding attention window of {window} tokens, which icekv does not apply yet")
         capacity = self.cache.capacity_tokens
         if prompt_tokens + max_tokens > capacity:
             raise CacheFullError(
@@ -127,13 +122,19 @@ class Engine:
         return selection if isinstance(selection, PolicyPlan) else resolve(selection)
 
     def check_request(self, prompt_tokens: int, max_tokens: int, selection: SelectionConfig | PolicyPlan | None,
-                      with_context: bool) -> PolicyPlan:
+                      context_tokens: int | None) -> PolicyPlan:
         """The request's plan (:meth:`plan_for`); refuses up front a request that could never run:
-        empty, too long for the pool, a policy unknown or without room in its budget, or one that
-        cannot select over a compressed context."""
+        empty, too long for the pool or the model's window, a policy unknown or without room in its
+        budget, or one that cannot select over a compressed context (of ``context_tokens``; None:
+        the request has none)."""
         self.check_fits(prompt_tokens, max_tokens)
+        window = self.model.args.sliding_window  # not applied by icekv: past it, the model would differ
+        if window is not None and (context_tokens or 0) + prompt_tokens + max_tokens > window:
+            after = f" after a context of {context_tokens}" if context_tokens else ""
+            raise ConfigError(f"prompt of {prompt_tokens} tokens{after} + max_tokens {max_tokens} exceeds this "
+                              f"model's sliding attention window of {window} tokens, which icekv does not apply yet")
         plan = self.plan_for(selection)
-        if with_context and not plan.compressed_context:
+        if context_tokens is not None and not plan.compressed_context:
             raise ConfigError(f"policy {plan.name!r} cannot select over a compressed context; use 'full' or 'icecache'")
         return plan
 
@@ -177,7 +178,7 @@ class Engine:
         for name, named in named_tokens:
             if (largest := max(named, default=-1)) >= vocab:
                 raise ConfigError(f"{name} names token {largest}; this model's vocabulary has {vocab} tokens")
-        plan = self.check_request(len(ids), sampling.max_tokens, selection, context is not None)
+        plan = self.check_request(len(ids), sampling.max_tokens, selection, None if context is None else context.length)
         prefilled = kind.get("prefilled")
         seq_id = prefilled.seq_id if prefilled is not None else next(self._seq_ids)
         seq = Sequence(seq_id, Request(ids, sampling, plan, context, **kind), on_text, on_progress, on_logits)

@@ -19,13 +19,15 @@ SUPPORTED_ARCHITECTURES = {
 
 def _sliding_window(cfg: dict) -> int | None:
     """The attention window a config turns on for some of its layers, or None: Mistral's
-    ``sliding_window``, unless Qwen's ``use_sliding_window`` switch is off or ``layer_types``
-    names no sliding layer."""
+    ``sliding_window``, unless Qwen's ``use_sliding_window`` switch is off, ``layer_types`` names
+    no sliding layer, or (without ``layer_types``) Qwen's ``max_window_layers`` leaves none past it."""
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
         return None
     layer_types = cfg.get("layer_types")
-    if layer_types is not None and "sliding_attention" not in layer_types:
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if cfg.get("max_window_layers", 0) >= cfg["num_hidden_layers"]:  # layers from this index on slide
         return None
     return int(window)
 

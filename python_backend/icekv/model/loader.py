@@ -4,7 +4,7 @@ The load is strict: a tensor the decoder lacks, or a weight the checkpoint lacks
 naming it, so a wrong or partial checkpoint never runs. Two kinds of extra tensor are known to
 be harmless and skipped: rotary frequency tables that older checkpoints saved (the decoder
 computes its own) and an output matrix saved beside tied embeddings (the embedding is used).
-``allow_extra`` skips any other extra tensor as well, for a checkpoint that carries more than
+``allow_extra_weights`` skips any other extra tensor as well, for a checkpoint that carries more than
 the model needs.
 """
 
@@ -42,9 +42,10 @@ def _names(names: list[str]) -> str:
     return shown + (f" and {len(names) - LISTED} more" if len(names) > LISTED else "")
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, allow_extra: bool = False) -> Decoder:
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, allow_extra_weights: bool = False
+               ) -> Decoder:
     """Build the decoder for ``model_dir`` with its weights, in ``dtype``, ready for inference;
-    ``allow_extra``: skip tensors the decoder has no place for instead of refusing them."""
+    ``allow_extra_weights``: skip tensors the decoder has no place for instead of refusing them."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
@@ -64,10 +65,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, allow_
     if missing:
         raise ModelLoadError(f"{model_dir}: the checkpoint lacks {len(missing)} weight(s) of "
                              f"{args.architecture}: {_names(missing)}")
-    if result.unexpected_keys and not allow_extra:
+    if result.unexpected_keys and not allow_extra_weights:
         raise ModelLoadError(f"{model_dir}: the checkpoint holds {len(result.unexpected_keys)} tensor(s) that "
                              f"{args.architecture} has no place for: {_names(result.unexpected_keys)} (a "
-                             "different architecture or a damaged checkpoint; the setting allow_extra_weights skips them)")
+                             "different architecture or a damaged checkpoint; the setting allow_extra_weights "
+                             "skips them)")
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(args)  # its buffer was created on the meta device

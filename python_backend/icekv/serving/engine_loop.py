@@ -88,7 +88,7 @@ class EngineLoop:
             if request.text is not None:  # refuse now what would fail after the compression
                 request = replace(request, prompt_ids=self.engine.tokenizer.encode(request.text))
                 self.engine.check_request(len(request.prompt_ids), request.sampling.max_tokens, request.plan,
-                                          with_context=True)
+                                          context_tokens=len(to_compress.ids))
             return self.submit_compression(request, sink, to_compress)
         if key is None:
             return self.submit(request, sink)

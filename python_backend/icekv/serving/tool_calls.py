@@ -40,6 +40,9 @@ def read_call(value) -> ToolCall:
     keys = [k for k in ("arguments", "parameters") if k in value]
     if len(keys) > 1:
         raise ToolCallError(f"call {value['name']!r} holds both arguments and parameters")
+    unread = sorted(set(value) - {"name", "id", "type", *keys})
+    if unread:
+        raise ToolCallError(f"call {value['name']!r} holds {', '.join(unread)}, which is not its arguments")
     arguments = value[keys[0]] if keys else {}
     if isinstance(arguments, str):
         try:

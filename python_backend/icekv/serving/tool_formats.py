@@ -11,8 +11,10 @@ back, and the grammar that makes a model call.
 
 The format is read off the model's chat template (:func:`detect`), or set (the ``tool_format``
 setting). A format's delimiters are written in a grammar as the tokenizer's own token where its
-vocabulary has them as one token, and as plain text otherwise. The markers that are special tokens
-never reach the text (decoding skips special tokens), so an output is read with or without them.
+vocabulary has them as one token, and as plain text otherwise. Decoding skips special tokens, so
+Llama's and Mistral's markers, special in their tokenizers, never reach the text: their outputs are
+read with or without them. Hermes' tags must reach it (they do where, as in Qwen's tokenizers, they
+are not special tokens).
 
 vLLM's and SGLang's parsers do this inside their engines, on their own request and tokenizer types;
 none ships as a library on its own, so the reading here is icekv's.
@@ -50,11 +52,12 @@ def _json_rule(functions: list[dict], arguments_key: str) -> str:
 
 class WholeOutputStream:
     """Streamed text of a format whose calls are the whole output: text that begins like a call
-    (a marker, or the call's opening bracket) is held to the end and read then; a reading that
-    fails leaves it content, whole. Any other text passes at once."""
+    (a marker, or the call's opening bracket) is held to the end and read then. A reading that
+    fails, or that calls a function not among ``names`` (an answer that is JSON of its own), leaves
+    it content, whole. Any other text passes at once."""
 
-    def __init__(self, tool_format: "ToolFormat"):
-        self._format, self._held, self._deciding = tool_format, "", True
+    def __init__(self, tool_format: "WholeOutput", names: Collection[str]):
+        self._format, self._names, self._held, self._deciding = tool_format, set(names), "", True
         self.calls = 0
 
     def feed(self, piece: str) -> list[str | ToolCall]:
@@ -73,6 +76,8 @@ class WholeOutputStream:
         try:
             calls = self._format.read(self._held)
         except ToolCallError:
+            return [self._take()]
+        if any(call.name not in self._names for call in calls):
             return [self._take()]
         self._held, self.calls = "", len(calls)
         return list(calls)
@@ -135,7 +140,7 @@ class WholeOutput(ToolFormat):
         return (self.marker, self.opening)
 
     def stream(self, names):
-        return WholeOutputStream(self)
+        return WholeOutputStream(self, names)
 
     def read(self, text):
         body = text.strip().removeprefix(self.marker).strip()
@@ -215,9 +220,9 @@ def split_calls(text: str, names: Collection[str] = (), tool_format: ToolFormat 
 
 def detect(template: str | None) -> ToolFormat:
     """The format a chat template teaches its model (hermes when it shows none of the others')."""
-    for tool_format in (MISTRAL, LLAMA3, HERMES):
-        if template and any(sign in template for sign in tool_format.template_signs):
-            return tool_format
+    for candidate in (MISTRAL, LLAMA3, HERMES):
+        if template and any(sign in template for sign in candidate.template_signs):
+            return candidate
     return HERMES
 
 

@@ -93,7 +93,7 @@ class OpenAIFrontend:
     def __init__(self, config: OpenAIConfig):
         self.config = config
         self.bridge: TritonBridge | None = None
-        self.tool_format: ToolFormat | None = None  # the model's, asked of it at the first request with tools
+        self.calls_format: ToolFormat | None = None  # how the model writes tool calls: its last health answer's
 
     @asynccontextmanager
     async def lifespan(self, app):
@@ -124,7 +124,7 @@ class OpenAIFrontend:
         return JSONResponse(openapi_document(self.config.model))
 
     async def health(self, request: Request) -> JSONResponse:
-        if await self.bridge.ready() and await self.bridge.engine_alive():
+        if await self.bridge.ready() and await self._ask_health():
             return JSONResponse({"status": "ok"})
         return _error_response(OpenAIError(503, f"the Triton model {self.config.model} is not ready"))
 
@@ -181,11 +181,19 @@ class OpenAIFrontend:
         return StreamingResponse(self._events(streams, meta, kind, body, wants_logprobs, calls_format),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    async def _ask_health(self) -> bool:
+        """Whether the model answers a health request; its answer's tool-call format is kept (a
+        server that names none reads calls as Hermes)."""
+        final = await self.bridge.health()
+        if final is not None:
+            self.calls_format = FORMATS.get(final.tool_format, HERMES)
+        return final is not None
+
     async def _tool_format(self) -> ToolFormat:
-        """How the model writes tool calls, asked of it once."""
-        if self.tool_format is None:
-            self.tool_format = FORMATS.get(await self.bridge.tool_format(), HERMES)
-        return self.tool_format
+        """How the model writes tool calls: known from its last health answer, asked for the first time here."""
+        if self.calls_format is None and not await self._ask_health():
+            raise OpenAIError(503, f"the Triton model {self.config.model} is not ready")
+        return self.calls_format
 
     @staticmethod
     def _choice(kind: Kind, body, index: int, text: str, final: Final, wants_logprobs: bool,

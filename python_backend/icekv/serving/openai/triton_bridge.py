@@ -6,6 +6,7 @@ then cancels the request in the engine, which frees its pages.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any, AsyncIterator
 
@@ -14,6 +15,7 @@ from icekv.serving.error_kinds import kind_of
 from icekv.serving.openai.protocol import OpenAIError
 
 STATUS_OF_KIND = {"client": 400, "busy": 503, "cancelled": 499, "internal": 500}
+HEALTH_WAIT_S = 10.0  # a health request skips the engine's queue: no answer by then, and the model is stuck
 
 
 class TritonBridge:
@@ -38,24 +40,22 @@ class TritonBridge:
             return False
 
     async def engine_alive(self) -> bool:
-        """The model's engine thread is alive (a health request, answered without queueing)."""
+        """The model's engine thread is alive (:meth:`health`)."""
+        return await self.health() is not None
+
+    async def health(self, timeout_s: float = HEALTH_WAIT_S) -> Final | None:
+        """The model's answer to a health request (answered without queueing: its engine thread
+        is alive, and how it writes tool calls); None when it gives none within ``timeout_s``."""
+        async def answer() -> Final | None:
+            async for piece in self.generate({"health": True}):
+                if isinstance(piece, Final):
+                    return piece if piece.finish_reason == "healthy" else None
+            return None
+
         try:
-            return (await self._health()).finish_reason == "healthy"
-        except OpenAIError:
-            return False
-
-    async def tool_format(self) -> str:
-        """How the model writes tool calls (its health answer says); OpenAIError when it cannot answer."""
-        final = await self._health()
-        if final.finish_reason != "healthy":
-            raise OpenAIError(503, f"the Triton model {self.model} is not ready")
-        return final.tool_format
-
-    async def _health(self) -> Final:
-        async for piece in self.generate({"health": True}):
-            if isinstance(piece, Final):
-                return piece
-        return Final()
+            return await asyncio.wait_for(answer(), timeout_s)
+        except (OpenAIError, TimeoutError):
+            return None
 
     async def generate(self, fields: dict[str, Any]) -> AsyncIterator[str | Final]:
         """Yield the text pieces, then the Final; OpenAIError for any failure."""
