@@ -25,14 +25,18 @@ def _decoded(decode: Callable[[], Any]) -> Any:
         raise JSONTextError("it holds a number of too many digits, or bytes that are not UTF-8") from None
 
 
-def read_json(text: str | bytes) -> Any:
-    """``json.loads(text)``; JSONTextError where it is not JSON or not usable as such."""
-    value = _decoded(lambda: json.loads(text))
+def _usable(value: Any) -> Any:
+    """``value``, once it holds no text a tokenizer cannot read (a lone surrogate)."""
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise JSONTextError("it is not valid Unicode text (a lone surrogate)") from None
     return value
+
+
+def read_json(text: str | bytes) -> Any:
+    """``json.loads(text)``; JSONTextError where it is not JSON or not usable as such."""
+    return _usable(_decoded(lambda: json.loads(text)))
 
 
 def read_json_sequence(text: str, separators: str = "") -> list[Any]:
@@ -45,6 +49,5 @@ def read_json_sequence(text: str, separators: str = "") -> list[Any]:
             at += 1
         if at == len(text):
             return values
-        _, end = _decoded(lambda: decoder.raw_decode(text, at))
-        values.append(read_json(text[at:end]))
-        at = end
+        value, at = _decoded(lambda: decoder.raw_decode(text, at))
+        values.append(_usable(value))
