@@ -16,6 +16,7 @@ import yaml
 
 from icekv.serving.openai.config import OpenAIConfig
 from icekv.cli import _serving_parameters, build_parser
+from icekv.cli.common import TRITON_GRPC_PORT, TRITON_METRICS_PORT
 from icekv.serving.triton_model import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,8 +111,8 @@ def test_ports_and_probes_agree_with_icekv_serve(docs):
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     served = build_parser().parse_args([a for a in c["args"] if "$(" not in a])
     assert served.openai_port == OpenAIConfig.port  # the OpenAI API on its usual port
-    assert ports == {"http": defaults.http_port, "grpc": defaults.grpc_port, "metrics": defaults.metrics_port,
-                     "openai": served.openai_port}
+    assert ports == {"http": defaults.http_port, "grpc": served.grpc_port or TRITON_GRPC_PORT,
+                     "metrics": served.metrics_port or TRITON_METRICS_PORT, "openai": served.openai_port}
     assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     exposed = re.search(r"^EXPOSE (.+)$", (ROOT / "Dockerfile").read_text(), re.M).group(1).split()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_float, _positive_int,
                               _serving_flags, _serving_parameters, _setting_flag)
-from icekv.cli.common import _bench_run_flags
+from icekv.cli.common import TRITON_GRPC_PORT, TRITON_METRICS_PORT, _bench_run_flags
 from icekv.config.engine import default_cache_dir
 from icekv.config.paging import PagingConfig
 from icekv.config.selection import SelectionConfig
@@ -22,6 +22,7 @@ from icekv.errors import IcekvError
 from icekv.policies import policy_names
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS
 from icekv.serving.openai.config import OpenAIConfig
+from icekv.serving.replicas import ROUTER_POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,8 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=_positive_int("--http-port"), default=8000,
                        help="Triton's generate API and health routes (and the OpenAI API), served by icekv's "
                             "frontend with bounded bodies; tritonserver's own HTTP stays on loopback")
-    serve.add_argument("--grpc-port", type=_positive_int("--grpc-port"), default=8001)
-    serve.add_argument("--metrics-port", type=_positive_int("--metrics-port"), default=8002)
+    serve.add_argument("--grpc-port", type=_positive_int("--grpc-port"), default=None,
+                       help=f"Triton's gRPC API (default: {TRITON_GRPC_PORT}; not with --router)")
+    serve.add_argument("--metrics-port", type=_positive_int("--metrics-port"), default=None,
+                       help=f"Triton's metrics (default: {TRITON_METRICS_PORT}; not with --router)")
     serve.add_argument("--openai-port", type=_positive_int("--openai-port"), default=None,
                        help="also listen on this port (the OpenAI API's usual place; it serves /v1 and /v2)")
     serve.add_argument("--idle-timeout-s", type=_positive_float("--idle-timeout-s"),
@@ -211,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cancel a request that runs longer than this in all (default: no limit)")
     serve.add_argument("--model-repository", type=Path, default=None,
                        help="serve this repository as is (default: generate one from the flags below)")
+    serve.add_argument("--replicas", type=_positive_int("--replicas"), default=1,
+                       help="icekv servers on loopback ports behind the router (needs --router when above 1)")
+    serve.add_argument("--router", choices=ROUTER_POLICIES, default=None,
+                       help="serve the OpenAI API on --http-port through the SGLang Model Gateway (sglang-router) "
+                            "with this policy; cache_aware sends a conversation's turns to the replica holding "
+                            "its prefix")
     _serving_flags(serve)
 
     build = sub.add_parser("build", help="TensorRT engines of the decode step (or --ptx-only: the plugins' kernels)")

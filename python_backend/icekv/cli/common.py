@@ -12,6 +12,9 @@ from icekv.methods.icecache import IceCacheConfig
 from icekv.errors import IcekvError
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, is_gguf, not_a_model
 
+TRITON_GRPC_PORT = 8001  # icekv serve's Triton gRPC and metrics ports, one replica (--router picks free ones)
+TRITON_METRICS_PORT = 8002
+
 
 def _positive_int(flag: str, least: int = 1):
     def parse(text: str) -> int:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from icekv.errors import IcekvError
+from icekv.cli.common import TRITON_GRPC_PORT, TRITON_METRICS_PORT
 from icekv.cli.common import _device_settings, _icecache_config, _kv_dtype, _open_store, _serving_parameters
 
 
@@ -164,27 +165,37 @@ def _cmd_serve(args) -> int:
     import signal
     import threading
 
+    params = _serving_parameters(args, served_here=True)
+    if args.model_repository is not None and params:
+        raise IcekvError("--model-repository is served as is: set parameters in its config.pbtxt, not with flags")
+    if args.replicas > 1 and args.router is None:
+        raise IcekvError("--replicas above 1 needs --router (the SGLang Model Gateway picks each request's replica)")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.router is not None:
+        return _serve_replicas(args, params, stop)
+    return _serve_one(args, params, stop)
+
+
+def _serve_one(args, params: dict, stop) -> int:
     from icekv.serving.openai.config import OpenAIConfig
     from icekv.serving.launcher import TritonServer
     from icekv.serving.openai.process import OpenAIFrontendProcess
 
-    params = _serving_parameters(args, served_here=True)
     if args.openai_port is not None and args.openai_port == args.http_port:
         raise IcekvError("--openai-port and --http-port must differ (the HTTP port serves both APIs already)")
-    if args.model_repository is not None and params:
-        raise IcekvError("--model-repository is served as is: set parameters in its config.pbtxt, not with flags")
     # Triton's own HTTP stays on loopback: clients reach its generate API through icekv's frontend
     # on --http-port, which bounds every body (tritonserver dies on a generate body past ~4 MiB)
-    server = TritonServer(params, args.model_repository, args.host, http_host="127.0.0.1", grpc_port=args.grpc_port,
-                          metrics_port=args.metrics_port)
+    server = TritonServer(params, args.model_repository, args.host, http_host="127.0.0.1",
+                          grpc_port=args.grpc_port or TRITON_GRPC_PORT,
+                          metrics_port=args.metrics_port or TRITON_METRICS_PORT)
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     frontend = OpenAIFrontendProcess(OpenAIConfig(
-        triton_grpc_url=f"{local}:{server.grpc_port}", host=args.host, port=args.http_port,
-        extra_ports=(args.openai_port,) if args.openai_port is not None else (), idle_timeout_s=args.idle_timeout_s,
-        request_timeout_s=args.request_timeout_s))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        triton_grpc_url=f"{local}:{server.grpc_port}",
+        triton_metrics_url=f"http://{local}:{server.metrics_port}/metrics",
+        host=args.host, port=args.http_port, extra_ports=(args.openai_port,) if args.openai_port is not None else (),
+        idle_timeout_s=args.idle_timeout_s, request_timeout_s=args.request_timeout_s))
     try:
         server.start()
         frontend.start()
@@ -200,4 +211,43 @@ def _cmd_serve(args) -> int:
     finally:
         frontend.stop()
         server.stop()
+    return 0
+
+
+def _serve_replicas(args, params: dict, stop) -> int:
+    """``--replicas N --router POLICY``: N servers on loopback and the router on --http-port. A
+    replica that exits is reported and left out (the router's health check stops sending it
+    requests); the set stops when none is left."""
+    from icekv.serving.replicas import Replica, RouterProcess
+
+    for flag, value in (("--openai-port", args.openai_port), ("--grpc-port", args.grpc_port),
+                        ("--metrics-port", args.metrics_port), ("--model-repository", args.model_repository)):
+        if value is not None:
+            raise IcekvError(f"{flag} is not used with --router: each replica takes free loopback ports, the "
+                             "router serves the OpenAI API on --http-port")
+    replicas = [Replica.on_loopback(params, args.idle_timeout_s, args.request_timeout_s, index=i)
+                for i in range(args.replicas)]
+    router = None
+    try:
+        for replica in replicas:
+            replica.start()
+        router = RouterProcess(tuple(r.url for r in replicas), args.router, args.host, args.http_port).start()
+        urls = ", ".join(r.url for r in replicas)
+        print(f"icekv serving: OpenAI API http://{args.host}:{args.http_port}/v1 through the SGLang Model Gateway "
+              f"({args.router}) over {args.replicas} replicas: {urls}", file=sys.stderr)
+        live = list(replicas)
+        while not stop.wait(1.0):
+            if router.process.poll() is not None:
+                raise IcekvError(f"the router exited with {router.process.returncode}:\n{router.log_tail()}")
+            for replica in list(live):
+                if (why := replica.exited()) is not None:
+                    print(f"icekv: replica {replica.url} stopped ({why}); {len(live) - 1} left", file=sys.stderr)
+                    live.remove(replica)
+            if not live:
+                raise IcekvError("every replica has stopped")
+    finally:
+        if router is not None:
+            router.stop()
+        for replica in replicas:
+            replica.stop()
     return 0

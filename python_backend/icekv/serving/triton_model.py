@@ -114,6 +114,8 @@ class Metrics:
     GAUGES = {
         "icekv_kv_resident_bytes": "KV cache bytes on the compute device, all live requests",
         "icekv_kv_host_bytes": "KV cache bytes in the host page pool, all live requests",
+        "icekv_kv_pool_pages": "pages of the KV page pool",
+        "icekv_kv_pool_pages_in_use": "pool pages live requests hold (idle prefix-cache pages count as free)",
         "icekv_active_requests": "requests being prefilled or decoded",
         "icekv_queued_requests": "requests waiting for memory or a turn",
         "icekv_index_bytes_promised": "host bytes of page index the active requests may build (worst case)",
@@ -175,12 +177,15 @@ class Metrics:
         races a metrics message (seen: unload hanging while a background update was in flight)."""
         resident, host = loop.engine.kv_bytes()
         s, c, shared = loop.stats, loop.contexts.stats, loop.contexts.shared
-        prefix = loop.engine.cache.prefix
+        pool = loop.engine.cache
+        prefix = pool.prefix
         cached, pc = (prefix.pages, prefix.stats) if prefix is not None else (0, PrefixCacheStats())
         indexes = loop.engine.kv.indexes
         kept, ic = (indexes.nbytes, indexes.stats) if indexes is not None else (0, IndexCacheStats())
         spill = self.pages.stats if self.pages is not None else PrefixPageStats()
         gauges = (("icekv_kv_resident_bytes", resident), ("icekv_kv_host_bytes", host),
+                  ("icekv_kv_pool_pages", pool.allocator.num_pages),
+                  ("icekv_kv_pool_pages_in_use", pool.allocator.num_pages - pool.pages_available),
                   ("icekv_active_requests", s.active), ("icekv_queued_requests", s.queued),
                   ("icekv_index_bytes_promised", s.index_bytes_promised),
                   ("icekv_device_bytes_promised", s.device_bytes_promised),

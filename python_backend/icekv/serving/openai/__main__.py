@@ -12,6 +12,8 @@ from icekv.errors import IcekvError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m icekv.serving.openai", description=__doc__)
     parser.add_argument("--triton-grpc-url", default=OpenAIConfig.triton_grpc_url)
+    parser.add_argument("--triton-metrics-url", default=OpenAIConfig.triton_metrics_url,
+                        help="Triton's metrics URL: served again at /metrics, with vLLM's names for routers")
     parser.add_argument("--model", default=OpenAIConfig.model, help="the Triton model, and the id clients send")
     parser.add_argument("--host", default=OpenAIConfig.host)
     parser.add_argument("--port", type=int, default=OpenAIConfig.port)
@@ -21,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout-s", type=float, default=OpenAIConfig.request_timeout_s)
     args = parser.parse_args(argv)
     try:
-        config = OpenAIConfig(triton_grpc_url=args.triton_grpc_url, model=args.model, host=args.host, port=args.port,
+        config = OpenAIConfig(triton_grpc_url=args.triton_grpc_url, triton_metrics_url=args.triton_metrics_url,
+                              model=args.model, host=args.host, port=args.port,
                               extra_ports=tuple(args.extra_port), max_body_bytes=args.max_body_bytes,
                               idle_timeout_s=args.idle_timeout_s, request_timeout_s=args.request_timeout_s)
     except IcekvError as e:

@@ -1,8 +1,9 @@
 """icekv's HTTP frontend (Starlette), forwarding every request to the icekv Triton model over gRPC.
 
 The OpenAI-compatible API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent
-events when ``stream`` is true), ``GET /v1/models``, ``GET /health``, every error OpenAI-shaped;
-the OpenAPI description of every route at ``GET /openapi.json``; and Triton's generate extension
+events when ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Triton's,
+and the load under vLLM's names for routers: :mod:`icekv.serving.openai.engine_metrics`), every
+error OpenAI-shaped; the OpenAPI description of every route at ``GET /openapi.json``; and Triton's generate extension
 (:mod:`icekv.serving.openai.generate_api`). A client that disconnects, streaming or not, cancels
 its Triton request.
 """
@@ -13,6 +14,7 @@ import asyncio
 import json
 import math
 import time
+import urllib.request
 import uuid
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -24,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from icekv.serving.openai.config import OpenAIConfig
+from icekv.serving.openai.engine_metrics import vllm_exposition
 from icekv.serving.client import Final
 from icekv.serving.openai.generate_api import GenerateAPI
 from icekv.serving.openai.openapi import openapi_document
@@ -32,6 +35,15 @@ from icekv.serving.openai.streams import gather_closing, merged, starting_with
 from icekv.serving.openai.protocol import ChatCompletionBody, CompletionBody, OpenAIError, parse_body
 from icekv.serving.openai.triton_bridge import TritonBridge
 from icekv.serving.tool_formats import FORMATS, HERMES, ToolFormat
+
+
+METRICS_WAIT_S = 5.0  # the longest wait for Triton's metrics
+METRICS_MAX_AGE_S = 0.2  # Triton's metrics are read again after this (endpoint pickers poll every 50 ms)
+
+
+def _read_text(url: str, timeout_s: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read().decode()
 
 
 def _error_response(error: OpenAIError) -> JSONResponse:
@@ -94,6 +106,7 @@ class OpenAIFrontend:
         self.config = config
         self.bridge: TritonBridge | None = None
         self.calls_format: ToolFormat | None = None  # how the model writes tool calls: its last health answer's
+        self._triton_metrics = (-math.inf, "")  # (when read, monotonic; the text)
 
     @asynccontextmanager
     async def lifespan(self, app):
@@ -109,6 +122,7 @@ class OpenAIFrontend:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            *([Route("/metrics", self.metrics, methods=["GET"])] if self.config.triton_metrics_url else []),
             Route("/openapi.json", self.openapi, methods=["GET"]),
             *GenerateAPI(self).routes(),
         ]
@@ -127,6 +141,18 @@ class OpenAIFrontend:
         if await self.bridge.ready() and await self._ask_health():
             return JSONResponse({"status": "ok"})
         return _error_response(OpenAIError(503, f"the Triton model {self.config.model} is not ready"))
+
+    async def metrics(self, request: Request) -> Response:
+        """Triton's metrics (icekv's own among them), then the same load under vLLM's names."""
+        read_at, text = self._triton_metrics
+        if time.monotonic() - read_at > METRICS_MAX_AGE_S:
+            try:
+                text = await asyncio.to_thread(_read_text, self.config.triton_metrics_url, METRICS_WAIT_S)
+            except OSError:
+                raise OpenAIError(503, "the inference server's metrics are not reachable") from None
+            self._triton_metrics = (time.monotonic(), text)
+        return Response(text.rstrip("\n") + "\n" + vllm_exposition(text, self.config.model),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, ChatCompletionBody, Kind(chat=True))

@@ -15,6 +15,7 @@ class OpenAIConfig:
     which Triton model it forwards to, its limits."""
 
     triton_grpc_url: str = "127.0.0.1:8001"
+    triton_metrics_url: str | None = None  # Triton's /metrics, served again at this frontend's /metrics; None: no route
     model: str = "icekv"  # the Triton model, and the model id clients name
     host: str = "127.0.0.1"
     port: int = 9000

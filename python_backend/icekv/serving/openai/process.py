@@ -34,7 +34,8 @@ class OpenAIFrontendProcess:
         return [sys.executable, "-m", "icekv.serving.openai", f"--triton-grpc-url={c.triton_grpc_url}",
                 f"--model={c.model}", f"--host={c.host}", f"--port={c.port}", f"--max-body-bytes={c.max_body_bytes}",
                 f"--idle-timeout-s={c.idle_timeout_s}", *(f"--extra-port={p}" for p in c.extra_ports),
-                *([f"--request-timeout-s={c.request_timeout_s}"] if c.request_timeout_s is not None else [])]
+                *([f"--request-timeout-s={c.request_timeout_s}"] if c.request_timeout_s is not None else []),
+                *([f"--triton-metrics-url={c.triton_metrics_url}"] if c.triton_metrics_url is not None else [])]
 
     def start(self) -> "OpenAIFrontendProcess":
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL

@@ -52,7 +52,17 @@ IcekvExtras = create_model("IcekvExtras", __base__=Strict, **{
     f.name: (Optional[Annotated[f.python_type, Field(**f.openai_extra)]], None) for f in OPENAI_EXTRAS})
 
 
-class _GenerateBody(IcekvExtras):
+class RouterFields(Strict):
+    """Fields the SGLang Model Gateway writes into every body it forwards (it rebuilds a request
+    from its own schema), accepted at the values that ask for nothing icekv lacks."""
+
+    no_stop_trim: Literal[False] | None = None
+    ignore_eos: Literal[False] | None = None
+    skip_special_tokens: Literal[True] | None = None
+    return_hidden_states: Literal[False] | None = None
+
+
+class _GenerateBody(IcekvExtras, RouterFields):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
@@ -144,6 +154,11 @@ class ChatCompletionBody(_GenerateBody):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # more of the SGLang Model Gateway's fields (see RouterFields): icekv has no reasoning parser,
+    # so the reasoning switches change nothing, as in SGLang started without one
+    continue_final_message: Literal[False] | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -274,7 +289,7 @@ def parse_body(model: type[_GenerateBody], raw: bytes, max_stop: int) -> _Genera
             raise OpenAIError(400, "the body must be a JSON object") from None
         if kind == "extra_forbidden":
             raise OpenAIError(400, f"unrecognized request argument: {_param(loc)}", _param(loc)) from None
-        if kind == "literal_error" and loc and loc[-1] in _GenerateBody.model_fields | CompletionBody.model_fields:
+        if kind == "literal_error" and loc and loc[-1] in model.model_fields:
             message = f"icekv supports only {first['ctx']['expected']}"
         if loc == ("tool_choice",) and kind != "value_error":  # the unions' first branch's complaint would hide the second
             message = 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'

@@ -1,0 +1,140 @@
+"""Several icekv servers on one machine behind the SGLang Model Gateway (``icekv serve --replicas N
+--router POLICY``).
+
+icekv has no routing logic of its own: each replica is a whole ``icekv serve`` (tritonserver and
+its HTTP frontend) on loopback ports, and the gateway (``sglang-router`` on PyPI) picks the replica
+for each request, with its cache-aware policy sending a conversation's next turn where its prefix
+already is. Replicas over one store (``store`` with ``prefix_cache_spill``) also read each other's
+prefix pages, so a turn that lands elsewhere (its replica gone) still skips the stored prefix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from icekv.errors import ConfigError
+from icekv.serving.launcher import ServerError, TritonServer, free_port, stop_process_group
+from icekv.serving.openai.config import OpenAIConfig
+from icekv.serving.openai.process import OpenAIFrontendProcess
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")  # the gateway's, by its names
+ROUTER_STOP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Replica:
+    """One icekv server on loopback: tritonserver and its HTTP frontend."""
+
+    server: TritonServer
+    frontend: OpenAIFrontendProcess
+
+    @classmethod
+    def on_loopback(cls, parameters: dict[str, str], idle_timeout_s: float, request_timeout_s: float | None,
+                    log_dir: Path | None = None, index: int = 0) -> "Replica":
+        server = TritonServer(parameters, http_host="127.0.0.1",
+                              log_path=log_dir / f"replica{index}-triton.log" if log_dir else None)
+        frontend = OpenAIFrontendProcess(OpenAIConfig(
+            triton_grpc_url=server.grpc_url, triton_metrics_url=server.metrics_url, port=free_port(),
+            idle_timeout_s=idle_timeout_s, request_timeout_s=request_timeout_s),
+            log_path=log_dir / f"replica{index}-frontend.log" if log_dir else None)
+        return cls(server, frontend)
+
+    @property
+    def url(self) -> str:
+        return self.frontend.url
+
+    def start(self) -> "Replica":
+        self.server.start()
+        try:
+            self.frontend.start()
+        except BaseException:
+            self.server.stop()
+            raise
+        return self
+
+    def exited(self) -> str | None:
+        """Which of its processes exited (a message), None while both run."""
+        for name, process in (("tritonserver", self.server.process), ("the HTTP frontend", self.frontend.process)):
+            if process is not None and process.poll() is not None:
+                return f"{name} exited with {process.returncode}"
+        return None
+
+    def stop(self) -> None:
+        self.frontend.stop()
+        self.server.stop()
+
+
+@dataclass
+class RouterProcess:
+    """The SGLang Model Gateway over ``worker_urls``: ``python -m sglang_router launch``.
+
+    Health checks every ``health_check_interval_s`` take a replica that stops answering out of
+    the rotation after one miss; a request whose replica fails is retried on another."""
+
+    worker_urls: tuple[str, ...]
+    policy: str = "cache_aware"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    log_path: Path | None = None
+    health_check_interval_s: int = 1
+    startup_timeout_s: float = 60.0
+    process: subprocess.Popen | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTER_POLICIES:
+            raise ConfigError(f"router policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}")
+        if not self.worker_urls:
+            raise ConfigError("a router needs at least one replica")
+        self.port = self.port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang_router", "launch", "--worker-urls", *self.worker_urls,
+                "--policy", self.policy, "--host", self.host, "--port", str(self.port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--health-check-endpoint", "/health", "--health-check-interval-secs", str(self.health_check_interval_s),
+                "--health-failure-threshold", "1", "--log-level", "warn"]
+
+    def start(self) -> "RouterProcess":
+        if importlib.util.find_spec("sglang_router") is None:
+            raise ConfigError("--router needs the SGLang Model Gateway: pip install 'icekv[router]' "
+                              "(the sglang-router package)")
+        self._log = open(self.log_path, "ab+") if self.log_path else tempfile.TemporaryFile()
+        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"the router exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/readiness", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise ServerError(f"the router was not ready on {self.url} within {self.startup_timeout_s:.0f} s")
+
+    def log_tail(self, n: int = 10) -> str:
+        """The last ``n`` lines the router wrote, without its colour codes."""
+        self._log.flush()
+        self._log.seek(0)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", self._log.read().decode(errors="replace"))
+        return "\n".join(text.splitlines()[-n:])
+
+    def stop(self, timeout_s: float = ROUTER_STOP_TIMEOUT_S) -> None:
+        stop_process_group(self.process, timeout_s)
+        if getattr(self, "_log", None):
+            self._log.close()
