@@ -8,15 +8,12 @@ the HTTPRoute sends the OpenAI API to the pool.
 """
 
 import re
-import shutil
-import subprocess
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from icekv.cli import build_parser
-from tests.deploy.test_manifests import K8S_VERSION, ROOT, by_kind, render
+from tests.deploy.test_manifests import K8S_VERSION, ROOT, by_kind, kustomize, render, sorted_by_name
 
 OVERLAY = ROOT / "deploy" / "overlays" / "inference-pool"
 POOL_GROUP = "inference.networking.k8s.io"
@@ -219,11 +216,7 @@ def test_icekv_exports_the_metrics_the_epp_reads_by_default():
 
 
 def test_kustomize_renders_what_the_tests_check(docs):
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
+    real = kustomize(OVERLAY)
+    if real is None:
         pytest.skip("kubectl not installed")
-    proc = subprocess.run([kubectl, "kustomize", str(OVERLAY)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
-    real = sorted((d for d in yaml.safe_load_all(proc.stdout) if d), key=key)
-    assert real == sorted(docs, key=key)
+    assert real == sorted_by_name(docs)
