@@ -51,6 +51,11 @@ def test_generate_chat_applies_the_template(smollm2_dir, tmp_path):
         (["generate", "--prompt", "hi", "--policy", "icecache", "--budget", "32"], "must exceed sink + window"),
         (["generate", "--prompt", "hi", "--policy", "quest", "--budget", "250"], "not a multiple of the page size"),
         (["serve", "--index-threads", "-1"], "--index-threads must be >= 0"),
+        (["serve", "--replicas", "2"], "--replicas above 1 needs --router"),
+        (["serve", "--replicas", "0", "--router", "cache_aware"], "--replicas must be >= 1"),
+        (["serve", "--router", "nearest"], "invalid choice: 'nearest'"),
+        (["serve", "--router", "cache_aware", "--grpc-port", "9001"], "--grpc-port is not used with --router"),
+        (["serve", "--router", "round_robin", "--openai-port", "9000"], "--openai-port is not used with --router"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message):
