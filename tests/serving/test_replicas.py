@@ -236,6 +236,7 @@ def test_a_replica_killed_mid_stream_loses_no_turn(fleet, essays_text):
     owner, survivor = (replicas[0], replicas[1]) if served[0] else (replicas[1], replicas[0])
     messages += [first["choices"][0]["message"], {"role": "user", "content": "Give one example of it."}]
     body = {"model": "icekv", "messages": messages, "max_tokens": 48, "temperature": 0}
+    reloaded = wait_idle(survivor.server)["icekv_prefix_cache_reloaded_pages_total"]
 
     def kill():
         for process in (owner.server.process, owner.frontend.process):
@@ -243,8 +244,7 @@ def test_a_replica_killed_mid_stream_loses_no_turn(fleet, essays_text):
 
     ended, seconds = _stream_until_killed(router.url, body, kill)
     assert ended in ("error event", "connection closed", "done") and seconds < 30
-    reloaded = wait_idle(survivor.server)["icekv_prefix_cache_reloaded_pages_total"]
-    try:
+    try:  # at once: the cut stream has taken the dead replica out of the router's rotation
         again = _chat(router.url, messages, 48)
     except urllib.error.HTTPError as e:
         pytest.fail(f"the turn after the kill failed: {e.code} {e.read()[:200]!r}")

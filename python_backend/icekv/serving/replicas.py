@@ -104,7 +104,7 @@ class RouterProcess:
                 "--policy", self.policy, "--host", self.host, "--port", str(self.port),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 "--health-check-endpoint", "/health", "--health-check-interval-secs", str(self.health_check_interval_s),
-                "--health-failure-threshold", "1", "--log-level", "warn"]
+                "--health-failure-threshold", "1", "--cb-failure-threshold", "1", "--log-level", "warn"]
 
     def start(self) -> "RouterProcess":
         if importlib.util.find_spec("sglang_router") is None:
