@@ -38,22 +38,23 @@ def _operation(path: str, method: str = "POST"):
     return schema[path][method]
 
 
-def test_the_document_names_every_served_route_and_only_those():
-    app = create_app(OpenAIConfig())
+@pytest.mark.parametrize("metrics_url", [None, "http://127.0.0.1:8002/metrics"])
+def test_the_document_names_every_served_route_and_only_those(metrics_url):
+    app = create_app(OpenAIConfig(triton_metrics_url=metrics_url))
     served = {(route.path, method) for route in app.routes for method in route.methods - {"HEAD"}}
-    paths = openapi_document("icekv")["paths"]
+    paths = openapi_document("icekv", metrics_url is not None)["paths"]
     described = {(path, method.upper()) for path, operations in paths.items() for method in operations}
     assert served == described
 
 
 def test_every_operation_documents_its_errors_with_the_family_s_body():
-    paths = openapi_document("icekv")["paths"]
+    paths = openapi_document("icekv", serves_metrics=True)["paths"]
     for path, operations in paths.items():
         for operation in operations.values():
             for status, response in operation["responses"].items():
                 if int(status) >= 400:
                     error = response["content"]["application/json"]["schema"]["properties"]["error"]
-                    assert error["type"] == ("object" if path.startswith("/v1/") or path == "/health" else "string")
+                    assert error["type"] == ("object" if path.startswith("/v1/") or path in ("/health", "/metrics") else "string")
 
 
 @pytest.mark.parametrize("path,model", [("/v1/chat/completions", ChatCompletionBody),

@@ -20,6 +20,7 @@ import time
 import urllib.request
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from icekv.errors import IcekvError
@@ -57,6 +58,24 @@ def stop_process_group(process: subprocess.Popen | None, timeout_s: float) -> No
     except ProcessLookupError:  # the group is gone already
         pass
     process.wait()
+
+
+def answers_in_time(process: subprocess.Popen, url: str, timeout_s: float, exited: Callable[[], str],
+                    poll_s: float = 0.2) -> bool:
+    """Whether ``url`` answers 200 within ``timeout_s`` while ``process`` starts; ServerError with
+    ``exited()`` if the process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerError(exited())
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    return False
 
 
 def free_port() -> int:
@@ -184,17 +203,9 @@ class TritonServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
+        if answers_in_time(self.process, f"http://{self.http_url}/v2/health/ready", self.startup_timeout_s,
+                           lambda: f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}", 0.5):
+            return
         self.stop()
         raise ServerError(f"tritonserver not ready after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
 

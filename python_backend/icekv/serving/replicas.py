@@ -15,13 +15,11 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from icekv.errors import ConfigError
-from icekv.serving.launcher import ServerError, TritonServer, free_port, stop_process_group
+from icekv.serving.launcher import ServerError, TritonServer, answers_in_time, free_port, stop_process_group
 from icekv.serving.openai.config import OpenAIConfig
 from icekv.serving.openai.process import OpenAIFrontendProcess
 
@@ -113,17 +111,9 @@ class RouterProcess:
         self._log = open(self.log_path, "ab+") if self.log_path else tempfile.TemporaryFile()
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"the router exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/readiness", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.2)
+        if answers_in_time(self.process, f"{self.url}/readiness", self.startup_timeout_s,
+                           lambda: f"the router exited with {self.process.returncode}:\n{self.log_tail()}"):
+            return self
         self.stop()
         raise ServerError(f"the router was not ready on {self.url} within {self.startup_timeout_s:.0f} s")
 

@@ -135,7 +135,7 @@ class OpenAIFrontend:
             {"id": self.config.model, "object": "model", "created": 0, "owned_by": "icekv"}]})
 
     async def openapi(self, request: Request) -> JSONResponse:
-        return JSONResponse(openapi_document(self.config.model))
+        return JSONResponse(openapi_document(self.config.model, self.config.triton_metrics_url is not None))
 
     async def health(self, request: Request) -> JSONResponse:
         if await self.bridge.ready() and await self._ask_health():

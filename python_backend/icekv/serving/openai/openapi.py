@@ -57,8 +57,8 @@ def _generate_body() -> dict[str, Any]:
     return {"type": "object", "properties": {**inputs, "parameters": parameters}, "additionalProperties": False}
 
 
-def openapi_document(model: str) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of a frontend serving ``model``."""
+def openapi_document(model: str, serves_metrics: bool = False) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of a frontend serving ``model`` (and ``/metrics`` if it does)."""
     schemas: dict[str, Any] = {}
 
     def body(cls) -> dict[str, Any]:
@@ -95,5 +95,9 @@ def openapi_document(model: str) -> dict[str, Any]:
         "/v2/health/ready": {"get": {"summary": "the model is ready", "responses": probe}},
         "/v2/health/live": {"get": {"summary": "the server is live", "responses": probe}},
     }
+    if serves_metrics:
+        paths["/metrics"] = {"get": {"summary": "Triton's metrics, then the load under vLLM's names", "responses": {
+            "200": {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **_errors((503,), OPENAI_ERROR)}}}
     return {"openapi": "3.1.0", "info": {"title": f"icekv serving {model}", "version": __version__},
             "paths": paths, "components": {"schemas": schemas}}

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from icekv.serving.openai.config import OpenAIConfig
-from icekv.serving.launcher import ServerError, stop_process_group
+from icekv.serving.launcher import ServerError, answers_in_time, stop_process_group
 
 
 FRONTEND_STOP_TIMEOUT_S = 10.0  # then it is killed; icekv serve stops it before tritonserver
@@ -41,18 +39,10 @@ class OpenAIFrontendProcess:
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"the OpenAI frontend exited with {self.process.returncode}"
-                                  + (f" (log: {self.log_path})" if self.log_path else ""))
-            try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.2)
+        exited = lambda: (f"the OpenAI frontend exited with {self.process.returncode}"  # noqa: E731
+                          + (f" (log: {self.log_path})" if self.log_path else ""))
+        if answers_in_time(self.process, f"{self.url}/v1/models", self.startup_timeout_s, exited):
+            return self
         self.stop()
         raise ServerError(f"the OpenAI frontend did not answer on {self.url} within {self.startup_timeout_s:.0f} s")
 
