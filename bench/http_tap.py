@@ -158,31 +158,19 @@ class Tap:
             self.sockets.update((client, upstream))
         threading.Thread(target=self._back, args=(upstream, client), daemon=True).start()
         reader = RequestReader()
-        try:
-            while True:
-                data = client.recv(65536)
-                if not data:
-                    break
-                upstream.sendall(data)
-                for method, path, body in reader.feed(data):
-                    self._note(method, path, body)
-        except OSError:
-            pass
-        finally:
-            self._close(upstream)
-            self._close(client)
+
+        def note(data: bytes) -> None:
+            for request in reader.feed(data):
+                self._note(*request)
+
+        _pump(client, upstream, note)
+        self._close(upstream)
+        self._close(client)
 
     def _back(self, upstream: socket.socket, client: socket.socket) -> None:
         """The replica's bytes to the gateway; when the replica's side ends (closed, reset or killed),
         the gateway's side ends too."""
-        try:
-            while True:
-                data = upstream.recv(65536)
-                if not data:
-                    break
-                client.sendall(data)
-        except OSError:
-            pass
+        _pump(upstream, client)
         self._close(client)
         self._close(upstream)
 
@@ -198,3 +186,14 @@ class Tap:
                  "t": time.monotonic()}
         with self.lock:
             self.events.append(event)
+
+
+def _pump(source: socket.socket, sink: socket.socket, seen=lambda data: None) -> None:
+    """``source``'s bytes to ``sink`` as they come (each chunk shown to ``seen``), until either side ends."""
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+            seen(data)
+    except OSError:
+        pass
+
