@@ -75,7 +75,8 @@ class RouterProcess:
     """The SGLang Model Gateway over ``worker_urls``: ``python -m sglang_router launch``.
 
     Health checks every ``health_check_interval_s`` take a replica that stops answering out of
-    the rotation after one miss; a request whose replica fails is retried on another."""
+    the rotation after one miss, and its first failed request opens its circuit: the gateway
+    sends that request, and the next ones, to another replica."""
 
     worker_urls: tuple[str, ...]
     policy: str = "cache_aware"

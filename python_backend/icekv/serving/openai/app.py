@@ -3,9 +3,9 @@
 The OpenAI-compatible API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent
 events when ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Triton's,
 and the load under vLLM's names for routers: :mod:`icekv.serving.openai.engine_metrics`), every
-error OpenAI-shaped; the OpenAPI description of every route at ``GET /openapi.json``; and Triton's generate extension
-(:mod:`icekv.serving.openai.generate_api`). A client that disconnects, streaming or not, cancels
-its Triton request.
+error OpenAI-shaped; the OpenAPI description of every route at ``GET /openapi.json``; and
+Triton's generate extension (:mod:`icekv.serving.openai.generate_api`). A client that
+disconnects, streaming or not, cancels its Triton request.
 """
 
 from __future__ import annotations
