@@ -62,6 +62,15 @@ TINY_CONFIGS = {
                                     "original_max_position_embeddings": 64}),
     ),
     "mistral": dict(cls="MistralForCausalLM", cfg="MistralConfig", extra=dict(sliding_window=None)),
+    # every layer attends a window shorter than the tests' prompts
+    "mistral-window": dict(cls="MistralForCausalLM", cfg="MistralConfig", extra=dict(sliding_window=24)),
+    # local layers with their own RoPE base, a global one with linear RoPE scaling, a query scale
+    # other than head_dim^-0.5, GeGLU, Gemma's norms and embedding scale
+    "gemma3": dict(cls="Gemma3ForCausalLM", cfg="Gemma3TextConfig", extra=dict(
+        head_dim=32, sliding_window=24, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     "qwen2": dict(cls="Qwen2ForCausalLM", cfg="Qwen2Config", extra=dict(use_sliding_window=False)),
     "qwen3": dict(cls="Qwen3ForCausalLM", cfg="Qwen3Config", extra=dict(head_dim=32, use_sliding_window=False)),
 }

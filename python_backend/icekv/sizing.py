@@ -42,7 +42,7 @@ def size(args: ModelArgs, context_tokens: int, concurrent: int, plan: PolicyPlan
 def budgeted_tokens(args: ModelArgs, tokens: int, plan: PolicyPlan, slack: int = 0) -> int:
     """Token-layers of K/V a request of ``tokens`` tokens attends on the compute device: every
     token in the layers attended whole, the budget (plus ``slack``) in the budgeted ones."""
-    sparse = len(plan.sparse_layers(args.num_layers))
+    sparse = len(plan.sparse_layers(args))
     return (args.num_layers - sparse) * tokens + sparse * min(plan.budget + slack, tokens)
 
 

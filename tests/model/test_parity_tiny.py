@@ -9,12 +9,17 @@ from tests.conftest import TINY_CONFIGS, make_tiny_hf_model
 
 
 class _Dense:
-    """Test backend: plain causal attention over the whole prompt, no cache."""
+    """Test backend: plain causal attention over the whole prompt (within a local layer's window),
+    no cache."""
+
+    def __init__(self, args):
+        self.args = args
 
     def attend(self, layer, q, k, v):
         from icekv.attention import causal_attention
 
-        return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), torch.arange(q.shape[0]))
+        return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), torch.arange(q.shape[0]),
+                                self.args.window(layer))
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
@@ -24,7 +29,7 @@ def test_logits_and_greedy_match_transformers(arch, tmp_path):
     ids = torch.randint(0, 512, (1, 100), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits[0]  # [T, V]
-    ours = model(ids[0], torch.arange(100), _Dense())  # [T, V]
+    ours = model(ids[0], torch.arange(100), _Dense(model.args))  # [T, V]
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
     with torch.no_grad():
@@ -39,7 +44,8 @@ def _paged_greedy(model, ids, n, page_size):
     from icekv.kv import PagedKVCache
 
     a = model.args
-    cache = PagedKVCache(a.num_layers, a.num_kv_heads, a.head_dim, PagingConfig(page_size, 256))
+    cache = PagedKVCache(a.num_layers, a.num_kv_heads, a.head_dim, PagingConfig(page_size, 256),
+                         layer_windows=a.layer_windows)
     cache.add(0)
     backend = DenseAttention(RequestPages(cache, 0))
     for chunk in (ids[:37], ids[37:]):

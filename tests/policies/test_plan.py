@@ -7,7 +7,13 @@ import pytest
 from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.methods.snapkv import SnapKVConfig
+from icekv.model.random import shape_args
 from icekv.policies import resolve
+
+
+def layers(n: int, local: tuple[int, ...] = ()):
+    """A model's args with ``n`` layers, ``local`` of them attending a window of 64 tokens."""
+    return replace(shape_args("llama-tiny"), num_layers=n, sliding_window=64 if local else None, local_layers=local)
 
 
 def test_the_plan_derives_the_region_from_the_budget_unless_given():
@@ -30,11 +36,20 @@ def test_a_plan_is_a_value_equal_to_another_resolve_of_the_same_selection():
 
 def test_the_budget_only_binds_the_layers_the_method_budgets():
     full, ice = resolve(SelectionConfig(policy="full")), resolve(SelectionConfig(n_unlimited_layers=3))
-    assert list(full.sparse_layers(30)) == [] and not full.selects(10**6) and full.make_selector() is None
-    assert list(ice.sparse_layers(30)) == list(range(3, 30)) and ice.index_layers(30) == ice.sparse_layers(30)
+    assert list(full.sparse_layers(layers(30))) == [] and not full.selects(10**6) and full.make_selector() is None
+    assert list(ice.sparse_layers(layers(30))) == list(range(3, 30))
+    assert ice.index_layers(layers(30)) == ice.sparse_layers(layers(30))
     assert not ice.selects(ice.budget) and ice.selects(ice.budget + 1)  # within its budget it attends every token
     omnikv = resolve(SelectionConfig(policy="omnikv"))
-    assert set(omnikv.index_layers(32)) - set(omnikv.sparse_layers(32))  # its filter layers are dense and indexed
+    assert set(omnikv.index_layers(layers(32))) - set(omnikv.sparse_layers(layers(32)))  # filter layers: dense, indexed
+
+
+@pytest.mark.parametrize("policy", ["icecache", "quest", "omnikv", "magicpig", "snapkv"])
+def test_no_method_selects_or_indexes_in_a_local_layer(policy):
+    plan = resolve(SelectionConfig(policy=policy, n_unlimited_layers=1))
+    gemma_like = layers(12, local=(0, 1, 2, 3, 4, 6, 7, 8, 9, 10))  # every sixth layer global
+    assert set(plan.sparse_layers(gemma_like)) <= {5, 11} and set(plan.index_layers(gemma_like)) <= {5, 11}
+    assert set(plan.sparse_layers(layers(12))) - {5, 11}  # the same method selects elsewhere in a global model
 
 
 @pytest.mark.model

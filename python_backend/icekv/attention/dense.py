@@ -1,4 +1,5 @@
-"""Exact attention of new queries over a request's contiguous keys and values."""
+"""Exact attention of new queries over a request's contiguous keys and values, within a sliding
+window where a layer has one."""
 
 from __future__ import annotations
 
@@ -39,22 +40,31 @@ def decode_attention_chunks(q: torch.Tensor, chunks: list[tuple[torch.Tensor, to
     return out.reshape(q.shape)  # [Hq, D]
 
 
+def window_start(first_query: int, window: int | None) -> int:
+    """The first key position a query at ``first_query`` or later sees under a sliding ``window``
+    (the tokens a query attends back, its own included; None: every token)."""
+    return 0 if window is None else max(0, first_query - window + 1)
+
+
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, window: int | None = None
 ) -> torch.Tensor:
     """q [N, Hq, D] at ``q_positions`` [N]; k, v [Hkv, L, D] for positions 0..L-1 -> [N, Hq, D].
 
-    Query ``i`` sees keys ``0 .. q_positions[i]`` (ascending positions); query heads share KV
-    heads in groups (GQA).
+    Query ``i`` sees keys ``0 .. q_positions[i]`` (ascending positions), only the last ``window``
+    of them when a window is given; query heads share KV heads in groups (GQA).
     """
     length, n = k.shape[1], q.shape[0]
-    if is_decode_step(q_positions, length):
+    if is_decode_step(q_positions, length) and (window is None or length <= window):
         return decode_attention(q[0], k, v)[None]
     chunk = int(q_positions[0]) == length - n and int(q_positions[-1]) == length - 1  # the last n positions
-    if chunk and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if chunk and window is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         mask = causal_lower_right(n, length)  # the form flash attention takes (with GQA)
     else:
-        mask = torch.arange(length, device=q.device)[None, :] <= q_positions.to(q.device)[:, None]  # [N, L]
+        keys, queries = torch.arange(length, device=q.device)[None, :], q_positions.to(q.device)[:, None]
+        mask = keys <= queries  # [N, L]
+        if window is not None:
+            mask &= keys > queries - window
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                          enable_gqa=True)  # [1, Hq, N, D]: the fused kernels take 4-D
     return out[0].transpose(0, 1)

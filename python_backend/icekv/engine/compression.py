@@ -14,6 +14,7 @@ from typing import Generator
 import torch
 
 from icekv.compress import CompressedContext, ScoringContext, evict, make_compressor
+from icekv.engine.backends import check_contexts_allowed
 from icekv.engine.sequence import Cancelled
 
 
@@ -27,6 +28,7 @@ class CompressionJob:
 
     def __init__(self, engine, context_ids: list[int], method: str, kv_budget: float, **settings):
         self.engine, self.ids, self.method, self.kv_budget = engine, list(context_ids), method, kv_budget
+        check_contexts_allowed(engine.model.args)
         self.compressor = make_compressor(method, **settings)  # ConfigError before anything is queued
         self.seq = engine.submit_prefill(self.ids)
         self._scoring: Generator[None, None, torch.Tensor] | None = None

@@ -68,6 +68,7 @@ class DecodePlan:
         if self.table is not None:
             self.new_pages, self.new_slots = self.table.last_tokens()  # [B] each: where the new tokens go
             self.rows = torch.tensor([self.bounds[i] for i in self.decoding])  # [B] their rows in the batch
+            self.lengths = [cache.length(seqs[i].seq_id) for i in self.decoding]  # their new token's included
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k, v [N, Hkv, D] of the whole batch -> [N, Hq, D]."""
@@ -88,9 +89,12 @@ class DecodePlan:
         return out
 
     def _pooled_decode(self, layer, q, k, v, out) -> set[int]:
-        """One paged decode for the requests attending ``layer`` in full; the requests it served."""
+        """One paged decode for the requests attending ``layer`` in full; the requests it served. In a
+        local layer, those whose tokens still fit its window (the others read only the window)."""
+        window = self.cache.window(layer)
         group = tuple(j for j, i in enumerate(self.decoding)
-                      if i not in self.failed and self.seqs[i].backend.attends_all(layer))
+                      if i not in self.failed and self.seqs[i].backend.attends_all(layer)
+                      and (window is None or self.lengths[j] <= window))
         if not group or not self.cache.pool_on_compute:  # a host pool: each request moves its pages
             return set()
         index = torch.tensor(group)  # [G]

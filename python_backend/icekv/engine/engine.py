@@ -20,7 +20,7 @@ from icekv.config.selection import SelectionConfig
 from icekv.devices import pool_device, resolve_device
 from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compression import CompressionJob
-from icekv.engine.backends import DenseAttention, token_source
+from icekv.engine.backends import DenseAttention, check_contexts_allowed, token_source
 from icekv.engine.grammar import Grammars
 from icekv.engine.index_cache import IndexCache
 from icekv.engine.kv_manager import KVCacheManager
@@ -75,7 +75,7 @@ class Engine:
         prefix = PrefixCache(self.model_id, config.paging.page_size) if config.paging.prefix_cache else None
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
                                   device=pool, compute=self.device, prefix=prefix,
-                                  kv_format=KVFormat(config.paging.kv_dtype))
+                                  kv_format=KVFormat(config.paging.kv_dtype), layer_windows=args.layer_windows)
         indexes = IndexCache(self.model_id, config.paging.page_size) if config.paging.prefix_cache else None
         self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type, indexes)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.prefill_chunk_tokens)
@@ -124,15 +124,12 @@ class Engine:
     def check_request(self, prompt_tokens: int, max_tokens: int, selection: SelectionConfig | PolicyPlan | None,
                       context_tokens: int | None) -> PolicyPlan:
         """The request's plan (:meth:`plan_for`); refuses up front a request that could never run:
-        empty, too long for the pool or the model's window, a policy unknown or without room in its
+        empty, too long for the pool, a policy unknown or without room in its
         budget, or one that cannot select over a compressed context (of ``context_tokens``; None:
         the request has none)."""
         self.check_fits(prompt_tokens, max_tokens)
-        window = self.model.args.sliding_window  # not applied by icekv: past it, the model would differ
-        if window is not None and (context_tokens or 0) + prompt_tokens + max_tokens > window:
-            after = f" after a context of {context_tokens}" if context_tokens else ""
-            raise ConfigError(f"prompt of {prompt_tokens} tokens{after} + max_tokens {max_tokens} exceeds this "
-                              f"model's sliding attention window of {window} tokens, which icekv does not apply yet")
+        if context_tokens is not None:
+            check_contexts_allowed(self.model.args)
         plan = self.plan_for(selection)
         if context_tokens is not None and not plan.compressed_context:
             raise ConfigError(f"policy {plan.name!r} cannot select over a compressed context; use 'full' or 'icecache'")

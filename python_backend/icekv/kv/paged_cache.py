@@ -51,8 +51,10 @@ class PagedKVCache:
         compute: str | torch.device | None = None,
         prefix: PrefixCache | None = None,
         kv_format: KVFormat = KVFormat(),
+        layer_windows: tuple[int | None, ...] = (),
     ):
         self.paging = paging
+        self.layer_windows = layer_windows  # per layer: the tokens each query attends back (None: all)
         self.page_size = paging.page_size
         self.num_layers = num_layers
         self.dtype, self.kv_format = dtype, kv_format  # values read back are ``dtype``; rows stored in kv_format
@@ -67,6 +69,10 @@ class PagedKVCache:
         self.allocator = PageAllocator(paging.num_pages)
         self.prefix = prefix
         self._seqs: dict[int, PageList] = {}
+
+    def window(self, layer: int) -> int | None:
+        """The tokens a query of ``layer`` attends back, its own included; None: every token."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def pool_on_compute(self) -> bool:

@@ -118,7 +118,7 @@ class ArkValeSelector(SequenceSelection):
 
 def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """Two fp32 digest bounds per full page, per budgeted layer and KV head."""
-    layers = len(plan.sparse_layers(args.num_layers))
+    layers = len(plan.sparse_layers(args))
     return layers * args.num_kv_heads * (tokens // plan.page_size) * 2 * args.head_dim * 4
 
 

@@ -262,7 +262,7 @@ class IceCacheSelector:
 
 def _trees(plan: PolicyPlan, args: ModelArgs, layer_reuse: bool) -> int:
     """Trees per KV head: one per sparse layer, or per group of them under layer reuse."""
-    layers = len(plan.sparse_layers(args.num_layers))
+    layers = len(plan.sparse_layers(args))
     return -(-layers // plan.selection.icecache.layer_group) if layer_reuse else layers
 
 

@@ -162,7 +162,7 @@ def _budgeted(plan: PolicyPlan, num_layers: int) -> tuple[int, ...]:
 
 def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """A 2-byte bucket per table and an fp32 centred-key norm per token, per budgeted layer and KV head."""
-    layers = len(_budgeted(plan, args.num_layers))
+    layers = len(plan.sparse_layers(args))
     return layers * args.num_kv_heads * (tokens * (2 * plan.selection.magicpig.tables + 4) + args.head_dim * 4)
 
 

@@ -109,7 +109,7 @@ def _filters(plan: PolicyPlan, num_layers: int) -> tuple[int, ...]:
 
 def _device_index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, device_type: str, dtype_bytes: int) -> int:
     """The filter layers' keys, kept where their query scores them."""
-    return len(_filters(plan, args.num_layers)) * args.num_kv_heads * tokens * args.head_dim * dtype_bytes
+    return len(plan.index_layers(args)) * args.num_kv_heads * tokens * args.head_dim * dtype_bytes
 
 
 POLICY = Policy("omnikv", selector=lambda plan: OmniKVSelector(plan.page_size), budgeted_layers=_budgeted,

@@ -158,7 +158,7 @@ class PQCacheSelector(TokenSelection):
 def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """A one-byte code per part per token, and fp32 codebooks, per budgeted layer and KV head."""
     pq = plan.selection.pqcache
-    layers = len(plan.sparse_layers(args.num_layers))
+    layers = len(plan.sparse_layers(args))
     return layers * args.num_kv_heads * (tokens * pq.sub_vectors + pq.centroids * args.head_dim * 4)
 
 

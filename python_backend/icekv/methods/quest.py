@@ -61,7 +61,7 @@ class QuestSelector(SequenceSelection):
 
 def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """An fp32 min and max key per full page, per sparse layer and KV head."""
-    layers = len(plan.sparse_layers(args.num_layers))
+    layers = len(plan.sparse_layers(args))
     return layers * args.num_kv_heads * (tokens // plan.page_size) * 2 * args.head_dim * 4
 
 

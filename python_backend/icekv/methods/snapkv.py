@@ -97,7 +97,7 @@ class SnapKVSelector(TokenSelection):
 
 def _index_bytes(plan: PolicyPlan, args: ModelArgs, tokens: int, dtype: str) -> int:
     """An fp32 vote per token, per budgeted layer and KV head."""
-    return len(plan.sparse_layers(args.num_layers)) * args.num_kv_heads * tokens * 4
+    return len(plan.sparse_layers(args)) * args.num_kv_heads * tokens * 4
 
 
 POLICY = Policy("snapkv", selector=lambda plan: SnapKVSelector(plan.page_size, plan.selection.snapkv),

@@ -14,22 +14,39 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Gemma3ForCausalLM": (False, True),
 }
+REFUSED_ARCHITECTURES = {  # known families icekv does not run, and why
+    "Gemma2ForCausalLM": "Gemma 2 soft-caps its attention logits, which icekv's attention kernels do not",
+    "Gemma3ForConditionalGeneration": "this is Gemma 3's image-text checkpoint; icekv runs the text-only "
+                                      "Gemma3ForCausalLM (model_type gemma3_text)",
+}
+GEMMA_SLIDING_PATTERN = 6  # Gemma 3 without ``layer_types``: every sixth layer is global
 
 
-def _sliding_window(cfg: dict) -> int | None:
-    """The attention window a config turns on for some of its layers, or None: Mistral's
-    ``sliding_window``, unless Qwen's ``use_sliding_window`` switch is off, ``layer_types`` names
-    no sliding layer, or (without ``layer_types``) Qwen's ``max_window_layers`` leaves none past it."""
-    window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window") is False:
-        return None
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    if cfg.get("max_window_layers", 0) >= cfg["num_hidden_layers"]:  # layers from this index on slide
-        return None
-    return int(window)
+def _local_layers(cfg: dict) -> tuple[int, ...]:
+    """The layers that attend a sliding window: those ``layer_types`` names ``sliding_attention``;
+    without it, Gemma 3's pattern, or every layer from Qwen's ``max_window_layers`` on (0 for
+    Mistral). None where ``sliding_window`` is unset or Qwen's ``use_sliding_window`` is off."""
+    n = cfg["num_hidden_layers"]
+    if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
+        return ()
+    if cfg.get("layer_types") is not None:
+        return tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention")
+    if cfg.get("model_type") == "gemma3_text":
+        pattern = cfg.get("sliding_window_pattern", GEMMA_SLIDING_PATTERN)
+        return tuple(i for i in range(n) if (i + 1) % pattern)
+    return tuple(range(cfg.get("max_window_layers", 0), n))
+
+
+def _rope(params: dict, default_theta: float) -> tuple[float, dict | None]:
+    """(base, scaling) of one RoPE parameter set; scaling None for plain RoPE."""
+    params = dict(params or {})
+    theta = float(params.pop("rope_theta", default_theta))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "llama3", "linear"):
+        raise ModelLoadError(f"unsupported rope_type {kind!r} (icekv: default, llama3, linear)")
+    return theta, ({**params, "rope_type": kind} if kind != "default" else None)
 
 
 @dataclass(frozen=True)
@@ -52,33 +69,69 @@ class ModelArgs:
     qkv_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
-    # the window of past tokens some layers attend (Mistral v0.1: 4096); None: every layer attends
-    # its whole context. icekv does not apply windows yet: the engine keeps requests within one.
+    # the tokens a local layer attends, its query's own included (Mistral v0.1: 4096, every layer)
     sliding_window: int | None = None
+    local_layers: tuple[int, ...] = ()  # the layers that attend only ``sliding_window`` tokens
+    # Gemma 3: local layers' own RoPE base; the pre-attention query scale (scores * scalar^-0.5);
+    # norms that scale by (1 + weight), with a norm after attention and around the MLP; the
+    # embedding scaled by sqrt(hidden_size); GeGLU ("gelu_tanh") in place of SwiGLU ("silu")
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    gemma_norms: bool = False
+    mlp_activation: str = "silu"
 
     @property
     def gqa_group(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
+    def window(self, layer: int) -> int | None:
+        """The tokens ``layer`` attends back from each query (its own included); None: all of them."""
+        return self.sliding_window if layer in self.local_layers else None
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers that attend every token: the only ones a sparse policy selects in."""
+        return tuple(i for i in range(self.num_layers) if i not in self.local_layers)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """:meth:`window` of every layer, in order (what the KV cache reads its layers by)."""
+        return tuple(self.window(i) for i in range(self.num_layers))
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        refused = next((a for a in archs if a in REFUSED_ARCHITECTURES), None)
+        if arch is None and refused is not None:
+            raise ModelLoadError(f"unsupported architecture {refused}: {REFUSED_ARCHITECTURES[refused]}")
         if arch is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; icekv runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ModelLoadError(f"unsupported rope_type {rope_type!r} (icekv: default, llama3)")
+        gemma = arch == "Gemma3ForCausalLM"
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        local_rope_theta = None
+        if "full_attention" in rope:  # one parameter set per layer type (Gemma 3 in transformers 5)
+            local_rope_theta, local_scaling = _rope(rope.get("sliding_attention"), 10000.0)
+            if local_scaling is not None:
+                raise ModelLoadError("unsupported RoPE scaling on sliding-window layers")
+            rope = rope["full_attention"]
+        elif gemma:
+            local_rope_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+        rope_theta, rope_scaling = _rope(rope, cfg.get("rope_theta", 10000.0))
+        if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
+            raise ModelLoadError("unsupported logit soft-capping (attn_logit_softcapping, final_logit_softcapping)")
+        activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ModelLoadError(f"unsupported MLP activation {activation!r} (icekv: silu, gelu_pytorch_tanh)")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = cfg["num_attention_heads"]
+        local_layers = _local_layers(cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -90,13 +143,18 @@ class ModelArgs:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling=rope if rope_type == "llama3" else None,
+            rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),  # Gemma ties by default
             qkv_bias=default_bias or bool(cfg.get("attention_bias", False)),
             qk_norm=qk_norm,
             eos_token_ids=eos_ids,
-            sliding_window=_sliding_window(cfg),
+            sliding_window=int(cfg["sliding_window"]) if local_layers else None,
+            local_layers=local_layers,
+            local_rope_theta=local_rope_theta if local_layers else None,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
+            gemma_norms=gemma,
+            mlp_activation="gelu_tanh" if activation == "gelu_pytorch_tanh" else "silu",
         )
 
     @classmethod

@@ -1,4 +1,4 @@
-"""A readable Llama-family decoder (Llama 3.x / SmolLM2, Mistral, Qwen2, Qwen3).
+"""A readable Llama-family decoder (Llama 3.x / SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3 text).
 
 The model never owns a KV cache: every attention layer hands its new queries, keys and values
 to an :class:`AttentionBackend`, which stores them (paged, offloaded, compressed...) and returns
@@ -30,35 +30,57 @@ class AttentionBackend(Protocol):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMS normalization; Gemma's (``gemma``) scales by ``1 + weight`` in fp32 before the cast back."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.gemma = eps, gemma
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """RoPE's inverse frequencies [D/2] for base ``theta``, scaled as ``scaling`` says (None: not)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return _llama3_scale(inv_freq, scaling)
+
+
 class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half convention), with Llama 3 frequency scaling."""
+    """Rotary position embedding (rotate-half convention), with Llama 3 or linear frequency
+    scaling; local (sliding-window) layers may have their own base (Gemma 3)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        d = args.head_dim
-        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        if args.rope_scaling is not None:
-            inv_freq = _llama3_scale(inv_freq, args.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+        self.register_buffer("inv_freq", _inv_freq(args.head_dim, args.rope_theta, args.rope_scaling),
+                             persistent=False)  # [D/2]
+        local = args.local_rope_theta is not None
+        self.register_buffer("local_inv_freq", _inv_freq(args.head_dim, args.local_rope_theta, None) if local
+                             else None, persistent=False)  # [D/2]
 
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] -> cos and sin [N, 1, D] of their angles, computed once per forward pass
-        for every layer's queries and keys."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """positions [N] -> {local: (cos, sin) [N, 1, D]} of their angles, for the global layers
+        (False) and, where they have their own base, the local ones (True); computed once per
+        forward pass for every layer's queries and keys."""
+        tables = {False: self.inv_freq}
+        if self.local_inv_freq is not None:
+            tables[True] = self.local_inv_freq
+        out = {}
+        for local, inv_freq in tables.items():
+            freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+            out[local] = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return out
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,8 +111,11 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, self.n_kv * d, bias=args.qkv_bias)
         self.v_proj = Linear(h, self.n_kv * d, bias=args.qkv_bias)
         self.o_proj = Linear(self.n_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(d, args.rms_norm_eps, args.gemma_norms) if args.qk_norm else None
+        self.k_norm = RMSNorm(d, args.rms_norm_eps, args.gemma_norms) if args.qk_norm else None
+        # every backend scales scores by D^-0.5: a model with its own query scale folds the ratio in here
+        scalar = args.query_pre_attn_scalar
+        self.query_scale = None if scalar is None or scalar == d else (d / scalar) ** 0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """x [N, hidden] at the positions whose rotary ``cos`` and ``sin`` [N, 1, D] are given."""
@@ -101,32 +126,52 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if self.query_scale is not None:
+            q = q * self.query_scale
         out = backend.attend(self.layer, q, k, v)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    """A gated MLP: SwiGLU, or GeGLU with tanh-approximated GELU (Gemma)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gelu = args.mlp_activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)  # [N, I]
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP; Gemma's ``gemma_norms`` also normalize each one's output
+    (its ``post_attention_layernorm`` is that, and ``pre_feedforward_layernorm`` the MLP's input)."""
+
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.local = args.window(layer) is not None  # which RoPE table it reads
+        hidden, eps, gemma = args.hidden_size, args.rms_norm_eps, args.gemma_norms
+        self.input_layernorm = RMSNorm(hidden, eps, gemma)
         self.self_attn = Attention(args, layer)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, gemma)
         self.mlp = MLP(args)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, gemma)
+        self.gemma = gemma
 
     def forward(self, x, cos, sin, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, backend)  # [N, hidden]
+        if not self.gemma:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Decoder(nn.Module):
@@ -137,7 +182,8 @@ class Decoder(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.gemma_norms)
+        self.embed_scale = args.hidden_size**0.5 if args.gemma_norms else None  # Gemma scales its embeddings
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = Rotary(args)
         if args.tie_word_embeddings:
@@ -153,9 +199,11 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """tokens, positions [N] -> logits [R, V] for ``logit_rows`` (all N rows when None)."""
         x = self.embed_tokens(tokens)  # [N, hidden]
-        cos, sin = self.rotary.angles(positions, x.dtype)  # [N, 1, D] each
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the weights' dtype, as trained
+        angles = self.rotary.angles(positions, x.dtype)  # {local: cos, sin [N, 1, D]}
         for layer in self.layers:
-            x = layer(x, cos, sin, backend)
+            x = layer(x, *angles.get(layer.local, angles[False]), backend)
         if logit_rows is not None:
             x = x[logit_rows]  # [R, hidden]
         return self.lm_head(self.norm(x)).float()  # [R, V]

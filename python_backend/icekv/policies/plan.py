@@ -86,22 +86,24 @@ class PolicyPlan:
         fit in the budget: it attends every token (full attention), with no index to build."""
         return self.sparse and tokens_held > self.budget
 
-    def sparse_layers(self, num_layers: int) -> Sequence[int]:
+    def sparse_layers(self, args: ModelArgs) -> Sequence[int]:
         """The layers that attend under the budget: the method's own rule, or all but the first
-        ``n_unlimited_layers``."""
+        ``n_unlimited_layers``; never a local (sliding-window) layer, which attends its window whole."""
         if not self.sparse:
-            return range(0)
+            return ()
         if self.policy.budgeted_layers is not None:
-            return self.policy.budgeted_layers(self, num_layers)
-        return range(min(self.selection.n_unlimited_layers, num_layers), num_layers)
+            layers = self.policy.budgeted_layers(self, args.num_layers)
+        else:
+            layers = range(min(self.selection.n_unlimited_layers, args.num_layers), args.num_layers)
+        return _global(layers, args)
 
-    def index_layers(self, num_layers: int) -> Sequence[int]:
+    def index_layers(self, args: ModelArgs) -> Sequence[int]:
         """The layers whose keys the selector indexes (built after prefill, or during it)."""
         if not self.sparse:
-            return range(0)
+            return ()
         if self.policy.indexed_layers is not None:
-            return self.policy.indexed_layers(self, num_layers)
-        return self.sparse_layers(num_layers)
+            return _global(self.policy.indexed_layers(self, args.num_layers), args)
+        return self.sparse_layers(args)
 
     @property
     def window_queries(self) -> int:
@@ -126,3 +128,8 @@ class PolicyPlan:
     def device_index_bytes(self, args: ModelArgs, tokens: int, device_type: str, dtype_bytes: int) -> int:
         """Compute-device bytes of what the selector keeps there over ``tokens`` tokens."""
         return self.policy.device_index_bytes(self, args, tokens, device_type, dtype_bytes)
+
+
+def _global(layers: Sequence[int], args: ModelArgs) -> tuple[int, ...]:
+    """``layers`` without the local ones."""
+    return tuple(layer for layer in layers if args.window(layer) is None)

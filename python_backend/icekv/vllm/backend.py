@@ -28,6 +28,17 @@ from icekv.vllm.request_index import BlockLayout, BlockRows, RequestIndex
 LAYER = re.compile(r"layers\.(\d+)\.")
 
 
+@dataclass(frozen=True)
+class GlobalLayers:
+    """The model's depth as a plan's layer rules read it: under icekv, vLLM runs no model with
+    sliding-window layers (the backend refuses a window), so every layer is global."""
+
+    num_layers: int
+
+    def window(self, layer: int) -> None:
+        return None
+
+
 @dataclass
 class SelectingRow:
     row: int  # the batch row
@@ -102,7 +113,7 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
             raise ValueError("icekv's settings need its worker (it tells the backend which request each batch row "
                              "holds): start vLLM with --worker-cls icekv.vllm.worker.IceKVCPUWorker")
         self.layout = probe_layout(self.isa, self.dtype, self.block_size, self.head_dim)
-        self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        self.layers = GlobalLayers(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
 
     def forget(self, request_ids) -> None:
         """Drop the plans and indexes of requests that ended or lost their blocks."""
@@ -140,7 +151,7 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
                             selecting=selecting, layout=self.layout)
         if selecting:
             self.selecting_steps += len(selecting)
-            out.sparse_layers = frozenset(selecting[0].index.plan.sparse_layers(self.num_layers))
+            out.sparse_layers = frozenset(selecting[0].index.plan.sparse_layers(self.layers))
             out.dense, out.dense_tokens = self._dense(metadata, starts, lengths, {s.row for s in selecting})
         return out
 

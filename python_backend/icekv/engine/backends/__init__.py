@@ -21,7 +21,16 @@ from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
 
 
+def check_contexts_allowed(args: ModelArgs) -> None:
+    """Compressed contexts keep tokens across every layer's whole context: a model whose layers
+    attend a sliding window is refused them (ConfigError)."""
+    if args.local_layers:
+        raise ConfigError(f"compressed contexts are not supported for a model with sliding-window layers "
+                          f"({len(args.local_layers)} of {args.num_layers} attend {args.sliding_window} tokens)")
+
+
 def check_context(context: CompressedContext, cache: PagedKVCache, args: ModelArgs) -> None:
+    check_contexts_allowed(args)
     if context.page_size != cache.page_size or len(context.layers) != args.num_layers:
         raise ConfigError("the compressed context was made for another model or page size")
     if context.kv_dtype != cache.kv_format.name:
@@ -56,7 +65,7 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
         backend = DenseAttention(token_source(cache, seq.seq_id, r.context, len(r.prompt_ids)))
     else:
         seq.index = PrefillIndex(r.plan, r.plan.make_selector(), index_threads, cache.compute)
-        backend = IndexingPrefillAttention(cache, seq.seq_id, args.num_layers, len(r.prompt_ids), seq.index)
+        backend = IndexingPrefillAttention(cache, seq.seq_id, args, len(r.prompt_ids), seq.index)
     backend.keep_queries = r.plan.window_queries_kept(r.prefill_only)
     if backend.keep_queries and r.prefilled is not None:  # the window may reach back into the prefilled prompt
         backend.kept_queries = dict(r.prefilled.window_queries or {})
@@ -88,5 +97,5 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, indexes:
                    indexed_until=kept.covered if kept is not None else None)
 
 
-__all__ = ["ContextPages", "DenseAttention", "RequestPages", "SampledAttention", "SparseAttention", "check_context", "decode_backend",
+__all__ = ["ContextPages", "DenseAttention", "RequestPages", "SampledAttention", "SparseAttention", "check_context", "check_contexts_allowed", "decode_backend",
            "prefill_backend", "token_source"]

@@ -24,6 +24,7 @@ import torch
 from icekv.engine.backends.dense import DenseAttention
 from icekv.engine.backends.sources import RequestPages
 from icekv.kv import PagedKVCache
+from icekv.model import ModelArgs
 from icekv.methods.selector import PageSelector
 from icekv.policies import PolicyPlan
 
@@ -70,11 +71,11 @@ class IndexingPrefillAttention(DenseAttention):
     """Full attention for prefill that also starts ``index``'s per-layer builds for a prompt of
     ``prompt_tokens`` tokens, each as soon as that layer has written its indexed region."""
 
-    def __init__(self, cache: PagedKVCache, seq_id: int, num_layers: int, prompt_tokens: int, index: PrefillIndex):
+    def __init__(self, cache: PagedKVCache, seq_id: int, args: ModelArgs, prompt_tokens: int, index: PrefillIndex):
         super().__init__(RequestPages(cache, seq_id, prompt_tokens))
         self.index = index
         plan = index.plan
-        self.layers = plan.index_layers(num_layers)
+        self.layers = plan.index_layers(args)
         self.sink_end = plan.sink_tokens
         self.region_end = plan.window_start(self.sink_end, prompt_tokens)
         self.final_at = min(self.region_end, prompt_tokens)  # written up to here, the region is final

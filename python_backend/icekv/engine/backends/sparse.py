@@ -42,8 +42,8 @@ class SparseAttention(DenseAttention):
                  window_queries: dict[int, torch.Tensor] | None = None, indexed_until: int | None = None):
         super().__init__(source)
         self.plan, self.selector, self.probe = plan, selector, probe
-        self.sparse_layers = plan.sparse_layers(args.num_layers)
-        self.index_layers = plan.index_layers(args.num_layers)
+        self.sparse_layers = plan.sparse_layers(args)
+        self.index_layers = plan.index_layers(args)
         self.watched = frozenset(self.index_layers) - frozenset(self.sparse_layers)  # dense, their query observed
         self.sink_end = source.sink_end(plan)
         self.win_start = plan.window_start(self.sink_end, source.length())

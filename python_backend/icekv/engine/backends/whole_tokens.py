@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step
+from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step, window_start
 from icekv.kv import PagedKVCache
 
 
@@ -30,11 +30,14 @@ class PoolTokens:
         """Nothing to keep: the pool holds what was written."""
 
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
-        """q [N, Hq, D] at own ``positions`` over own tokens ``0 .. length-1``."""
+        """q [N, Hq, D] at own ``positions`` over own tokens ``0 .. length-1`` (a local layer: those
+        within its window)."""
+        window = self.cache.window(layer)
+        start = window_start(int(positions[0]), window)
         if is_decode_step(positions, length):  # read the pages in place, run by run
-            return decode_attention_chunks(q[0], self.cache.view_runs(layer, self.seq_id, 0, length))[None]
-        keys, values = self.cache.view_range(layer, self.seq_id, 0, length)  # [Hkv, L, D]
-        return causal_attention(q, keys, values, positions)
+            return decode_attention_chunks(q[0], self.cache.view_runs(layer, self.seq_id, start, length))[None]
+        keys, values = self.cache.view_range(layer, self.seq_id, start, length)  # [Hkv, L - start, D]
+        return causal_attention(q, keys, values, positions - start, window)
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of own tokens ``0 .. length-1``: two [Hkv, length, D]."""
@@ -48,7 +51,10 @@ class ComputeMirror:
         self.filled: dict[int, int] = {}  # layer -> tokens copied
 
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
-        return causal_attention(q, *self.read(layer, length), positions)
+        window = self.cache.window(layer)
+        start = window_start(int(positions[0]), window)
+        keys, values = self.read(layer, length)  # [Hkv, length, D]
+        return causal_attention(q, keys[:, start:], values[:, start:], positions - start, window)
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of own positions ``0 .. length-1``: two [Hkv, length, D] device views.
