@@ -66,7 +66,7 @@ def test_logits_within_tolerance_on_1k_tokens(qwen, hf_model, prompt_ids):
     ids = torch.tensor(prompt_ids)
     with torch.no_grad():
         ref = hf_model(ids[None]).logits[0]  # [1000, V]
-        ours = qwen.model(ids, torch.arange(len(ids)), _Dense())  # [1000, V]
+        ours = qwen.model(ids, torch.arange(len(ids)), _Dense(qwen.model.args))  # [1000, V]
     assert (ours - ref).abs().max().item() < 2e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 

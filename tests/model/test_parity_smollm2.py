@@ -37,7 +37,7 @@ def test_logits_within_1e3_on_500_tokens(engine, hf_model, prompt_ids):
     ids = torch.tensor(prompt_ids)
     with torch.no_grad():
         ref = hf_model(ids[None]).logits[0]  # [500, V]
-    ours = engine.model(ids, torch.arange(len(ids)), _Dense())  # [500, V]
+    ours = engine.model(ids, torch.arange(len(ids)), _Dense(engine.model.args))  # [500, V]
     assert (ours - ref).abs().max().item() < 1e-3
 
 

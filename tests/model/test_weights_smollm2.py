@@ -28,10 +28,10 @@ def essay_ids(engine, essays_text):
 @pytest.mark.parametrize("weights", sorted(AGREEMENT))
 def test_teacher_forced_predictions_agree_with_float32(engine, essay_ids, weights):
     positions = torch.arange(len(essay_ids))
-    reference = engine.model(essay_ids, positions, _Dense())  # [T, V] float32 weights
+    reference = engine.model(essay_ids, positions, _Dense(engine.model.args))  # [T, V] float32 weights
     model = copy.deepcopy(engine.model)
     store_weights(model, weights, torch.float32)
-    logits = model(essay_ids, positions, _Dense())  # [T, V]
+    logits = model(essay_ids, positions, _Dense(model.args))  # [T, V]
     agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
     kl = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="batchmean").item()
     least_agreement, most_kl = AGREEMENT[weights]

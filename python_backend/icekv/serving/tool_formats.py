@@ -13,8 +13,8 @@ The format is read off the model's chat template (:func:`detect`), or set (the `
 setting). A format's delimiters are written in a grammar as the tokenizer's own token where its
 vocabulary has them as one token, and as plain text otherwise. Decoding skips special tokens, so
 Llama's and Mistral's markers, special in their tokenizers, never reach the text: their outputs are
-read with or without them. Hermes' tags must reach it (they do where, as in Qwen's tokenizers, they
-are not special tokens).
+read with or without them. Hermes' tags must reach it: a format's ``markup`` is kept in the text
+where the tokenizer makes it special (Hermes 3; Qwen's tags are plain tokens).
 
 vLLM's and SGLang's parsers do this inside their engines, on their own request and tokenizer types;
 none ships as a library on its own, so the reading here is icekv's.
@@ -94,6 +94,12 @@ class ToolFormat:
     name: str
     template_signs: tuple[str, ...]  # any of these in a chat template means this format
 
+    @property
+    def markup(self) -> tuple[str, ...]:
+        """Delimiters its reading needs in the text, even where the tokenizer makes them special
+        tokens (which decoding otherwise drops)."""
+        return ()
+
     def stream(self, names: Collection[str]):
         """A stream that splits streamed text into content and calls (``names``: the offered functions)."""
         raise NotImplementedError
@@ -114,6 +120,10 @@ class ToolFormat:
 
 
 class Hermes(ToolFormat):
+    @property
+    def markup(self):
+        return OPEN, CLOSE  # the calls are found by their tags (special tokens in Hermes 3's tokenizer)
+
     def stream(self, names):
         return ToolCallStream(names)
 

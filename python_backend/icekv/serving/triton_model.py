@@ -238,6 +238,7 @@ class TritonModel:
         self.engine = self.loop.engine
         template = self.engine.chat_template.source if self.engine.chat_template else None
         self.tool_calls = ModelToolCalls(tool_format(self.cfg.tool_format, template), self.engine.tokenizer.token_id)
+        self.engine.tokenizer.keep_in_text(self.tool_calls.format.markup)  # before any request decodes
         log.warning("icekv: loaded %s in %.1f s (policy %s)", self.engine.model_name, time.perf_counter() - t0,
                     self.cfg.engine.selection.policy)
 
