@@ -40,9 +40,9 @@ def test_a_pool_off_the_compute_device_decodes_the_same_tokens(engine, selection
     mirrored = []
     original_read = ComputeMirror.read
 
-    def read(self, layer, length):
+    def read(self, layer, length, start=0):
         mirrored.append(length)
-        return original_read(self, layer, length)
+        return original_read(self, layer, length, start)
 
     monkeypatch.setattr(PagedKVCache, "pool_on_compute", property(lambda self: False))
     monkeypatch.setattr(ComputeMirror, "read", read)
@@ -97,3 +97,23 @@ def test_a_decode_over_a_context_holds_its_pages_only_for_the_layers_attended_wh
     assert set(source._prefix) == {0}  # the budgeted layers read the context from its host copy
     assert source.context_bytes(range(engine.model.args.num_layers)) == source.context_bytes([0]) > 0
     assert len(engine.run(seq).token_ids) == 6
+
+
+def test_a_local_layers_mirror_holds_its_window_not_the_request():
+    """Prefill chunks then decode steps through a layer with a window of 8: the mirror attends as
+    the pool read in place does, and keeps about two windows however long the request grows."""
+    from icekv.engine.backends.whole_tokens import PoolTokens
+
+    cache = PagedKVCache(1, 2, 4, PagingConfig(page_size=4, pool_tokens=256), layer_windows=(8,))
+    cache.add(0)
+    mirror, in_place = ComputeMirror(cache, 0, tokens=200), PoolTokens(cache, 0)
+    generator = torch.Generator().manual_seed(0)
+    for n in (13, 6, *[1] * 100, 9, *[1] * 20):
+        start = cache.extend(0, n)
+        k, v = torch.randn(n, 2, 4, generator=generator), torch.randn(n, 2, 4, generator=generator)
+        cache.write(0, 0, start, k, v)
+        mirror.write(0, start, k, v)
+        q, positions = torch.randn(n, 4, 4, generator=generator), torch.arange(start, start + n)
+        torch.testing.assert_close(mirror.attend(0, q, positions, start + n), in_place.attend(0, q, positions, start + n))
+    assert cache.length(0) == 148 and mirror.base[0] > 120  # what is behind the window was dropped
+    assert mirror.kv[0].shape[2] <= 8 + 4 + 13  # the window, a page not yet dropped and the widest step

@@ -12,7 +12,7 @@ from icekv.model.weights import stored_apart
 
 def hf_config(args: ModelArgs) -> dict:
     """A ``config.json`` dict for a Llama-architecture :class:`ModelArgs`."""
-    rope = {"rope_type": "llama3", **args.rope_scaling} if args.rope_scaling else {"rope_type": "default"}
+    rope = args.rope_scaling or {"rope_type": "default"}  # its own rope_type included
     return {
         "architectures": [args.architecture], "model_type": "llama", "vocab_size": args.vocab_size,
         "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,

@@ -16,7 +16,7 @@ from icekv.errors import ConfigError
 from icekv.model.args import ModelArgs
 from icekv.model.llama import Decoder, Rotary
 
-_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
 SHAPES: dict[str, ModelArgs] = {

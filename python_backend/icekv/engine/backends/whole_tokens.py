@@ -8,7 +8,7 @@ policy's unlimited layers) would copy all the request's tokens to the device. Th
 each token's K/V as the model wrote it (on the device already) when it extends what the mirror
 holds, and otherwise copies what it lacks from the pool once, on the next read. It is allocated
 at the request's most tokens (given) in one piece: growing would hold the old and the new copy
-at once. It belongs to one backend and is dropped with it, so a sparse decode's budgeted layers
+at once. A local (sliding-window) layer's copy holds its window and a step's tokens, no more. It belongs to one backend and is dropped with it, so a sparse decode's budgeted layers
 never hold one.
 """
 
@@ -45,49 +45,77 @@ class PoolTokens:
 
 
 class ComputeMirror:
+    """Own tokens ``base .. filled-1`` of each layer, copied to the compute device: from 0 in a
+    global layer; a local layer drops the tokens no later query sees (behind its window), so it
+    holds about its window and a step's tokens, not the request's length."""
+
     def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0):
         self.cache, self.seq_id, self.tokens = cache, seq_id, tokens  # tokens: the most it will hold
         self.kv: dict[int, torch.Tensor] = {}  # layer -> [2, Hkv, capacity, D] on the compute device
-        self.filled: dict[int, int] = {}  # layer -> tokens copied
+        self.base: dict[int, int] = {}  # layer -> the own position in its first slot
+        self.filled: dict[int, int] = {}  # layer -> the own position after the last one held
 
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
         window = self.cache.window(layer)
         start = window_start(int(positions[0]), window)
-        keys, values = self.read(layer, length)  # [Hkv, length, D]
-        return causal_attention(q, keys[:, start:], values[:, start:], positions - start, window)
+        if window is not None:
+            self._drop_before(layer, start)
+        return causal_attention(q, *self.read(layer, length, start), positions - start, window)
 
-    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of own positions ``0 .. length-1``: two [Hkv, length, D] device views.
-        Positions below what was read before are never rewritten within one backend."""
-        filled = self.filled.get(layer, 0)
-        kv = self._room(layer, length, filled)
+    def read(self, layer: int, length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of own positions ``start .. length-1``: two [Hkv, length - start, D] device
+        views. Positions below what was read before are never rewritten within one backend; what a
+        local layer dropped is read from the pool again."""
+        base, filled = self.base.get(layer, 0), self.filled.get(layer, 0)
+        if start < base:
+            k, v = self.cache.view_range(layer, self.seq_id, start, length)  # [Hkv, n, D] in the pool
+            return self.cache.to_compute(k), self.cache.to_compute(v)
+        kv = self._room(layer, length)
         if filled < length:
             k, v = self.cache.view_range(layer, self.seq_id, filled, length)  # [Hkv, n, D] in the pool
-            kv[0, :, filled:length].copy_(k, non_blocking=True)
-            kv[1, :, filled:length].copy_(v, non_blocking=True)
+            kv[0, :, filled - base : length - base].copy_(k, non_blocking=True)
+            kv[1, :, filled - base : length - base].copy_(v, non_blocking=True)
             self.filled[layer] = length
-        return kv[0, :, :length], kv[1, :, :length]
+        return kv[0, :, start - base : length - base], kv[1, :, start - base : length - base]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep k, v [n, Hkv, D] of own positions ``start ..`` (just written to the pool) when they
         continue what the mirror holds; otherwise the next read copies them from the pool."""
-        filled = self.filled.get(layer, 0)
+        base, filled = self.base.get(layer, 0), self.filled.get(layer, 0)
         if start != filled:
             return
-        kv = self._room(layer, start + k.shape[0], filled)
-        kv[0, :, start : start + k.shape[0]] = self.cache.as_stored(k).transpose(0, 1)
-        kv[1, :, start : start + k.shape[0]] = self.cache.as_stored(v).transpose(0, 1)
-        self.filled[layer] = start + k.shape[0]
+        end = start + k.shape[0]
+        kv = self._room(layer, end)
+        kv[0, :, start - base : end - base] = self.cache.as_stored(k).transpose(0, 1)
+        kv[1, :, start - base : end - base] = self.cache.as_stored(v).transpose(0, 1)
+        self.filled[layer] = end
 
-    def _room(self, layer: int, length: int, filled: int) -> torch.Tensor:
+    def _drop_before(self, layer: int, start: int) -> None:
+        """Forget own positions before ``start``, once they span a page or more: the held ones
+        move to the front (a copy of about the window, once a page)."""
+        base, filled = self.base.get(layer, 0), self.filled.get(layer, 0)
+        if start - base < self.cache.page_size:
+            return
+        kept = max(filled - start, 0)
+        if kept and layer in self.kv:
+            kv = self.kv[layer]
+            kv[:, :, :kept] = kv[:, :, start - base : filled - base].clone()
+        self.base[layer], self.filled[layer] = start, max(filled, start)
+
+    def _room(self, layer: int, end: int) -> torch.Tensor:
+        """The layer's buffer, holding positions up to ``end`` (grown when it cannot)."""
+        base, filled = self.base.get(layer, 0), self.filled.get(layer, 0)
         kv = self.kv.get(layer)
-        if kv is None or kv.shape[2] < length:
+        if kv is None or kv.shape[2] < end - base:
             pool = self.cache.pool  # [L, 2, Hkv, pages, P, W]: the mirror holds values [.., D] in the model's dtype
-            capacity = max(length, self.tokens, 2 * (kv.shape[2] if kv is not None else 0), self.cache.page_size)
+            window = self.cache.window(layer)
+            hint = self.tokens if window is None else min(self.tokens, 2 * window)
+            doubled = 2 * kv.shape[2] if kv is not None and window is None else 0  # a local layer's need is bounded
+            capacity = max(end - base, hint, doubled, self.cache.page_size)
             d = self.cache.kv_format.head_dim(pool.shape[-1])
             grown = torch.empty((2, pool.shape[2], capacity, d), dtype=self.cache.dtype,
                                 device=self.cache.compute)  # [2, Hkv, capacity, D]
             if kv is not None:
-                grown[:, :, :filled] = kv[:, :, :filled]
+                grown[:, :, : filled - base] = kv[:, :, : filled - base]
             self.kv[layer] = kv = grown
         return kv
