@@ -39,11 +39,20 @@ def size(args: ModelArgs, context_tokens: int, concurrent: int, plan: PolicyPlan
                       index, index / (pages * per_token))
 
 
+def local_tokens_held(window: int, tokens: int) -> int:
+    """Tokens a local (sliding-window) layer's device copy holds in a decode of ``tokens``: at
+    most two windows (:class:`icekv.engine.backends.whole_tokens.ComputeMirror`)."""
+    return min(tokens, 2 * window)
+
+
 def budgeted_tokens(args: ModelArgs, tokens: int, plan: PolicyPlan, slack: int = 0) -> int:
-    """Token-layers of K/V a request of ``tokens`` tokens attends on the compute device: every
-    token in the layers attended whole, the budget (plus ``slack``) in the budgeted ones."""
-    sparse = len(plan.sparse_layers(args))
-    return (args.num_layers - sparse) * tokens + sparse * min(plan.budget + slack, tokens)
+    """Token-layers of K/V a request of ``tokens`` tokens attends on the compute device in its
+    decode: every token in the global layers attended whole, the budget (plus ``slack``) in the
+    budgeted ones, about the window in the local ones."""
+    sparse, local = len(plan.sparse_layers(args)), len(args.local_layers)
+    whole = args.num_layers - sparse - local
+    held = local_tokens_held(args.sliding_window, tokens) if local else 0
+    return whole * tokens + sparse * min(plan.budget + slack, tokens) + local * held
 
 
 @dataclass(frozen=True)

@@ -90,3 +90,17 @@ def test_device_need_of_a_prefill_and_of_decodes():
     full = device_need(a, 32768, 100, resolve(SelectionConfig(policy="full")), per)
     assert full.decode == a.num_layers * 32868 * per and full.most == full.decode
     assert device_need(a, 32768, 100, None, per, context_bytes=5).decode == 0  # prefill only
+
+
+def test_a_local_layer_is_charged_about_its_window_on_the_device():
+    """Gemma 3's layout: ten of twelve layers attend 512 tokens; at 128k under icecache the device
+    holds the two global layers' budget and the local layers' windows, and the pool every token."""
+    everywhere = replace(shape_args("llama-tiny"), num_layers=12)
+    gemma_like = replace(everywhere, sliding_window=512, local_layers=(0, 1, 2, 3, 4, 6, 7, 8, 9, 10))
+    plan = resolve(SelectionConfig(policy="icecache", budget=256, n_unlimited_layers=0))
+    sized, whole = size(gemma_like, 131072, 1, plan), size(everywhere, 131072, 1, plan)
+    assert sized.kv_bytes_per_token == whole.kv_bytes_per_token  # the pool still holds every layer
+    per_layer_token = sized.kv_bytes_per_token // 12
+    assert sized.device_bytes_budget == (2 * 256 + 10 * 1024) * per_layer_token
+    assert device_need(gemma_like, 131072, 0, plan, per_layer_token).decode < \
+        device_need(everywhere, 131072, 0, resolve(SelectionConfig(policy="full")), per_layer_token).decode / 50  # the centroid copy included

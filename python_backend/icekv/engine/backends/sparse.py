@@ -28,6 +28,7 @@ from icekv.kv import DevicePageCache
 from icekv.model import ModelArgs
 from icekv.methods.selector import PageSelector, Selection, query_device
 from icekv.policies import PolicyPlan
+from icekv.sizing import local_tokens_held
 
 
 class SparseAttention(DenseAttention):
@@ -150,14 +151,16 @@ class SparseAttention(DenseAttention):
 
     # ---- statistics
     def resident_bytes(self) -> int:
-        """Bytes on the compute device: dense layers whole; sink, window and slots of sparse ones;
-        what the selector keeps there."""
+        """Bytes on the compute device: dense layers whole (a local one: about its window); sink,
+        window and slots of sparse ones; what the selector keeps there."""
         length = self.source.length()
         per_token_layer = self.cache.bytes_per_token // self.cache.num_layers
         dense = [layer for layer in range(self.cache.num_layers) if layer not in self.device]
+        windows = [self.cache.window(layer) for layer in dense]
+        held = sum(length if w is None else local_tokens_held(w, length) for w in windows)
         tail = self.source.sink_tokens_held(self.sink_end) + max(length - self.win_start, 0)
         slots = sum(d.resident_bytes for d in self.device.values())
-        return (self.source.context_bytes(dense) + len(dense) * length * per_token_layer
+        return (self.source.context_bytes(dense) + held * per_token_layer
                 + len(self.sparse_layers) * tail * per_token_layer + slots + self.selector.device_bytes())
 
     def kv_stats(self) -> KVStats:

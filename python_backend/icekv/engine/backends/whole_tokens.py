@@ -18,6 +18,7 @@ import torch
 
 from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step, window_start
 from icekv.kv import PagedKVCache
+from icekv.sizing import local_tokens_held
 
 
 class PoolTokens:
@@ -109,7 +110,7 @@ class ComputeMirror:
         if kv is None or kv.shape[2] < end - base:
             pool = self.cache.pool  # [L, 2, Hkv, pages, P, W]: the mirror holds values [.., D] in the model's dtype
             window = self.cache.window(layer)
-            hint = self.tokens if window is None else min(self.tokens, 2 * window)
+            hint = self.tokens if window is None else local_tokens_held(window, self.tokens)
             doubled = 2 * kv.shape[2] if kv is not None and window is None else 0  # a local layer's need is bounded
             capacity = max(end - base, hint, doubled, self.cache.page_size)
             d = self.cache.kv_format.head_dim(pool.shape[-1])
