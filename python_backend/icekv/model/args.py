@@ -27,7 +27,7 @@ GEMMA_SLIDING_PATTERN = 6  # Gemma 3 without ``layer_types``: every sixth layer 
 def _local_layers(cfg: dict) -> tuple[int, ...]:
     """The layers that attend a sliding window: those ``layer_types`` names ``sliding_attention``;
     without it, Gemma 3's pattern, or every layer from Qwen's ``max_window_layers`` on (0 for
-    Mistral). None where ``sliding_window`` is unset or Qwen's ``use_sliding_window`` is off."""
+    Mistral); none where ``sliding_window`` is unset or Qwen's ``use_sliding_window`` is off."""
     n = cfg["num_hidden_layers"]
     if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
         return ()
