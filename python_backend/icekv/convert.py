@@ -15,6 +15,9 @@ from icekv.errors import ModelLoadError
 
 # GGUF architectures (``general.architecture``) whose conversion is a model icekv runs
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# architectures icekv runs from a folder but not from GGUF, and why
+GGUF_REFUSED = {"gemma3": "transformers' GGUF reader drops Gemma 3's RoPE scaling and query scale (the 4B-27B "
+                          "models would run wrong); load its Hugging Face folder instead"}
 
 
 def check_gguf(gguf: Path) -> str:
@@ -32,6 +35,8 @@ def check_gguf(gguf: Path) -> str:
         raise ModelLoadError(f"{gguf} is not a readable GGUF file ({e})") from None
     field = reader.get_field("general.architecture")
     architecture = field.contents() if field is not None else None
+    if architecture in GGUF_REFUSED:
+        raise ModelLoadError(f"{gguf}: GGUF architecture {architecture!r}: {GGUF_REFUSED[architecture]}")
     if architecture not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{gguf}: GGUF architecture {architecture!r} is not one icekv runs "
                              f"({', '.join(GGUF_ARCHITECTURES)})")
