@@ -102,5 +102,6 @@ def test_a_local_layer_is_charged_about_its_window_on_the_device():
     assert sized.kv_bytes_per_token == whole.kv_bytes_per_token  # the pool still holds every layer
     per_layer_token = sized.kv_bytes_per_token // 12
     assert sized.device_bytes_budget == (2 * 256 + 10 * 1024) * per_layer_token
+    full = resolve(SelectionConfig(policy="full"))
     assert device_need(gemma_like, 131072, 0, plan, per_layer_token).decode < \
-        device_need(everywhere, 131072, 0, resolve(SelectionConfig(policy="full")), per_layer_token).decode / 50  # the centroid copy included
+        device_need(everywhere, 131072, 0, full, per_layer_token).decode / 50  # the centroid copy included

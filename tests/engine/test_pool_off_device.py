@@ -114,6 +114,7 @@ def test_a_local_layers_mirror_holds_its_window_not_the_request():
         cache.write(0, 0, start, k, v)
         mirror.write(0, start, k, v)
         q, positions = torch.randn(n, 4, 4, generator=generator), torch.arange(start, start + n)
-        torch.testing.assert_close(mirror.attend(0, q, positions, start + n), in_place.attend(0, q, positions, start + n))
+        length = start + n
+        torch.testing.assert_close(mirror.attend(0, q, positions, length), in_place.attend(0, q, positions, length))
     assert cache.length(0) == 148 and mirror.base[0] > 120  # what is behind the window was dropped
     assert mirror.kv[0].shape[2] <= 8 + 4 + 13  # the window, a page not yet dropped and the widest step

@@ -43,7 +43,9 @@ def test_a_new_method_runs_through_the_engine(engine):
     made = []
     registered = REGISTERED + (oldest(made),)  # the one registry line
     plan = resolve(SelectionConfig(policy="oldest", budget=128), registered)
-    assert plan.sparse and plan.selected_pages == 4 and list(plan.sparse_layers(engine.model.args)) == list(range(2, engine.model.args.num_layers))
+    args = engine.model.args
+    assert plan.sparse and plan.selected_pages == 4
+    assert list(plan.sparse_layers(args)) == list(range(2, args.num_layers))
     ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60)[:600]
     seq = engine.submit(ids, SamplingConfig(max_tokens=40, ignore_eos=True), plan)
     gen = engine.run(seq)

@@ -126,7 +126,7 @@ def test_under_icecache_local_layers_attend_their_window_and_global_ones_select(
     engine = _engine(path)
     args = engine.model.args
     ids, = _prompts(1)
-    covering = SelectionConfig(policy="icecache", budget=256, page_size=PAGE, n_unlimited_layers=0)  # more than the whole context
+    covering = SelectionConfig(policy="icecache", budget=256, page_size=PAGE, n_unlimited_layers=0)  # all the context
     assert engine.generate(ids, SamplingConfig(max_tokens=NEW, ignore_eos=True), selection=covering).token_ids == \
         _greedy(hf, ids)
     tight = replace(covering, budget=48)  # sink, window and selected pages of 8 tokens

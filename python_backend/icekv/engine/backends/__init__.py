@@ -97,5 +97,6 @@ def decode_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, indexes:
                    indexed_until=kept.covered if kept is not None else None)
 
 
-__all__ = ["ContextPages", "DenseAttention", "RequestPages", "SampledAttention", "SparseAttention", "check_context", "check_contexts_allowed", "decode_backend",
+__all__ = ["ContextPages", "DenseAttention", "RequestPages", "SampledAttention", "SparseAttention", "check_context",
+           "check_contexts_allowed", "decode_backend",
            "prefill_backend", "token_source"]

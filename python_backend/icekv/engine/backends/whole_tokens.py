@@ -8,8 +8,8 @@ policy's unlimited layers) would copy all the request's tokens to the device. Th
 each token's K/V as the model wrote it (on the device already) when it extends what the mirror
 holds, and otherwise copies what it lacks from the pool once, on the next read. It is allocated
 at the request's most tokens (given) in one piece: growing would hold the old and the new copy
-at once. A local (sliding-window) layer's copy holds its window and a step's tokens, no more. It belongs to one backend and is dropped with it, so a sparse decode's budgeted layers
-never hold one.
+at once. A local (sliding-window) layer's copy holds its window and a step's tokens, no more. It
+belongs to one backend and is dropped with it, so a sparse decode's budgeted layers never hold one.
 """
 
 from __future__ import annotations
