@@ -120,7 +120,7 @@ def measure(engine, req, prompt_tokens: int, backend, plan: PolicyPlan, cfg: Ice
     per_layer = {name: {} for name in searches}
     query_s = dict.fromkeys(searches, 0.0)
     build_s = 0.0
-    for layer in range(sel.n_unlimited_layers, engine.model.args.num_layers):
+    for layer in plan.sparse_layers(engine.model.args):
         keys, _ = engine.cache.gather_range(layer, req.seq_id, *region)  # [Hkv, n, D]
         qs = torch.stack(backend.queries[layer])  # [steps, Hq, D]
         hits = {name: [] for name in searches}

@@ -27,10 +27,14 @@ FORMATS = ("bfloat16", "int8", "int4")
 
 
 class DenseAttention:
-    """Causal attention over the whole text, no cache."""
+    """Causal attention over the whole text (within a local layer's window), no cache."""
+
+    def __init__(self, args):
+        self.args = args
 
     def attend(self, layer, q, k, v):
-        return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), torch.arange(q.shape[0]))
+        return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), torch.arange(q.shape[0]),
+                                self.args.window(layer))
 
 
 def main() -> int:
@@ -43,12 +47,12 @@ def main() -> int:
     reference_model = load_model(model_dir)
     ids = torch.tensor(Tokenizer(model_dir).encode(Assets().haystack_text("essays")[: 10 * args.tokens])[: args.tokens])
     positions = torch.arange(len(ids))
-    reference = reference_model(ids, positions, DenseAttention())  # [T, V]
+    reference = reference_model(ids, positions, DenseAttention(reference_model.args))  # [T, V]
     rows = []
     for weights in FORMATS:
         model = copy.deepcopy(reference_model)
         store_weights(model, weights, torch.float32)
-        logits = model(ids, positions, DenseAttention())  # [T, V]
+        logits = model(ids, positions, DenseAttention(reference_model.args))  # [T, V]
         agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
         kl = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="batchmean")
         rows.append({"weights": weights, "top1_agreement": agreement, "mean_kl": kl.item()})

@@ -146,7 +146,6 @@ def test_a_windowed_model_refuses_compressed_contexts(windowed):
         engine.check_request(10, 8, None, context_tokens=30)
 
 
-
 def test_a_pool_off_the_compute_device_reads_only_the_window_too(windowed, monkeypatch):
     """What a GPU runs with the pool in host memory: the compute mirror, each request on its own."""
     from icekv.kv import PagedKVCache

@@ -6,6 +6,7 @@ import pytest
 
 from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
+from icekv.errors import ConfigError
 from icekv.methods.snapkv import SnapKVConfig
 from icekv.model.random import shape_args
 from icekv.policies import resolve
@@ -44,12 +45,35 @@ def test_the_budget_only_binds_the_layers_the_method_budgets():
     assert set(omnikv.index_layers(layers(32))) - set(omnikv.sparse_layers(layers(32)))  # filter layers: dense, indexed
 
 
-@pytest.mark.parametrize("policy", ["icecache", "quest", "omnikv", "magicpig", "snapkv"])
-def test_no_method_selects_or_indexes_in_a_local_layer(policy):
-    plan = resolve(SelectionConfig(policy=policy, n_unlimited_layers=1))
-    gemma_like = layers(12, local=(0, 1, 2, 3, 4, 6, 7, 8, 9, 10))  # every sixth layer global
-    assert set(plan.sparse_layers(gemma_like)) <= {5, 11} and set(plan.index_layers(gemma_like)) <= {5, 11}
-    assert set(plan.sparse_layers(layers(12))) - {5, 11}  # the same method selects elsewhere in a global model
+GEMMA_LIKE = layers(62, local=tuple(i for i in range(62) if (i + 1) % 6))  # Gemma 3 27B: every sixth layer global
+
+
+@pytest.mark.parametrize("policy", ["icecache", "quest", "omnikv", "magicpig", "snapkv", "pqcache", "arkvale"])
+def test_a_method_sees_a_model_with_local_layers_as_its_global_layers(policy):
+    """The same layers by rank: the method's rule over the 10 global layers of the hybrid model
+    picks what it picks in a 10-layer model, mapped onto those global layers."""
+    plan = resolve(SelectionConfig(policy=policy))
+    hybrid, dense = GEMMA_LIKE, layers(10)
+    global_layers = hybrid.global_layers
+    assert global_layers == (5, 11, 17, 23, 29, 35, 41, 47, 53, 59)
+    assert plan.sparse_layers(hybrid) == tuple(global_layers[i] for i in plan.sparse_layers(dense))
+    assert plan.index_layers(hybrid) == tuple(global_layers[i] for i in plan.index_layers(dense))
+    assert plan.sparse_layers(hybrid)  # each method still budgets some of them
+
+
+def test_omnikvs_filters_run_before_every_layer_they_choose_for():
+    plan = resolve(SelectionConfig(policy="omnikv"))
+    filters = set(plan.index_layers(GEMMA_LIKE)) - set(plan.sparse_layers(GEMMA_LIKE))
+    assert filters and min(filters) < min(plan.sparse_layers(GEMMA_LIKE))
+    assert all(GEMMA_LIKE.window(layer) is None for layer in filters)
+
+
+def test_a_method_sharing_state_across_consecutive_layers_is_refused_on_a_hybrid_model():
+    plan = resolve(SelectionConfig(policy="icecache_r"))
+    plan.check_model(layers(12))
+    with pytest.raises(ConfigError, match="'icecache_r' shares its index across consecutive layers"):
+        plan.check_model(GEMMA_LIKE)
+    resolve(SelectionConfig(policy="icecache")).check_model(GEMMA_LIKE)
 
 
 @pytest.mark.model

@@ -9,7 +9,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 def is_decode_step(q_positions: torch.Tensor, length: int) -> bool:
-    """One query at the last of ``length`` positions: it sees every key, no mask needed."""
+    """One query at the last of ``length`` positions: it sees every key given, no causal mask
+    needed (a local layer gives it only its window's keys)."""
     return len(q_positions) == 1 and int(q_positions[0]) == length - 1
 
 
@@ -40,7 +41,7 @@ def decode_attention_chunks(q: torch.Tensor, chunks: list[tuple[torch.Tensor, to
     return out.reshape(q.shape)  # [Hq, D]
 
 
-def window_start(first_query: int, window: int | None) -> int:
+def first_visible_key(first_query: int, window: int | None) -> int:
     """The first key position a query at ``first_query`` or later sees under a sliding ``window``
     (the tokens a query attends back, its own included; None: every token)."""
     return 0 if window is None else max(0, first_query - window + 1)

@@ -6,7 +6,8 @@ pages, and where each one's new token goes. In each layer (:meth:`DecodePlan.att
 
 1. the decode tokens of the requests attending the layer in full over their own pages (full
    attention, a sparse policy's unlimited layers) are written and attended in one batched paged
-   decode, when the pool is on the compute device;
+   decode, when the pool is on the compute device (in a local layer, while all their tokens fit
+   its window);
 2. the requests that select pages in the layer select together: their queries move to where
    they are searched in one copy (one host sync per layer), and the searches run one after
    another or on ``search_threads`` threads (the compiled searches release the GIL);
@@ -68,7 +69,7 @@ class DecodePlan:
         if self.table is not None:
             self.new_pages, self.new_slots = self.table.last_tokens()  # [B] each: where the new tokens go
             self.rows = torch.tensor([self.bounds[i] for i in self.decoding])  # [B] their rows in the batch
-            self.lengths = [cache.length(seqs[i].seq_id) for i in self.decoding]  # their new token's included
+            self.lengths = [cache.length(seqs[i].seq_id) for i in self.decoding]  # each with its new token
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k, v [N, Hkv, D] of the whole batch -> [N, Hq, D]."""

@@ -71,6 +71,7 @@ class Engine:
         if config.paging.kv_dtype != "auto":  # stored KV (prefix pages, compressed contexts) differs per format
             self.model_id += f":kv-{config.paging.kv_dtype}"
         args = self.model.args
+        self.plan.check_model(args)
         pool = pool_device(config.pool_placement(self.plan.sparse), self.device)
         prefix = PrefixCache(self.model_id, config.paging.page_size) if config.paging.prefix_cache else None
         self.cache = PagedKVCache(args.num_layers, args.num_kv_heads, args.head_dim, config.paging, dtype,
@@ -124,13 +125,14 @@ class Engine:
     def check_request(self, prompt_tokens: int, max_tokens: int, selection: SelectionConfig | PolicyPlan | None,
                       context_tokens: int | None) -> PolicyPlan:
         """The request's plan (:meth:`plan_for`); refuses up front a request that could never run:
-        empty, too long for the pool, a policy unknown or without room in its
-        budget, or one that cannot select over a compressed context (of ``context_tokens``; None:
-        the request has none)."""
+        empty, too long for the pool, a policy unknown, without room in its budget or unable to run
+        on this model, or one that cannot select over a compressed context (of ``context_tokens``;
+        None: the request has none)."""
         self.check_fits(prompt_tokens, max_tokens)
         if context_tokens is not None:
             check_contexts_allowed(self.model.args)
         plan = self.plan_for(selection)
+        plan.check_model(self.model.args)
         if context_tokens is not None and not plan.compressed_context:
             raise ConfigError(f"policy {plan.name!r} cannot select over a compressed context; use 'full' or 'icecache'")
         return plan

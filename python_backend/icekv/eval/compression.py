@@ -27,6 +27,7 @@ from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.config.serving import check_kv_budget
 from icekv.engine import Engine
+from icekv.engine.backends import check_contexts_allowed
 from icekv.engine.compression import scoring_context
 from icekv.errors import ConfigError
 from icekv.eval.run_log import ContextGrid, RunLog, context_key, grid_of
@@ -111,6 +112,7 @@ class PeakRSS:
 def compress_prefilled(engine: Engine, prefilled, ids: list[int], variant: Variant, budgets) -> dict:
     """budget -> (CompressedContext, seconds beyond the prefill, peak memory growth) for one variant;
     one scoring per distinct re-feed share (one in all for budget-free methods)."""
+    check_contexts_allowed(engine.model.args)
     compressor = make_compressor(variant.method, **variant.settings)
     refeed_share = getattr(compressor, "refeed_share", lambda budget: None)  # only kv2's scores follow the budget
     scored: dict = {}  # re-feed share -> (scores, seconds, peak memory growth)

@@ -62,6 +62,8 @@ class Policy:
     # its index grows by insertion, in token order: a later request over a longer prompt may
     # continue a finished request's index (:mod:`icekv.engine.index_cache`)
     extends_index: bool = False
+    # it shares state across consecutive budgeted layers (IceCache-R's tree groups)
+    consecutive_layers: bool = False
 
     @property
     def sparse(self) -> bool:

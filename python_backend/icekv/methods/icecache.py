@@ -279,4 +279,4 @@ def _policy(name: str, layer_reuse: bool, **kinds) -> Policy:
 
 
 POLICY = _policy("icecache", layer_reuse=False, compressed_context=True)
-POLICY_R = _policy("icecache_r", layer_reuse=True)
+POLICY_R = _policy("icecache_r", layer_reuse=True, consecutive_layers=True)

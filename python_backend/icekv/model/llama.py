@@ -68,18 +68,18 @@ class Rotary(nn.Module):
         self.register_buffer("local_inv_freq", _inv_freq(args.head_dim, args.local_rope_theta, None) if local
                              else None, persistent=False)  # [D/2]
 
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
-        """positions [N] -> {local: (cos, sin) [N, 1, D]} of their angles, for the global layers
-        (False) and, where they have their own base, the local ones (True); computed once per
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """positions [N] -> {table: (cos, sin) [N, 1, D]} of their angles, for the ``global``
+        table and, where local layers have their own base, the ``local`` one; computed once per
         forward pass for every layer's queries and keys."""
-        tables = {False: self.inv_freq}
+        tables = {"global": self.inv_freq}
         if self.local_inv_freq is not None:
-            tables[True] = self.local_inv_freq
+            tables["local"] = self.local_inv_freq
         out = {}
-        for local, inv_freq in tables.items():
+        for table, inv_freq in tables.items():
             freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-            out[local] = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+            out[table] = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
         return out
 
 
@@ -154,7 +154,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.local = args.window(layer) is not None  # which RoPE table it reads
+        local_base = args.window(layer) is not None and args.local_rope_theta is not None
+        self.rope_table = "local" if local_base else "global"  # which of Rotary.angles it reads
         hidden, eps, gemma = args.hidden_size, args.rms_norm_eps, args.gemma_norms
         self.input_layernorm = RMSNorm(hidden, eps, gemma)
         self.self_attn = Attention(args, layer)
@@ -201,9 +202,9 @@ class Decoder(nn.Module):
         x = self.embed_tokens(tokens)  # [N, hidden]
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the weights' dtype, as trained
-        angles = self.rotary.angles(positions, x.dtype)  # {local: cos, sin [N, 1, D]}
+        angles = self.rotary.angles(positions, x.dtype)  # {table: cos, sin [N, 1, D]}
         for layer in self.layers:
-            x = layer(x, *angles.get(layer.local, angles[False]), backend)
+            x = layer(x, *angles[layer.rope_table], backend)
         if logit_rows is not None:
             x = x[logit_rows]  # [R, hidden]
         return self.lm_head(self.norm(x)).float()  # [R, V]

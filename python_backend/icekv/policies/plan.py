@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from icekv.config.selection import SelectionConfig
+from icekv.errors import ConfigError
 from icekv.methods.base import Policy
 
 if TYPE_CHECKING:
@@ -88,22 +89,33 @@ class PolicyPlan:
 
     def sparse_layers(self, args: ModelArgs) -> Sequence[int]:
         """The layers that attend under the budget: the method's own rule, or all but the first
-        ``n_unlimited_layers``; never a local (sliding-window) layer, which attends its window whole."""
+        ``n_unlimited_layers``. A method sees a model with local (sliding-window) layers as its
+        global layers alone: its rule counts those, and a local layer attends its window whole."""
         if not self.sparse:
             return ()
+        layers, depth = args.global_layers, len(args.global_layers)
         if self.policy.budgeted_layers is not None:
-            layers = self.policy.budgeted_layers(self, args.num_layers)
+            chosen = self.policy.budgeted_layers(self, depth)
         else:
-            layers = range(min(self.selection.n_unlimited_layers, args.num_layers), args.num_layers)
-        return _global(layers, args)
+            chosen = range(min(self.selection.n_unlimited_layers, depth), depth)
+        return tuple(layers[i] for i in chosen)
 
     def index_layers(self, args: ModelArgs) -> Sequence[int]:
-        """The layers whose keys the selector indexes (built after prefill, or during it)."""
+        """The layers whose keys the selector indexes (built after prefill, or during it), global
+        ones only, counted as :meth:`sparse_layers` counts them."""
         if not self.sparse:
             return ()
         if self.policy.indexed_layers is not None:
-            return _global(self.policy.indexed_layers(self, args.num_layers), args)
+            layers = args.global_layers
+            return tuple(layers[i] for i in self.policy.indexed_layers(self, len(layers)))
         return self.sparse_layers(args)
+
+    def check_model(self, args: ModelArgs) -> None:
+        """ConfigError where the method cannot run on this model: one that shares state across
+        consecutive layers, on a model whose global layers are not consecutive."""
+        if self.sparse and self.policy.consecutive_layers and args.local_layers:
+            raise ConfigError(f"policy {self.name!r} shares its index across consecutive layers, and this model's "
+                              "global layers are apart (sliding-window layers between them); use 'icecache'")
 
     @property
     def window_queries(self) -> int:
@@ -129,7 +141,3 @@ class PolicyPlan:
         """Compute-device bytes of what the selector keeps there over ``tokens`` tokens."""
         return self.policy.device_index_bytes(self, args, tokens, device_type, dtype_bytes)
 
-
-def _global(layers: Sequence[int], args: ModelArgs) -> tuple[int, ...]:
-    """``layers`` without the local ones."""
-    return tuple(layer for layer in layers if args.window(layer) is None)

@@ -24,8 +24,8 @@ import torch
 from icekv.engine.backends.dense import DenseAttention
 from icekv.engine.backends.sources import RequestPages
 from icekv.kv import PagedKVCache
-from icekv.model import ModelArgs
 from icekv.methods.selector import PageSelector
+from icekv.model import ModelArgs
 from icekv.policies import PolicyPlan
 
 

@@ -8,15 +8,16 @@ policy's unlimited layers) would copy all the request's tokens to the device. Th
 each token's K/V as the model wrote it (on the device already) when it extends what the mirror
 holds, and otherwise copies what it lacks from the pool once, on the next read. It is allocated
 at the request's most tokens (given) in one piece: growing would hold the old and the new copy
-at once. A local (sliding-window) layer's copy holds its window and a step's tokens, no more. It
-belongs to one backend and is dropped with it, so a sparse decode's budgeted layers never hold one.
+at once. A local (sliding-window) layer's copy drops what is behind its window as it attends: it
+holds about its window and the newest steps' tokens. It belongs to one backend and is dropped
+with it, so a sparse decode's budgeted layers never hold one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step, window_start
+from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step, first_visible_key
 from icekv.kv import PagedKVCache
 from icekv.sizing import local_tokens_held
 
@@ -34,7 +35,7 @@ class PoolTokens:
         """q [N, Hq, D] at own ``positions`` over own tokens ``0 .. length-1`` (a local layer: those
         within its window)."""
         window = self.cache.window(layer)
-        start = window_start(int(positions[0]), window)
+        start = first_visible_key(int(positions[0]), window)
         if is_decode_step(positions, length):  # read the pages in place, run by run
             return decode_attention_chunks(q[0], self.cache.view_runs(layer, self.seq_id, start, length))[None]
         keys, values = self.cache.view_range(layer, self.seq_id, start, length)  # [Hkv, L - start, D]
@@ -47,8 +48,8 @@ class PoolTokens:
 
 class ComputeMirror:
     """Own tokens ``base .. filled-1`` of each layer, copied to the compute device: from 0 in a
-    global layer; a local layer drops the tokens no later query sees (behind its window), so it
-    holds about its window and a step's tokens, not the request's length."""
+    global layer; a local layer drops the tokens no later query sees (behind its window) as it
+    attends, so it holds about its window and the newest steps' tokens, not the request's length."""
 
     def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0):
         self.cache, self.seq_id, self.tokens = cache, seq_id, tokens  # tokens: the most it will hold
@@ -58,7 +59,7 @@ class ComputeMirror:
 
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
         window = self.cache.window(layer)
-        start = window_start(int(positions[0]), window)
+        start = first_visible_key(int(positions[0]), window)
         if window is not None:
             self._drop_before(layer, start)
         return causal_attention(q, *self.read(layer, length, start), positions - start, window)
