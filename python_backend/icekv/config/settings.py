@@ -90,7 +90,8 @@ SETTINGS = (
             configmap=True),
     Setting("budget", ("engine.selection.budget",), "tokens attended per layer per KV head", configmap=True),
     Setting("unlimited_layers", ("engine.selection.n_unlimited_layers",), "first layers that keep their whole "
-            "cache under a sparse policy (0: every layer under the budget)", least=0),
+            "cache under a sparse policy (0: every layer under the budget); with sliding-window layers, the first "
+            "global ones", least=0),
     Setting("search", ("engine.selection.icecache.search",), "icecache page search: the DCI tree walk (the "
             "paper's), every page scored exactly, or pages ranked by centroid with the best rescored exactly", str,
             SEARCHES, configmap=True),
