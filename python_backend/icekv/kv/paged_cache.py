@@ -53,8 +53,10 @@ class PagedKVCache:
         kv_format: KVFormat = KVFormat(),
         layer_windows: tuple[int | None, ...] = (),
     ):
+        if layer_windows and len(layer_windows) != num_layers:
+            raise ValueError(f"{len(layer_windows)} layer windows for {num_layers} layers")
         self.paging = paging
-        self.layer_windows = layer_windows  # per layer: the tokens each query attends back (None: all)
+        self.layer_windows = layer_windows  # per layer: the tokens each query attends back (None: all; () none)
         self.page_size = paging.page_size
         self.num_layers = num_layers
         self.dtype, self.kv_format = dtype, kv_format  # values read back are ``dtype``; rows stored in kv_format
