@@ -35,8 +35,9 @@ class GlobalLayers:
 
     num_layers: int
 
-    def window(self, layer: int) -> None:
-        return None
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers))
 
 
 @dataclass
