@@ -196,4 +196,3 @@ def _pump(source: socket.socket, sink: socket.socket, seen=lambda data: None) ->
             seen(data)
     except OSError:
         pass
-

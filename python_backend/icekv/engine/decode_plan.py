@@ -69,7 +69,6 @@ class DecodePlan:
         if self.table is not None:
             self.new_pages, self.new_slots = self.table.last_tokens()  # [B] each: where the new tokens go
             self.rows = torch.tensor([self.bounds[i] for i in self.decoding])  # [B] their rows in the batch
-            self.lengths = [cache.length(seqs[i].seq_id) for i in self.decoding]  # each with its new token
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k, v [N, Hkv, D] of the whole batch -> [N, Hq, D]."""
@@ -95,7 +94,7 @@ class DecodePlan:
         window = self.cache.window(layer)
         group = tuple(j for j, i in enumerate(self.decoding)
                       if i not in self.failed and self.seqs[i].backend.attends_all(layer)
-                      and (window is None or self.lengths[j] <= window))
+                      and (window is None or int(self.table.lengths[j]) <= window))
         if not group or not self.cache.pool_on_compute:  # a host pool: each request moves its pages
             return set()
         index = torch.tensor(group)  # [G]

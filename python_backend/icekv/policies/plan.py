@@ -8,7 +8,7 @@ a policy and a :class:`SelectionConfig` side by side: it takes the plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from icekv.config.selection import SelectionConfig
 from icekv.errors import ConfigError
@@ -93,12 +93,9 @@ class PolicyPlan:
         global layers alone: its rule counts those, and a local layer attends its window whole."""
         if not self.sparse:
             return ()
-        layers, depth = args.global_layers, len(args.global_layers)
         if self.policy.budgeted_layers is not None:
-            chosen = self.policy.budgeted_layers(self, depth)
-        else:
-            chosen = range(min(self.selection.n_unlimited_layers, depth), depth)
-        return tuple(layers[i] for i in chosen)
+            return _by_rank(args, lambda depth: self.policy.budgeted_layers(self, depth))
+        return _by_rank(args, lambda depth: range(min(self.selection.n_unlimited_layers, depth), depth))
 
     def index_layers(self, args: ModelArgs) -> Sequence[int]:
         """The layers whose keys the selector indexes (built after prefill, or during it), global
@@ -106,8 +103,7 @@ class PolicyPlan:
         if not self.sparse:
             return ()
         if self.policy.indexed_layers is not None:
-            layers = args.global_layers
-            return tuple(layers[i] for i in self.policy.indexed_layers(self, len(layers)))
+            return _by_rank(args, lambda depth: self.policy.indexed_layers(self, depth))
         return self.sparse_layers(args)
 
     def check_model(self, args: ModelArgs) -> None:
@@ -141,3 +137,8 @@ class PolicyPlan:
         """Compute-device bytes of what the selector keeps there over ``tokens`` tokens."""
         return self.policy.device_index_bytes(self, args, tokens, device_type, dtype_bytes)
 
+
+def _by_rank(args: ModelArgs, rule: Callable[[int], Sequence[int]]) -> tuple[int, ...]:
+    """The global layers ``rule`` picks, given their count, by rank among them."""
+    layers = args.global_layers
+    return tuple(layers[i] for i in rule(len(layers)))
