@@ -7,16 +7,18 @@
 - ``tool_calls``: model output parsed for tool calls (:mod:`icekv.serving.tool_calls`), whole and
   streamed in arbitrary pieces. Contract: no exception, and the same content and calls both ways.
 - ``json_schema``: a request's JSON schema compiled for constrained decoding
-  (:class:`icekv.engine.grammar.Grammars`). Contract: a ConfigError naming the problem, or a
-  grammar whose first mask allows some token.
+  (:class:`icekv.engine.grammar.Grammars`), as raw bytes or as a schema built from them (nested
+  keywords, bounds, patterns, formats, references). Contract: a ConfigError naming the problem, or
+  a grammar whose first mask allows some token.
 
-Each target runs in a child process for a bounded time; its corpus lives outside git (in the cache
-directory), seeded with real inputs generated here; a crash's input is saved under ``--out``, to
-become a regression test (``tests/bench/test_fuzz_targets.py`` replays the seeds and every saved
-input through the same targets, uninstrumented).
+Each target runs in child processes until ``--seconds`` or ``--runs`` executions, whichever comes
+first; its corpus lives outside git (in the cache directory), seeded with real inputs generated
+here; a crash's input is saved under ``--out``, to become a regression test
+(``tests/bench/test_fuzz_targets.py`` replays the seeds and every saved input through the same
+targets, uninstrumented).
 
     .venv/bin/python bench/fuzz_targets.py [--targets store_entry,tool_calls,json_schema] \
-        [--seconds 600] [--out bench/results/fuzz_targets]
+        [--seconds 600] [--runs N] [--out bench/results/fuzz_targets]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 KEY = "0" * 64
 MODEL_ID = "fuzz-model"
 TOOL_NAMES = ("get_weather", "lookup")
+CHILD_RUNS = 100_000  # executions per fuzzing process
 
 
 def _real_context():
@@ -130,7 +133,9 @@ class ToolCalls:
 
 
 class JsonSchema:
-    """The ``json_schema`` target: the bytes as a request's schema, over SmolLM2's tokenizer."""
+    """The ``json_schema`` target, over SmolLM2's tokenizer. Its first byte picks raw bytes as the
+    schema (even) or a schema built from the rest (odd): the grammar library is native code that
+    atheris sees no coverage in, so byte mutations alone rarely grow past a few keywords."""
 
     def __init__(self):
         import torch
@@ -146,18 +151,75 @@ class JsonSchema:
                    {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 3},
                    {"enum": ["a", "b"]}, {"anyOf": [{"type": "string"}, {"type": "null"}]},
                    {"$ref": "#/$defs/x", "$defs": {"x": {"type": "boolean"}}}]
-        return [json.dumps(s).encode() for s in schemas]
+        return [b"\x00" + json.dumps(s).encode() for s in schemas] + [bytes([1, i]) * 24 for i in range(0, 250, 25)]
 
     def __call__(self, data: bytes) -> None:
         from icekv.config.request import SamplingConfig
         from icekv.errors import ConfigError
 
+        if not data:
+            return
+        schema = data[1:].decode("utf-8", "replace") if data[0] % 2 == 0 else json.dumps(built_schema(data[1:]))
         try:
-            sampling = SamplingConfig(max_tokens=4, json_schema=data.decode("utf-8", "replace"))
+            sampling = SamplingConfig(max_tokens=4, json_schema=schema)
             grammar = self.grammars.for_request(sampling)
         except ConfigError:
             return
         assert bool((grammar.mask(self.logits) > float("-inf")).any()), "a compiled schema allows no first token"
+
+
+SCALARS = ("string", "integer", "number", "boolean", "null")
+STRING_FORMATS = ("date", "time", "date-time", "email", "uuid", "uri", "ipv4", "hostname", "duration", "bogus")
+
+
+def built_schema(data: bytes) -> dict:
+    """A JSON schema drawn from ``data``: nested objects, arrays, enums, consts, combinators,
+    references, bounds, patterns and formats, any of them contradictory."""
+    import atheris
+
+    draw = atheris.FuzzedDataProvider(data)
+
+    def value():
+        return draw.PickValueInList([draw.ConsumeUnicodeNoSurrogates(4), draw.ConsumeIntInRange(-9, 9),
+                                     draw.ConsumeBool(), None, draw.ConsumeRegularFloat()])
+
+    def node(depth: int) -> dict:
+        kind = draw.ConsumeIntInRange(0, 11) if depth < 4 else draw.ConsumeIntInRange(0, 2)
+        if kind == 0:
+            return {"type": draw.PickValueInList(list(SCALARS))}
+        if kind == 1:
+            out = {"type": "string", "minLength": draw.ConsumeIntInRange(0, 6)}
+            out |= {"maxLength": draw.ConsumeIntInRange(0, 6)} if draw.ConsumeBool() else {}
+            out |= {"pattern": draw.ConsumeUnicodeNoSurrogates(8)} if draw.ConsumeBool() else {}
+            out |= {"format": draw.PickValueInList(list(STRING_FORMATS))} if draw.ConsumeBool() else {}
+            return out
+        if kind == 2:
+            bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+            return {"type": draw.PickValueInList(["integer", "number"]),
+                    **{b: draw.ConsumeIntInRange(-50, 50) for b in bounds if draw.ConsumeBool()}}
+        if kind == 3:
+            names = [draw.ConsumeUnicodeNoSurrogates(5) for _ in range(draw.ConsumeIntInRange(0, 4))]
+            out = {"type": "object", "properties": {n: node(depth + 1) for n in names}}
+            out |= {"required": [n for n in names if draw.ConsumeBool()]}
+            out |= {"additionalProperties": draw.ConsumeBool()} if draw.ConsumeBool() else {}
+            return out
+        if kind == 4:
+            out = {"type": "array", "items": node(depth + 1), "minItems": draw.ConsumeIntInRange(0, 4)}
+            out |= {"maxItems": draw.ConsumeIntInRange(0, 4)} if draw.ConsumeBool() else {}
+            out |= {"prefixItems": [node(depth + 1)]} if draw.ConsumeBool() else {}
+            return out
+        if kind == 5:
+            return {"enum": [value() for _ in range(draw.ConsumeIntInRange(0, 4))]}
+        if kind == 6:
+            return {"const": value()}
+        if kind in (7, 8, 9):
+            return {("anyOf", "oneOf", "allOf")[kind - 7]: [node(depth + 1)
+                                                            for _ in range(draw.ConsumeIntInRange(0, 3))]}
+        if kind == 10:
+            return {"$ref": "#/$defs/d", "$defs": {"d": node(depth + 1)}}
+        return {"not": node(depth + 1)}
+
+    return node(0)
 
 
 TARGETS = {"store_entry": StoreEntry, "tool_calls": ToolCalls, "json_schema": JsonSchema}
@@ -167,19 +229,44 @@ def child(target: str, corpus: str, libfuzzer_args: list[str]) -> None:
     """Fuzz ``target`` under atheris (libFuzzer's arguments pass through)."""
     import atheris
 
-    with atheris.instrument_imports(include=["icekv"]):
+    with atheris.instrument_imports(include=["icekv", "fuzz_targets"]):
+        import fuzz_targets  # this file again, instrumented: the schemas it builds count as coverage
+        import icekv.config.request  # noqa: F401
         import icekv.engine.grammar  # noqa: F401
         import icekv.serving.tool_calls  # noqa: F401
         import icekv.store.format  # noqa: F401
-    one = TARGETS[target]()
+    one = fuzz_targets.TARGETS[target]()
     atheris.Setup([sys.argv[0], *libfuzzer_args, corpus], one)
     atheris.Fuzz()
+
+
+def fuzz(name: str, corpus: Path, seconds: int, runs: int, crashes: Path) -> dict:
+    """Fuzz one target for ``seconds`` or ``runs`` executions, in child processes of at most
+    ``CHILD_RUNS`` executions each over the one corpus (an instrumented process's memory grows with
+    its executions); stops at the first crash."""
+    t0, executions, child_runs = time.monotonic(), 0, 0
+    while True:
+        left_s = seconds - (time.monotonic() - t0)
+        todo = CHILD_RUNS if runs < 0 else min(CHILD_RUNS, runs - executions)
+        if left_s < 1 or todo <= 0:
+            break
+        run = subprocess.run([sys.executable, __file__, "--child", name, f"-max_total_time={int(left_s)}",
+                              f"-runs={todo}", "-print_final_stats=1", f"-artifact_prefix={crashes}/{name}-",
+                              "-rss_limit_mb=4096", str(corpus)], capture_output=True, text=True)
+        executions += int(dict(re.findall(r"stat::(\w+):\s+(\d+)", run.stderr)).get("number_of_executed_units", 0))
+        child_runs += 1
+        if run.returncode:
+            break
+    return {"seconds": round(time.monotonic() - t0), "executions": executions, "processes": child_runs,
+            "exit_code": run.returncode, "crashed": run.returncode != 0,
+            "corpus_files": len(os.listdir(corpus)), "tail": run.stderr[-3000:] if run.returncode else ""}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--seconds", type=int, default=600, help="per target")
+    ap.add_argument("--runs", type=int, default=-1, help="executions per target (-1: no limit)")
     ap.add_argument("--out", default="bench/results/fuzz_targets")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args(argv)
@@ -195,18 +282,10 @@ def main(argv: list[str] | None = None) -> None:
         corpus.mkdir(parents=True, exist_ok=True)
         for i, seed in enumerate(TARGETS[name]().seeds()):
             (corpus / f"seed-{i}").write_bytes(seed)
-        t0 = time.monotonic()
-        run = subprocess.run([sys.executable, __file__, "--child", name, f"-max_total_time={args.seconds}",
-                              "-print_final_stats=1", f"-artifact_prefix={out / 'crashes'}/{name}-",
-                              "-rss_limit_mb=4096", str(corpus)], capture_output=True, text=True)
-        stats = dict(re.findall(r"stat::(\w+):\s+(\d+)", run.stderr))
-        results[name] = {"seconds": round(time.monotonic() - t0),
-                         "executions": int(stats.get("number_of_executed_units", 0)),
-                         "exit_code": run.returncode, "crashed": run.returncode != 0,
-                         "corpus_files": len(os.listdir(corpus)), "tail": run.stderr[-3000:] if run.returncode else ""}
+        results[name] = fuzz(name, corpus, args.seconds, args.runs, out / "crashes")
         print(name, {k: v for k, v in results[name].items() if k != "tail"}, flush=True)
-    command = " ".join([Path(sys.executable).name, *sys.argv])
-    (out / "results.json").write_text(json.dumps({"command": command, "targets": results}, indent=1) + "\n")
+        command = " ".join([Path(sys.executable).name, *sys.argv])  # written as each target ends
+        (out / "results.json").write_text(json.dumps({"command": command, "targets": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Replicas behind the SGLang Model Gateway: does cache-aware routing keep a conversation where its
 prefix is, and does a conversation survive its replica dying mid-turn?
 
-Two icekv replicas (``Replica.on_loopback``: tritonserver + OpenAI frontend each) over one real
+Two icekv replicas (``Replica``: tritonserver + OpenAI frontend each) over one real
 redis-server with ``prefix_cache_spill`` (so each can read the other's prefix pages), behind the
 gateway (``RouterProcess``). Clients send plain OpenAI chat bodies (greedy, streamed, usage asked
 with ``stream_options``) to the gateway, never to a replica.
@@ -227,7 +227,7 @@ class Fleet:
                 params[name] = str(getattr(self.args, name))
         self.params = params
         for i in range(2):
-            replica = Replica.on_loopback(params, self.args.timeout, None, self.dir, i)
+            replica = Replica(params, self.args.timeout, None, self.dir, i)
             self.replicas.append(replica)
             print(f"[{self.name}] starting replica {i}", flush=True)
             replica.start()

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from icekv.serving.replicas import Replica, RouterProcess
+from icekv.serving.replicas import Replica, ReplicaSupervisor, RouterProcess
 from tests.serving.conftest import wait_idle
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
@@ -40,7 +40,7 @@ def store_url(redis_url):
 def fleet(smollm2_dir, store_url, tmp_path_factory):
     logs = tmp_path_factory.mktemp("replicas")
     parameters = {"store": store_url, "prefix_cache_spill": "true", "pool_tokens": "4096", "policy": "full"}
-    replicas = [Replica.on_loopback(parameters, WAIT_S, None, logs, i) for i in range(2)]
+    replicas = [Replica(parameters, WAIT_S, None, logs, i) for i in range(2)]
     router = None
     try:
         for replica in replicas:
@@ -255,3 +255,37 @@ def test_a_replica_killed_mid_stream_loses_no_turn(fleet, essays_text):
     assert wait_idle(survivor.server)["icekv_prefix_cache_reloaded_pages_total"] > reloaded
     uninterrupted = _chat(survivor.url, messages, 48, cache_prompt=False)  # prefilled whole, no cache
     assert again["choices"][0]["message"] == uninterrupted["choices"][0]["message"]
+
+
+def test_the_killed_replica_starts_again_and_serves(fleet, store_url, essays_text):
+    """Runs after the kill: the supervisor starts the dead replica again on its port; the router
+    takes it back, and it answers a conversation another replica began from the shared store."""
+    import redis
+
+    replicas, router = fleet
+    supervisor = ReplicaSupervisor(replicas, first_delay_s=0.0)
+    events = supervisor.poll()
+    dead = [r for r in replicas if any(r.url in e for e in events)]
+    assert len(dead) == 1 and "stopped" in events[0] and supervisor.serving == 1
+    events = supervisor.poll()
+    assert events == [f"replica {dead[0].url} started again"] and supervisor.serving == 2
+    assert dead[0].exited() is None
+    deadline = time.monotonic() + 30
+    while json.loads(_get(f"{router.url}/readiness")).get("healthy_workers") != 2:
+        assert time.monotonic() < deadline, "the router did not take the restarted replica back"
+        time.sleep(0.5)
+    messages = [{"role": "user", "content": _document(essays_text, 31) + "\nWhat is the main claim?"}]
+    survivor = next(r for r in replicas if r is not dead[0])
+    client = redis.Redis.from_url(store_url)
+    before = set(client.scan_iter("icekv:ctx:*"))
+    expected = _chat(survivor.url, messages)
+    deadline = time.monotonic() + WAIT_S
+    while not _new_keys(client, before):  # the survivor's pages, spilled to the store
+        assert time.monotonic() < deadline, "the survivor stored no page"
+        time.sleep(0.2)
+    client.close()
+    reloaded = wait_idle(dead[0].server)["icekv_prefix_cache_reloaded_pages_total"]
+    got = _chat(dead[0].url, messages)
+    assert got["choices"][0]["message"] == expected["choices"][0]["message"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the survivor's pages, from the store
+    assert wait_idle(dead[0].server)["icekv_prefix_cache_reloaded_pages_total"] > reloaded

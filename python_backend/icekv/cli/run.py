@@ -216,17 +216,16 @@ def _serve_one(args, params: dict, stop) -> int:
 
 def _serve_replicas(args, params: dict, stop) -> int:
     """``--replicas N --router POLICY``: N servers on loopback and the router on --http-port. A
-    replica that exits is reported and left out (the router's health check stops sending it
-    requests); the set stops when none is left."""
-    from icekv.serving.replicas import Replica, RouterProcess
+    replica that exits is reported and started again on its port (``ReplicaSupervisor``); the
+    router's health check leaves it out meanwhile."""
+    from icekv.serving.replicas import Replica, ReplicaSupervisor, RouterProcess
 
     for flag, value in (("--openai-port", args.openai_port), ("--grpc-port", args.grpc_port),
                         ("--metrics-port", args.metrics_port), ("--model-repository", args.model_repository)):
         if value is not None:
             raise IcekvError(f"{flag} is not used with --router: each replica takes free loopback ports, the "
                              "router serves the OpenAI API on --http-port")
-    replicas = [Replica.on_loopback(params, args.idle_timeout_s, args.request_timeout_s, index=i)
-                for i in range(args.replicas)]
+    replicas = [Replica(params, args.idle_timeout_s, args.request_timeout_s, index=i) for i in range(args.replicas)]
     router = None
     try:
         for replica in replicas:
@@ -235,16 +234,12 @@ def _serve_replicas(args, params: dict, stop) -> int:
         urls = ", ".join(r.url for r in replicas)
         print(f"icekv serving: OpenAI API http://{args.host}:{args.http_port}/v1 through the SGLang Model Gateway "
               f"({args.router}) over {args.replicas} replicas: {urls}", file=sys.stderr)
-        live = list(replicas)
+        supervisor = ReplicaSupervisor(replicas)
         while not stop.wait(1.0):
             if router.process.poll() is not None:
                 raise IcekvError(f"the router exited with {router.process.returncode}:\n{router.log_tail()}")
-            for replica in list(live):
-                if (why := replica.exited()) is not None:
-                    print(f"icekv: replica {replica.url} stopped ({why}); {len(live) - 1} left", file=sys.stderr)
-                    live.remove(replica)
-            if not live:
-                raise IcekvError("every replica has stopped")
+            for event in supervisor.poll():
+                print(f"icekv: {event}; {supervisor.serving} of {len(replicas)} serving", file=sys.stderr)
     finally:
         if router is not None:
             router.stop()

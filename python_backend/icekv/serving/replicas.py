@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,27 +30,33 @@ ROUTER_STOP_TIMEOUT_S = 10.0
 
 @dataclass
 class Replica:
-    """One icekv server on loopback: tritonserver and its HTTP frontend."""
+    """One icekv server on loopback, tritonserver and its HTTP frontend, that can be started again
+    after it stops: each start makes fresh processes, the frontend on the same ``port`` (the URL
+    the router knows it by)."""
 
-    server: TritonServer
-    frontend: OpenAIFrontendProcess
+    parameters: dict[str, str]
+    idle_timeout_s: float
+    request_timeout_s: float | None
+    log_dir: Path | None = None
+    index: int = 0  # names its log files
+    port: int = 0  # the frontend's; 0: pick a free one
+    server: TritonServer | None = field(default=None, init=False)
+    frontend: OpenAIFrontendProcess | None = field(default=None, init=False)
 
-    @classmethod
-    def on_loopback(cls, parameters: dict[str, str], idle_timeout_s: float, request_timeout_s: float | None,
-                    log_dir: Path | None = None, index: int = 0) -> "Replica":
-        server = TritonServer(parameters, http_host="127.0.0.1",
-                              log_path=log_dir / f"replica{index}-triton.log" if log_dir else None)
-        frontend = OpenAIFrontendProcess(OpenAIConfig(
-            triton_grpc_url=server.grpc_url, triton_metrics_url=server.metrics_url, port=free_port(),
-            idle_timeout_s=idle_timeout_s, request_timeout_s=request_timeout_s),
-            log_path=log_dir / f"replica{index}-frontend.log" if log_dir else None)
-        return cls(server, frontend)
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
 
     @property
     def url(self) -> str:
-        return self.frontend.url
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Replica":
+        logs = {name: self.log_dir / f"replica{self.index}-{name}.log" if self.log_dir else None
+                for name in ("triton", "frontend")}
+        self.server = TritonServer(self.parameters, http_host="127.0.0.1", log_path=logs["triton"])
+        self.frontend = OpenAIFrontendProcess(OpenAIConfig(
+            triton_grpc_url=self.server.grpc_url, triton_metrics_url=self.server.metrics_url, port=self.port,
+            idle_timeout_s=self.idle_timeout_s, request_timeout_s=self.request_timeout_s), log_path=logs["frontend"])
         self.server.start()
         try:
             self.frontend.start()
@@ -59,15 +66,73 @@ class Replica:
         return self
 
     def exited(self) -> str | None:
-        """Which of its processes exited (a message), None while both run."""
-        for name, process in (("tritonserver", self.server.process), ("the HTTP frontend", self.frontend.process)):
-            if process is not None and process.poll() is not None:
+        """Why it is not serving (a message), None while both processes run."""
+        for name, part in (("tritonserver", self.server), ("the HTTP frontend", self.frontend)):
+            process = part.process if part is not None else None
+            if process is None:
+                return f"{name} is not running"
+            if process.poll() is not None:
                 return f"{name} exited with {process.returncode}"
         return None
 
     def stop(self) -> None:
-        self.frontend.stop()
-        self.server.stop()
+        if self.frontend is not None:
+            self.frontend.stop()
+        if self.server is not None:
+            self.server.stop()
+
+
+@dataclass
+class ReplicaSupervisor:
+    """Starts again each replica whose process exits, on its own port, so that the router's health
+    check takes it back once it answers. A replica that stops within ``stable_s`` of its start
+    waits twice as long as the last time before the next start (``first_delay_s`` up to
+    ``max_delay_s``), as Kubernetes backs off a crash loop; one that ran longer starts again after
+    ``first_delay_s``."""
+
+    replicas: list[Replica]
+    first_delay_s: float = 1.0
+    max_delay_s: float = 60.0
+    stable_s: float = 60.0
+    _started_at: list[float] = field(default_factory=list, init=False)
+    _delay_s: list[float] = field(default_factory=list, init=False)
+    _due_at: list[float | None] = field(default_factory=list, init=False)  # None: running
+
+    def __post_init__(self) -> None:
+        now = time.monotonic()
+        self._started_at = [now for _ in self.replicas]
+        self._delay_s = [0.0 for _ in self.replicas]
+        self._due_at = [None for _ in self.replicas]
+
+    def poll(self, now: float | None = None) -> list[str]:
+        """Notice stopped replicas and start those whose wait is over (a start blocks until the
+        replica answers or fails). Returns what happened, a line each, for the operator."""
+        now = time.monotonic() if now is None else now
+        events = []
+        for i, replica in enumerate(self.replicas):
+            if self._due_at[i] is None:
+                if (why := replica.exited()) is None:
+                    continue
+                crashed_soon = now - self._started_at[i] < self.stable_s
+                self._delay_s[i] = (min(self.max_delay_s, 2 * self._delay_s[i] or self.first_delay_s)
+                                    if crashed_soon else self.first_delay_s)
+                self._due_at[i] = now + self._delay_s[i]
+                replica.stop()
+                events.append(f"replica {replica.url} stopped ({why}); starting it again in "
+                              f"{self._delay_s[i]:.0f} s")
+            elif now >= self._due_at[i]:
+                self._due_at[i], self._started_at[i] = None, now
+                try:
+                    replica.start()
+                    events.append(f"replica {replica.url} started again")
+                except (ServerError, OSError) as e:  # seen as stopped at the next poll
+                    events.append(f"replica {replica.url} did not start: {str(e).splitlines()[0]}")
+        return events
+
+    @property
+    def serving(self) -> int:
+        """How many replicas are up (started and not seen stopped)."""
+        return sum(due is None for due in self._due_at)
 
 
 @dataclass
