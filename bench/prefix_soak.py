@@ -17,7 +17,8 @@ that reached the engine, a chat prompt counted as the server's template and toke
 and then, with the cache off (``cache_prompt: false``), every greedy answer (and both choices of
 each ``n = 2``) is asked again: none may differ. JSON-mode answers that finish must parse as objects.
 
-    .venv/bin/python bench/prefix_soak.py [--minutes 5] [--clients 4] [--out bench/results/prefix_soak]
+    .venv/bin/python bench/prefix_soak.py [--minutes 5] [--clients 6] [--document-words 250] \
+        [--pool-tokens 1024] [--out bench/results/prefix_soak]
 """
 
 from __future__ import annotations
@@ -67,15 +68,16 @@ def cancelled_stream(port: int, messages: list[dict]) -> int:
     return resp.status
 
 
-def conversations(seed: int) -> list[list[dict]]:
-    """Three documents of about 700 tokens, two conversations on each (same system prompt and
-    document, then different questions)."""
+def conversations(seed: int, document_words: int) -> list[list[dict]]:
+    """Three documents of ``document_words`` words, two conversations on each (same system prompt
+    and document, then different questions)."""
     words = Assets().haystack_text("essays").split()
     rng = random.Random(seed)
     out = []
     for d in range(3):
-        start = rng.randrange(len(words) - 600)
-        document = " ".join(words[start: start + 500]) + f" The special magic number is {rng.randrange(10**6)}."
+        start = rng.randrange(len(words) - document_words)
+        document = (" ".join(words[start: start + document_words])
+                    + f" The special magic number is {rng.randrange(10**6)}.")
         for _ in range(2):
             out.append([{"role": "system", "content": "Answer briefly, from the document."},
                         {"role": "user", "content": f"Document {d}:\n{document}"},
@@ -98,8 +100,9 @@ class Phase:
         store = f"redis://127.0.0.1:{self.redis_port}/0" if self.redis else str(self.work / "store")
         self.serve = subprocess.Popen(
             [str(Path(sys.executable).with_name("icekv")), "serve", "--store", store, "--prefix-cache-spill", "true",
-             "--pool-tokens", str(args.pool_tokens), "--max-active-requests", "4", "--http-port", str(self.http_port),
-             "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)],
+             "--pool-tokens", str(args.pool_tokens), "--max-active-requests", str(args.clients),
+             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+             "--metrics-port", str(self.metrics_port)],
             stdout=open(self.work / "serve.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def prompt_tokens(self, messages: list[dict]) -> int:
@@ -176,7 +179,7 @@ class Phase:
     def run(self) -> dict:
         self.wait_ready()
         before = metrics(self.metrics_port)
-        convs = conversations(seed=7)
+        convs = conversations(seed=7, document_words=self.args.document_words)
         deadline = time.monotonic() + self.args.minutes * 60
         threads = [threading.Thread(target=self.client, args=(i, convs, deadline)) for i in range(self.args.clients)]
         faults = threading.Thread(target=self.fault, args=(deadline,), daemon=True)
@@ -232,8 +235,9 @@ class Phase:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=5.0, help="per phase")
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--pool-tokens", type=int, default=2048)
+    ap.add_argument("--clients", type=int, default=6, help="concurrent clients (and the server's running requests)")
+    ap.add_argument("--document-words", type=int, default=250)
+    ap.add_argument("--pool-tokens", type=int, default=1024, help="far below the six conversations' tokens")
     ap.add_argument("--phases", default="redis,disk")
     ap.add_argument("--out", type=Path, default=Path("bench/results/prefix_soak"))
     args = ap.parse_args()

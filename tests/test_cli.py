@@ -56,6 +56,9 @@ def test_generate_chat_applies_the_template(smollm2_dir, tmp_path):
         (["serve", "--router", "nearest"], "invalid choice: 'nearest'"),
         (["serve", "--router", "cache_aware", "--grpc-port", "9001"], "--grpc-port is not used with --router"),
         (["serve", "--router", "round_robin", "--openai-port", "9000"], "--openai-port is not used with --router"),
+        (["serve", "--idle-timeout-s", "soon"], "--idle-timeout-s must be a number, got 'soon'"),
+        (["serve", "--request-timeout-s", "0"], "--request-timeout-s must be a positive number of seconds, got 0.0"),
+        (["serve", "--request-timeout-s", "nan"], "--request-timeout-s must be a positive number of seconds, got nan"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message):

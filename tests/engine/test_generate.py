@@ -21,7 +21,7 @@ def test_needle_in_4k_tokens_of_essays_full_cache(engine, essays_text):
     sample = HaystackSampler(essays_text, engine.tokenizer).make("niah_single", 4000, seed=7, depth=0.4)
     assert 3900 <= sample.prompt_tokens <= 4000
     out = engine.generate(sample.prompt, SamplingConfig(max_tokens=12), selection=SelectionConfig(policy="full"))
-    assert sample.answers[0] in out.text
+    assert sample.question.answers[0] in out.text
 
 
 def test_streamed_text_equals_final_text_and_stop_cuts(engine):

@@ -79,7 +79,7 @@ def test_a_needle_is_found_as_with_the_model_dtype_pool(engine, engines, essays_
     selection = SelectionConfig(policy=policy, budget=128)
     ref = engine.generate(sample.prompt, SamplingConfig(max_tokens=12), selection=selection)
     got = engines[kv_dtype].generate(sample.prompt, SamplingConfig(max_tokens=12), selection=selection)
-    assert sample.answers[0] in ref.text and sample.answers[0] in got.text
+    assert sample.question.answers[0] in ref.text and sample.question.answers[0] in got.text
     assert got.kv.total_bytes < 0.3 * ref.kv.total_bytes  # 68 bytes a row against fp32's 256
     if policy == "icecache":
         assert 0 < got.kv.bytes_moved < 0.3 * ref.kv.bytes_moved + got.kv.bytes_moved / got.kv.pages_moved
@@ -126,7 +126,7 @@ def test_a_stored_int8_context_answers_like_its_twin(engine, engines, essays_tex
         text = eng.generate(question, SamplingConfig(max_tokens=12), context=loaded).text
         assert text == eng.generate(question, SamplingConfig(max_tokens=12), context=ctx).text
         answers[name] = (text, stored)
-    assert sample.answers[0] in answers["auto"][0] and sample.answers[0] in answers["int8"][0]
+    assert sample.question.answers[0] in answers["auto"][0] and sample.question.answers[0] in answers["int8"][0]
     assert answers["int8"][1] < 0.35 * answers["auto"][1]
 
 

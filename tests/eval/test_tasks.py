@@ -21,34 +21,36 @@ def sampler(engine, essays_text):
 @pytest.mark.parametrize("length", [500, 2000])
 def test_samples_have_the_asked_length_and_their_answers(sampler, task, length):
     s = sampler.make(task, length, seed=3, num_needles=3, num_values=2)
+    q = s.question
     assert length - 40 <= s.prompt_tokens <= length + 5
-    for answer in s.answers if task != "cot_arith" else ():  # a worked answer is computed, not found
+    for answer in q.answers if task != "cot_arith" else ():  # a worked answer is computed, not found
         assert answer in s.prompt
-    truth = " ".join(s.answers)
+    truth = " ".join(q.answers)
     if task == "recall_all":  # a line per needle, its key first (the first key is the answer prefix's)
-        truth = " " + "\n".join(f"{k}: {v}" for k, v in zip(s.keys, s.answers))[len(s.keys[0]) + 1:]
+        truth = " " + "\n".join(f"{k}: {v}" for k, v in zip(q.keys, q.answers))[len(q.keys[0]) + 1:]
     assert s.score(truth) == 1.0 and s.score("nothing") == 0.0
     if task == "niah_multikey":
-        assert s.prompt.count("One of the special magic numbers") == 3 and len(s.answers) == 1
+        assert s.prompt.count("One of the special magic numbers") == 3 and len(q.answers) == 1
     if task == "niah_multivalue":
-        assert len(s.answers) == 2 and s.score(s.answers[0]) == 0.5
+        assert len(q.answers) == 2 and s.score(q.answers[0]) == 0.5
 
 
 def test_recall_all_asks_every_needle_and_scores_each_value_only_on_its_keys_line(sampler):
     s = sampler.make("recall_all", 3000, seed=7, num_needles=16)
     again = sampler.make("recall_all", 3000, seed=7, num_needles=16)
     assert s == again and s != sampler.make("recall_all", 3000, seed=8, num_needles=16)  # seeded
+    q = s.question
     found = list(find_needles(s.prompt))
-    assert [(m["key"], m["value"]) for m in found] == list(zip(s.keys, s.answers))  # every needle, in text order
-    assert len(set(s.keys)) == 16 and s.prompt.endswith(f"are:\n{s.keys[0]}:")  # the first key starts the answer
-    lines = [f"{k}: {v}" for k, v in zip(s.keys, s.answers)]
-    truth = "\n".join(lines)[len(s.keys[0]) + 1:]
+    assert [(m["key"], m["value"]) for m in found] == list(zip(q.keys, q.answers))  # every needle, in text order
+    assert len(set(q.keys)) == 16 and s.prompt.endswith(f"are:\n{q.keys[0]}:")  # the first key starts the answer
+    lines = [f"{k}: {v}" for k, v in zip(q.keys, q.answers)]
+    truth = "\n".join(lines)[len(q.keys[0]) + 1:]
     assert s.score(truth) == 1.0
-    assert s.score("\n".join(lines[:8])[len(s.keys[0]) + 1:]) == 0.5  # cut off halfway
-    swapped = [f"{k}: {v}" for k, v in zip(s.keys, s.answers[1:] + s.answers[:1])]  # every value, wrong key
-    assert s.score("\n".join(swapped)[len(s.keys[0]) + 1:]) == 0.0
-    assert s.score(" ".join(s.answers)) == 1 / 16  # the values alone: only the first follows its key
-    crossed = f" {s.answers[1]}, {s.keys[1]}: {s.answers[0]}"  # both keys and values on one line, crossed
+    assert s.score("\n".join(lines[:8])[len(q.keys[0]) + 1:]) == 0.5  # cut off halfway
+    swapped = [f"{k}: {v}" for k, v in zip(q.keys, q.answers[1:] + q.answers[:1])]  # every value, wrong key
+    assert s.score("\n".join(swapped)[len(q.keys[0]) + 1:]) == 0.0
+    assert s.score(" ".join(q.answers)) == 1 / 16  # the values alone: only the first follows its key
+    crossed = f" {q.answers[1]}, {q.keys[1]}: {q.answers[0]}"  # both keys and values on one line, crossed
     assert s.score(crossed) == 0.0
     with pytest.raises(ConfigError, match="recall_all and cot_arith: 1"):
         sampler.make_context("recall_all", 3000, seed=7, questions=2, num_needles=16)

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_float, _positive_int,
+from icekv.cli.common import (_device_flags, _icecache_flags, _kv2_flag, _model_flag, _positive_int, _timeout,
                               _serving_flags, _serving_parameters, _setting_flag)
 from icekv.cli.common import TRITON_GRPC_PORT, TRITON_METRICS_PORT, _bench_run_flags
 from icekv.config.engine import default_cache_dir
@@ -205,11 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"Triton's metrics (default: {TRITON_METRICS_PORT}; not with --router)")
     serve.add_argument("--openai-port", type=_positive_int("--openai-port"), default=None,
                        help="also listen on this port (the OpenAI API's usual place; it serves /v1 and /v2)")
-    serve.add_argument("--idle-timeout-s", type=_positive_float("--idle-timeout-s"),
+    serve.add_argument("--idle-timeout-s", type=_timeout("--idle-timeout-s"),
                        default=OpenAIConfig.idle_timeout_s,
                        help="cancel a request after this many seconds without output (its first piece: queueing and "
                             "prefill included); a reply runs for as long as its pieces keep coming")
-    serve.add_argument("--request-timeout-s", type=_positive_float("--request-timeout-s"),
+    serve.add_argument("--request-timeout-s", type=_timeout("--request-timeout-s"),
                        default=OpenAIConfig.request_timeout_s,
                        help="cancel a request that runs longer than this in all (default: no limit)")
     serve.add_argument("--model-repository", type=Path, default=None,

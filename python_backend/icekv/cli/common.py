@@ -9,8 +9,9 @@ from pathlib import Path
 
 from icekv.config.engine import KV_POOLS
 from icekv.methods.icecache import IceCacheConfig
-from icekv.errors import IcekvError
+from icekv.errors import ConfigError, IcekvError
 from icekv.registry import DEFAULT_MODEL, KNOWN_MODELS, is_gguf, not_a_model
+from icekv.serving.openai.config import checked_timeout
 
 TRITON_GRPC_PORT = 8001  # icekv serve's Triton gRPC and metrics ports, one replica (--router picks free ones)
 TRITON_METRICS_PORT = 8002
@@ -29,15 +30,18 @@ def _positive_int(flag: str, least: int = 1):
     return parse
 
 
-def _positive_float(flag: str):
+def _timeout(flag: str):
+    """A timeout flag's parser: a number, held to the frontend's rule for timeouts."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"{flag} must be a positive number of seconds, got {text!r}")
-        return value
+        try:
+            return checked_timeout(flag, value)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
     return parse
 

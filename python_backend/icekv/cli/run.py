@@ -133,7 +133,7 @@ def _cmd_demo(args) -> int:
                 text += piece
                 print(piece, end="", flush=True)
         verdict = "correct" if sample.score(text) == 1 else "WRONG"
-        print(f"\nexpected: {sample.answers[0]} -> {verdict}")
+        print(f"\nexpected: {sample.question.answers[0]} -> {verdict}")
         print(
             f"policy {final.policy} (budget {final.budget} tokens per layer per KV head): "
             f"{final.prompt_tokens} prompt + {final.new_tokens} new tokens; KV cache "

@@ -48,15 +48,13 @@ class Sample:
     """A context with one question, as one prompt."""
 
     task: str
-    prompt: str
-    answers: tuple[str, ...]  # every one must appear in the output
+    prompt: str  # ends with the question's text
+    question: Question
     depths: tuple[float, ...]
     prompt_tokens: int
-    keys: tuple[str, ...] = ()  # recall_all: each answer's key (Question.keys)
-    final: bool = False  # cot_arith: only the output's final number counts (Question.final)
 
     def score(self, output: str) -> float:
-        return Question(self.prompt, self.answers, keys=self.keys, final=self.final).score(output)
+        return self.question.score(output)
 
 
 class HaystackSampler:
@@ -76,9 +74,7 @@ class HaystackSampler:
             return self._passkey(length, random.Random(seed), depth)
         c = self.make_context(task, length, seed, 1, depth, num_needles, num_values)
         prompt = c.context + c.questions[0].text
-        asked = c.questions[0]
-        return Sample(task, prompt, asked.answers, c.depths, len(self.tokenizer.encode(prompt)), asked.keys,
-                      asked.final)
+        return Sample(task, prompt, c.questions[0], c.depths, len(self.tokenizer.encode(prompt)))
 
     def make_context(self, task: str, length: int, seed: int, questions: int = 1, depth: float | None = None,
                      num_needles: int = 1, num_values: int = 1, num_hops: int = 4,
@@ -154,7 +150,8 @@ class HaystackSampler:
         n = max(int((length - fixed) / per_filler), 1)
         at = round(n * depth)
         prompt = PASSKEY_PREAMBLE + PASSKEY_FILLER * at + needle + PASSKEY_FILLER * (n - at) + PASSKEY_QUESTION
-        return Sample("passkey", prompt, (value,), (depth,), len(self.tokenizer.encode(prompt)))
+        tokens = len(self.tokenizer.encode(prompt))
+        return Sample("passkey", prompt, Question(PASSKEY_QUESTION, (value,)), (depth,), tokens)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,11 @@ class OpenAIConfig:
         if self.max_stop_sequences < 0:
             raise ConfigError(f"max_stop_sequences must be >= 0, got {self.max_stop_sequences}")
         for name in ("idle_timeout_s", "request_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < math.inf:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+            checked_timeout(name, getattr(self, name))
+
+
+def checked_timeout(name: str, value: float | None) -> float | None:
+    """The rule for a timeout: a positive, finite number of seconds, or None (no limit)."""
+    if value is not None and not 0 < value < math.inf:
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+    return value
