@@ -2,6 +2,8 @@
 every layer's K/V of its prompt, a budgeted decode far less. Run on the CPU by telling the engine
 its pool is not where attention runs, with a real random-weight model."""
 
+from dataclasses import replace
+
 import pytest
 
 from icekv.config.engine import EngineConfig, SchedulerConfig
@@ -79,7 +81,11 @@ def test_full_attention_holds_what_its_estimate_says(monkeypatch):
 
 def test_a_request_that_could_never_fit_the_device_is_refused(monkeypatch):
     engine = _engine(monkeypatch, 1 << 20)
-    with pytest.raises(IcekvError, match=r"needs ~\d+ MiB of device memory .* above max_device_bytes \(1 MiB\)"):
+    with pytest.raises(IcekvError, match=r"needs ~\d+ MiB of device memory .* above max_device_bytes \(1 MiB\)"
+                                         r": shorten the prompt, or compress it as a context"):
+        engine.submit(PROMPT, SAMPLING, SPARSE)
+    monkeypatch.setattr(engine.kv, "args", replace(engine.model.args, sliding_window=64, local_layers=(0,)))
+    with pytest.raises(IcekvError, match=r"MiB\): shorten the prompt$"):  # a windowed model takes no contexts
         engine.submit(PROMPT, SAMPLING, SPARSE)
     short = engine.run(engine.submit(PROMPT[:40], SAMPLING, SPARSE))  # a short one is served
     assert len(short.token_ids) == 8
