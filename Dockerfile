@@ -18,11 +18,11 @@ COPY pyproject.toml README.md ./
 COPY python_backend ./python_backend
 COPY model_repository ./model_repository
 
-# torch first (CUDA build matching the image), then icekv with its serving, store and converter extras
+# torch first (CUDA build matching the image), then icekv with its serving, store, KV-events and converter extras
 # (DL3013: "." is this project; its dependency ranges are in pyproject.toml).
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
- && pip install --no-cache-dir ".[serve,store,convert]" \
+ && pip install --no-cache-dir ".[serve,store,kv-events,convert]" \
  && mkdir -p "${ICEKV_CACHE}" \
  && chown icekv:icekv "${ICEKV_CACHE}"
 

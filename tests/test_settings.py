@@ -53,10 +53,13 @@ def test_the_configmap_holds_the_settings_marked_for_it_and_deployment_passes_ea
             assert f"{setting.cli_flag}=$({setting.configmap_key})" in deployment, setting.name
 
 
+UNSET_EXAMPLES = {"kv_events_endpoint": "tcp://*:5557"}  # settings none by default where "1" is no value
+
+
 def test_every_setting_is_a_serve_flag_that_becomes_its_triton_parameter():
     argv = ["serve"]
     for setting in SETTINGS:
-        unset = choices(setting)[0] if choices(setting) else "1"  # a value for the settings whose default is none
+        unset = choices(setting)[0] if choices(setting) else UNSET_EXAMPLES.get(setting.name, "1")  # default none
         if setting.name != "model_dir":
             argv += [setting.cli_flag, str(setting.default() if setting.default() is not None else unset)]
     params = _serving_parameters(build_parser().parse_args(argv))

@@ -33,6 +33,9 @@ class CompressionConfig:
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral")  # icekv.serving.tool_formats
 
 
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """The Triton model's settings: the engine plus request admission limits.
@@ -52,6 +55,8 @@ class ServingConfig:
     max_input_bytes: int = 4 << 20  # text_input, messages or context: larger ones are refused before tokenizing
     max_cache_retention_s: float = 600.0  # the longest cache_retention_s a request may ask
     prefix_cache_spill: bool = False  # the prefix cache's pages also written to the store, read back on a miss
+    kv_events_endpoint: str | None = None  # ZMQ endpoint of the prefix cache's page events (vLLM's format); None: off
+    kv_events_topic: str = ""  # their topic
     tool_format: str = "auto"  # TOOL_FORMATS: how the model writes tool calls (auto: read off its chat template)
 
     def __post_init__(self) -> None:
@@ -59,7 +64,11 @@ class ServingConfig:
             raise ConfigError(f"tool_format must be one of {', '.join(TOOL_FORMATS)}, got {self.tool_format!r}")
         if self.prefix_cache_spill and not self.store:
             raise ConfigError("prefix_cache_spill needs a store (store: a directory or redis://...)")
-        if self.prefix_cache_spill and not self.engine.paging.prefix_cache:
-            raise ConfigError("prefix_cache_spill needs the prefix cache (prefix_cache true)")
+        if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(ZMQ_TRANSPORTS):
+            raise ConfigError(f"kv_events_endpoint must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH), "
+                              f"got {self.kv_events_endpoint!r}")
+        for name in ("prefix_cache_spill", "kv_events_endpoint"):
+            if getattr(self, name) and not self.engine.paging.prefix_cache:
+                raise ConfigError(f"{name} needs the prefix cache (prefix_cache true)")
         if not (1 <= self.default_max_tokens <= self.max_tokens_limit):
             raise ConfigError("default_max_tokens must be in 1..max_tokens_limit")

@@ -159,6 +159,11 @@ SETTINGS = (
     Setting("prefix_cache_spill", ("prefix_cache_spill",), "write the prefix cache's KV pages to `store` as "
             "they are cached, and read them back when a prompt's pages were evicted or cached by another process "
             "(a restart, a replica over the same store); needs `store`", bool, configmap=True),
+    Setting("kv_events_endpoint", ("kv_events_endpoint",), "publish the prefix cache's page events (cached, "
+            "evicted) in vLLM's KV-events format on this ZMQ endpoint, for prefix-aware routers (llm-d's KV-cache "
+            "indexer, Dynamo's KV router): `tcp://*:5557` binds, `tcp://host:port` connects", str,
+            default_doc="none (off)"),
+    Setting("kv_events_topic", ("kv_events_topic",), "the topic of those events", str, default_doc="empty"),
     Setting("store_max_bytes", ("store_max_bytes",), "context store size limit, bytes", least=0,
             default_doc="8 GiB"),
     Setting("max_compress_tokens", ("compression.max_compress_tokens",), "longest context a request may have the server "

@@ -9,7 +9,9 @@ needs room, then are evicted oldest first: a running request never loses a page.
 ask that its pages outlast others for a while (retention, a soft priority as TensorRT-LLM's and
 SGLang's): idle pages still retained go only when no other idle page is left, and that is counted.
 With a lower tier (:mod:`icekv.kv.prefix_tier`), pages are also written below as they are cached,
-and a chain that reaches a page the pool no longer holds reads it back from there.
+and a chain that reaches a page the pool no longer holds reads it back from there. A listener
+(``events``: :class:`PageEvents`) hears each page cached and each evicted, for the routers that
+track where prefixes are (:mod:`icekv.serving.kv_events`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from collections import OrderedDict
 from itertools import islice
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -32,6 +34,15 @@ def page_keys(model_id: str, ids: list[int], page_size: int) -> list[bytes]:
         parent = hashlib.blake2b(parent + page.tobytes(), digest_size=16).digest()
         keys.append(parent)
     return keys
+
+
+class PageEvents(Protocol):
+    def stored(self, key: bytes, parent: bytes | None, token_ids: list[int]) -> None:
+        """The page of prefix ``key`` (its tokens ``token_ids``, following prefix ``parent``; None:
+        the first page) is cached."""
+
+    def removed(self, keys: list[bytes]) -> None:
+        """The pages of these prefixes left the cache."""
 
 
 @dataclass
@@ -58,6 +69,7 @@ class PrefixCache:
         self._retained: dict[int, float] = {}  # cached page -> the clock time its retention ends
         self.stats = PrefixCacheStats()
         self.lower = None  # a PrefixTier: pages written below as they are cached, read back on a miss
+        self.events: PageEvents | None = None
 
     @property
     def pages(self) -> int:
@@ -73,13 +85,15 @@ class PrefixCache:
         """The pages of the longest cached prefix of ``ids`` within ``most_tokens`` tokens, now held
         by the caller (hand them back with :meth:`release`)."""
         pages = []
-        for key in page_keys(self.model_id, ids[:most_tokens], self.page_size):
+        keys = page_keys(self.model_id, ids[:most_tokens], self.page_size)
+        for i, key in enumerate(keys):
             page = self._page_of.get(key)
             if page is None and self.lower is not None:
                 page = self.lower.fetch(key)  # may evict idle pages for room: the ones held so far are not
                 if page is not None:
                     self._page_of[key], self._key_of[page], self._refs[page] = page, key, 0
                     self.stats.reloaded_pages += 1
+                    self._stored(keys, ids, i)
             if page is None:
                 break
             self._refs[page] += 1
@@ -107,14 +121,17 @@ class PrefixCache:
         seconds. Returns the pages not kept, to be freed: a partial last one, and duplicates of a
         prefix another request cached first (whose copy is retained instead)."""
         keys = page_keys(self.model_id, ids, self.page_size)
-        dropped = list(pages[max(len(keys), first):])
-        for key, page in reversed(list(zip(keys, pages))[first:]):  # the tail evicted first, as in release
+        dropped, cached = list(pages[max(len(keys), first):]), []
+        for i, (key, page) in reversed(list(enumerate(zip(keys, pages)))[first:]):  # the tail evicted first
             if key in self._page_of:
                 dropped.append(page)
                 continue
             self._page_of[key], self._key_of[page], self._refs[page] = page, key, 0
             self._idle[page] = None
             self._keep_below(key, page)
+            cached.append(i)
+        for i in reversed(cached):  # heard in prefix order: each page's parent first
+            self._stored(keys, ids, i)
         self._retain([self._page_of[key] for key in keys[first:]], retention_s)
         return dropped
 
@@ -131,17 +148,24 @@ class PrefixCache:
         pages it holds from the cache now."""
         keys = page_keys(self.model_id, ids, self.page_size)
         held = first
-        for key, page in list(zip(keys, pages))[first:]:
+        for i, (key, page) in list(enumerate(zip(keys, pages)))[first:]:
             if key in self._page_of:
                 break
             self._page_of[key], self._key_of[page], self._refs[page] = page, key, 1
             self._keep_below(key, page)
+            self._stored(keys, ids, i)
             held += 1
         return held
 
     def _keep_below(self, key: bytes, page: int) -> None:
         if self.lower is not None:
             self.lower.keep(key, page)
+
+    def _stored(self, keys: list[bytes], ids: list[int], i: int) -> None:
+        """Page ``i`` of the chain ``keys`` (over ``ids``) is cached now: the listener hears it."""
+        if self.events is not None:
+            P = self.page_size
+            self.events.stored(keys[i], keys[i - 1] if i else None, list(ids[i * P:(i + 1) * P]))
 
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
@@ -153,9 +177,12 @@ class PrefixCache:
         self._retained = {page: until for page, until in self._retained.items() if until > now}
         plain = list(islice((page for page in self._idle if page not in self._retained), n))
         out = plain + list(islice((page for page in self._idle if page in self._retained), n - len(plain)))
-        for page in out:
-            del self._idle[page], self._page_of[self._key_of.pop(page)], self._refs[page]
+        keys = [self._key_of[page] for page in out]
+        for page, key in zip(out, keys):
+            del self._idle[page], self._page_of[key], self._key_of[page], self._refs[page]
             self._retained.pop(page, None)
+        if self.events is not None and keys:
+            self.events.removed(keys)
         self.stats.evictions += len(out)
         self.stats.retained_evictions += len(out) - len(plain)
         return out

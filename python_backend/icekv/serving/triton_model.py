@@ -236,6 +236,7 @@ class TritonModel:
         self.loop = EngineLoop(lambda: Engine(self.cfg.engine), on_tick=self.metrics.update,
                                make_contexts=self._contexts)
         self.engine = self.loop.engine
+        self.kv_events = self._kv_events()
         template = self.engine.chat_template.source if self.engine.chat_template else None
         self.tool_calls = ModelToolCalls(tool_format(self.cfg.tool_format, template), self.engine.tokenizer.token_id)
         self.engine.tokenizer.keep_in_text(self.tool_calls.format.markup)  # before any request decodes
@@ -285,6 +286,21 @@ class TritonModel:
         return ContextService(engine, store, engine.kv.context_limit, self.cfg.compression.max_compress_tokens,
                               {"kv2": parse_settings("kv2", self.cfg.compression.kv2)})
 
+    def _kv_events(self):
+        """With ``kv_events_endpoint``: a publisher of the prefix cache's page events, listening to it."""
+        if not self.cfg.kv_events_endpoint:
+            return None
+        from icekv.serving.kv_events import KVEventPublisher
+
+        cache = self.engine.cache
+        publisher = KVEventPublisher(self.cfg.kv_events_endpoint, self.cfg.kv_events_topic, cache.page_size,
+                                     "GPU" if cache.pool.device.type == "cuda" else "CPU")
+        cache.prefix.events = publisher  # the engine has served nothing yet
+        log.warning("icekv: prefix cache page events on %s", publisher.endpoint)
+        return publisher
+
     def finalize(self) -> None:
         self.loop.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.metrics.close()
