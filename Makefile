@@ -11,6 +11,9 @@ STAMP   := $(VENV)/.installed
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 PYTEST_ARGS ?=
+# test processes (pytest-xdist; 0: one process). Each test file runs whole in one of them, so its
+# module fixtures (servers, engines) start once.
+TEST_WORKERS ?= 2
 
 .PHONY: setup setup-vllm fetch demo serve test test-all bench-eval bench-serving bench-decode clean
 
@@ -53,10 +56,10 @@ bench-decode: fetch
 	bash bench/decode_bench.sh
 
 test: fetch setup-vllm
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-all: fetch setup-vllm
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
