@@ -180,8 +180,9 @@ def built_schema(data: bytes) -> dict:
     draw = atheris.FuzzedDataProvider(data)
 
     def value():
-        return draw.PickValueInList([draw.ConsumeUnicodeNoSurrogates(4), draw.ConsumeIntInRange(-9, 9),
-                                     draw.ConsumeBool(), None, draw.ConsumeRegularFloat()])
+        kind = draw.ConsumeIntInRange(0, 4)
+        return (draw.ConsumeUnicodeNoSurrogates(4) if kind == 0 else draw.ConsumeIntInRange(-9, 9) if kind == 1
+                else draw.ConsumeBool() if kind == 2 else None if kind == 3 else draw.ConsumeRegularFloat())
 
     def node(depth: int) -> dict:
         kind = draw.ConsumeIntInRange(0, 11) if depth < 4 else draw.ConsumeIntInRange(0, 2)
@@ -244,7 +245,7 @@ def fuzz(name: str, corpus: Path, seconds: int, runs: int, crashes: Path) -> dic
     """Fuzz one target for ``seconds`` or ``runs`` executions, in child processes of at most
     ``CHILD_RUNS`` executions each over the one corpus (an instrumented process's memory grows with
     its executions); stops at the first crash."""
-    t0, executions, child_runs = time.monotonic(), 0, 0
+    t0, executions, child_runs, run = time.monotonic(), 0, 0, None
     while True:
         left_s = seconds - (time.monotonic() - t0)
         todo = CHILD_RUNS if runs < 0 else min(CHILD_RUNS, runs - executions)
@@ -257,9 +258,10 @@ def fuzz(name: str, corpus: Path, seconds: int, runs: int, crashes: Path) -> dic
         child_runs += 1
         if run.returncode:
             break
+    failed = run is not None and run.returncode != 0
     return {"seconds": round(time.monotonic() - t0), "executions": executions, "processes": child_runs,
-            "exit_code": run.returncode, "crashed": run.returncode != 0,
-            "corpus_files": len(os.listdir(corpus)), "tail": run.stderr[-3000:] if run.returncode else ""}
+            "exit_code": run.returncode if run else None, "crashed": failed,
+            "corpus_files": len(os.listdir(corpus)), "tail": run.stderr[-3000:] if failed else ""}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -56,6 +56,8 @@ def test_generate_chat_applies_the_template(smollm2_dir, tmp_path):
         (["serve", "--router", "nearest"], "invalid choice: 'nearest'"),
         (["serve", "--router", "cache_aware", "--grpc-port", "9001"], "--grpc-port is not used with --router"),
         (["serve", "--router", "round_robin", "--openai-port", "9000"], "--openai-port is not used with --router"),
+        (["serve", "--router", "cache_aware", "--kv-events-endpoint", "tcp://*:5557"],
+         "--kv-events-endpoint is not used with --router"),
         (["serve", "--idle-timeout-s", "soon"], "--idle-timeout-s must be a number, got 'soon'"),
         (["serve", "--request-timeout-s", "0"], "--request-timeout-s must be a positive number of seconds, got 0.0"),
         (["serve", "--request-timeout-s", "nan"], "--request-timeout-s must be a positive number of seconds, got nan"),

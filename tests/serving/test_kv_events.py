@@ -98,7 +98,8 @@ def test_is_bind_endpoint_follows_vllms_rule():
     from icekv.serving.kv_events import is_bind_endpoint
 
     assert is_bind_endpoint("tcp://*:5557") and is_bind_endpoint("tcp://[::]:5557")
-    assert is_bind_endpoint("ipc:///tmp/kv") and not is_bind_endpoint("tcp://10.0.0.2:5557")
+    assert is_bind_endpoint("tcp://0.0.0.0:5557") and is_bind_endpoint("ipc:///tmp/kv")
+    assert not is_bind_endpoint("tcp://10.0.0.2:5557") and not is_bind_endpoint("tcp://10.0.0.0:5557")
 
 
 def test_cached_and_evicted_pages_are_heard_in_chain_order(published):
@@ -118,17 +119,21 @@ def test_cached_and_evicted_pages_are_heard_in_chain_order(published):
     assert [e.parent_block_hash for e in stored] == [None, keys[0], keys[1]]
     assert [e.token_ids for e in stored] == [ids[i * P:(i + 1) * P] for i in range(3)]
     assert {(e.block_size, e.medium) for e in stored} == {(P, "CPU")}
-    removed = events[4]
-    assert sorted(removed.block_hashes) == sorted(keys[3 - len(evicted):]) and len(evicted) == 2  # the tail first
+    assert events[4].block_hashes == [keys[2], keys[1]] and evicted == [9, 8]  # a chain's tail goes first
 
 
-def test_pages_published_while_their_request_runs_are_heard(published):
+def test_pages_published_while_their_request_runs_are_heard_once(published):
     cache, publisher, subscriber = published
-    ids = list(range(7, 7 + 2 * P))
+    ids = list(range(7, 7 + 3 * P))
     keys = page_keys("model", ids, P)
-    assert cache.publish(ids, [3, 4], 0) == 2  # a running request's final pages
-    messages = subscriber.until(lambda m: sum(len(_events([x])) for x in m) >= 3)
-    assert [e.block_hashes for e in _events(messages)[1:]] == [[keys[0]], [keys[1]]]
+    assert cache.publish(ids[:2 * P], [3, 4], 0) == 2  # a running request's final pages
+    cache.insert(ids, [3, 4, 5], first=2)  # it ends: only its third page is new
+    cache.insert(ids, [6, 7, 8])  # another request with the same tokens: nothing new
+    subscriber.until(lambda m: sum(len(_events([x])) for x in m) >= 4)
+    time.sleep(1.2)  # two more periods: anything else would have been sent
+    events = _events(subscriber.messages)
+    assert [e.block_hashes for e in events[1:]] == [[keys[0]], [keys[1]], [keys[2]]]
+    assert events[3].parent_block_hash == keys[1] and events[3].token_ids == ids[2 * P:]
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: `make setup-vllm` makes it")

@@ -267,7 +267,11 @@ def test_the_killed_replica_starts_again_and_serves(fleet, store_url, essays_tex
     events = supervisor.poll()
     dead = [r for r in replicas if any(r.url in e for e in events)]
     assert len(dead) == 1 and "stopped" in events[0] and supervisor.serving == 1
-    events = supervisor.poll()
+    events, deadline = [], time.monotonic() + WAIT_S
+    while not events:  # its start runs on a thread; the polls see it end
+        assert time.monotonic() < deadline, "the replica did not start again"
+        time.sleep(0.5)
+        events = supervisor.poll()
     assert events == [f"replica {dead[0].url} started again"] and supervisor.serving == 2
     assert dead[0].exited() is None
     deadline = time.monotonic() + 30

@@ -225,7 +225,11 @@ def _serve_replicas(args, params: dict, stop) -> int:
         if value is not None:
             raise IcekvError(f"{flag} is not used with --router: each replica takes free loopback ports, the "
                              "router serves the OpenAI API on --http-port")
+    if params.get("kv_events_endpoint"):
+        raise IcekvError("--kv-events-endpoint is not used with --router: the gateway routes by what it has sent "
+                         "each replica; run the replicas one by one for a router that reads page events")
     replicas = [Replica(params, args.idle_timeout_s, args.request_timeout_s, index=i) for i in range(args.replicas)]
+    supervisor = ReplicaSupervisor(replicas)
     router = None
     try:
         for replica in replicas:
@@ -234,7 +238,6 @@ def _serve_replicas(args, params: dict, stop) -> int:
         urls = ", ".join(r.url for r in replicas)
         print(f"icekv serving: OpenAI API http://{args.host}:{args.http_port}/v1 through the SGLang Model Gateway "
               f"({args.router}) over {args.replicas} replicas: {urls}", file=sys.stderr)
-        supervisor = ReplicaSupervisor(replicas)
         while not stop.wait(1.0):
             if router.process.poll() is not None:
                 raise IcekvError(f"the router exited with {router.process.returncode}:\n{router.log_tail()}")
@@ -243,6 +246,5 @@ def _serve_replicas(args, params: dict, stop) -> int:
     finally:
         if router is not None:
             router.stop()
-        for replica in replicas:
-            replica.stop()
+        supervisor.close()
     return 0

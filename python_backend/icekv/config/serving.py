@@ -33,7 +33,7 @@ class CompressionConfig:
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral")  # icekv.serving.tool_formats
 
 
-ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+ZMQ_TRANSPORTS = ("tcp://", "ipc://")  # ones another process reaches
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class KVCacheManager:
             raise IcekvError(f"the compressed context takes {charge.context_bytes / MIB:.0f} MiB, above "
                              f"max_context_bytes ({self.context_limit / MIB:.0f} MiB)")
         if self.device_limit is not None and charge.device_need.most > self.device_limit:
-            remedy = "" if self.args.local_layers else ", or compress it as a context"  # none for windowed models
+            remedy = ", or compress it as a context" if self.args.takes_contexts else ""
             raise IcekvError(
                 f"this request needs ~{charge.device_need.most / MIB:,.0f} MiB of device memory (its prefill keeps "
                 f"every layer's K/V of the prompt there), above max_device_bytes ({self.device_limit / MIB:,.0f} "

@@ -95,6 +95,12 @@ class ModelArgs:
         return tuple(i for i in range(self.num_layers) if i not in self.local_layers)
 
     @property
+    def takes_contexts(self) -> bool:
+        """Can it attend a compressed context? Those keep tokens across every layer's whole
+        context, which a sliding-window layer does not attend."""
+        return not self.local_layers
+
+    @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """:meth:`window` of every layer, in order (what the KV cache reads its layers by)."""
         return tuple(self.window(i) for i in range(self.num_layers))

@@ -5,7 +5,7 @@ Each message has three frames: the topic, a sequence number (8 bytes, big-endian
 process) and a msgpack batch ``[ts, [event, ...]]``. An event is a map tagged by its ``type``:
 ``BlockStored`` (one page: its chain key as ``block_hashes``, its parent's key, its tokens, the
 page size), ``BlockRemoved`` (evicted keys) or ``AllBlocksCleared``, sent first, since a new process
-holds nothing. A page's key is icekv's own chain hash (16 bytes); consumers that key prefixes by
+holds nothing (only subscribers already connected hear it: there is no replay). A page's key is icekv's own chain hash (16 bytes); consumers that key prefixes by
 their tokens read ``token_ids`` and ``parent_block_hash``. Events are gathered on the engine's
 thread and sent in one batch every ``period_s`` by a thread of their own, which alone uses the
 socket.
@@ -13,12 +13,15 @@ socket.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from itertools import count
 
 import msgspec
 import zmq
+
+log = logging.getLogger(__name__)
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
@@ -46,8 +49,9 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
-    """A wildcard host or an ipc/inproc path is bound; any other address is connected to (vLLM's rule)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """A wildcard host (``*``, ``::``, ``0.0.0.0``) or an ipc path is bound; any other address is
+    connected to (vLLM's rule, with ``0.0.0.0`` bound too)."""
+    return any(w in endpoint for w in ("*", "::", "//0.0.0.0:")) or endpoint.startswith("ipc://")
 
 
 class KVEventPublisher:
@@ -92,8 +96,10 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            self._socket.getsockopt(zmq.EVENTS)  # the socket takes in new subscribers now, not at the next send
-            self._send()
+            try:
+                self._send()
+            except Exception:  # a batch lost, not the ones after it
+                log.exception("publishing KV events failed")
 
     def _send(self) -> None:
         with self._lock:

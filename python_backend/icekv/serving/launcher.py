@@ -193,7 +193,7 @@ class TritonServer:
         install = TritonInstall.find(self._work)
         repo = self.model_repository or write_model_repository(self._work / "models", self.parameters)
         log_path = self.log_path or self._work / "tritonserver.log"
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "ab")  # a restarted server's log follows its predecessor's
         self.process = subprocess.Popen(
             self.command(install, repo), env=self.environment(install), stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -15,9 +15,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from icekv.errors import ConfigError
 from icekv.serving.launcher import ServerError, TritonServer, answers_in_time, free_port, stop_process_group
@@ -42,6 +44,7 @@ class Replica:
     port: int = 0  # the frontend's; 0: pick a free one
     server: TritonServer | None = field(default=None, init=False)
     frontend: OpenAIFrontendProcess | None = field(default=None, init=False)
+    closed: bool = field(default=False, init=False)  # set by close(): a start under way stops what it started
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
@@ -57,11 +60,13 @@ class Replica:
         self.frontend = OpenAIFrontendProcess(OpenAIConfig(
             triton_grpc_url=self.server.grpc_url, triton_metrics_url=self.server.metrics_url, port=self.port,
             idle_timeout_s=self.idle_timeout_s, request_timeout_s=self.request_timeout_s), log_path=logs["frontend"])
-        self.server.start()
         try:
-            self.frontend.start()
+            for part in (self.server, self.frontend):
+                part.start()
+                if self.closed:
+                    raise ServerError("the replica set is stopping")
         except BaseException:
-            self.server.stop()
+            self.stop()
             raise
         return self
 
@@ -75,64 +80,107 @@ class Replica:
                 return f"{name} exited with {process.returncode}"
         return None
 
+    def log_tail(self, n: int = 3) -> str:
+        """The last ``n`` lines tritonserver wrote (empty before a start)."""
+        return self.server.log_tail(n) if self.server is not None else ""
+
     def stop(self) -> None:
         if self.frontend is not None:
             self.frontend.stop()
         if self.server is not None:
             self.server.stop()
 
+    def close(self) -> None:
+        """Stop for good, a start under way included."""
+        self.closed = True
+        self.stop()
+
+
+@dataclass
+class _Watch:
+    """What the supervisor knows of one replica."""
+
+    replica: Replica
+    up_since: float  # when it last came up
+    delay_s: float = 0.0  # the wait before its last start
+    due_at: float | None = None  # stopped, to start at this time
+    starting: threading.Thread | None = None  # a start under way
+    start_error: str | None = None  # how the last start failed
+
 
 @dataclass
 class ReplicaSupervisor:
     """Starts again each replica whose process exits, on its own port, so that the router's health
-    check takes it back once it answers. A replica that stops within ``stable_s`` of its start
-    waits twice as long as the last time before the next start (``first_delay_s`` up to
-    ``max_delay_s``), as Kubernetes backs off a crash loop; one that ran longer starts again after
-    ``first_delay_s``."""
+    check takes it back once it answers. A replica that stops within ``stable_s`` of coming up (or
+    fails to come up) waits twice as long as the last time before its next start
+    (``first_delay_s`` up to ``max_delay_s``), as Kubernetes backs off a crash loop; one that ran
+    longer starts again after ``first_delay_s``. A start runs on a thread of its own, so the
+    caller keeps watching the rest and its signals meanwhile."""
 
     replicas: list[Replica]
     first_delay_s: float = 1.0
     max_delay_s: float = 60.0
     stable_s: float = 60.0
-    _started_at: list[float] = field(default_factory=list, init=False)
-    _delay_s: list[float] = field(default_factory=list, init=False)
-    _due_at: list[float | None] = field(default_factory=list, init=False)  # None: running
+    clock: Callable[[], float] = time.monotonic
+    _watches: list[_Watch] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        now = time.monotonic()
-        self._started_at = [now for _ in self.replicas]
-        self._delay_s = [0.0 for _ in self.replicas]
-        self._due_at = [None for _ in self.replicas]
+        self._watches = [_Watch(replica, self.clock()) for replica in self.replicas]
 
-    def poll(self, now: float | None = None) -> list[str]:
-        """Notice stopped replicas and start those whose wait is over (a start blocks until the
-        replica answers or fails). Returns what happened, a line each, for the operator."""
-        now = time.monotonic() if now is None else now
+    def poll(self) -> list[str]:
+        """Notice stopped replicas, start those whose wait is over, and see how the starts under
+        way ended. Returns what happened, a line each, for the operator."""
         events = []
-        for i, replica in enumerate(self.replicas):
-            if self._due_at[i] is None:
-                if (why := replica.exited()) is None:
+        for watch in self._watches:
+            url, now = watch.replica.url, self.clock()
+            if watch.starting is not None:
+                if watch.starting.is_alive():
                     continue
-                crashed_soon = now - self._started_at[i] < self.stable_s
-                self._delay_s[i] = (min(self.max_delay_s, 2 * self._delay_s[i] or self.first_delay_s)
-                                    if crashed_soon else self.first_delay_s)
-                self._due_at[i] = now + self._delay_s[i]
-                replica.stop()
-                events.append(f"replica {replica.url} stopped ({why}); starting it again in "
-                              f"{self._delay_s[i]:.0f} s")
-            elif now >= self._due_at[i]:
-                self._due_at[i], self._started_at[i] = None, now
-                try:
-                    replica.start()
-                    events.append(f"replica {replica.url} started again")
-                except (ServerError, OSError) as e:  # seen as stopped at the next poll
-                    events.append(f"replica {replica.url} did not start: {str(e).splitlines()[0]}")
+                watch.starting = None
+                if watch.start_error is None:
+                    watch.up_since = now
+                    events.append(f"replica {url} started again")
+                else:
+                    events.append(f"replica {url} did not start ({watch.start_error}); starting it again in "
+                                  f"{self._wait(watch, now, soon=True):.0f} s")
+            elif watch.due_at is None:
+                if (why := watch.replica.exited()) is None:
+                    continue
+                tail = "".join(f"\n  {line}" for line in watch.replica.log_tail().splitlines() if line.strip())
+                watch.replica.stop()
+                events.append(f"replica {url} stopped ({why}){tail}\nstarting it again in "
+                              f"{self._wait(watch, now, soon=now - watch.up_since < self.stable_s):.0f} s")
+            elif now >= watch.due_at:
+                watch.due_at, watch.start_error = None, None
+                watch.starting = threading.Thread(target=self._start, args=(watch,), daemon=True)
+                watch.starting.start()
         return events
+
+    def _wait(self, watch: _Watch, now: float, soon: bool) -> float:
+        """Schedules the replica's next start; returns the wait."""
+        watch.delay_s = min(self.max_delay_s, 2 * watch.delay_s or self.first_delay_s) if soon else self.first_delay_s
+        watch.due_at = now + watch.delay_s
+        return watch.delay_s
+
+    @staticmethod
+    def _start(watch: _Watch) -> None:
+        try:
+            watch.replica.start()
+        except Exception as e:  # ServerError, OSError: reported by the next poll
+            watch.start_error = (str(e).splitlines() or [type(e).__name__])[0]
 
     @property
     def serving(self) -> int:
-        """How many replicas are up (started and not seen stopped)."""
-        return sum(due is None for due in self._due_at)
+        """How many replicas are up (neither stopped nor starting)."""
+        return sum(w.due_at is None and w.starting is None for w in self._watches)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop every replica, the ones starting too."""
+        for watch in self._watches:
+            watch.replica.close()
+        for watch in self._watches:
+            if watch.starting is not None:
+                watch.starting.join(timeout_s)
 
 
 @dataclass

@@ -22,9 +22,8 @@ from icekv.model import ModelArgs
 
 
 def check_contexts_allowed(args: ModelArgs) -> None:
-    """Compressed contexts keep tokens across every layer's whole context: a model whose layers
-    attend a sliding window is refused them (ConfigError)."""
-    if args.local_layers:
+    """ConfigError for a model that cannot attend a compressed context (:attr:`ModelArgs.takes_contexts`)."""
+    if not args.takes_contexts:
         raise ConfigError(f"compressed contexts are not supported for a model with sliding-window layers "
                           f"({len(args.local_layers)} of {args.num_layers} attend {args.sliding_window} tokens)")
 
