@@ -35,7 +35,7 @@ from pathlib import Path
 KEY = "0" * 64
 MODEL_ID = "fuzz-model"
 TOOL_NAMES = ("get_weather", "lookup")
-CHILD_RUNS = 100_000  # executions per fuzzing process
+CHILD_RUNS = 25_000  # executions per fuzzing process: an instrumented one grows by tens of KB an execution
 
 
 def _real_context():
@@ -278,16 +278,17 @@ def main(argv: list[str] | None = None) -> None:
 
     out = Path(args.out)
     (out / "crashes").mkdir(parents=True, exist_ok=True)
-    results = {}
+    saved = out / "results.json"
+    results = json.loads(saved.read_text())["targets"] if saved.exists() else {}  # other targets' last runs
     for name in args.targets.split(","):
         corpus = Assets().cache_dir / "fuzz-corpus" / name
         corpus.mkdir(parents=True, exist_ok=True)
         for i, seed in enumerate(TARGETS[name]().seeds()):
             (corpus / f"seed-{i}").write_bytes(seed)
-        results[name] = fuzz(name, corpus, args.seconds, args.runs, out / "crashes")
+        command = " ".join([Path(sys.executable).name, *sys.argv])
+        results[name] = {"command": command, **fuzz(name, corpus, args.seconds, args.runs, out / "crashes")}
         print(name, {k: v for k, v in results[name].items() if k != "tail"}, flush=True)
-        command = " ".join([Path(sys.executable).name, *sys.argv])  # written as each target ends
-        (out / "results.json").write_text(json.dumps({"command": command, "targets": results}, indent=1) + "\n")
+        saved.write_text(json.dumps({"targets": results}, indent=1) + "\n")  # as each target ends
 
 
 if __name__ == "__main__":
