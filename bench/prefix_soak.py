@@ -122,6 +122,17 @@ class Phase:
                 pass
             time.sleep(2)
 
+    def settled_metrics(self) -> dict:
+        """The metrics once the last request's counters have reached them (they are pushed on the
+        engine's ticks): two reads a second apart that agree."""
+        last = metrics(self.metrics_port)
+        while True:
+            time.sleep(1)
+            now = metrics(self.metrics_port)
+            if now == last:
+                return now
+            last = now
+
     def client(self, seed: int, convs: list[list[dict]], deadline: float) -> None:
         rng = random.Random(seed)
         while time.monotonic() < deadline:
@@ -181,7 +192,7 @@ class Phase:
 
     def run(self) -> dict:
         self.wait_ready()
-        before = metrics(self.metrics_port)
+        before = self.settled_metrics()
         convs = conversations(seed=7, document_words=self.args.document_words)
         deadline = time.monotonic() + self.args.minutes * 60
         threads = [threading.Thread(target=self.client, args=(i, convs, deadline)) for i in range(self.args.clients)]
@@ -194,7 +205,7 @@ class Phase:
         for _ in range(60):
             m = metrics(self.metrics_port)
             if all(m[name] == 0 for name in IDLE_ZERO):
-                idle = m
+                idle = self.settled_metrics()
                 break
             time.sleep(1)
         return self.check(before, idle)
