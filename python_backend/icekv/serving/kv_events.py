@@ -5,10 +5,10 @@ Each message has three frames: the topic, a sequence number (8 bytes, big-endian
 process) and a msgpack batch ``[ts, [event, ...]]``. An event is a map tagged by its ``type``:
 ``BlockStored`` (one page: its chain key as ``block_hashes``, its parent's key, its tokens, the
 page size), ``BlockRemoved`` (evicted keys) or ``AllBlocksCleared``, sent first, since a new process
-holds nothing (only subscribers already connected hear it: there is no replay). A page's key is icekv's own chain hash (16 bytes); consumers that key prefixes by
-their tokens read ``token_ids`` and ``parent_block_hash``. Events are gathered on the engine's
-thread and sent in one batch every ``period_s`` by a thread of their own, which alone uses the
-socket.
+holds nothing (only subscribers already connected hear it: there is no replay). A page's key is
+icekv's own chain hash (16 bytes); consumers that key prefixes by their tokens read ``token_ids``
+and ``parent_block_hash``. Events are gathered on the engine's thread and sent in one batch every
+``period_s`` by a thread of their own, which alone uses the socket.
 """
 
 from __future__ import annotations
