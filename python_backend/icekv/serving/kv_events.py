@@ -73,7 +73,6 @@ class KVEventPublisher:
         self._pending: list = [AllBlocksCleared()]
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._sequence, self._encoder = count(), msgspec.msgpack.Encoder()
-        self.batches_sent = 0
         self._thread = threading.Thread(target=self._run, name="icekv-kv-events", daemon=True)
         self._thread.start()
 
@@ -107,4 +106,3 @@ class KVEventPublisher:
         if events:
             payload = self._encoder.encode(EventBatch(time.time(), events))
             self._socket.send_multipart((self._topic, next(self._sequence).to_bytes(8, "big"), payload))
-            self.batches_sent += 1
