@@ -11,9 +11,9 @@ STAMP   := $(VENV)/.installed
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 PYTEST_ARGS ?=
-# test processes (pytest-xdist; 0: one process). Each test file runs whole in one of them, so its
-# module fixtures (servers, engines) start once.
-TEST_WORKERS ?= 2
+# test processes (pytest-xdist; 0: this one). Each file runs whole in one of them, so its module
+# fixtures (servers, engines) start once; on 2 cores two processes were no faster than one.
+TEST_WORKERS ?= 0
 
 .PHONY: setup setup-vllm fetch demo serve test test-all bench-eval bench-serving bench-decode clean
 
