@@ -1,4 +1,4 @@
-"""A conversation's next turn continues the page index its last turn left (icekv.engine.index_cache)
+"""A conversation's next turn continues the page index its last turn left (icekv.policies.index_cache)
 instead of building one over the whole conversation again, on the real model: the index is moved to
 the next turn and extended by insertion, and what it selects keeps as much of the real attention
 as an index built fresh over the same keys, within a stated bound."""
@@ -10,7 +10,7 @@ from icekv.config.engine import EngineConfig
 from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
-from icekv.engine.index_cache import IndexCache
+from icekv.policies.index_cache import IndexCache
 from icekv.policies import resolve
 
 pytestmark = pytest.mark.model

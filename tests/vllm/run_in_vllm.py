@@ -46,9 +46,13 @@ def main() -> None:
            "refused": refused(llm, params, TokensPrompt, first),
            "layouts": layouts()}
     # before the long requests evict the short ones' blocks from the cache
+    for xargs in (None, {"policy": "quest", "budget": 128}):  # their indexes, kept last: not the first to go
+        generate([first], xargs)
+    before = stats()
     shared = llm.generate([TokensPrompt(prompt_token_ids=prompts["extended"])], params(), use_tqdm=False)[0]
-    out["prefix_hit"] = {"cached": shared.num_cached_tokens, "tokens": shared.outputs[0].token_ids,
-                         "stats": stats()}
+    quest = generate([prompts["extended"]], {"policy": "quest", "budget": 128})[0]
+    out["prefix_hit"] = {"cached": shared.num_cached_tokens, "tokens": shared.outputs[0].token_ids, "quest": quest,
+                         "before": before, "stats": stats()}
     before = stats()
     together = generate(prompts["long"], max_tokens=96)
     out["preempted"] = {"together": together, "before": before, "stats": stats(),

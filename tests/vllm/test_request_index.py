@@ -7,6 +7,7 @@ import torch
 
 from icekv.config.selection import SelectionConfig
 from icekv.policies import resolve
+from icekv.policies.index_cache import KeptIndex
 from icekv.kernels.cpu_decode import block_rows_decode_cpu
 from icekv.vllm.request_index import BlockLayout, BlockRows, RequestIndex, attend_reference
 
@@ -103,6 +104,28 @@ def test_icecache_selects_per_kv_head_within_its_budget():
     attended = [p[p >= 0] for p in attended]
     assert all(len(p) <= index.plan.budget for p in attended)
     torch.testing.assert_close(out, _reference(q, keys, values, attended, D**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_a_continued_index_attends_as_the_request_that_kept_decoding_would():
+    """A request's index, released after its window moved, continued by a request whose tokens
+    start with its own: the next request attends what one request decoding on over the same rows
+    attends (the index's pages, their positions and the window's start carried over)."""
+    keys, values, cache, table = _cache(900)
+    plan, layers, g = resolve(SelectionConfig(policy="icecache", budget=128)), (2, 3), torch.Generator().manual_seed(4)
+    queries = [torch.randn(HKV * GROUP, D, generator=g) for _ in range(3)]
+    one, released = RequestIndex(plan), RequestIndex(plan)
+    for index in (one, released):
+        for length, q in zip((700, 760), queries):  # built at 700; pages join as the window moves
+            for layer in layers:
+                index.attend(layer, q, BlockRows(cache, table, LAYOUT), length, D**-0.5)
+    covered = released.covered(len(layers))
+    assert covered == plan.window_start(plan.sink_tokens, 760) and released.covered(len(layers) + 1) is None
+    continued = RequestIndex(plan, KeptIndex(released.selector, covered, released.selector.index_bytes()))
+    for layer in layers:
+        expected = one.attend(layer, queries[2], BlockRows(cache, table, LAYOUT), 900, D**-0.5)
+        got = continued.attend(layer, queries[2], BlockRows(cache, table, LAYOUT), 900, D**-0.5)
+        assert torch.equal(got, expected) and continued.window_start[layer] == one.window_start[layer]
+    assert continued.window_start[2] > covered  # the pages past the kept region were inserted
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

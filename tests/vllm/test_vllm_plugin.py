@@ -1,7 +1,7 @@
 """icekv inside a real vLLM (the CPU build, in its own environment: `make setup-vllm`): the plugin
 registers and vLLM runs it; vLLM's tokens are icekv's own engine's under the same plan; batched,
-preempted, aborted and prefix-sharing requests keep their own indexes, freed as they end; bad
-settings get vLLM's validation error. One vLLM start for the module (tests/vllm/run_in_vllm.py, the
+preempted, aborted and prefix-sharing requests keep their own indexes, released as they end and
+continued by a request that continues their tokens; bad settings get vLLM's validation error. One vLLM start for the module (tests/vllm/run_in_vllm.py, the
 embedded SmolLM2 in fp32)."""
 
 import json
@@ -60,6 +60,7 @@ def test_batched_requests_keep_their_own_indexes_and_free_them(vllm_run):
     assert vllm_run["batched"][0] == vllm_run["icecache"] and vllm_run["batched"][1:] == vllm_run["alone"]
     stats = vllm_run["stats"][0]
     assert stats["selecting_steps"] > 0 and stats["indexes"] == 0 and stats["index_bytes"] == 0
+    assert stats["kept_indexes"] > 0 and stats["kept_index_bytes"] > 0  # released, kept for a next turn
 
 
 def test_icekv_reads_what_vllms_cache_writer_wrote_for_every_isa(vllm_run):
@@ -75,11 +76,12 @@ def test_settings_icekv_cannot_run_get_vllms_validation_error(vllm_run):
     assert all(error.startswith("VLLMValidationError") for error in refused.values())
 
 
-def test_a_preempted_request_builds_its_index_again_and_the_other_keeps_its_own(vllm_run):
+def test_a_preempted_request_continues_its_released_index_and_the_other_keeps_its_own(vllm_run):
     run = vllm_run["preempted"]
     stats, before = run["stats"], run["before"]
     assert stats["preemptions"] - before["preemptions"] == 1
-    assert stats["indexes_built"] - before["indexes_built"] == 3  # each request, and the preempted one again
+    assert stats["indexes_built"] - before["indexes_built"] == 2  # one each
+    assert stats["indexes_continued"] - before["indexes_continued"] == 1  # the preempted one's, resumed
     assert stats["indexes"] == 0
     kept, preempted = run["together"]
     assert kept == run["alone"][0]  # never lost its blocks: its index saw only its own rows
@@ -95,9 +97,14 @@ def test_an_aborted_request_drops_its_index(vllm_run):
     assert after["indexes"] == 0 and after["index_bytes"] == 0
 
 
-def test_a_prefix_cache_hit_selects_over_the_shared_blocks(vllm_run, engine, prompts):
-    hit = vllm_run["prefix_hit"]
+def test_a_prefix_cache_hit_continues_the_index_an_earlier_request_released(vllm_run, engine, prompts):
+    """The extended prompt starts with the first short prompt's tokens: under each plan it takes over
+    the index the first prompt's request released and inserts only its new pages. Quest's page
+    bounds are the same whether built at once or page by page, so its tokens are icekv's engine's."""
+    hit, before = vllm_run["prefix_hit"], vllm_run["prefix_hit"]["before"]
     assert hit["cached"] >= 640  # the first short prompt's 21 full blocks, computed by an earlier request
-    mine = engine.generate(prompts["extended"], SamplingConfig(max_tokens=16, ignore_eos=True),
-                           selection=PLANS["icecache"])
-    assert hit["tokens"] == mine.token_ids and hit["stats"]["indexes"] == 0
+    assert hit["stats"]["indexes_continued"] - before["indexes_continued"] == 2  # icecache's and quest's
+    assert hit["stats"]["indexes_built"] == before["indexes_built"] and hit["stats"]["indexes"] == 0
+    mine = engine.generate(prompts["extended"], SamplingConfig(max_tokens=16, ignore_eos=True), selection=PLANS["quest"])
+    assert hit["quest"] == mine.token_ids
+    assert len(hit["tokens"]) == 16

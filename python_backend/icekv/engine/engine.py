@@ -22,7 +22,7 @@ from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compression import CompressionJob
 from icekv.engine.backends import DenseAttention, check_contexts_allowed, token_source
 from icekv.engine.grammar import Grammars
-from icekv.engine.index_cache import IndexCache
+from icekv.policies.index_cache import IndexCache
 from icekv.engine.kv_manager import KVCacheManager
 from icekv.engine.model_dir import model_identity, resolve_model_dir
 from icekv.engine.results import Generation, Prefilled

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from icekv.config.engine import SchedulerConfig
-from icekv.engine.index_cache import IndexCache
+from icekv.policies.index_cache import IndexCache
 from icekv.errors import IcekvError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs

@@ -128,7 +128,7 @@ class Sequence:
     @property
     def shares_index(self) -> bool:
         """May its decode continue a finished request's page index, and leave its own for the next
-        (:mod:`icekv.engine.index_cache`)? When it uses the prefix cache and selects under a
+        (:mod:`icekv.policies.index_cache`)? When it uses the prefix cache and selects under a
         policy whose index grows by insertion."""
         return self.uses_prefix_cache and self.request.plan.extends_index and self.selects
 

@@ -14,7 +14,7 @@ import torch
 
 from icekv.engine.backends import check_context, decode_backend, prefill_backend
 from icekv.engine.decode_plan import DecodePlan, SearchThreads
-from icekv.engine.index_cache import IndexCache
+from icekv.policies.index_cache import IndexCache
 from icekv.engine.sampling import token_logprobs
 from icekv.engine.sequence import Phase, Sequence
 from icekv.kv import PagedKVCache

@@ -60,7 +60,7 @@ class Policy:
     # attention estimated from weighted samples (MagicPIG), not exact over the selected pages
     sampled: bool = False
     # its index grows by insertion, in token order: a later request over a longer prompt may
-    # continue a finished request's index (:mod:`icekv.engine.index_cache`)
+    # continue a finished request's index (:mod:`icekv.policies.index_cache`)
     extends_index: bool = False
     # it shares state across consecutive budgeted layers (IceCache-R's tree groups)
     consecutive_layers: bool = False

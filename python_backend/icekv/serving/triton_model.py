@@ -18,7 +18,7 @@ from icekv.devices import use_huge_pages
 from icekv.config.settings import serving_config
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
-from icekv.engine.index_cache import IndexCacheStats
+from icekv.policies.index_cache import IndexCacheStats
 from icekv.kv.prefix_cache import PrefixCacheStats
 from icekv.store.prefix_pages import PrefixPageStats
 from icekv.serving.error_kinds import tag

@@ -3,10 +3,12 @@
 Per step, the metadata builder (one per KV-cache group) finds the decode rows whose request
 selects: a decoding request (one new token) under a sparse plan whose context outgrew its budget.
 Its index (:class:`icekv.vllm.request_index.RequestIndex`) lives in the builder, keyed by vLLM's
-request id, which the worker (:mod:`icekv.vllm.worker`) hands over with each step and uses to drop
-the indexes of finished, aborted, preempted and resumed requests. In the layers the plan budgets,
-those rows attend sink + selected pages + window over vLLM's cache; every other row, and every
-row in the other layers, goes through vLLM's own kernel.
+request id, which the worker (:mod:`icekv.vllm.worker`) hands over with each step and uses to
+release the indexes of finished, aborted, preempted and resumed requests. A released index is kept
+(:class:`icekv.policies.index_cache.IndexCache`, keyed by the tokens it covers) for a request whose
+tokens continue them: a conversation's next turn, or the preempted request itself, resumed. In the
+layers the plan budgets, those rows attend sink + selected pages + window over vLLM's cache; every
+other row, and every row in the other layers, goes through vLLM's own kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadata, CPUAttentionMetadataBuilder)
 
 from icekv.policies import PolicyPlan
+from icekv.policies.index_cache import IndexCache
 from icekv.vllm import settings
 from icekv.vllm.request_index import BlockLayout, BlockRows, RequestIndex
 
@@ -104,7 +107,9 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
         self.indexes: dict[str, RequestIndex] = {}  # vLLM request id -> its index, from its first selecting step
         self.runner = None  # the model runner, handed over by the worker: its batch rows' request ids
         self.selecting_steps = 0  # (request, step) pairs that selected, finished requests' too
-        self.indexes_built = 0  # finished requests' too; a preempted request builds its index again
+        self.indexes_built = 0  # finished requests' too
+        self.indexes_continued = 0  # requests that took over a released index instead of building one
+        self.kept: IndexCache | None = None  # released indexes, for requests that continue their tokens
         if self.selection is None:  # vLLM's own backend, nothing more
             return
         if is_quantized_kv_cache(self.kv_cache_dtype):
@@ -115,15 +120,39 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
                              "holds): start vLLM with --worker-cls icekv.vllm.worker.IceKVCPUWorker")
         self.layout = probe_layout(self.isa, self.dtype, self.block_size, self.head_dim)
         self.layers = GlobalLayers(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+        self.kept = IndexCache(vllm_config.model_config.model, settings.plan(self.selection).page_size)
 
-    def forget(self, request_ids) -> None:
-        """Drop the plans and indexes of requests that ended or lost their blocks."""
+    def release(self, request_ids) -> None:
+        """Drop the plans and indexes of requests that ended or lost their blocks, keeping each
+        index for a request that continues its tokens, within :meth:`kept_limit`."""
         for request_id in request_ids:
             self.plans.pop(request_id, None)
-            self.indexes.pop(request_id, None)
+            index = self.indexes.pop(request_id, None)
+            covered = index.covered(len(index.plan.sparse_layers(self.layers))) if index is not None else None
+            if covered:
+                self.kept.keep(self._token_ids(request_id), covered, index.plan, index.selector)
+        if self.kept is not None and self.runner is not None:
+            self.kept.trim(self.kept_limit())
+
+    def kept_limit(self) -> int:
+        """Host bytes the kept indexes may hold: what the live requests' indexes leave of the size of
+        vLLM's KV cache (the rule of icekv's own engine, whose indexes live and kept take at most its
+        pool's size)."""
+        live = sum(index.selector.index_bytes() for index in self.indexes.values())
+        return sum(t.nbytes for t in self.runner.kv_caches) - live
+
+    def _token_ids(self, request_id: str) -> list[int]:
+        """The request's tokens as far as the runner knows them: its prompt and output, up to the
+        first one not known yet (a placeholder of vLLM's asynchronous scheduling)."""
+        state = self.runner.requests.get(request_id)
+        if state is None or state.prompt_token_ids is None:  # gone, or a prompt of embeddings
+            return []
+        ids = state.prompt_token_ids + state.output_token_ids
+        return ids[:ids.index(-1)] if -1 in ids else ids
 
     def _index(self, request_id: str, length: int) -> RequestIndex | None:
-        """The request's index, made at its first selecting step; None while it does not select."""
+        """The request's index, made (or continued from a released one) at its first selecting step;
+        None while it does not select."""
         index = self.indexes.get(request_id)
         if index is None:
             plan = self.plans.get(request_id)
@@ -133,8 +162,10 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
                 plan = self.plans[request_id] = settings.plan(settings.request_selection(self.selection, extra))
             if not plan.selects(length):
                 return None
-            index = self.indexes[request_id] = RequestIndex(plan)
-            self.indexes_built += 1
+            kept = self.kept.take(self._token_ids(request_id), plan.window_start(plan.sink_tokens, length), plan)
+            index = self.indexes[request_id] = RequestIndex(plan, kept)
+            self.indexes_built += kept is None
+            self.indexes_continued += kept is not None
         return index
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):

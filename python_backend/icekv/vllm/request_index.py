@@ -20,6 +20,7 @@ import torch
 
 from icekv.kernels.cpu_decode import block_rows_decode_cpu
 from icekv.policies import PolicyPlan
+from icekv.policies.index_cache import KeptIndex
 
 
 @dataclass(frozen=True)
@@ -68,19 +69,33 @@ class BlockRows:
 
 
 class RequestIndex:
-    """A request's selector under its plan, and where each layer's window starts."""
+    """A request's selector under its plan, and where each layer's window starts.
 
-    def __init__(self, plan: PolicyPlan):
-        self.plan, self.selector = plan, plan.make_selector()
+    A finished request's index may be continued by a request whose tokens start with the ones it
+    covers (:meth:`covered`; kept in :class:`icekv.policies.index_cache.IndexCache`): every layer's
+    region then starts out indexed up to there, and only the pages past it are inserted."""
+
+    def __init__(self, plan: PolicyPlan, continued: KeptIndex | None = None):
+        self.plan = plan
+        self.selector = plan.make_selector() if continued is None else continued.selector
+        self.continued_from = 0 if continued is None else continued.covered  # every layer indexed up to here
         self.window_start: dict[int, int] = {}  # layer -> first position of its window
         self.steps = 0  # selecting decode steps, all layers (observable by tests and stats)
+
+    def covered(self, layers: int) -> int | None:
+        """Where the indexed region ends in every one of the plan's ``layers`` budgeted layers;
+        None where they differ (a step cut short) or one was never indexed."""
+        starts = set(self.window_start.values())
+        return starts.pop() if len(self.window_start) == layers and len(starts) == 1 else None
 
     def attend(self, layer: int, q: torch.Tensor, rows: BlockRows, length: int, scale: float) -> torch.Tensor:
         """q [Hq, D] of the newest of ``length`` tokens (its K and V already in the cache) ->
         attention over the sink, the selected pages and the window [Hq, D]."""
         plan, sink_end = self.plan, self.plan.sink_tokens
         target = plan.window_start(sink_end, length)
-        if layer not in self.window_start:
+        if layer not in self.window_start and self.continued_from:
+            self.window_start[layer] = self.continued_from
+        elif layer not in self.window_start:
             self.selector.build(layer, rows.key_range(sink_end, target), sink_end)
             self.window_start[layer] = target
         while self.window_start[layer] < target:  # pages that left the window join the index

@@ -3,9 +3,9 @@ which requests are gone (imports vLLM: named by ``--worker-cls icekv.vllm.worker
 
 vLLM hands an attention backend batch rows, never request ids, and no signal when a request ends.
 The worker sees both: before each step it gives the builders the model runner (whose batch lists
-each row's request id when the builders run) and drops the indexes of the requests that finished
-or were aborted, preempted or resumed (a preempted request's blocks are freed; resumed, it has new
-ones, so its index is built again).
+each row's request id when the builders run) and releases the indexes of the requests that
+finished or were aborted, preempted or resumed (a preempted request's blocks are freed; resumed,
+it has new ones, and continues the index it released).
 """
 
 from __future__ import annotations
@@ -27,18 +27,21 @@ class IceKVCPUWorker(CPUWorker):
         gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         for builder in self._icekv_builders():
             builder.runner = self.model_runner
-            builder.forget(gone)
+            builder.release(gone)
         return super().execute_model(scheduler_output)
 
     def icekv_stats(self) -> dict:
         """What icekv holds in this worker (``LLM.collective_rpc("icekv_stats")``): the live
-        requests' indexes, the indexes built and the selecting decode steps run (finished requests'
-        too), and the preemptions seen."""
+        requests' indexes and the released ones kept, the indexes built or continued and the
+        selecting decode steps run (finished requests' too), and the preemptions seen."""
         builders = self._icekv_builders()
         indexes = [i for b in builders for i in b.indexes.values()]
+        kept = [b.kept for b in builders if b.kept is not None]
         return {"builders": len(builders), "indexes": len(indexes),
                 "index_bytes": sum(i.selector.index_bytes() for i in indexes),
+                "kept_indexes": sum(len(k) for k in kept), "kept_index_bytes": sum(k.nbytes for k in kept),
                 "indexes_built": sum(b.indexes_built for b in builders),
+                "indexes_continued": sum(b.indexes_continued for b in builders),
                 "selecting_steps": sum(b.selecting_steps for b in builders), "preemptions": self.preemptions}
 
     def _icekv_builders(self) -> list[IceKVBuilder]:
