@@ -4,7 +4,9 @@ one after the other. After the prefill (timed) and a warm-up request, each of --
 decodes N + 2 tokens from the prefix cache, stepped one engine step at a time: its first two steps
 (the prompt's last block, then the first decode step, which builds the plugin's index) are timed
 as "until decoding", the median of the N steps after them as its time per token; the figure is
-the median over the requests.
+the median over the requests. After each, the conversation's next turn (that prompt, its answer and
+the next 100 tokens of text) is timed until decoding the same way: its prefill from the prefix
+cache, then a first decode step that continues the index the answer's request released.
 
     .venv-vllm/bin/python bench/vllm_tpot.py --model DIR --context 4096 --out bench/results/vllm_tpot_X
 
@@ -37,6 +39,9 @@ SHAPES = {"llama-3.2-1b": {
     "torch_dtype": "bfloat16"}}
 
 
+NEXT_TURN_TOKENS = 100  # new tokens in the conversation's next turn
+
+
 def shape_dir(shape: str, tokenizer_dir: Path, scratch: Path) -> Path:
     """A model folder of ``shape``'s config and ``tokenizer_dir``'s tokenizer files, no weights."""
     (scratch / "config.json").write_text(json.dumps(SHAPES[shape]))
@@ -54,33 +59,41 @@ def one_engine(args) -> dict:
     extra = {"worker_cls": "icekv.vllm.worker.IceKVCPUWorker", "additional_config": {"icekv": icekv}} if icekv else {}
     if args.shape:
         extra["load_format"] = "dummy"
-    llm = LLM(model=args.model, dtype=args.dtype, block_size=32, max_model_len=args.context + 2 * args.tokens + 64,
-              enforce_eager=True, enable_prefix_caching=True, **extra)
+    llm = LLM(model=args.model, dtype=args.dtype, block_size=32,
+              max_model_len=args.context + 2 * args.tokens + NEXT_TURN_TOKENS + 64, enforce_eager=True,
+              enable_prefix_caching=True, **extra)
     text = " ".join(Path(f).read_text() for f in sorted(Path(args.texts).glob("*.txt")))
-    ids = llm.get_tokenizer().encode(text)[: args.context]
-    prompt = TokensPrompt(prompt_token_ids=ids)
+    all_ids = llm.get_tokenizer().encode(text)
+    ids, follow_up = all_ids[: args.context], all_ids[args.context: args.context + NEXT_TURN_TOKENS]
 
-    def steps(tokens: int) -> list[float]:
-        """One request decoding ``tokens`` tokens: the seconds of each engine step."""
+    def steps(prompt_ids: list[int], tokens: int) -> tuple[list[float], list[int]]:
+        """One request decoding ``tokens`` tokens: the seconds of each engine step, and its tokens."""
         engine = llm.llm_engine
-        engine.add_request(f"timed-{time.perf_counter_ns()}", prompt,
+        engine.add_request(f"timed-{time.perf_counter_ns()}", TokensPrompt(prompt_token_ids=prompt_ids),
                            SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-        times, t0 = [], time.perf_counter()
+        times, out, t0 = [], [], time.perf_counter()
         while engine.has_unfinished_requests():
-            engine.step()
+            for finished in (o for o in engine.step() if o.finished):
+                out = list(finished.outputs[0].token_ids)
             times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-        return times
+        return times, out
 
-    prefill_s = sum(steps(1))  # the prefill, and the prefix cache holds the prompt from here on
-    steps(args.tokens + 2)  # warm-up
-    runs = [steps(args.tokens + 2) for _ in range(args.repeats)]
+    prefill_s = sum(steps(ids, 1)[0])  # the prefill, and the prefix cache holds the prompt from here on
+    steps(ids, args.tokens + 2)  # warm-up
+    runs, next_turns = [], []
+    for _ in range(args.repeats):
+        times, answer = steps(ids, args.tokens + 2)
+        runs.append(times)
+        next_turns.append(sum(steps(ids + answer + follow_up, 2)[0]))
     tpots = [statistics.median(r[2:]) for r in runs]
     tpot = statistics.median(tpots)
     first_s = statistics.median(sum(r[:2]) for r in runs)  # the prompt from the cache, then the index build
+    stats = llm.collective_rpc("icekv_stats")[0] if icekv else {}
     return {"policy": "vllm" if icekv is None else args.policy, "budget": args.budget if icekv else None,
-            "tpot_s": tpot, "tpots_s": tpots, "until_decoding_s": first_s, "prefill_s": prefill_s,
-            "steps_per_request": len(runs[0])}
+            "tpot_s": tpot, "tpots_s": tpots, "until_decoding_s": first_s,
+            "next_turn_until_decoding_s": statistics.median(next_turns), "prefill_s": prefill_s,
+            "steps_per_request": len(runs[0]), "icekv_stats": stats}
 
 
 def main() -> int:
