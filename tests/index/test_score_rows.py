@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from icekv.index.score_rows import decode, dots, encode, narrow, raw, row_width, widen
+from icekv.index.score_rows import decode, dots, encode, narrow, raw, row_width, widen, widen_page
 
 
 @numba.njit(cache=True)
@@ -29,6 +29,17 @@ def _dots_rows(qh, rows):
     buf = np.empty(qh.shape[1], dtype=np.float32)
     for i in range(rows.shape[0]):
         dots(qh, rows[i], buf, out[i])
+    return out
+
+
+@numba.njit(cache=True)
+def _dots_page(qh, rows):
+    """:func:`_dots_rows` with the rows widened at once, as a page."""
+    out = np.empty((rows.shape[0], qh.shape[0]), dtype=np.float32)
+    buf = np.empty(qh.shape[1], dtype=np.float32)
+    page = widen_page(rows, np.empty((rows.shape[0], qh.shape[1]), dtype=np.float32))
+    for i in range(rows.shape[0]):
+        dots(qh, page[i], buf, out[i])
     return out
 
 
@@ -77,3 +88,10 @@ def test_compiled_dots_are_the_products_with_the_decoded_keys(dtype, g):
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got)) and not bool(finite[1].any())  # the NaN row stays NaN
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5 * float(want[finite].abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_page_widened_at_once_scores_as_its_rows_one_by_one(dtype):
+    rows = raw(encode(_awkward_rows(), dtype))  # [n, W]
+    qh = torch.randn(3, 24, generator=torch.Generator().manual_seed(4)).numpy()  # [G, D]
+    np.testing.assert_array_equal(_dots_page(qh, rows), _dots_rows(qh, rows))  # NaN rows compare equal

@@ -18,7 +18,7 @@ reads only the candidates' keys: the centroid reads grow with the context, the c
 
 Compiled on first call and cached on disk (numba ``cache=True``): only the first process after an
 install pays the compile. A bf16 or int8 store (``score_dtype``) is read as raw rows
-(:func:`icekv.index.score_rows.dots`): bf16 rows are widened one at a time; int8 rows are
+(:func:`icekv.index.score_rows.dots`): bf16 rows are widened a page at a time; int8 rows are
 multiplied as they are and scaled once per product, reading a quarter of fp32's bytes.
 """
 
@@ -30,7 +30,7 @@ import torch
 
 from icekv.index.kth_largest import cut_and_ties, top_k_finite
 from icekv.index.page_store import PageStore
-from icekv.index.score_rows import dots
+from icekv.index.score_rows import dots, widen_page
 
 _jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})  # no nnan/ninf: -inf marks holes
 
@@ -130,8 +130,9 @@ def _rescore(q, keys, pad, version, cand, n_cand, k, by_score, parts):
     exact = np.full((h_n, g_n, max(n_cand.max(), 1)), -np.inf, dtype=np.float32)  # [H, G, c] candidates' scores
     for task in numba.prange(h_n * parts):
         h, lo, hi = _slice(task, parts, n_cand)
+        page = np.empty((keys.shape[2], q.shape[2]), dtype=np.float32)  # [P, D] a page's keys widened
         for i in range(lo, hi):
-            _best_token(q[h], keys[h, cand[h, i]], pad[h, cand[h, i]], exact[h, :, i])
+            _best_token(q[h], widen_page(keys[h, cand[h, i]], page), pad[h, cand[h, i]], exact[h, :, i])
     ids = np.empty((h_n, k), dtype=np.int64)  # [H, k]
     counts = np.zeros(h_n, dtype=np.int64)  # [H]
     for h in numba.prange(h_n):

@@ -63,6 +63,12 @@ def widen(row, buf):
     """row [W] of any format, buf [D] fp32 -> the row's keys in fp32: ``row`` itself, or ``buf`` filled."""
 
 
+def widen_page(rows, buf):
+    """rows [P, W] of any format, buf [P, D] fp32 -> rows ``dots`` reads: bf16 rows widened into
+    ``buf`` in one pass over the page (one long loop the compiler vectorizes, where a row at a time
+    is many short ones); fp32 and int8 rows as they are."""
+
+
 def dots(qh, row, buf, out):
     """qh [G, D] fp32, row [W] of any format, buf [D] fp32 scratch -> out [G]: each query head's
     product with the row's key (NaN for an int8 row with no key)."""
@@ -93,6 +99,20 @@ def _widen(row, buf):
             bits[t] = np.int32(row[t]) << 16  # bf16 is the high half of an fp32
         return buf
 
+    return from_bits
+
+
+@overload(widen_page, inline="always")
+def _widen_page(rows, buf):
+    if rows.dtype != types.int16:
+        return lambda rows, buf: rows
+
+    def from_bits(rows, buf):
+        bits = buf.view(np.int32)
+        for s in range(rows.shape[0]):
+            for t in range(rows.shape[1]):
+                bits[s, t] = np.int32(rows[s, t]) << 16
+        return buf
     return from_bits
 
 
