@@ -51,8 +51,7 @@ def main() -> None:
     before = stats()
     shared = llm.generate([TokensPrompt(prompt_token_ids=prompts["extended"])], params(), use_tqdm=False)[0]
     quest = generate([prompts["extended"]], {"policy": "quest", "budget": 128})[0]
-    out["prefix_hit"] = {"cached": shared.num_cached_tokens, "tokens": shared.outputs[0].token_ids, "quest": quest,
-                         "before": before, "stats": stats()}
+    out["prefix_hit"] = {"cached": shared.num_cached_tokens, "quest": quest, "before": before, "stats": stats()}
     before = stats()
     together = generate(prompts["long"], max_tokens=96)
     out["preempted"] = {"together": together, "before": before, "stats": stats(),
@@ -62,7 +61,7 @@ def main() -> None:
 
 
 def aborted(llm, params, prompt, stats) -> dict:
-    """A request aborted while it selects: its index, held while it decodes, gone at the next step."""
+    """A request aborted while it selects: its index, held while it decodes, released at the next step."""
     engine = llm.llm_engine
     engine.add_request("to-abort", prompt, params(max_tokens=200))
     for _ in range(8):  # its prefill, then decoding steps that select

@@ -121,9 +121,14 @@ def test_a_continued_index_attends_as_the_request_that_kept_decoding_would():
     covered = released.covered(len(layers))
     assert covered == plan.window_start(plan.sink_tokens, 760) and released.covered(len(layers) + 1) is None
     continued = RequestIndex(plan, KeptIndex(released.selector, covered, released.selector.index_bytes()))
+    assert continued.covered(len(layers)) == covered  # taken over, released before it attends: still kept
+    moved = torch.randperm(cache.shape[0], generator=g)  # the next request's blocks: the same rows elsewhere
+    moved_cache = torch.empty_like(cache)
+    moved_cache[moved] = cache
     for layer in layers:
         expected = one.attend(layer, queries[2], BlockRows(cache, table, LAYOUT), 900, D**-0.5)
-        got = continued.attend(layer, queries[2], BlockRows(cache, table, LAYOUT), 900, D**-0.5)
+        got = continued.attend(layer, queries[2], BlockRows(moved_cache, moved[table.long()].int(), LAYOUT), 900,
+                               D**-0.5)
         assert torch.equal(got, expected) and continued.window_start[layer] == one.window_start[layer]
     assert continued.window_start[2] > covered  # the pages past the kept region were inserted
 

@@ -1,8 +1,8 @@
 """icekv inside a real vLLM (the CPU build, in its own environment: `make setup-vllm`): the plugin
 registers and vLLM runs it; vLLM's tokens are icekv's own engine's under the same plan; batched,
 preempted, aborted and prefix-sharing requests keep their own indexes, released as they end and
-continued by a request that continues their tokens; bad settings get vLLM's validation error. One vLLM start for the module (tests/vllm/run_in_vllm.py, the
-embedded SmolLM2 in fp32)."""
+continued by a request that continues their tokens; bad settings get vLLM's validation error. One
+vLLM start for the module (tests/vllm/run_in_vllm.py, the embedded SmolLM2 in fp32)."""
 
 import json
 import subprocess
@@ -56,7 +56,7 @@ def test_inside_vllm_a_method_decodes_what_icekvs_engine_decodes(vllm_run, engin
     assert vllm_run[name] != vllm_run["full"]  # the budget selected: these are not full attention's tokens
 
 
-def test_batched_requests_keep_their_own_indexes_and_free_them(vllm_run):
+def test_batched_requests_keep_their_own_indexes_and_release_them(vllm_run):
     assert vllm_run["batched"][0] == vllm_run["icecache"] and vllm_run["batched"][1:] == vllm_run["alone"]
     stats = vllm_run["stats"][0]
     assert stats["selecting_steps"] > 0 and stats["indexes"] == 0 and stats["index_bytes"] == 0
@@ -91,7 +91,7 @@ def test_a_preempted_request_continues_its_released_index_and_the_other_keeps_it
     assert len(preempted) == 96 and preempted[:32] == run["alone"][1][:32]
 
 
-def test_an_aborted_request_drops_its_index(vllm_run):
+def test_an_aborted_request_releases_its_index(vllm_run):
     during, after = vllm_run["aborted"]["during"], vllm_run["aborted"]["after"]
     assert during["indexes"] == 1 and during["index_bytes"] > 0
     assert after["indexes"] == 0 and after["index_bytes"] == 0
@@ -105,6 +105,7 @@ def test_a_prefix_cache_hit_continues_the_index_an_earlier_request_released(vllm
     assert hit["cached"] >= 640  # the first short prompt's 21 full blocks, computed by an earlier request
     assert hit["stats"]["indexes_continued"] - before["indexes_continued"] == 2  # icecache's and quest's
     assert hit["stats"]["indexes_built"] == before["indexes_built"] and hit["stats"]["indexes"] == 0
-    mine = engine.generate(prompts["extended"], SamplingConfig(max_tokens=16, ignore_eos=True), selection=PLANS["quest"])
-    assert hit["quest"] == mine.token_ids
-    assert len(hit["tokens"]) == 16
+    sampling = SamplingConfig(max_tokens=16, ignore_eos=True)
+    assert hit["quest"] == engine.generate(prompts["extended"], sampling, selection=PLANS["quest"]).token_ids
+    # IceCache's tokens are not compared: its DCI-trees differ built at once or page by page, and
+    # vLLM's keys are not bit for bit icekv's, so a near tie between two pages may go either way

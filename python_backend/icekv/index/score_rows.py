@@ -9,10 +9,11 @@ Three formats, one per ``IceCacheConfig.score_dtype``:
   A quarter of fp32's bytes, and self-describing: every compiled loop reads a row as one array.
 
 :func:`encode` and :func:`decode` are the torch side (the specification), :func:`widen` and
-:func:`narrow` the same conversions inside numba loops, bit-identical to them. Each compiles to a
-plain copy-free path for fp32 rows. :func:`dots` is what the searches spend their time in: the
-query heads' products with one row, for int8 without widening it first (the scale is applied
-once per product, not once per value: twice as fast, equal to within fp32 rounding).
+:func:`narrow` the same conversions inside numba loops, bit-identical to them (:func:`widen_page`:
+a page's rows at once). Each compiles to a plain copy-free path for fp32 rows. :func:`dots` is
+what the searches spend their time in: the query heads' products with one row, for int8 without
+widening it first (the scale is applied once per product, not once per value: twice as fast,
+equal to within fp32 rounding).
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def widen(row, buf):
 
 
 def widen_page(rows, buf):
-    """rows [P, W] of any format, buf [P, D] fp32 -> rows ``dots`` reads: bf16 rows widened into
-    ``buf`` in one pass over the page (one long loop the compiler vectorizes, where a row at a time
-    is many short ones); fp32 and int8 rows as they are."""
+    """rows [P, W] of any format (contiguous), buf [P, D] fp32 -> rows ``dots`` reads: bf16 rows
+    widened into ``buf`` in one loop over the page (which the compiler vectorizes better than a
+    row at a time); fp32 and int8 rows as they are."""
 
 
 def dots(qh, row, buf, out):
@@ -107,13 +108,10 @@ def _widen_page(rows, buf):
     if rows.dtype != types.int16:
         return lambda rows, buf: rows
 
-    def from_bits(rows, buf):
-        bits = buf.view(np.int32)
-        for s in range(rows.shape[0]):
-            for t in range(rows.shape[1]):
-                bits[s, t] = np.int32(rows[s, t]) << 16
+    def flat(rows, buf):
+        widen(rows.reshape(-1), buf.reshape(-1))  # one loop over the page's values (both contiguous)
         return buf
-    return from_bits
+    return flat
 
 
 @overload(dots, inline="always")

@@ -1,5 +1,6 @@
-"""Page indexes of finished requests, kept for the next request that continues their tokens: a
-conversation's next turn, an agent's next step.
+"""Page indexes of finished (or preempted) requests, kept for the next request that continues
+their tokens: a conversation's next turn, an agent's next step. Used by icekv's engine and by its
+vLLM plugin.
 
 A sparse policy whose index grows by insertion (IceCache's DCI-trees, Quest's page bounds:
 ``Policy.extends_index``) indexes a request's tokens between the sink and the window. When the
@@ -8,13 +9,14 @@ with the same tokens, so it takes the index over and inserts only its new tokens
 inserts the pages that leave the window, instead of building over the whole conversation again.
 
 An index is moved, never copied: the request that takes it owns it, and a second request over the
-same prefix at the same time builds its own. It is keyed by the tokens it covers (the prefix
-cache's hash chain) and the plan it was built under. The keys of tokens a request generated
-under a budget are the ones its sparse decode wrote, which a full prefill of the same tokens
-computes slightly differently: the continued index scores those pages with their decode-time keys
-(the pages attended are read from the pool, exact). Kept indexes are host memory under
-``max_index_bytes``: the KV-cache manager evicts them, least recently used first, for the index
-of a request it admits.
+same prefix at the same time builds its own. It is keyed by the tokens it covers (icekv's page
+hash chain, :func:`icekv.kv.prefix_cache.page_keys`) and the plan it was built under. The keys
+of tokens a request generated under a budget are the ones its sparse decode wrote, which a full
+prefill of the same tokens computes slightly differently: the continued index scores those pages
+with their decode-time keys (the pages attended are read from the pool, exact). Kept indexes are host memory; their owner
+trims them, least recently kept first (:meth:`IndexCache.trim`): the engine's KV-cache manager
+under ``max_index_bytes`` for the index of a request it admits, the vLLM plugin within vLLM's KV
+cache's bytes less the live indexes.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class IndexCache:
 
     def __init__(self, model_id: str, page_size: int):
         self.model_id, self.page_size = model_id, page_size
-        self._kept: OrderedDict[tuple[bytes, SelectionConfig], KeptIndex] = OrderedDict()
+        self._kept: OrderedDict[tuple[bytes, PolicyPlan], KeptIndex] = OrderedDict()
         self.nbytes = 0  # host bytes of the kept indexes (a counter: the metrics read it from another thread)
         self.stats = IndexCacheStats()
 

@@ -109,7 +109,7 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
         self.selecting_steps = 0  # (request, step) pairs that selected, finished requests' too
         self.indexes_built = 0  # finished requests' too
         self.indexes_continued = 0  # requests that took over a released index instead of building one
-        self.kept: IndexCache | None = None  # released indexes, for requests that continue their tokens
+        self.index_cache: IndexCache | None = None  # released indexes, for requests that continue their tokens
         if self.selection is None:  # vLLM's own backend, nothing more
             return
         if is_quantized_kv_cache(self.kv_cache_dtype):
@@ -120,19 +120,18 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
                              "holds): start vLLM with --worker-cls icekv.vllm.worker.IceKVCPUWorker")
         self.layout = probe_layout(self.isa, self.dtype, self.block_size, self.head_dim)
         self.layers = GlobalLayers(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
-        self.kept = IndexCache(vllm_config.model_config.model, settings.plan(self.selection).page_size)
+        self.index_cache = IndexCache(vllm_config.model_config.model, settings.plan(self.selection).page_size)
 
     def release(self, request_ids) -> None:
         """Drop the plans and indexes of requests that ended or lost their blocks, keeping each
-        index for a request that continues its tokens, within :meth:`kept_limit`."""
+        index that a request continuing its tokens may take over (:meth:`_keep`)."""
         for request_id in request_ids:
             self.plans.pop(request_id, None)
             index = self.indexes.pop(request_id, None)
-            covered = index.covered(len(index.plan.sparse_layers(self.layers))) if index is not None else None
-            if covered:
-                self.kept.keep(self._token_ids(request_id), covered, index.plan, index.selector)
-        if self.kept is not None and self.runner is not None:
-            self.kept.trim(self.kept_limit())
+            if index is not None:
+                self._keep(request_id, index)
+        if self.index_cache:  # checked at each step's start: an index built in a step may pass it till the next
+            self.index_cache.trim(self.kept_limit())
 
     def kept_limit(self) -> int:
         """Host bytes the kept indexes may hold: what the live requests' indexes leave of the size of
@@ -141,11 +140,20 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
         live = sum(index.selector.index_bytes() for index in self.indexes.values())
         return sum(t.nbytes for t in self.runner.kv_caches) - live
 
+    def _keep(self, request_id: str, index: RequestIndex) -> None:
+        """Keep a released index whose plan grows its index by insertion (the others carry a
+        request's own decode state) and whose every budgeted layer ends its region at one place."""
+        covered = index.covered(len(index.plan.sparse_layers(self.layers)))
+        if covered is not None and index.plan.extends_index:
+            self.index_cache.keep(self._token_ids(request_id), covered, index.plan, index.selector)
+
     def _token_ids(self, request_id: str) -> list[int]:
-        """The request's tokens as far as the runner knows them: its prompt and output, up to the
-        first one not known yet (a placeholder of vLLM's asynchronous scheduling)."""
+        """The request's tokens as the runner knows them, prompt and output: what keys its index.
+        None known for a prompt of embeddings, a LoRA adapter's or a multimodal request (their keys
+        differ for the same ids); only up to the first placeholder of vLLM's asynchronous scheduling
+        (which vLLM's CPU platform turns off), so a region past it is not kept."""
         state = self.runner.requests.get(request_id)
-        if state is None or state.prompt_token_ids is None:  # gone, or a prompt of embeddings
+        if state is None or state.prompt_token_ids is None or state.lora_request is not None or state.mm_features:
             return []
         ids = state.prompt_token_ids + state.output_token_ids
         return ids[:ids.index(-1)] if -1 in ids else ids
@@ -162,10 +170,15 @@ class IceKVBuilder(CPUAttentionMetadataBuilder):
                 plan = self.plans[request_id] = settings.plan(settings.request_selection(self.selection, extra))
             if not plan.selects(length):
                 return None
-            kept = self.kept.take(self._token_ids(request_id), plan.window_start(plan.sink_tokens, length), plan)
-            index = self.indexes[request_id] = RequestIndex(plan, kept)
-            self.indexes_built += kept is None
-            self.indexes_continued += kept is not None
+            continued = None
+            if self.index_cache and plan.extends_index:
+                region_end = plan.window_start(plan.sink_tokens, length)
+                continued = self.index_cache.take(self._token_ids(request_id), region_end, plan)
+            index = self.indexes[request_id] = RequestIndex(plan, continued)
+            if continued is None:
+                self.indexes_built += 1
+            else:
+                self.indexes_continued += 1
         return index
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):

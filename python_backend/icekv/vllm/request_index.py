@@ -8,7 +8,8 @@ holding, per KV head, its K rows then its V rows, each packed as vLLM's kernel r
 selector (any method whose selector sees only the keys), fed from those rows: built over the
 region between sink and window at the request's first selecting decode of each layer, extended a
 page at a time as the window moves, as :class:`icekv.engine.backends.SparseAttention` does over
-icekv's own pool. Nothing here imports vLLM: the plugin hands it tensors.
+icekv's own pool; or continued from a released request's index over the same first tokens. Nothing
+here imports vLLM: the plugin hands it tensors.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class BlockRows:
 class RequestIndex:
     """A request's selector under its plan, and where each layer's window starts.
 
-    A finished request's index may be continued by a request whose tokens start with the ones it
+    A released request's index may be continued by a request whose tokens start with the ones it
     covers (:meth:`covered`; kept in :class:`icekv.policies.index_cache.IndexCache`): every layer's
     region then starts out indexed up to there, and only the pages past it are inserted."""
 
@@ -82,11 +83,14 @@ class RequestIndex:
         self.window_start: dict[int, int] = {}  # layer -> first position of its window
         self.steps = 0  # selecting decode steps, all layers (observable by tests and stats)
 
-    def covered(self, layers: int) -> int | None:
-        """Where the indexed region ends in every one of the plan's ``layers`` budgeted layers;
-        None where they differ (a step cut short) or one was never indexed."""
+    def covered(self, budgeted_layers: int) -> int | None:
+        """Where the indexed region ends in every one of the plan's ``budgeted_layers``; None where
+        they differ (a step cut short) or one was never indexed. A continued index that no layer
+        has attended with yet still covers what it was taken over with."""
+        if not self.window_start and self.continued_from:
+            return self.continued_from
         starts = set(self.window_start.values())
-        return starts.pop() if len(self.window_start) == layers and len(starts) == 1 else None
+        return starts.pop() if len(self.window_start) == budgeted_layers and len(starts) == 1 else None
 
     def attend(self, layer: int, q: torch.Tensor, rows: BlockRows, length: int, scale: float) -> torch.Tensor:
         """q [Hq, D] of the newest of ``length`` tokens (its K and V already in the cache) ->

@@ -18,7 +18,7 @@ from icekv.vllm.backend import IceKVBuilder
 class IceKVCPUWorker(CPUWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.preemptions = 0  # requests vLLM preempted (their indexes dropped with their blocks)
+        self.preemptions = 0  # requests vLLM preempted (their indexes released with their blocks)
 
     def execute_model(self, scheduler_output):
         preempted = set(scheduler_output.preempted_req_ids or ())
@@ -36,10 +36,10 @@ class IceKVCPUWorker(CPUWorker):
         selecting decode steps run (finished requests' too), and the preemptions seen."""
         builders = self._icekv_builders()
         indexes = [i for b in builders for i in b.indexes.values()]
-        kept = [b.kept for b in builders if b.kept is not None]
+        caches = [b.index_cache for b in builders if b.index_cache is not None]
         return {"builders": len(builders), "indexes": len(indexes),
                 "index_bytes": sum(i.selector.index_bytes() for i in indexes),
-                "kept_indexes": sum(len(k) for k in kept), "kept_index_bytes": sum(k.nbytes for k in kept),
+                "kept_indexes": sum(len(c) for c in caches), "kept_index_bytes": sum(c.nbytes for c in caches),
                 "indexes_built": sum(b.indexes_built for b in builders),
                 "indexes_continued": sum(b.indexes_continued for b in builders),
                 "selecting_steps": sum(b.selecting_steps for b in builders), "preemptions": self.preemptions}
