@@ -9,14 +9,14 @@ with the same tokens, so it takes the index over and inserts only its new tokens
 inserts the pages that leave the window, instead of building over the whole conversation again.
 
 An index is moved, never copied: the request that takes it owns it, and a second request over the
-same prefix at the same time builds its own. It is keyed by the tokens it covers (icekv's page
-hash chain, :func:`icekv.kv.prefix_cache.page_keys`) and the plan it was built under. The keys
-of tokens a request generated under a budget are the ones its sparse decode wrote, which a full
-prefill of the same tokens computes slightly differently: the continued index scores those pages
-with their decode-time keys (the pages attended are read from the pool, exact). Kept indexes are host memory; their owner
-trims them, least recently kept first (:meth:`IndexCache.trim`): the engine's KV-cache manager
-under ``max_index_bytes`` for the index of a request it admits, the vLLM plugin within vLLM's KV
-cache's bytes less the live indexes.
+same prefix at the same time builds its own. It is keyed by the tokens it covers (icekv's page hash
+chain, :func:`icekv.kv.prefix_cache.page_keys`) and the plan it was built under. The keys of tokens
+a request generated under a budget are the ones its sparse decode wrote, which a full prefill of the
+same tokens computes slightly differently: the continued index scores those pages with their
+decode-time keys (the pages attended are read from the pool, exact). Kept indexes are host memory;
+their owner trims them, least recently kept first (:meth:`IndexCache.trim`): the engine's KV-cache
+manager under ``max_index_bytes`` for the index of a request it admits, the vLLM plugin within
+vLLM's KV cache's bytes less the live indexes.
 """
 
 from __future__ import annotations
