@@ -22,7 +22,6 @@ from icekv.engine.compile_loops import compile_loops
 from icekv.engine.compression import CompressionJob
 from icekv.engine.backends import DenseAttention, check_contexts_allowed, token_source
 from icekv.engine.grammar import Grammars
-from icekv.policies.index_cache import IndexCache
 from icekv.engine.kv_manager import KVCacheManager
 from icekv.engine.model_dir import model_identity, resolve_model_dir
 from icekv.engine.results import Generation, Prefilled
@@ -36,6 +35,7 @@ from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
 from icekv.model.weights import store_weights, stored_apart
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import PolicyPlan, resolve
+from icekv.policies.index_cache import IndexCache
 
 FULL = SelectionConfig(policy="full")  # a prefill's attention, unless a request names the decode it prepares
 DEVICE_SHARE = 0.9  # of the device memory free once loaded, for requests (the rest: a step's activations)

@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass
 
 from icekv.config.engine import SchedulerConfig
-from icekv.policies.index_cache import IndexCache
 from icekv.errors import IcekvError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
+from icekv.policies.index_cache import IndexCache
 from icekv.sizing import DeviceNeed, device_need
 
 MIB = 2**20

@@ -14,11 +14,11 @@ import torch
 
 from icekv.engine.backends import check_context, decode_backend, prefill_backend
 from icekv.engine.decode_plan import DecodePlan, SearchThreads
-from icekv.policies.index_cache import IndexCache
 from icekv.engine.sampling import token_logprobs
 from icekv.engine.sequence import Phase, Sequence
 from icekv.kv import PagedKVCache
 from icekv.model import Decoder, Tokenizer
+from icekv.policies.index_cache import IndexCache
 
 Work = list[tuple[Sequence, int]]  # (sequence, tokens it feeds this step)
 

@@ -18,8 +18,8 @@ from icekv.devices import use_huge_pages
 from icekv.config.settings import serving_config
 from icekv.engine import Engine, Generation
 from icekv.errors import IcekvError
-from icekv.policies.index_cache import IndexCacheStats
 from icekv.kv.prefix_cache import PrefixCacheStats
+from icekv.policies.index_cache import IndexCacheStats
 from icekv.store.prefix_pages import PrefixPageStats
 from icekv.serving.error_kinds import tag
 from icekv.serving.repository import DTYPES, INPUTS

@@ -14,11 +14,11 @@ from icekv.engine.backends.sources import ContextPages, RequestPages, token_sour
 from icekv.engine.backends.sampled import SampledAttention
 from icekv.engine.backends.sparse import SparseAttention
 from icekv.engine.backends.prefill_index import IndexingPrefillAttention, PrefillIndex
-from icekv.policies.index_cache import IndexCache
 from icekv.engine.sequence import Sequence
 from icekv.errors import ConfigError
 from icekv.kv import PagedKVCache
 from icekv.model import ModelArgs
+from icekv.policies.index_cache import IndexCache
 
 
 def check_contexts_allowed(args: ModelArgs) -> None:
