@@ -265,18 +265,25 @@ class DCITree:
     def insert(self, keys: torch.Tensor) -> set[int]:
         """Append tokens (keys [m, D], next in sequence order) without a rebuild.
 
-        Norms, levels, projections and parents in one compiled call (:mod:`icekv.index.parents`),
-        then the placement into pages (which may split a full page), token by token, compiled
-        (:mod:`icekv.index.placement`). Returns the ids of the pages that changed (new tokens,
+        Tokens join a page (``page_size`` tokens) at a time, so one call of many pages builds
+        the tree that a call per page would. Each piece: its norms, levels, projections and
+        parents in one compiled call (:mod:`icekv.index.parents`), then its placement into pages
+        (which may split a full page), token by token, compiled (:mod:`icekv.index.placement`),
+        then the changed pages' rows. Returns the ids of the pages that changed (new tokens,
         splits, new pages).
         """
+        keys = keys.float().contiguous()
+        changed: set[int] = set()
+        for start in range(0, keys.shape[0], self.page_size):
+            changed |= self._insert_piece(keys[start:start + self.page_size])
+        return changed
+
+    def _insert_piece(self, keys: torch.Tensor) -> set[int]:
+        """:meth:`insert` of at most a page of tokens (keys [m, D], fp32, contiguous)."""
         m = keys.shape[0]
-        if m == 0:
-            return set()
         self._grow(m)
         first = self.n
         self.n += m
-        keys = keys.float().contiguous()
         parent = self.parent.numpy()
         self.max_norm2 = append_tokens(
             keys.numpy(), first, self.u.numpy(), self.max_norm2, self.norm2.numpy(), self.proj.numpy(),

@@ -77,19 +77,23 @@ class ArkValeSelector(SequenceSelection):
 
     def build(self, layer, keys, base):
         keys = keys.cpu().float()  # the digests are kept and scored on the host
-        hkv, n, d = keys.shape
+        hkv, n, _ = keys.shape
         if hkv % self.config.groups:
             raise ValueError(f"arkvale groups ({self.config.groups}) must divide the KV heads ({hkv})")
         self.pages.add_region(layer, n, base)
-        paged = keys[:, : n - n % self.page_size].reshape(hkv, n // self.page_size, self.page_size, d)
-        self.upper[layer], self.lower[layer] = page_digests(paged)
+        self.upper[layer], self.lower[layer] = page_digests(self._paged(keys[:, : n - n % self.page_size]))
         self.resident[layer] = [torch.zeros(0, dtype=torch.long)] * self.config.groups
 
     def insert(self, layer, keys):
-        self.pages.grow(layer)
-        upper, lower = page_digests(keys.cpu().float()[:, None])
+        self.pages.grow(layer, keys.shape[1])
+        upper, lower = page_digests(self._paged(keys.cpu().float()))
         self.upper[layer] = torch.cat([self.upper[layer], upper], 1)
         self.lower[layer] = torch.cat([self.lower[layer], lower], 1)
+
+    def _paged(self, keys: torch.Tensor) -> torch.Tensor:
+        """keys [Hkv, m * P, D] of whole pages -> [Hkv, m, P, D]."""
+        hkv, n, d = keys.shape
+        return keys.reshape(hkv, n // self.page_size, self.page_size, d)
 
     def select(self, layer, q, k):
         scores = digest_scores(q.cpu(), self.upper[layer], self.lower[layer], self.config.groups)  # [groups, n]

@@ -115,7 +115,7 @@ class MagicPIGSelector:
     def insert(self, layer, keys):
         keys = keys.cpu().float()
         if self.codes[layer].shape[1] == 0:  # nothing was indexed at build: the first page sets the mean
-            self.mean[layer] = keys.mean(1)
+            self.mean[layer] = keys[:, : self.page_size].mean(1)
         codes, norms = self._hash(layer, keys)
         self.codes[layer] = torch.cat([self.codes[layer], codes], 1)
         self.norms[layer] = torch.cat([self.norms[layer], norms], 1)

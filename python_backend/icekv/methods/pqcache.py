@@ -131,11 +131,12 @@ class PQCacheSelector(TokenSelection):
 
     def insert(self, layer, keys):
         keys = keys.cpu()
-        if layer in self._few:
+        while layer in self._few and keys.shape[1]:  # a page at a time, each rebuilding while the codebook is short
             few = self._few.pop(layer)
-            self.build(layer, torch.cat([few, keys.to(few.dtype)], 1), self.base[layer])
-            return
-        self.codes[layer] = torch.cat([self.codes[layer], self._encode(layer, keys)], 1)
+            self.build(layer, torch.cat([few, keys[:, : self.page_size].to(few.dtype)], 1), self.base[layer])
+            keys = keys[:, self.page_size :]
+        if keys.shape[1]:
+            self.codes[layer] = torch.cat([self.codes[layer], self._encode(layer, keys)], 1)
 
     def select(self, layer, q, k):
         codes = self.codes[layer]

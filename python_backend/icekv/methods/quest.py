@@ -30,15 +30,21 @@ class QuestSelector(SequenceSelection):
 
     def build(self, layer, keys, base):
         keys = keys.cpu()  # the bounds are kept and scored on the host
-        hkv, n, d = keys.shape
+        n = keys.shape[1]
         self.pages.add_region(layer, n, base)
-        paged = keys[:, : n - n % self.page_size].float().reshape(hkv, -1, self.page_size, d)
-        self.key_min[layer], self.key_max[layer] = paged.amin(2), paged.amax(2)
+        self.key_min[layer], self.key_max[layer] = self._bounds(keys[:, : n - n % self.page_size])
 
     def insert(self, layer, keys):
-        self.pages.grow(layer)
-        self.key_min[layer] = torch.cat([self.key_min[layer], keys.float().amin(1, keepdim=True)], 1)
-        self.key_max[layer] = torch.cat([self.key_max[layer], keys.float().amax(1, keepdim=True)], 1)
+        self.pages.grow(layer, keys.shape[1])
+        key_min, key_max = self._bounds(keys.cpu())
+        self.key_min[layer] = torch.cat([self.key_min[layer], key_min], 1)
+        self.key_max[layer] = torch.cat([self.key_max[layer], key_max], 1)
+
+    def _bounds(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys [Hkv, m * P, D] of whole pages -> each page's min and max [Hkv, m, D]."""
+        hkv, n, d = keys.shape
+        paged = keys.float().reshape(hkv, n // self.page_size, self.page_size, d)  # [Hkv, m, P, D]
+        return paged.amin(2), paged.amax(2)
 
     def upper_bounds(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [Hq, D] -> page score bounds [Hq, n_pages]."""

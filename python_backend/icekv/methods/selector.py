@@ -46,7 +46,8 @@ class PageSelector(Protocol):
         position ``base``."""
 
     def insert(self, layer: int, keys: torch.Tensor) -> None:
-        """Append the next full page of keys [Hkv, P, D] (flushed out of the window)."""
+        """Append the next full pages of keys [Hkv, m * P, D], m >= 1 (flushed out of the window).
+        One call of m pages leaves the index that m calls of one page would."""
 
     def select(self, layer: int, q: torch.Tensor, k: int) -> Selection:
         """q [Hq, D] (on :func:`query_device`, or moved there by the selector) -> per KV head, up
@@ -101,8 +102,9 @@ class SequencePages:
     def add_region(self, layer: int, n_tokens: int, base: int) -> None:
         self.base[layer], self.num_pages[layer] = base, n_tokens // self.page_size
 
-    def grow(self, layer: int) -> None:
-        self.num_pages[layer] += 1
+    def grow(self, layer: int, n_tokens: int) -> None:
+        """``n_tokens`` more (whole pages) at the region's end."""
+        self.num_pages[layer] += n_tokens // self.page_size
 
     def positions(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         return self.base[layer] + pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]

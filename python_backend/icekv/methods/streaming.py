@@ -26,7 +26,7 @@ class StreamingSelector(SequenceSelection):
         self.pages.add_region(layer, keys.shape[1], base)
 
     def insert(self, layer, keys):
-        self.pages.grow(layer)
+        self.pages.grow(layer, keys.shape[1])
 
     def select(self, layer, q, k):
         n = self.pages.num_pages[layer]

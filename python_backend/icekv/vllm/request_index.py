@@ -102,10 +102,9 @@ class RequestIndex:
         elif layer not in self.window_start:
             self.selector.build(layer, rows.key_range(sink_end, target), sink_end)
             self.window_start[layer] = target
-        while self.window_start[layer] < target:  # pages that left the window join the index
-            start = self.window_start[layer]
-            self.selector.insert(layer, rows.key_range(start, start + plan.page_size))
-            self.window_start[layer] = start + plan.page_size
+        if self.window_start[layer] < target:  # pages that left the window join the index, in one call
+            self.selector.insert(layer, rows.key_range(self.window_start[layer], target))
+            self.window_start[layer] = target
         selection = self.selector.select(layer, q.float(), plan.selected_pages)
         picked = self.selector.page_positions(layer, selection.heads, selection.pages)  # [n, P], -1: empty
         self.steps += 1

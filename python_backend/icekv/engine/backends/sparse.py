@@ -133,20 +133,19 @@ class SparseAttention(DenseAttention):
         self.clock.settle(self.timings)
         length = self.start + self.positions.numel()
         target = self.plan.window_start(self.sink_end, length)
-        while self.win_start < target:
+        if self.win_start < target:
             t0 = time.perf_counter()
             for layer in self.index_layers:
-                self._insert_pages(layer, self.win_start, self.win_start + self.plan.page_size)
+                self._insert_pages(layer, self.win_start, target)
             self.timings["insert_s"] += time.perf_counter() - t0
-            self.win_start += self.plan.page_size
+            self.win_start = target
         for tail in self.tails.values():
             tail.advance(self.win_start)
 
     def _insert_pages(self, layer: int, start: int, end: int) -> None:
-        """The request's own tokens [start, end) into ``layer``'s index, a page at a time (as a
-        selector's ``insert`` takes them)."""
-        for page in range(start, end, self.plan.page_size):
-            keys, _ = self.cache.gather_range(layer, self.seq_id, page, page + self.plan.page_size)  # [Hkv, P, D]
+        """The request's own tokens [start, end) (whole pages) into ``layer``'s index, in one call."""
+        if start < end:
+            keys, _ = self.cache.gather_range(layer, self.seq_id, start, end)  # [Hkv, end - start, D]
             self.selector.insert(layer, keys.cpu())
 
     # ---- statistics
