@@ -39,10 +39,12 @@ def size(args: ModelArgs, context_tokens: int, concurrent: int, plan: PolicyPlan
                       index, index / (pages * per_token))
 
 
-def local_tokens_held(window: int, tokens: int) -> int:
-    """Tokens a local (sliding-window) layer's device copy holds in a decode of ``tokens``: at
-    most two windows (:class:`icekv.engine.backends.whole_tokens.ComputeMirror`)."""
-    return min(tokens, 2 * window)
+def local_tokens_held(window: int, tokens: int, step_tokens: int = 0) -> int:
+    """Tokens a local (sliding-window) layer's device copy holds over ``tokens`` tokens attended in
+    steps of ``step_tokens`` (0: decode steps of one token): the window, the step's tokens and under
+    a page not dropped yet, so at most two windows and the step
+    (:class:`icekv.engine.backends.whole_tokens.ComputeMirror`; a page is shorter than a window)."""
+    return min(tokens, 2 * window + step_tokens)
 
 
 def budgeted_tokens(args: ModelArgs, tokens: int, plan: PolicyPlan, slack: int = 0) -> int:
@@ -59,7 +61,7 @@ def budgeted_tokens(args: ModelArgs, tokens: int, plan: PolicyPlan, slack: int =
 class DeviceNeed:
     """Compute-device bytes one request holds beside the model while the KV pool is in host memory."""
 
-    prefill: int  # every layer attends the prompt whole: each keeps a device copy of it
+    prefill: int  # a global layer keeps a device copy of the whole prompt, a local one about its window
     decode: int  # layers attended whole: every token; budgeted ones: slots, sink, window, a centroid copy
 
     @property
@@ -68,13 +70,16 @@ class DeviceNeed:
 
 
 def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, plan: PolicyPlan | None,
-                layer_token_bytes: int, context_bytes: int = 0, device_type: str = "cuda") -> DeviceNeed:
+                layer_token_bytes: int, context_bytes: int = 0, device_type: str = "cuda", *,
+                prefill_step_tokens: int) -> DeviceNeed:
     """What a request holds on the compute device. ``plan`` None: it only prefills;
     ``layer_token_bytes``: one token's K and V in one layer; ``context_bytes``: a compressed
     context's kept pages (all on the device in prefill; a decode holds only its layers attended
-    whole, charged whole all the same). The window may run a page past the budget before its
-    oldest page is flushed."""
-    prefill = args.num_layers * prompt_tokens * layer_token_bytes + context_bytes
+    whole, charged whole all the same); ``prefill_step_tokens``: the most prompt tokens one step
+    prefills. The window may run a page past the budget before its oldest page is flushed."""
+    local = len(args.local_layers)
+    held = local_tokens_held(args.sliding_window, prompt_tokens, prefill_step_tokens) if local else 0
+    prefill = ((args.num_layers - local) * prompt_tokens + local * held) * layer_token_bytes + context_bytes
     if plan is None:
         return DeviceNeed(prefill, 0)
     tokens = prompt_tokens + max_tokens

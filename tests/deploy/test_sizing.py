@@ -81,20 +81,21 @@ def test_device_need_of_a_prefill_and_of_decodes():
     a = shape_args("llama-3.1-8b")
     per = 2 * a.num_kv_heads * a.head_dim * 2  # bf16 K and V of one token in one layer
     sparse = SelectionConfig(policy="icecache", budget=256, icecache=IceCacheConfig(search="centroids"))
-    need = device_need(a, 32768, 100, resolve(sparse), per, device_type="cuda")
+    need = device_need(a, 32768, 100, resolve(sparse), per, device_type="cuda", prefill_step_tokens=512)
     assert need.prefill == a.num_layers * 32768 * per  # every layer's K/V of the prompt
     unlimited = sparse.n_unlimited_layers * 32868 * per
     slots = (a.num_layers - sparse.n_unlimited_layers) * (256 + 16) * per
     assert unlimited + slots < need.decode < unlimited + slots + 0.05 * need.prefill  # + the centroid copy
     assert need.most == need.prefill
-    full = device_need(a, 32768, 100, resolve(SelectionConfig(policy="full")), per)
+    full = device_need(a, 32768, 100, resolve(SelectionConfig(policy="full")), per, prefill_step_tokens=512)
     assert full.decode == a.num_layers * 32868 * per and full.most == full.decode
-    assert device_need(a, 32768, 100, None, per, context_bytes=5).decode == 0  # prefill only
+    assert device_need(a, 32768, 100, None, per, context_bytes=5, prefill_step_tokens=512).decode == 0  # prefill only
 
 
 def test_a_local_layer_is_charged_about_its_window_on_the_device():
     """Gemma 3's layout: ten of twelve layers attend 512 tokens; at 128k under icecache the device
-    holds the two global layers' budget and the local layers' windows, and the pool every token."""
+    holds the two global layers' budget and the local layers' windows, and the pool every token;
+    its prefill the global layers' prompt and the local layers' windows."""
     everywhere = replace(shape_args("llama-tiny"), num_layers=12)
     gemma_like = replace(everywhere, sliding_window=512, local_layers=(0, 1, 2, 3, 4, 6, 7, 8, 9, 10))
     plan = resolve(SelectionConfig(policy="icecache", budget=256, n_unlimited_layers=0))
@@ -103,5 +104,8 @@ def test_a_local_layer_is_charged_about_its_window_on_the_device():
     per_layer_token = sized.kv_bytes_per_token // 12
     assert sized.device_bytes_budget == (2 * 256 + 10 * 1024) * per_layer_token
     full = resolve(SelectionConfig(policy="full"))
-    assert device_need(gemma_like, 131072, 0, plan, per_layer_token).decode < \
-        device_need(everywhere, 131072, 0, full, per_layer_token).decode / 50  # the centroid copy included
+    windowed = device_need(gemma_like, 131072, 0, plan, per_layer_token, prefill_step_tokens=512)
+    dense = device_need(everywhere, 131072, 0, full, per_layer_token, prefill_step_tokens=512)
+    assert windowed.decode < dense.decode / 50  # the centroid copy included
+    assert windowed.prefill == (2 * 131072 + 10 * (2 * 512 + 512)) * per_layer_token  # two windows and a chunk
+    assert dense.prefill == 12 * 131072 * per_layer_token

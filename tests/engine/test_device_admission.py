@@ -1,6 +1,7 @@
 """With the pool off the compute device, admission charges what requests hold there: a prefill
-every layer's K/V of its prompt, a budgeted decode far less. Run on the CPU by telling the engine
-its pool is not where attention runs, with a real random-weight model."""
+every global layer's K/V of its prompt and about a local layer's window, a budgeted decode far
+less. Run on the CPU by telling the engine its pool is not where attention runs, with a real
+random-weight model."""
 
 from dataclasses import replace
 
@@ -13,6 +14,7 @@ from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import IcekvError
 from icekv.kv import PagedKVCache
+from icekv.model.random import SHAPES
 from icekv.policies import resolve
 from icekv.sizing import device_need
 
@@ -21,16 +23,17 @@ SAMPLING = SamplingConfig(max_tokens=8, ignore_eos=True)
 PROMPT = [3 + i % 500 for i in range(900)]
 
 
-def _engine(monkeypatch, limit: int | None) -> Engine:
+def _engine(monkeypatch, limit: int | None, chunk: int = 512) -> Engine:
     monkeypatch.setattr(PagedKVCache, "pool_on_compute", property(lambda self: False))
     return Engine(EngineConfig(random_weights="llama-tiny", device="cpu", paging=PagingConfig(pool_tokens=8192),
-                               scheduler=SchedulerConfig(max_device_bytes=limit)))
+                               scheduler=SchedulerConfig(max_device_bytes=limit), prefill_chunk_tokens=chunk))
 
 
 def _need(engine: Engine, selection=SPARSE):
     args = engine.model.args
     return device_need(args, len(PROMPT), SAMPLING.max_tokens, resolve(selection),
-                       engine.cache.bytes_per_token // args.num_layers, device_type="cpu")
+                       engine.cache.bytes_per_token // args.num_layers, device_type="cpu",
+                       prefill_step_tokens=engine.config.prefill_chunk_tokens)
 
 
 def _device_bytes(seq) -> int:
@@ -89,3 +92,19 @@ def test_a_request_that_could_never_fit_the_device_is_refused(monkeypatch):
         engine.submit(PROMPT, SAMPLING, SPARSE)
     short = engine.run(engine.submit(PROMPT[:40], SAMPLING, SPARSE))  # a short one is served
     assert len(short.token_ids) == 8
+
+
+def test_a_local_layer_s_prefill_is_charged_and_holds_about_its_window(monkeypatch):
+    windowed = replace(SHAPES["llama-tiny"], sliding_window=64, local_layers=(0, 1, 2))  # layer 3 global
+    monkeypatch.setitem(SHAPES, "llama-tiny", windowed)
+    engine = _engine(monkeypatch, None, chunk=64)
+    seq = engine.submit(PROMPT, SAMPLING, SelectionConfig(policy="full"))
+    most = 0
+    while not seq.decoder_ready and not seq.done:
+        engine.step()
+        most = max(most, _device_bytes(seq))
+    assert len(engine.run(seq).token_ids) == SAMPLING.max_tokens
+    need = _need(engine, SelectionConfig(policy="full"))
+    every_layer = windowed.num_layers * len(PROMPT) * (engine.cache.bytes_per_token // windowed.num_layers)
+    assert need.prefill < every_layer / 2  # three of four layers charged about a window
+    assert 0.8 * need.prefill <= most <= need.prefill

@@ -106,7 +106,7 @@ def _check_promises(kv: KVCacheManager, pool: _Pool, cfg: SchedulerConfig, runni
 @given(workload=_workload())
 def test_admission_never_promises_past_the_pool_and_admits_every_request_in_turn(workload):
     pool, cfg, requests = workload
-    kv = KVCacheManager(pool, None, cfg, cfg.max_device_bytes, "cpu")
+    kv = KVCacheManager(pool, None, cfg, cfg.max_device_bytes, "cpu", 512)
     scheduler = Scheduler(cfg, kv, chunk_tokens=8)
     admitted, finished, pending = [], [], list(requests)
     bound = requests[-1][0] + sum(seq.steps for _, seq in requests) + len(requests) + 1
@@ -135,7 +135,7 @@ def test_admission_never_promises_past_the_pool_and_admits_every_request_in_turn
 def test_a_request_is_charged_the_pages_of_its_tokens_and_fits_the_empty_pool_if_the_engine_lets_it_in(
         prompt, max_tokens, num_pages, page_size, prefill_only):
     pool = _Pool(num_pages, page_size)
-    kv = KVCacheManager(pool, None, SchedulerConfig(), None, "cpu")
+    kv = KVCacheManager(pool, None, SchedulerConfig(), None, "cpu", 512)
     request = SimpleNamespace(prompt_ids=[0] * prompt, sampling=SimpleNamespace(max_tokens=max_tokens), context=None,
                               prefill_only=prefill_only, plan=SimpleNamespace(name="full"))
     seq = SimpleNamespace(seq_id=0, request=request, selects=False)

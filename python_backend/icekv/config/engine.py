@@ -36,8 +36,8 @@ class SchedulerConfig:
     (``max_context_bytes``, None: the same) and, when the pool is off the compute device,
     the device memory requests hold beside the model (``max_device_bytes``, None: 90% of what is
     free once the engine is loaded; see :func:`icekv.sizing.device_need`: a prefill keeps every
-    layer's K/V of its prompt there, a decode under a budget far less). One that could never fit
-    is refused at submit.
+    global layer's K/V of its prompt there and about a local layer's window, a decode under a
+    budget far less). One that could never fit is refused at submit.
     """
 
     max_active_requests: int = 8  # requests in prefill or decode at once

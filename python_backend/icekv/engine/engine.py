@@ -78,7 +78,8 @@ class Engine:
                                   device=pool, compute=self.device, prefix=prefix,
                                   kv_format=KVFormat(config.paging.kv_dtype), layer_windows=args.layer_windows)
         indexes = IndexCache(self.model_id, config.paging.page_size) if config.paging.prefix_cache else None
-        self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type, indexes)
+        self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type,
+                                 config.prefill_chunk_tokens, indexes)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.prefill_chunk_tokens)
         self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads, config.search_threads,
                                  indexes)

@@ -40,8 +40,9 @@ class KVCacheManager:
     where device memory is not charged (the pool is on the compute device, allocated whole)."""
 
     def __init__(self, cache: PagedKVCache, args: ModelArgs, cfg: SchedulerConfig, device_limit: int | None,
-                 device_type: str, indexes: IndexCache | None = None):
+                 device_type: str, prefill_step_tokens: int, indexes: IndexCache | None = None):
         self.cache, self.args, self.device_type = cache, args, device_type
+        self.prefill_step_tokens = prefill_step_tokens  # the most prompt tokens one step prefills (the chunk)
         self.indexes = indexes  # finished requests' indexes, kept under index_limit beside the running ones
         pool_bytes = cache.capacity_tokens * cache.value_bytes_per_token
         self.index_limit = pool_bytes if cfg.max_index_bytes is None else cfg.max_index_bytes
@@ -60,9 +61,10 @@ class KVCacheManager:
         context_bytes = context.nbytes if context is not None else 0
         device = DeviceNeed(0, 0)
         if not self.cache.pool_on_compute:
+            layer_token_bytes = self.cache.value_bytes_per_token // self.args.num_layers  # a bound when quantized
             device = device_need(self.args, prompt_tokens, max_tokens, None if r.prefill_only else r.plan,
-                                 self.cache.value_bytes_per_token // self.args.num_layers, context_bytes,
-                                 self.device_type)  # values: an upper bound for quantized slots
+                                 layer_token_bytes, context_bytes, self.device_type,
+                                 prefill_step_tokens=self.prefill_step_tokens)
         charge = Admission(math.ceil(held / self.cache.page_size), index, context_bytes, device)
         self._check(charge, r.plan.name)
         return charge
@@ -80,8 +82,8 @@ class KVCacheManager:
             remedy = ", or compress it as a context" if self.args.takes_contexts else ""
             raise IcekvError(
                 f"this request needs ~{charge.device_need.most / MIB:,.0f} MiB of device memory (its prefill keeps "
-                f"every layer's K/V of the prompt there), above max_device_bytes ({self.device_limit / MIB:,.0f} "
-                f"MiB): shorten the prompt{remedy}")
+                f"the prompt's K/V there, a local layer's about its window), above max_device_bytes "
+                f"({self.device_limit / MIB:,.0f} MiB): shorten the prompt{remedy}")
 
     def can_allocate(self, seq, running) -> bool:
         """Does ``seq``'s worst case fit beside what the ``running`` requests were promised?"""
