@@ -39,12 +39,13 @@ def size(args: ModelArgs, context_tokens: int, concurrent: int, plan: PolicyPlan
                       index, index / (pages * per_token))
 
 
-def local_tokens_held(window: int, tokens: int, step_tokens: int = 0) -> int:
+def local_tokens_held(window: int, tokens: int, step_tokens: int = 1) -> int:
     """Tokens a local (sliding-window) layer's device copy holds over ``tokens`` tokens attended in
-    steps of ``step_tokens`` (0: decode steps of one token): the window, the step's tokens and under
-    a page not dropped yet, so at most two windows and the step
-    (:class:`icekv.engine.backends.whole_tokens.ComputeMirror`; a page is shorter than a window)."""
-    return min(tokens, 2 * window + step_tokens)
+    steps of at most ``step_tokens`` (a decode: 1; a prefill: its chunk): what the step's first
+    query sees, the step's tokens and less than a page not dropped yet, so, with pages no longer
+    than the window, at most two windows and the step beyond its first token
+    (:class:`icekv.engine.backends.whole_tokens.ComputeMirror`)."""
+    return min(tokens, 2 * window + step_tokens - 1)
 
 
 def budgeted_tokens(args: ModelArgs, tokens: int, plan: PolicyPlan, slack: int = 0) -> int:

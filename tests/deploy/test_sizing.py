@@ -107,5 +107,5 @@ def test_a_local_layer_is_charged_about_its_window_on_the_device():
     windowed = device_need(gemma_like, 131072, 0, plan, per_layer_token, prefill_step_tokens=512)
     dense = device_need(everywhere, 131072, 0, full, per_layer_token, prefill_step_tokens=512)
     assert windowed.decode < dense.decode / 50  # the centroid copy included
-    assert windowed.prefill == (2 * 131072 + 10 * (2 * 512 + 512)) * per_layer_token  # two windows and a chunk
+    assert windowed.prefill == (2 * 131072 + 10 * (2 * 512 + 511)) * per_layer_token  # two windows and a chunk
     assert dense.prefill == 12 * 131072 * per_layer_token

@@ -74,7 +74,7 @@ def test_builds_start_as_soon_as_each_layer_has_its_region(engine):
     seq_id = -1
     engine.cache.add(seq_id)
     try:
-        backend = IndexingPrefillAttention(engine.cache, seq_id, engine.model.args, len(ids), index)
+        backend = IndexingPrefillAttention(engine.cache, seq_id, engine.model.args, len(ids), 64, index)
         started = {}  # chunk end -> builds started by then
         for start in range(0, len(ids), 64):
             tokens = torch.tensor(ids[start : start + 64])  # [C]

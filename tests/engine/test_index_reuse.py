@@ -122,8 +122,7 @@ def test_a_continued_index_selects_within_the_bound_of_a_fresh_one(engine, conve
                 continue
             keys = engine.cache.gather_range(layer, observed.seq_id, sink, end)[0]  # [Hkv, n, D]
             fresh.build(layer, keys, sink)
-            for start in range(kept.covered - sink, keys.shape[1], sel.page_size):  # as the engine inserts
-                kept.selector.insert(layer, keys[:, start: start + sel.page_size])
+            kept.selector.insert(layer, keys[:, kept.covered - sink:])  # the pages past it, as the engine inserts
             gaps.append(_recall(fresh, layer, queries, keys, sink, plan.selected_pages)
                         - _recall(kept.selector, layer, queries, keys, sink, plan.selected_pages))
     finally:

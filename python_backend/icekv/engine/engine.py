@@ -81,8 +81,8 @@ class Engine:
         self.kv = KVCacheManager(self.cache, args, config.scheduler, self._device_limit(), self.device.type,
                                  config.prefill_chunk_tokens, indexes)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.prefill_chunk_tokens)
-        self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads, config.search_threads,
-                                 indexes)
+        self.runner = StepRunner(self.model, self.tokenizer, self.cache, self.index_threads,
+                                 config.prefill_chunk_tokens, config.search_threads, indexes)
         self.grammars = Grammars(self.tokenizer.to_json(), list(args.eos_token_ids))
         self._seq_ids = itertools.count()
         compile_loops(dtype, self.cache.kv_format)  # here, not in the first request's first decode step

@@ -28,8 +28,9 @@ class StepRunner:
     model once over all their tokens, then samples (or records prefill progress) per sequence."""
 
     def __init__(self, model: Decoder, tokenizer: Tokenizer, cache: PagedKVCache, index_threads: int,
-                 search_threads: int = 0, indexes: IndexCache | None = None):
+                 chunk_tokens: int, search_threads: int = 0, indexes: IndexCache | None = None):
         self.model, self.tokenizer, self.cache, self.index_threads = model, tokenizer, cache, index_threads
+        self.chunk_tokens = chunk_tokens  # the most prompt tokens of one request a step
         self.indexes = indexes  # finished requests' indexes, for decodes that continue them
         self.searches = SearchThreads(search_threads)
         self.eos = set(model.args.eos_token_ids)
@@ -85,14 +86,16 @@ class StepRunner:
             seq.start_decode(self.tokenizer, self.eos, seq.request.prefilled.logits)
         elif seq.phase is Phase.WAITING and seq.request.prefilled is not None:  # its suffix, over the prompt's KV
             seq.phase, seq.t_prefill = Phase.PREFILL, time.perf_counter()
-            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads, self.indexes)
+            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads, self.chunk_tokens,
+                                          self.indexes)
         elif seq.phase is Phase.WAITING:
             if seq.request.context is not None:
                 check_context(seq.request.context, self.cache, self.model.args)
             most = seq.most_cached_tokens if seq.uses_prefix_cache else 0
             seq.cached_tokens = seq.prefill_done = self.cache.add(seq.seq_id, seq.request.prompt_ids, most)
             seq.phase, seq.t_prefill = Phase.PREFILL, time.perf_counter()
-            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads, self.indexes)
+            seq.backend = prefill_backend(self.cache, seq, self.model.args, self.index_threads, self.chunk_tokens,
+                                          self.indexes)
         if seq.phase is Phase.DONE:
             return None
         if seq.phase is Phase.PREFILL:

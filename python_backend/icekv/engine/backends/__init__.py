@@ -50,10 +50,10 @@ def _continued_index(seq: Sequence, indexes: IndexCache | None, take: bool):
 
 
 def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_threads: int,
-                    indexes: IndexCache | None = None):
-    """Full attention over the prompt; with free index threads, a sparse policy's index is built
-    layer by layer meanwhile (``seq.index``), for the first decode under that same plan,
-    unless the decode can continue a kept index (``indexes``)."""
+                    chunk_tokens: int, indexes: IndexCache | None = None):
+    """Full attention over the prompt, ``chunk_tokens`` at most a step; with free index threads, a
+    sparse policy's index is built layer by layer meanwhile (``seq.index``), for the first decode
+    under that same plan, unless the decode can continue a kept index (``indexes``)."""
     r = seq.request
     # a prefill for later decodes (prefill_only) cannot know their length: it assumes they select
     selects = seq.selects or (r.plan.sparse and r.prefill_only)
@@ -61,10 +61,10 @@ def prefill_backend(cache: PagedKVCache, seq: Sequence, args: ModelArgs, index_t
     # one built from the prompt's last queries waits for them
     if (r.context is not None or not selects or index_threads == 0 or r.prefilled is not None
             or r.plan.window_queries or _continued_index(seq, indexes, take=False)):
-        backend = DenseAttention(token_source(cache, seq.seq_id, r.context, len(r.prompt_ids)))
+        backend = DenseAttention(token_source(cache, seq.seq_id, r.context, len(r.prompt_ids), chunk_tokens))
     else:
         seq.index = PrefillIndex(r.plan, r.plan.make_selector(), index_threads, cache.compute)
-        backend = IndexingPrefillAttention(cache, seq.seq_id, args, len(r.prompt_ids), seq.index)
+        backend = IndexingPrefillAttention(cache, seq.seq_id, args, len(r.prompt_ids), chunk_tokens, seq.index)
     backend.keep_queries = r.plan.window_queries_kept(r.prefill_only)
     if backend.keep_queries and r.prefilled is not None:  # the window may reach back into the prefilled prompt
         backend.kept_queries = dict(r.prefilled.window_queries or {})

@@ -69,10 +69,12 @@ def _use_threads(n: int) -> None:
 
 class IndexingPrefillAttention(DenseAttention):
     """Full attention for prefill that also starts ``index``'s per-layer builds for a prompt of
-    ``prompt_tokens`` tokens, each as soon as that layer has written its indexed region."""
+    ``prompt_tokens`` tokens (``chunk_tokens`` at most a step), each as soon as that layer has
+    written its indexed region."""
 
-    def __init__(self, cache: PagedKVCache, seq_id: int, args: ModelArgs, prompt_tokens: int, index: PrefillIndex):
-        super().__init__(RequestPages(cache, seq_id, prompt_tokens))
+    def __init__(self, cache: PagedKVCache, seq_id: int, args: ModelArgs, prompt_tokens: int, chunk_tokens: int,
+                 index: PrefillIndex):
+        super().__init__(RequestPages(cache, seq_id, prompt_tokens, chunk_tokens))
         self.index = index
         plan = index.plan
         self.layers = plan.index_layers(args)

@@ -22,16 +22,17 @@ from icekv.policies import PolicyPlan
 
 
 class RequestPages:
-    """The request's own tokens (at most ``tokens``, a size hint for device copies). An IceCache
-    tree's local token ``l`` is position ``base + l``."""
+    """The request's own tokens (at most ``tokens``, written at most ``step_tokens`` a step: size
+    hints for device copies). An IceCache tree's local token ``l`` is position ``base + l``."""
 
-    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0):
+    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0, step_tokens: int = 1):
         self.cache, self.seq_id = cache, seq_id
         self.offset = 0  # RoPE position of the request's first own token
         self.context: CompressedContext | None = None
         self._pool_layers: dict[int, torch.Tensor] = {}
         # the layers attended whole read the pool in place, or a copy of the tokens on the compute device
-        self.whole = PoolTokens(cache, seq_id) if cache.pool_on_compute else ComputeMirror(cache, seq_id, tokens)
+        self.whole = (PoolTokens(cache, seq_id) if cache.pool_on_compute
+                      else ComputeMirror(cache, seq_id, tokens, step_tokens))
 
     def length(self) -> int:
         """Own tokens in the pool."""
@@ -175,6 +176,10 @@ class ContextPages(RequestPages):
         return tuple(self.cache.to_compute(t) for t in (*sinks, win_k, win_v))
 
 
-def token_source(cache: PagedKVCache, seq_id: int, context: CompressedContext | None, tokens: int = 0) -> RequestPages:
-    """The request's tokens (at most ``tokens`` of its own), after ``context`` if there is one."""
-    return RequestPages(cache, seq_id, tokens) if context is None else ContextPages(cache, seq_id, context, tokens)
+def token_source(cache: PagedKVCache, seq_id: int, context: CompressedContext | None, tokens: int = 0,
+                 step_tokens: int = 1) -> RequestPages:
+    """The request's tokens (at most ``tokens`` of its own, ``step_tokens`` a step), after ``context``
+    if there is one (no model with sliding windows takes one)."""
+    if context is None:
+        return RequestPages(cache, seq_id, tokens, step_tokens)
+    return ContextPages(cache, seq_id, context, tokens)

@@ -51,8 +51,9 @@ class ComputeMirror:
     global layer; a local layer drops the tokens no later query sees (behind its window) as it
     attends, so it holds about its window and the newest steps' tokens, not the request's length."""
 
-    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0):
+    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0, step_tokens: int = 1):
         self.cache, self.seq_id, self.tokens = cache, seq_id, tokens  # tokens: the most it will hold
+        self.step_tokens = step_tokens  # the most tokens one step writes (a prefill: its chunk)
         self.kv: dict[int, torch.Tensor] = {}  # layer -> [2, Hkv, capacity, D] on the compute device
         self.base: dict[int, int] = {}  # layer -> the own position in its first slot
         self.filled: dict[int, int] = {}  # layer -> the own position after the last one held
@@ -83,10 +84,12 @@ class ComputeMirror:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep k, v [n, Hkv, D] of own positions ``start ..`` (just written to the pool) when they
         continue what the mirror holds; otherwise the next read copies them from the pool."""
-        base, filled = self.base.get(layer, 0), self.filled.get(layer, 0)
-        if start != filled:
+        if start != self.filled.get(layer, 0):
             return
-        end = start + k.shape[0]
+        window = self.cache.window(layer)
+        if window is not None:  # what no query of this step sees goes first, so the step joins about a window
+            self._drop_before(layer, first_visible_key(start, window))
+        base, end = self.base.get(layer, 0), start + k.shape[0]
         kv = self._room(layer, end)
         kv[0, :, start - base : end - base] = self.cache.as_stored(k).transpose(0, 1)
         kv[1, :, start - base : end - base] = self.cache.as_stored(v).transpose(0, 1)
@@ -111,7 +114,7 @@ class ComputeMirror:
         if kv is None or kv.shape[2] < end - base:
             pool = self.cache.pool  # [L, 2, Hkv, pages, P, W]: the mirror holds values [.., D] in the model's dtype
             window = self.cache.window(layer)
-            hint = self.tokens if window is None else local_tokens_held(window, self.tokens)
+            hint = self.tokens if window is None else local_tokens_held(window, self.tokens, self.step_tokens)
             doubled = 2 * kv.shape[2] if kv is not None and window is None else 0  # a local layer's need is bounded
             capacity = max(end - base, hint, doubled, self.cache.page_size)
             d = self.cache.kv_format.head_dim(pool.shape[-1])
