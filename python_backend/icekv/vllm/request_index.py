@@ -6,8 +6,8 @@ holding, per KV head, its K rows then its V rows, each packed as vLLM's kernel r
 (:class:`BlockLayout`); a request's ``block_table`` row maps its token ``t`` to block
 ``block_table[t // block_size]``, row ``t % block_size``. The index is icekv's own
 selector (any method whose selector sees only the keys), fed from those rows: built over the
-region between sink and window at the request's first selecting decode of each layer, extended a
-page at a time as the window moves, as :class:`icekv.engine.backends.SparseAttention` does over
+region between sink and window at the request's first selecting decode of each layer, extended by
+the pages that left the window, as :class:`icekv.engine.backends.SparseAttention` does over
 icekv's own pool; or continued from a released request's index over the same first tokens. Nothing
 here imports vLLM: the plugin hands it tensors.
 """
