@@ -80,10 +80,11 @@ class KVCacheManager:
                              f"max_context_bytes ({self.context_limit / MIB:.0f} MiB)")
         if self.device_limit is not None and charge.device_need.most > self.device_limit:
             remedy = ", or compress it as a context" if self.args.takes_contexts else ""
+            local = ", a local layer's about its window" if self.args.local_layers else ""
             raise IcekvError(
                 f"this request needs ~{charge.device_need.most / MIB:,.0f} MiB of device memory (its prefill keeps "
-                f"the prompt's K/V there, a local layer's about its window), above max_device_bytes "
-                f"({self.device_limit / MIB:,.0f} MiB): shorten the prompt{remedy}")
+                f"the prompt's K/V there{local}), above max_device_bytes ({self.device_limit / MIB:,.0f} MiB): "
+                f"shorten the prompt{remedy}")
 
     def can_allocate(self, seq, running) -> bool:
         """Does ``seq``'s worst case fit beside what the ``running`` requests were promised?"""
