@@ -72,14 +72,14 @@ class DeviceNeed:
 
 def device_need(args: ModelArgs, prompt_tokens: int, max_tokens: int, plan: PolicyPlan | None,
                 layer_token_bytes: int, context_bytes: int = 0, device_type: str = "cuda", *,
-                prefill_step_tokens: int) -> DeviceNeed:
+                chunk_tokens: int) -> DeviceNeed:
     """What a request holds on the compute device. ``plan`` None: it only prefills;
     ``layer_token_bytes``: one token's K and V in one layer; ``context_bytes``: a compressed
     context's kept pages (all on the device in prefill; a decode holds only its layers attended
-    whole, charged whole all the same); ``prefill_step_tokens``: the most prompt tokens one step
+    whole, charged whole all the same); ``chunk_tokens``: the most prompt tokens one step
     prefills. The window may run a page past the budget before its oldest page is flushed."""
     local = len(args.local_layers)
-    held = local_tokens_held(args.sliding_window, prompt_tokens, prefill_step_tokens) if local else 0
+    held = local_tokens_held(args.sliding_window, prompt_tokens, chunk_tokens) if local else 0
     prefill = ((args.num_layers - local) * prompt_tokens + local * held) * layer_token_bytes + context_bytes
     if plan is None:
         return DeviceNeed(prefill, 0)

@@ -81,15 +81,15 @@ def test_device_need_of_a_prefill_and_of_decodes():
     a = shape_args("llama-3.1-8b")
     per = 2 * a.num_kv_heads * a.head_dim * 2  # bf16 K and V of one token in one layer
     sparse = SelectionConfig(policy="icecache", budget=256, icecache=IceCacheConfig(search="centroids"))
-    need = device_need(a, 32768, 100, resolve(sparse), per, device_type="cuda", prefill_step_tokens=512)
+    need = device_need(a, 32768, 100, resolve(sparse), per, device_type="cuda", chunk_tokens=512)
     assert need.prefill == a.num_layers * 32768 * per  # every layer's K/V of the prompt
     unlimited = sparse.n_unlimited_layers * 32868 * per
     slots = (a.num_layers - sparse.n_unlimited_layers) * (256 + 16) * per
     assert unlimited + slots < need.decode < unlimited + slots + 0.05 * need.prefill  # + the centroid copy
     assert need.most == need.prefill
-    full = device_need(a, 32768, 100, resolve(SelectionConfig(policy="full")), per, prefill_step_tokens=512)
+    full = device_need(a, 32768, 100, resolve(SelectionConfig(policy="full")), per, chunk_tokens=512)
     assert full.decode == a.num_layers * 32868 * per and full.most == full.decode
-    assert device_need(a, 32768, 100, None, per, context_bytes=5, prefill_step_tokens=512).decode == 0  # prefill only
+    assert device_need(a, 32768, 100, None, per, context_bytes=5, chunk_tokens=512).decode == 0  # prefill only
 
 
 def test_a_local_layer_is_charged_about_its_window_on_the_device():
@@ -104,8 +104,8 @@ def test_a_local_layer_is_charged_about_its_window_on_the_device():
     per_layer_token = sized.kv_bytes_per_token // 12
     assert sized.device_bytes_budget == (2 * 256 + 10 * 1024) * per_layer_token
     full = resolve(SelectionConfig(policy="full"))
-    windowed = device_need(gemma_like, 131072, 0, plan, per_layer_token, prefill_step_tokens=512)
-    dense = device_need(everywhere, 131072, 0, full, per_layer_token, prefill_step_tokens=512)
+    windowed = device_need(gemma_like, 131072, 0, plan, per_layer_token, chunk_tokens=512)
+    dense = device_need(everywhere, 131072, 0, full, per_layer_token, chunk_tokens=512)
     assert windowed.decode < dense.decode / 50  # the centroid copy included
     assert windowed.prefill == (2 * 131072 + 10 * (2 * 512 + 511)) * per_layer_token  # two windows and a chunk
     assert dense.prefill == 12 * 131072 * per_layer_token

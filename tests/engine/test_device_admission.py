@@ -33,7 +33,7 @@ def _need(engine: Engine, selection=SPARSE):
     args = engine.model.args
     return device_need(args, len(PROMPT), SAMPLING.max_tokens, resolve(selection),
                        engine.cache.bytes_per_token // args.num_layers, device_type="cpu",
-                       prefill_step_tokens=engine.config.prefill_chunk_tokens)
+                       chunk_tokens=engine.config.prefill_chunk_tokens)
 
 
 def _device_bytes(seq) -> int:

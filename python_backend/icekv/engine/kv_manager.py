@@ -40,9 +40,9 @@ class KVCacheManager:
     where device memory is not charged (the pool is on the compute device, allocated whole)."""
 
     def __init__(self, cache: PagedKVCache, args: ModelArgs, cfg: SchedulerConfig, device_limit: int | None,
-                 device_type: str, prefill_step_tokens: int, indexes: IndexCache | None = None):
+                 device_type: str, chunk_tokens: int, indexes: IndexCache | None = None):
         self.cache, self.args, self.device_type = cache, args, device_type
-        self.prefill_step_tokens = prefill_step_tokens  # the most prompt tokens one step prefills (the chunk)
+        self.chunk_tokens = chunk_tokens  # the most prompt tokens of one request a step
         self.indexes = indexes  # finished requests' indexes, kept under index_limit beside the running ones
         pool_bytes = cache.capacity_tokens * cache.value_bytes_per_token
         self.index_limit = pool_bytes if cfg.max_index_bytes is None else cfg.max_index_bytes
@@ -64,7 +64,7 @@ class KVCacheManager:
             layer_token_bytes = self.cache.value_bytes_per_token // self.args.num_layers  # a bound when quantized
             device = device_need(self.args, prompt_tokens, max_tokens, None if r.prefill_only else r.plan,
                                  layer_token_bytes, context_bytes, self.device_type,
-                                 prefill_step_tokens=self.prefill_step_tokens)
+                                 chunk_tokens=self.chunk_tokens)
         charge = Admission(math.ceil(held / self.cache.page_size), index, context_bytes, device)
         self._check(charge, r.plan.name)
         return charge

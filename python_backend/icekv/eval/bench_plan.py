@@ -201,7 +201,7 @@ def _wave(args: ModelArgs, dtype: str, run: BenchRun, policy: str, context: int,
     pages = batch * pages_of(held)
     one_index = plan.index_bytes(args, held, dtype) if plan.selects(held) else 0
     need = device_need(args, context, run.max_tokens, plan, token_bytes, 0, device_type,
-                       prefill_step_tokens=EngineConfig.prefill_chunk_tokens)  # the engine's chunk
+                       chunk_tokens=EngineConfig.prefill_chunk_tokens)  # the engine's chunk
     off_device = pool == "host" and device_type != "cpu"
     # a prefilled request decodes at once: each running one is charged its decode, the newest its most
     charge = (batch - 1) * need.decode + need.most if off_device else 0
