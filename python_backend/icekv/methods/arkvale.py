@@ -81,19 +81,14 @@ class ArkValeSelector(SequenceSelection):
         if hkv % self.config.groups:
             raise ValueError(f"arkvale groups ({self.config.groups}) must divide the KV heads ({hkv})")
         self.pages.add_region(layer, n, base)
-        self.upper[layer], self.lower[layer] = page_digests(self._paged(keys[:, : n - n % self.page_size]))
+        self.upper[layer], self.lower[layer] = page_digests(self.pages.paged(keys))
         self.resident[layer] = [torch.zeros(0, dtype=torch.long)] * self.config.groups
 
     def insert(self, layer, keys):
         self.pages.grow(layer, keys.shape[1])
-        upper, lower = page_digests(self._paged(keys.cpu().float()))
+        upper, lower = page_digests(self.pages.paged(keys.cpu().float()))
         self.upper[layer] = torch.cat([self.upper[layer], upper], 1)
         self.lower[layer] = torch.cat([self.lower[layer], lower], 1)
-
-    def _paged(self, keys: torch.Tensor) -> torch.Tensor:
-        """keys [Hkv, m * P, D] of whole pages -> [Hkv, m, P, D]."""
-        hkv, n, d = keys.shape
-        return keys.reshape(hkv, n // self.page_size, self.page_size, d)
 
     def select(self, layer, q, k):
         scores = digest_scores(q.cpu(), self.upper[layer], self.lower[layer], self.config.groups)  # [groups, n]

@@ -30,21 +30,15 @@ class QuestSelector(SequenceSelection):
 
     def build(self, layer, keys, base):
         keys = keys.cpu()  # the bounds are kept and scored on the host
-        n = keys.shape[1]
-        self.pages.add_region(layer, n, base)
-        self.key_min[layer], self.key_max[layer] = self._bounds(keys[:, : n - n % self.page_size])
+        self.pages.add_region(layer, keys.shape[1], base)
+        paged = self.pages.paged(keys.float())  # [Hkv, m, P, D]
+        self.key_min[layer], self.key_max[layer] = paged.amin(2), paged.amax(2)
 
     def insert(self, layer, keys):
         self.pages.grow(layer, keys.shape[1])
-        key_min, key_max = self._bounds(keys.cpu())
-        self.key_min[layer] = torch.cat([self.key_min[layer], key_min], 1)
-        self.key_max[layer] = torch.cat([self.key_max[layer], key_max], 1)
-
-    def _bounds(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys [Hkv, m * P, D] of whole pages -> each page's min and max [Hkv, m, D]."""
-        hkv, n, d = keys.shape
-        paged = keys.float().reshape(hkv, n // self.page_size, self.page_size, d)  # [Hkv, m, P, D]
-        return paged.amin(2), paged.amax(2)
+        paged = self.pages.paged(keys.cpu().float())  # [Hkv, m, P, D]
+        self.key_min[layer] = torch.cat([self.key_min[layer], paged.amin(2)], 1)
+        self.key_max[layer] = torch.cat([self.key_max[layer], paged.amax(2)], 1)
 
     def upper_bounds(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [Hq, D] -> page score bounds [Hq, n_pages]."""

@@ -106,6 +106,12 @@ class SequencePages:
         """``n_tokens`` more (whole pages) at the region's end."""
         self.num_pages[layer] += n_tokens // self.page_size
 
+    def paged(self, keys: torch.Tensor) -> torch.Tensor:
+        """keys [Hkv, n, D] of the region -> its whole pages [Hkv, n // P, P, D] (a partial last one
+        left out: it is not a page yet)."""
+        hkv, n, d = keys.shape
+        return keys[:, : n - n % self.page_size].reshape(hkv, n // self.page_size, self.page_size, d)
+
     def positions(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         return self.base[layer] + pages[:, None] * self.page_size + torch.arange(self.page_size)[None, :]
 
