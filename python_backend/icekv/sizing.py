@@ -10,6 +10,7 @@ from icekv.model import ModelArgs
 from icekv.policies import PolicyPlan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DECODE_STEP_TOKENS = 1  # tokens one decode step writes for a request (a prefill step: up to its chunk)
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,9 @@ def size(args: ModelArgs, context_tokens: int, concurrent: int, plan: PolicyPlan
                       index, index / (pages * per_token))
 
 
-def local_tokens_held(window: int, tokens: int, step_tokens: int = 1) -> int:
+def local_tokens_held(window: int, tokens: int, step_tokens: int = DECODE_STEP_TOKENS) -> int:
     """Tokens a local (sliding-window) layer's device copy holds over ``tokens`` tokens attended in
-    steps of at most ``step_tokens`` (a decode: 1; a prefill: its chunk): what the step's first
+    steps of at most ``step_tokens`` (a decode: one; a prefill: its chunk): what the step's first
     query sees, the step's tokens and less than a page not dropped yet, so, with pages no longer
     than the window, at most two windows and the step beyond its first token
     (:class:`icekv.engine.backends.whole_tokens.ComputeMirror`)."""

@@ -19,13 +19,14 @@ from icekv.engine.backends.whole_tokens import ComputeMirror, PoolTokens
 from icekv.engine.results import KVStats
 from icekv.kv import PagedKVCache
 from icekv.policies import PolicyPlan
+from icekv.sizing import DECODE_STEP_TOKENS
 
 
 class RequestPages:
     """The request's own tokens (at most ``tokens``, written at most ``step_tokens`` a step: size
     hints for device copies). An IceCache tree's local token ``l`` is position ``base + l``."""
 
-    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0, step_tokens: int = 1):
+    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0, step_tokens: int = DECODE_STEP_TOKENS):
         self.cache, self.seq_id = cache, seq_id
         self.offset = 0  # RoPE position of the request's first own token
         self.context: CompressedContext | None = None
@@ -177,7 +178,7 @@ class ContextPages(RequestPages):
 
 
 def token_source(cache: PagedKVCache, seq_id: int, context: CompressedContext | None, tokens: int = 0,
-                 step_tokens: int = 1) -> RequestPages:
+                 step_tokens: int = DECODE_STEP_TOKENS) -> RequestPages:
     """The request's tokens (at most ``tokens`` of its own, ``step_tokens`` a step), after ``context``
     if there is one (no model with sliding windows takes one)."""
     if context is None:

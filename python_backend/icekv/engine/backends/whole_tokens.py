@@ -19,7 +19,7 @@ import torch
 
 from icekv.attention import causal_attention, decode_attention_chunks, is_decode_step, first_visible_key
 from icekv.kv import PagedKVCache
-from icekv.sizing import local_tokens_held
+from icekv.sizing import DECODE_STEP_TOKENS, local_tokens_held
 
 
 class PoolTokens:
@@ -51,7 +51,7 @@ class ComputeMirror:
     global layer; a local layer drops the tokens no later query sees (behind its window) as it
     attends, so it holds about its window and the newest steps' tokens, not the request's length."""
 
-    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0, step_tokens: int = 1):
+    def __init__(self, cache: PagedKVCache, seq_id: int, tokens: int = 0, step_tokens: int = DECODE_STEP_TOKENS):
         self.cache, self.seq_id, self.tokens = cache, seq_id, tokens  # tokens: the most it will hold
         self.step_tokens = step_tokens  # the most tokens one step writes (a prefill: its chunk)
         self.kv: dict[int, torch.Tensor] = {}  # layer -> [2, Hkv, capacity, D] on the compute device
