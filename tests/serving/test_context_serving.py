@@ -130,6 +130,22 @@ def test_eight_concurrent_requests_on_a_new_context_compress_it_once(cli_replica
     assert after["icekv_kv_host_bytes"] == 0  # every request's pages are back
 
 
+def test_a_new_context_sent_to_both_replicas_at_once_is_compressed_once(cli_replica, launched_replica, essays_text):
+    """The replicas share one Redis: the first to claim the context compresses it, the other waits
+    for its entry (or finds it) instead of compressing it again."""
+    document = _document(essays_text, "copper-lynx", 6120384, 4000)
+    replicas = (cli_replica, launched_replica)
+    before = [metrics(r) for r in replicas]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i: _ask(replicas[i % 2], document, "copper-lynx"), range(4)))
+    after = [wait_idle(r) for r in replicas]
+    assert sum(a["icekv_context_store_misses_total"] - b["icekv_context_store_misses_total"]
+               for a, b in zip(after, before)) == 1
+    statuses = [a["context_cache"] for a in answers]
+    assert statuses.count("compressed") == 1 and set(statuses) <= {"compressed", "joined", "hit"}, statuses
+    assert len({a["text_output"] for a in answers}) == 1 and len({a["context_key"] for a in answers}) == 1
+
+
 def test_compress_only_request_returns_the_key_and_sizes(launched_replica, cli_replica, essays_text):
     document = _document(essays_text, "quiet-lynx", 3094416, 4000)
     status, out = post(launched_replica, GEN, {"context": document, "kv_method": "snapkv", "kv_budget": 0.1})

@@ -1,5 +1,6 @@
 """Reusable contexts through the serving engine thread (real engine, real model, no Triton):
-compressed once per key however many requests ask, shared, released, cancelled, failed cleanly."""
+compressed once per key however many requests ask, on one replica or on two sharing a store,
+shared, released, cancelled, failed cleanly."""
 
 import time
 
@@ -16,7 +17,7 @@ from icekv.serving.context_service import ContextService
 from icekv.serving.engine_loop import EngineLoop
 from icekv.serving.request import ContextRequest, GenerateRequest
 from icekv.serving.shared_contexts import SharedContexts
-from icekv.store import ContextStore
+from icekv.store import CLAIM_TTL_S, ContextStore
 from tests.serving.sinks import RecordingSink
 
 pytestmark = pytest.mark.model
@@ -31,17 +32,23 @@ def document(essays_text):
     return " ".join(words)
 
 
-@pytest.fixture
-def loop(smollm2_dir, tmp_path):
-    cfg = EngineConfig(model_dir=str(smollm2_dir), scheduler=SchedulerConfig(max_active_requests=8))
+def _replica(model_dir, store_dir, claim_ttl_s: float = CLAIM_TTL_S) -> EngineLoop:
+    """A replica's serving loop over the context store in ``store_dir`` (its ``store`` attribute)."""
+    cfg = EngineConfig(model_dir=str(model_dir), scheduler=SchedulerConfig(max_active_requests=8))
     store = {}
 
     def contexts(engine):
-        store["store"] = ContextStore.open(str(tmp_path / "store"), engine.model_id)
-        return ContextService(engine, store["store"], engine.kv.context_limit, 4096)
+        store["store"] = ContextStore.open(str(store_dir), engine.model_id)
+        return ContextService(engine, store["store"], engine.kv.context_limit, 4096, claim_ttl_s=claim_ttl_s)
 
     made = EngineLoop(lambda: Engine(cfg), make_contexts=contexts)
     made.store = store["store"]
+    return made
+
+
+@pytest.fixture
+def loop(smollm2_dir, tmp_path):
+    made = _replica(smollm2_dir, tmp_path / "store")
     yield made
     made.stop()
 
@@ -116,6 +123,51 @@ def test_compress_only_returns_the_context(loop, document):
     loop.submit_compression(req, sink, spec)
     assert sink.finished.wait(300) and sink.ready is not None and sink.context_cache == "compressed"
     assert sink.ready.length == len(spec.ids) and loop.store.load(spec.key) is not None
+
+
+def test_two_replicas_on_one_store_compress_a_new_context_once(smollm2_dir, tmp_path, document):
+    replicas = [_replica(smollm2_dir, tmp_path / "store") for _ in range(2)]
+    try:
+        asked = [(_ask(replicas[i % 2], document)[0], i % 2) for i in range(6)]  # 3 each, interleaved
+        for sink, _ in asked:
+            assert sink.finished.wait(300) and sink.failure is None, sink.failure
+        compressed_on = [i for sink, i in asked if sink.context_cache == "compressed"]
+        assert len(compressed_on) == 1  # one compression across both replicas
+        assert sum(r.contexts.stats.misses for r in replicas) == 1
+        other = replicas[1 - compressed_on[0]]
+        assert other.contexts.stats.joined >= 1  # it waited on the claimant's entry instead of compressing
+        assert {s.context_cache for s, i in asked if i != compressed_on[0]} <= {"joined", "hit"}
+        answers = {s.result.text for s, _ in asked}
+        assert len(answers) == 1 and "4817263" in answers.pop()
+        assert not list((tmp_path / "store").glob(".*.claim"))  # the claim was given back
+    finally:
+        for r in replicas:
+            r.stop()
+
+
+def test_a_context_another_replica_gives_up_is_compressed_here(loop, document):
+    spec = loop.contexts.spec(ContextRequest(document, None, "kv2", 0.25), None)
+    assert loop.store.claim(spec.key, "another-replica")  # compressing it elsewhere, renewing its claim
+    sink, _ = _ask(loop, document)
+    assert not sink.finished.wait(1.5) and sink.context_cache == "joined"  # waits on that replica
+    loop.store.release(spec.key, "another-replica")  # which failed, and stored nothing
+    assert sink.finished.wait(300) and sink.failure is None, sink.failure
+    assert loop.contexts.stats.misses == 1 and "4817263" in sink.result.text
+    assert loop.store.load(spec.key) is not None
+
+
+def test_a_dead_replica_s_claim_lapses_and_the_context_is_compressed_here(smollm2_dir, tmp_path, document):
+    replica = _replica(smollm2_dir, tmp_path / "store", claim_ttl_s=2.0)
+    try:
+        spec = replica.contexts.spec(ContextRequest(document, None, "kv2", 0.25), None)
+        t0 = time.monotonic()
+        assert replica.store.claim(spec.key, "dead-replica")  # claimed, then never renewed nor given back
+        sink, _ = _ask(replica, document)
+        assert sink.finished.wait(300) and sink.failure is None, sink.failure
+        assert time.monotonic() - t0 >= 2.0 and sink.context_cache == "joined"
+        assert replica.contexts.stats.misses == 1 and "4817263" in sink.result.text
+    finally:
+        replica.stop()
 
 
 class _Ctx:

@@ -161,6 +161,38 @@ def test_stale_temporary_files_are_removed(tmp_path):
     assert not stale.exists()
 
 
+def test_a_claim_is_one_owner_s_until_given_back_or_lapsed(store):
+    key = "ab" * 32
+    assert store.claim(key, "replica-a", ttl_s=0.5)
+    assert not store.claim(key, "replica-b", ttl_s=0.5)
+    assert store.claim(key, "replica-a", ttl_s=0.5)  # renewed by its owner
+    store.release(key, "replica-b")  # not b's to give back
+    assert not store.claim(key, "replica-b", ttl_s=0.5)
+    store.release(key, "replica-a")
+    assert store.claim(key, "replica-b", ttl_s=0.5)
+    time.sleep(0.2)
+    assert store.claim(key, "replica-b", ttl_s=0.5)  # renewed: its lapse moves
+    time.sleep(0.4)
+    assert not store.claim(key, "replica-a", ttl_s=0.5)  # 0.6 s after it was taken, 0.4 s after renewal
+    time.sleep(0.3)
+    assert store.claim(key, "replica-a", ttl_s=0.5)  # b stopped renewing: lapsed, taken over
+    assert store.backend.keys() == [] and not store.has(key) and store.load(key) is None  # a claim is no entry
+    store.save(key, _ctx())
+    assert store.has(key) and store.backend.keys() == [key]
+
+
+def test_a_dead_replica_s_claim_file_is_removed_at_eviction(tmp_path):
+    import os
+
+    s = ContextStore.open(str(tmp_path), "m")
+    key = "cd" * 32
+    assert s.claim(key, "dead")
+    claim = tmp_path / f".{key}.claim"
+    os.utime(claim, (time.time() - 7200, time.time() - 7200))
+    s.save(s.key([1], "kv2", 0.05), _ctx())
+    assert not claim.exists()
+
+
 def test_unreachable_redis_is_a_prompt_clear_error():
     import socket
 

@@ -5,12 +5,21 @@ key is derived as ``icekv compress`` derives it, so CLI- and server-made entries
 entries. Lookups (memory, then the store) run on Triton's threads; a miss becomes a
 :class:`CompressionJob` that the engine thread drives between its steps, and every request that
 asks for the same key meanwhile waits on that one job.
+
+Replicas sharing a store join each other's compressions too: a replica claims a key in the store
+before it compresses (:meth:`ContextStore.claim`) and renews the claim while it works; another
+replica asked for the same key meanwhile polls the store for the entry, and compresses the
+context itself only if the claim is given up or lapses without one (the claimant failed, was
+cancelled or died). A store that fails is no reason to refuse: the replica then compresses alone.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +29,10 @@ from icekv.engine.compression import CompressionJob
 from icekv.errors import IcekvError
 from icekv.serving.request import ContextRequest, RequestError
 from icekv.serving.shared_contexts import SharedContexts
-from icekv.store import StoreError, context_key
+from icekv.store import CLAIM_TTL_S, StoreError, context_key
 
 log = logging.getLogger(__name__)
+STORE_POLL_S = 0.25  # how often a replica waiting on another's compression looks for its entry
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,7 @@ class ContextSpec:
 class ContextStats:
     hits: int = 0  # found in memory or in the store
     misses: int = 0  # compressions run
-    joined: int = 0  # waited on a compression another request started
+    joined: int = 0  # waited on a compression another request started (here or on another replica)
     compress_s: float = 0.0
     bytes_saved: int = 0  # full KV bytes minus compressed bytes, per compression
 
@@ -51,16 +61,32 @@ class _Job:
     spec: ContextSpec
     waiters: list[Any] = field(default_factory=list)  # opaque to this class: the loop's (request, sink)
     started: float = field(default_factory=time.perf_counter)
+    renewed: float | None = None  # monotonic time of the store claim's last renewal (None: no claim held)
+
+
+@dataclass
+class _StoreWait:
+    """Requests waiting for a context another replica claimed: its entry is looked for in the store."""
+
+    spec: ContextSpec
+    waiters: list[Any]
+    next_poll: float = 0.0  # monotonic
 
 
 class ContextService:
-    def __init__(self, engine, store, max_bytes: int, max_compress_tokens: int, method_settings: dict | None = None):
-        """method_settings: method -> the settings this server compresses with (default: none)."""
+    def __init__(self, engine, store, max_bytes: int, max_compress_tokens: int, method_settings: dict | None = None,
+                 claim_ttl_s: float = CLAIM_TTL_S):
+        """method_settings: method -> the settings this server compresses with (default: none);
+        claim_ttl_s: how long this replica's claim on a context it compresses outlives its last
+        renewal (renewed every third of it)."""
         self.engine, self.store, self.max_compress_tokens = engine, store, max_compress_tokens
         self.method_settings = method_settings or {}
+        self.claim_ttl_s = claim_ttl_s
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this replica, in claims
         self.shared = SharedContexts(max_bytes)
         self.stats = ContextStats()
         self._jobs: dict[str, _Job] = {}  # the engine thread's
+        self._waits: dict[str, _StoreWait] = {}  # the engine thread's: contexts another replica compresses
 
     @classmethod
     def in_memory(cls, engine) -> "ContextService":
@@ -143,32 +169,48 @@ class ContextService:
     def attach(self, spec: ContextSpec, waiter) -> tuple[str, CompressedContext | None]:
         """Where ``waiter`` gets ``spec``'s context: ``("hit", context)`` when another request has
         just made it (held for the waiter); else attached to its compression, started now if none
-        runs: ``("compressed", None)`` or ``("joined", None)``. Raises IcekvError (bad settings,
-        busy) when a new job cannot start."""
+        runs here and no other replica claims it: ``("compressed", None)`` or ``("joined", None)``.
+        Raises IcekvError (bad settings, busy) when a new job cannot start."""
         context = self.find_in_memory(spec.key)
         if context is not None:
             return "hit", context
-        running = self._jobs.get(spec.key)
+        running = self._jobs.get(spec.key) or self._waits.get(spec.key)
         if running is not None:
             running.waiters.append(waiter)
             self.stats.joined += 1
             return "joined", None
-        job = CompressionJob(self.engine, list(spec.ids), spec.method, spec.kv_budget, **dict(spec.settings))
-        self._jobs[spec.key] = _Job(job, spec, [waiter])
-        self.stats.misses += 1
+        if not self._claim(spec.key) or self._stored(spec.key):  # another replica compresses it, or just did
+            self._waits[spec.key] = _StoreWait(spec, [waiter])
+            self.stats.joined += 1
+            return "joined", None
+        self._start(spec, [waiter])
         return "compressed", None
+
+    def _start(self, spec: ContextSpec, waiters: list) -> None:
+        """Compress ``spec``'s context for ``waiters`` (its claim taken); IcekvError when it cannot start."""
+        try:
+            job = CompressionJob(self.engine, list(spec.ids), spec.method, spec.kv_budget, **dict(spec.settings))
+        except BaseException:
+            self._release_claim(spec.key)
+            raise
+        renewed = time.monotonic() if self.store is not None else None
+        self._jobs[spec.key] = _Job(job, spec, waiters, renewed=renewed)
+        self.stats.misses += 1
 
     @property
     def busy(self) -> bool:
+        """A compression runs here (waits on other replicas need only the loop's ticks)."""
         return bool(self._jobs)
 
     def advance(self) -> list[tuple[str, list, CompressedContext | None, BaseException | None]]:
-        """One scoring slice of the oldest job that has one; then every finished job as
-        (key, waiters, context held once per waiter, error)."""
+        """One scoring slice of the oldest job that has one; then every finished job, and every
+        wait whose context another replica stored, as (key, waiters, context held once per
+        waiter, error)."""
+        finished = self._poll_waits()
+        self._renew_claims()
         scoring = next((j for j in self._jobs.values() if j.job.scoring), None)
         if scoring is not None:
             scoring.job.advance()
-        finished = []
         for key, entry in [(k, j) for k, j in self._jobs.items() if j.job.done]:
             del self._jobs[key]
             finished.append((key, entry.waiters, *self._finish(entry)))
@@ -176,39 +218,116 @@ class ContextService:
 
     def _finish(self, entry: _Job) -> tuple[CompressedContext | None, BaseException | None]:
         job = entry.job
-        if job.error is not None:
-            if not isinstance(job.error, (IcekvError, Cancelled)):
-                log.error("compression failed", exc_info=job.error)
-            return None, job.error
-        context = job.result
-        self.stats.compress_s += time.perf_counter() - entry.started
-        self.stats.bytes_saved += max(context.full_bytes - context.nbytes, 0)
+        try:
+            if job.error is not None:
+                if not isinstance(job.error, (IcekvError, Cancelled)):
+                    log.error("compression failed", exc_info=job.error)
+                return None, job.error
+            context = job.result
+            self.stats.compress_s += time.perf_counter() - entry.started
+            self.stats.bytes_saved += max(context.full_bytes - context.nbytes, 0)
+            if self.store is not None:
+                try:
+                    self.store.save(entry.spec.key, context)
+                except Exception:  # served from memory; other replicas compress it again
+                    log.exception("could not store compressed context %s", entry.spec.key)
+            return self.shared.add(entry.spec.key, context, users=len(entry.waiters)), None
+        finally:
+            if entry.renewed is not None:
+                self._release_claim(entry.spec.key)
+
+    def _poll_waits(self) -> list[tuple[str, list, CompressedContext | None, BaseException | None]]:
+        """Waits due a look: the entry found (done), or the claim given up or lapsed without one
+        (compressed here now, the waiters moved to the job)."""
+        finished, now = [], time.monotonic()
+        for key, wait in [(k, w) for k, w in self._waits.items() if w.next_poll <= now]:
+            wait.next_poll = now + STORE_POLL_S
+            context = self._load(key)
+            if context is not None:
+                del self._waits[key]
+                finished.append((key, wait.waiters, self.shared.add(key, context, users=len(wait.waiters)), None))
+            elif self._claim(key):
+                del self._waits[key]
+                try:
+                    self._start(wait.spec, wait.waiters)
+                except Exception as e:  # its waiters fail; nobody else is waiting on this loop's error
+                    finished.append((key, wait.waiters, None, e))
+        return finished
+
+    def _renew_claims(self) -> None:
+        """Renew this replica's claims every third of their lifetime; a claim lost meanwhile (this
+        engine thread stalled past it) leaves the job running, unclaimed."""
+        now = time.monotonic()
+        for key, entry in self._jobs.items():
+            if entry.renewed is not None and now - entry.renewed >= self.claim_ttl_s / 3:
+                entry.renewed = now if self._claim(key) else None
+
+    def _claim(self, key: str) -> bool:
+        """Claim (or renew) ``key`` in the store; True without a store, or when the store fails (this
+        replica then compresses on its own rather than wait on a store that cannot answer)."""
+        if self.store is None:
+            return True
+        try:
+            return self.store.claim(key, self.owner, self.claim_ttl_s)
+        except Exception as e:
+            log.error("context store claim failed, compressing without one: %s", e)
+            return True
+
+    def _release_claim(self, key: str) -> None:
         if self.store is not None:
             try:
-                self.store.save(entry.spec.key, context)
-            except Exception:  # served from memory; other replicas compress it again
-                log.exception("could not store compressed context %s", entry.spec.key)
-        return self.shared.add(entry.spec.key, context, users=len(entry.waiters)), None
+                self.store.release(key, self.owner)
+            except Exception as e:  # it lapses on its own
+                log.error("context store claim release failed: %s", e)
+
+    def _stored(self, key: str) -> bool:
+        """Whether the store holds ``key`` (False when it fails); a claim just taken is given back."""
+        try:
+            stored = self.store is not None and self.store.has(key)
+        except Exception as e:
+            log.error("context store lookup failed: %s", e)
+            return False
+        if stored:
+            self._release_claim(key)
+        return stored
+
+    def _load(self, key: str) -> CompressedContext | None:
+        """The stored entry, or None (absent, unusable, or the store failing)."""
+        try:
+            return self.store.load(key)
+        except StoreError as e:
+            log.warning("stored context refused, compressing it again: %s", e)
+        except Exception as e:
+            log.error("context store lookup failed: %s", e)
+        return None
 
     def drop_waiters(self, cancelled) -> list:
         """Remove waiters for which ``cancelled(waiter)`` holds; a job left without waiters is
-        cancelled. Returns the removed waiters."""
+        cancelled (its claim given back), a wait left without them dropped. Returns the removed
+        waiters."""
         dropped = []
-        for key, entry in list(self._jobs.items()):
-            gone = [w for w in entry.waiters if cancelled(w)]
-            if gone:
-                entry.waiters = [w for w in entry.waiters if w not in gone]
-                dropped += gone
-            if not entry.waiters:
-                entry.job.cancel()
-                del self._jobs[key]
+        for running in (self._jobs, self._waits):
+            for key, entry in list(running.items()):
+                gone = [w for w in entry.waiters if cancelled(w)]
+                if gone:
+                    entry.waiters = [w for w in entry.waiters if w not in gone]
+                    dropped += gone
+                if not entry.waiters:
+                    del running[key]
+                    if isinstance(entry, _Job):
+                        self._cancel(entry)
         return dropped
 
     def cancel_all(self) -> list:
-        """Stop every job; their waiters."""
-        waiters = []
+        """Stop every job and wait; their waiters."""
+        waiters = [w for entry in (*self._jobs.values(), *self._waits.values()) for w in entry.waiters]
         for entry in self._jobs.values():
-            entry.job.cancel()
-            waiters += entry.waiters
+            self._cancel(entry)
         self._jobs.clear()
+        self._waits.clear()
         return waiters
+
+    def _cancel(self, entry: _Job) -> None:
+        entry.job.cancel()
+        if entry.renewed is not None:
+            self._release_claim(entry.spec.key)

@@ -131,7 +131,8 @@ class Metrics:
         "icekv_selection_seconds_total": "time spent selecting pages (index search, page scoring)",
         "icekv_context_store_hits_total": "requests whose context was found compressed (in memory or the store)",
         "icekv_context_store_misses_total": "contexts compressed by this server",
-        "icekv_context_store_joined_total": "requests that waited on a compression another request started",
+        "icekv_context_store_joined_total": "requests that waited on a compression another request started "
+                                            "(here, or on a replica sharing the store)",
         "icekv_context_compression_seconds_total": "time from a compression's start to its result",
         "icekv_context_bytes_saved_total": "KV bytes compression removed (full minus compressed), per compression",
         "icekv_requests_completed_total": "requests that finished",

@@ -12,6 +12,7 @@ from icekv.store.format import CorruptEntry, StoreError, StoreUnavailable, check
 
 KEY_FILE_ENV = "ICEKV_STORE_KEY_FILE"  # the store's signing key (a mounted secret), shared by replicas
 PASSWORD_FILE_ENV = "ICEKV_REDIS_PASSWORD_FILE"  # Redis' password (a mounted secret)
+CLAIM_TTL_S = 30.0  # a compression claim lapses this long after its last renewal (its replica stopped)
 
 
 def _read_secret(env: str) -> str | None:
@@ -52,6 +53,18 @@ class ContextStore:
         self.backend.put(key, blob)
         return len(blob)
 
+    def has(self, key: str) -> bool:
+        """Whether an entry is stored under ``key`` (unchecked: :meth:`load` verifies it)."""
+        return self.backend.has(key)
+
+    def claim(self, key: str, owner: str, ttl_s: float = CLAIM_TTL_S) -> bool:
+        """Claim ``key`` to compress it (or renew ``owner``'s claim); False while another replica
+        holds it. Renew well within ``ttl_s``; :meth:`release` when the entry is saved or given up."""
+        return self.backend.claim(key, owner, ttl_s)
+
+    def release(self, key: str, owner: str) -> None:
+        self.backend.release(key, owner)
+
     def load(self, key: str) -> CompressedContext | None:
         """The entry, or None when absent. Raises StoreError for an entry this reader cannot use
         (deleted only when corrupt: a foreign or differently signed one may be another's)."""
@@ -65,5 +78,5 @@ class ContextStore:
             raise
 
 
-__all__ = ["ContextStore", "CorruptEntry", "LocalStore", "RedisStore", "StoreError", "StoreUnavailable",
+__all__ = ["CLAIM_TTL_S", "ContextStore", "CorruptEntry", "LocalStore", "RedisStore", "StoreError", "StoreUnavailable",
            "check_key", "context_key"]

@@ -3,6 +3,11 @@
 Both keep at most ``max_bytes`` and evict the least recently used entries first. A failure of the
 store itself (a full disk, an unreachable or slow Redis) raises StoreUnavailable, after bounded
 waits, with a message that names no server path.
+
+Both also hold claims: a replica about to compress a context claims its key for ``ttl_s`` seconds
+and renews the claim while it works, so that the other replicas sharing the store wait for its
+entry instead of compressing the same context again. A claim not renewed in time (its replica
+died) lapses, and another replica takes it over.
 """
 
 from __future__ import annotations
@@ -16,9 +21,14 @@ from pathlib import Path
 from icekv.store.format import StoreError, StoreUnavailable, check_key
 
 log = logging.getLogger(__name__)
-STALE_TMP_S = 3600.0  # a temporary file this old is a crashed writer's: removed at eviction
+STALE_TMP_S = 3600.0  # a temporary file or a claim this old is a crashed writer's: removed at eviction
 SCAN_EVERY = 256  # a local store's puts between two scans of its directory
 LOW_WATER = 0.9  # an eviction frees entries down to this share of max_bytes
+_CLAIM = """local held = redis.call('GET', KEYS[1])
+if held == false or held == ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
+return 0"""  # take a free claim or renew one's own, atomically
+_RELEASE = """if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0"""  # delete a claim only if its owner still holds it
 
 
 class LocalStore:
@@ -85,6 +95,47 @@ class LocalStore:
         finally:
             os.close(fd)
 
+    def has(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def claim(self, key: str, owner: str, ttl_s: float) -> bool:
+        """Take ``key``'s claim for ``owner``, or renew it if ``owner`` holds it; False while another
+        holds it and renewed it less than ``ttl_s`` ago. Two replicas taking over one lapsed claim at
+        the same instant may both get it (a file cannot be compared and deleted atomically)."""
+        path = self.root / f".{check_key(key)}.claim"
+        try:
+            try:
+                held, age = path.read_text(), time.time() - path.stat().st_mtime
+            except FileNotFoundError:
+                held, age = None, 0.0
+            if held == owner:
+                os.utime(path)
+                return True
+            if held is not None:
+                if age < ttl_s:
+                    return False
+                path.unlink(missing_ok=True)  # lapsed: its replica stopped renewing it
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:  # another replica took it first
+                return False
+            with os.fdopen(fd, "w") as f:
+                f.write(owner)
+            return True
+        except OSError as e:
+            raise StoreUnavailable(f"the context store cannot claim an entry: {e.strerror}") from None
+
+    def release(self, key: str, owner: str) -> None:
+        """Give ``key``'s claim back, if ``owner`` still holds it."""
+        path = self.root / f".{check_key(key)}.claim"
+        try:
+            if path.read_text() == owner:
+                path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StoreUnavailable(f"the context store cannot release a claim: {e.strerror}") from None
+
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
@@ -93,7 +144,7 @@ class LocalStore:
 
     def _evict(self) -> None:
         now = time.time()
-        for tmp in self.root.glob(".*.tmp"):
+        for tmp in [*self.root.glob(".*.tmp"), *self.root.glob(".*.claim")]:
             try:
                 if now - tmp.stat().st_mtime > STALE_TMP_S:
                     tmp.unlink(missing_ok=True)
@@ -171,6 +222,22 @@ class RedisStore:
         pipe.hset(self._sizes, key, len(blob))
         self._call(pipe.execute)
         self._evict()
+
+    def has(self, key: str) -> bool:
+        return bool(self._call(self.client.exists, self.prefix + check_key(key)))
+
+    def claim(self, key: str, owner: str, ttl_s: float) -> bool:
+        """Take ``key``'s claim for ``owner`` for ``ttl_s`` seconds, or renew it if ``owner`` holds
+        it; False while another holds it (Redis expires a claim nobody renews)."""
+        name = self._claim_name(key)
+        return bool(self._call(self.client.eval, _CLAIM, 1, name, owner, max(1, int(ttl_s * 1000))))
+
+    def release(self, key: str, owner: str) -> None:
+        """Give ``key``'s claim back, if ``owner`` still holds it."""
+        self._call(self.client.eval, _RELEASE, 1, self._claim_name(key), owner)
+
+    def _claim_name(self, key: str) -> str:
+        return f"{self.prefix}__claim__:{check_key(key)}"
 
     def delete(self, key: str) -> None:
         pipe = self.client.pipeline()
