@@ -53,7 +53,8 @@ def test_the_configmap_holds_the_settings_marked_for_it_and_deployment_passes_ea
             assert f"{setting.cli_flag}=$({setting.configmap_key})" in deployment, setting.name
 
 
-UNSET_EXAMPLES = {"kv_events_endpoint": "tcp://*:5557"}  # settings none by default where "1" is no value
+# settings that are none by default, where "1" is no value
+UNSET_EXAMPLES = {"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "tcp://*:5558"}
 
 
 def test_every_setting_is_a_serve_flag_that_becomes_its_triton_parameter():

@@ -1,6 +1,7 @@
 """The prefix cache's page events over a real ZMQ socket: what the cache keeps and drops is heard in
 chain order with its tokens, decodes with vLLM's own KV-event types (the format llm-d's and Dynamo's
-indexers read), and a served request's cached pages are published by a real server."""
+indexers read), is replayed to a late subscriber as vLLM's publisher replays, and a served request's
+cached pages are published by a real server."""
 
 import json
 import subprocess
@@ -40,6 +41,35 @@ for payload in json.load(sys.stdin):
             assert isinstance(e, AllBlocksCleared)
             out.append(["cleared"])
 print(json.dumps(out))
+"""
+
+
+REPLAY_CLIENT = """
+import zmq
+
+def replay(endpoint, start):
+    # what a replay socket answers a DEALER asking for the batches from start on: each answer's
+    # frames, up to and including the end marker
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(endpoint)
+    socket.send_multipart((b"", start.to_bytes(8, "big")))
+    answers = []
+    while not answers or answers[-1][2] != (-1).to_bytes(8, "big", signed=True):
+        assert socket.poll(10_000), f"no answer after {answers}"
+        answers.append(socket.recv_multipart())
+    socket.close(linger=0)
+    return answers
+"""
+VLLM_REPLAYS = REPLAY_CLIENT + """
+import json, sys, time
+from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch, ZmqEventPublisher
+
+publisher = ZmqEventPublisher(0, endpoint=sys.argv[1], replay_endpoint=sys.argv[2], topic="kv@test")
+for i in range(3):
+    publisher.publish(KVEventBatch(ts=float(i), events=[AllBlocksCleared()]))
+time.sleep(1)
+print(json.dumps([[f.hex() for f in answer] for answer in replay(sys.argv[2], 1)]))
+publisher.shutdown()
 """
 
 
@@ -155,6 +185,60 @@ def test_the_events_decode_with_vllms_own_types(published):
     ]
 
 
+def _replay(endpoint: str, start: int) -> list[list[bytes]]:
+    scope: dict = {}
+    exec(REPLAY_CLIENT, scope)
+    return scope["replay"](endpoint, start)
+
+
+def test_a_late_subscriber_gets_the_batches_it_missed_from_the_replay_socket(tmp_path):
+    publisher = KVEventPublisher(f"ipc://{tmp_path}/kv", "kv@test", P, "CPU", period_s=0.05,
+                                 replay_endpoint=f"ipc://{tmp_path}/replay", replay_batches=3)
+    cache = PrefixCache("model", P)
+    cache.events = publisher
+    try:
+        ids = list(range(20, 20 + 4 * P))
+        time.sleep(0.3)  # batch 0: AllBlocksCleared alone
+        for page in range(4):  # nobody subscribed: every batch is missed
+            cache.insert(ids[:(page + 1) * P], list(range(page + 1)))
+            time.sleep(0.3)  # its own batch
+        answers = _replay(publisher.replay_endpoint, 0)
+        assert answers.pop() == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]  # the end marker
+        assert {(a[0], a[1]) for a in answers} == {(b"", b"kv@test")}
+        assert [int.from_bytes(a[2], "big") for a in answers] == [2, 3, 4]  # the last 3 of batches 0-4
+        keys = page_keys("model", ids, P)
+        assert [e.block_hashes for e in _events([a[1:] for a in answers])] == [[k] for k in keys[1:]]
+        bad = zmq.Context.instance().socket(zmq.DEALER)  # a malformed request is ignored, the next answered
+        bad.connect(publisher.replay_endpoint)
+        bad.send_multipart((b"", b"nope"))
+        bad.close(linger=1000)
+        assert [int.from_bytes(a[2], "big") for a in _replay(publisher.replay_endpoint, 4)[:-1]] == [4]
+    finally:
+        publisher.close()
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: `make setup-vllm` makes it")
+def test_the_replay_answers_as_vllms_publisher_answers(tmp_path):
+    run = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_REPLAYS, f"ipc://{tmp_path}/vllm", f"ipc://{tmp_path}/vllm-r"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = [[bytes.fromhex(f) for f in answer] for answer in json.loads(run.stdout.strip().splitlines()[-1])]
+    publisher = KVEventPublisher(f"ipc://{tmp_path}/kv", "kv@test", P, "CPU", period_s=0.05,
+                                 replay_endpoint=f"ipc://{tmp_path}/replay", replay_batches=10)
+    try:
+        time.sleep(0.3)  # batch 0: AllBlocksCleared alone
+        for _ in range(2):  # batches 1 and 2, as vLLM's three
+            publisher.removed([b"k" * 16])
+            time.sleep(0.3)
+        ours = _replay(publisher.replay_endpoint, 1)
+    finally:
+        publisher.close()
+    assert [len(a) for a in ours] == [len(a) for a in theirs] == [4, 4, 4]  # two batches and the end marker
+    for mine, vllms in zip(ours, theirs):
+        assert mine[:3] == vllms[:3]  # delimiter, topic, sequence number (payloads: other events)
+    assert ours[-1] == theirs[-1]
+
+
 def test_events_need_the_prefix_cache_and_a_usable_endpoint():
     with pytest.raises(ConfigError, match="kv_events_endpoint needs the prefix cache"):
         serving_config({"kv_events_endpoint": "tcp://*:5557", "prefix_cache": "false"})
@@ -162,17 +246,24 @@ def test_events_need_the_prefix_cache_and_a_usable_endpoint():
         serving_config({"kv_events_endpoint": "localhost:5557"})
     with pytest.raises(OSError, match="kv_events_endpoint 'tcp://nowhere'"):
         KVEventPublisher("tcp://nowhere", "", P, "CPU")
+    with pytest.raises(ConfigError, match="kv_events_replay_endpoint needs kv_events_endpoint"):
+        serving_config({"kv_events_replay_endpoint": "tcp://*:5558"})
+    with pytest.raises(ConfigError, match="kv_events_replay_endpoint must be a ZMQ endpoint"):
+        serving_config({"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "5558"})
+    with pytest.raises(OSError, match="kv_events_replay_endpoint 'tcp://nowhere'"):
+        KVEventPublisher("tcp://*:0", "", P, "CPU", replay_endpoint="tcp://nowhere")
 
 
 @pytest.mark.server
 @pytest.mark.model
 def test_a_served_prompt_s_pages_are_published(tmp_path):
     """A subscriber that binds (a central collector); the server connects to it and publishes the
-    pages its prefix cache keeps of a request's prompt, which tile the prompt's tokens."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pages its prefix cache keeps of a request's prompt, which tile the prompt's tokens; its replay
+    socket answers the same batches again."""
+    endpoint, replay_endpoint = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     subscriber = Subscriber(bind=endpoint)
-    server = TritonServer({"kv_events_endpoint": endpoint, "kv_events_topic": "kv@pod@icekv", "policy": "full"},
-                          log_path=tmp_path / "triton.log")
+    server = TritonServer({"kv_events_endpoint": endpoint, "kv_events_topic": "kv@pod@icekv", "policy": "full",
+                           "kv_events_replay_endpoint": replay_endpoint}, log_path=tmp_path / "triton.log")
     server.start()
     try:
         status, answer = post(server, "/v2/models/icekv/generate",
@@ -185,6 +276,7 @@ def test_a_served_prompt_s_pages_are_published(tmp_path):
             return [e for e in _events(messages) if type(e).__name__ == "BlockStored"]
 
         messages = subscriber.until(lambda m: len(stored(m)) >= pages)
+        replayed = [a[1:] for a in _replay(replay_endpoint, int.from_bytes(messages[0][1], "big"))[:-1]]
     finally:
         server.stop()
         subscriber.close()
@@ -194,3 +286,4 @@ def test_a_served_prompt_s_pages_are_published(tmp_path):
         assert e.parent_block_hash is None or e.parent_block_hash in heard
         assert len(e.token_ids) == 16 and e.block_size == 16 and e.medium == "CPU"
         heard.add(e.block_hashes[0])
+    assert replayed[:len(messages)] == messages  # the same frames: topic, sequence number, payload

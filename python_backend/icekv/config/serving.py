@@ -57,6 +57,8 @@ class ServingConfig:
     prefix_cache_spill: bool = False  # the prefix cache's pages also written to the store, read back on a miss
     kv_events_endpoint: str | None = None  # ZMQ endpoint of the prefix cache's page events (vLLM's format); None: off
     kv_events_topic: str = ""  # their topic
+    kv_events_replay_endpoint: str | None = None  # ZMQ endpoint replaying missed event batches (bound); None: off
+    kv_events_replay_batches: int = 10_000  # event batches kept for replay (vLLM's buffer_steps)
     tool_format: str = "auto"  # TOOL_FORMATS: how the model writes tool calls (auto: read off its chat template)
 
     def __post_init__(self) -> None:
@@ -67,6 +69,12 @@ class ServingConfig:
         if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(ZMQ_TRANSPORTS):
             raise ConfigError(f"kv_events_endpoint must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH), "
                               f"got {self.kv_events_endpoint!r}")
+        if self.kv_events_replay_endpoint is not None:
+            if not self.kv_events_endpoint:
+                raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint (the events it replays)")
+            if not self.kv_events_replay_endpoint.startswith(ZMQ_TRANSPORTS):
+                raise ConfigError(f"kv_events_replay_endpoint must be a ZMQ endpoint to bind (tcp://*:PORT, "
+                                  f"ipc://PATH), got {self.kv_events_replay_endpoint!r}")
         for name in ("prefix_cache_spill", "kv_events_endpoint"):
             if getattr(self, name) and not self.engine.paging.prefix_cache:
                 raise ConfigError(f"{name} needs the prefix cache (prefix_cache true)")

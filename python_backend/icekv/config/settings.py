@@ -164,6 +164,10 @@ SETTINGS = (
             "indexer, Dynamo's KV router): `tcp://*:5557` binds, `tcp://host:port` connects", str,
             default_doc="none (off)"),
     Setting("kv_events_topic", ("kv_events_topic",), "the topic of those events", str, default_doc="empty"),
+    Setting("kv_events_replay_endpoint", ("kv_events_replay_endpoint",), "bind a replay socket here (vLLM's "
+            "replay protocol): a subscriber that missed batches asks for them from a sequence number on; "
+            "needs `kv_events_endpoint`", str, default_doc="none (off)"),
+    Setting("kv_events_replay_batches", ("kv_events_replay_batches",), "event batches kept for replay"),
     Setting("store_max_bytes", ("store_max_bytes",), "context store size limit, bytes", least=0,
             default_doc="8 GiB"),
     Setting("max_compress_tokens", ("compression.max_compress_tokens",), "longest context a request may have the server "

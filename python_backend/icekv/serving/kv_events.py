@@ -5,10 +5,16 @@ Each message has three frames: the topic, a sequence number (8 bytes, big-endian
 process) and a msgpack batch ``[ts, [event, ...]]``. An event is a map tagged by its ``type``:
 ``BlockStored`` (one page: its chain key as ``block_hashes``, its parent's key, its tokens, the
 page size), ``BlockRemoved`` (evicted keys) or ``AllBlocksCleared``, sent first, since a new process
-holds nothing (only subscribers already connected hear it: there is no replay). A page's key is
-icekv's own chain hash (16 bytes); consumers that key prefixes by their tokens read ``token_ids``
-and ``parent_block_hash``. Events are gathered on the engine's thread and sent in one batch every
-``period_s`` by a thread of their own, which alone uses the socket.
+holds nothing. A page's key is icekv's own chain hash (16 bytes); consumers that key prefixes by
+their tokens read ``token_ids`` and ``parent_block_hash``. Events are gathered on the engine's
+thread and sent in one batch every ``period_s`` by a thread of their own, which alone uses the
+sockets.
+
+A subscriber that connected late or lost messages (a gap in the sequence numbers) asks the replay
+socket, when there is one, for the batches from a sequence number on, as vLLM's publisher answers
+it: a ROUTER socket takes ``[empty, start (8 bytes, big-endian)]`` from a DEALER and answers each
+kept batch numbered ``start`` or later as ``[empty, topic, sequence, payload]``, then
+``[empty, empty, -1 (8 bytes, signed), empty]``. The last ``replay_batches`` batches are kept.
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from itertools import count
 
 import msgspec
 import zmq
 
 log = logging.getLogger(__name__)
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # the sequence number that ends a replay
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
@@ -58,23 +66,37 @@ class KVEventPublisher:
     """Hears the prefix cache's pages (:class:`icekv.kv.prefix_cache.PageEvents`) and publishes
     them on ``endpoint`` under ``topic``; ``medium`` names where the pool lives ("CPU" or "GPU")."""
 
-    def __init__(self, endpoint: str, topic: str, page_size: int, medium: str, period_s: float = 0.05):
+    def __init__(self, endpoint: str, topic: str, page_size: int, medium: str, period_s: float = 0.05,
+                 replay_endpoint: str | None = None, replay_batches: int = 0):
+        """``replay_endpoint``: where the replay socket binds (None: no replay), answering from the
+        last ``replay_batches`` batches (the server's ``kv_events_replay_batches``)."""
         self.page_size, self.medium, self.period_s = page_size, medium, period_s
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PUB)
         try:
-            self._socket.bind(endpoint) if is_bind_endpoint(endpoint) else self._socket.connect(endpoint)
-        except zmq.ZMQError as e:
-            self._socket.close(linger=0)
-            self._context.term()
-            raise OSError(f"kv_events_endpoint {endpoint!r}: {e}") from None
+            self._socket = self._open(zmq.PUB, endpoint, "kv_events_endpoint", is_bind_endpoint(endpoint))
+            self._replay = (None if replay_endpoint is None
+                            else self._open(zmq.ROUTER, replay_endpoint, "kv_events_replay_endpoint", True))
+        except OSError:
+            self._context.destroy(linger=0)  # closes whichever socket opened
+            raise
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint  # a bound port 0: the real one
+        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=replay_batches)  # (sequence, payload), oldest first
         self._topic = topic.encode()
         self._pending: list = [AllBlocksCleared()]
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._sequence, self._encoder = count(), msgspec.msgpack.Encoder()
         self._thread = threading.Thread(target=self._run, name="icekv-kv-events", daemon=True)
         self._thread.start()
+
+    def _open(self, kind: int, endpoint: str, setting: str, bind: bool) -> zmq.Socket:
+        """A socket of ``kind`` bound to or connected to ``endpoint``; OSError naming ``setting``."""
+        socket = self._context.socket(kind)
+        try:
+            socket.bind(endpoint) if bind else socket.connect(endpoint)
+        except zmq.ZMQError as e:
+            raise OSError(f"{setting} {endpoint!r}: {e}") from None
+        return socket
 
     def stored(self, key: bytes, parent: bytes | None, token_ids: list[int]) -> None:
         event = BlockStored([key], parent, token_ids, self.page_size, None, self.medium, None)
@@ -86,15 +108,23 @@ class KVEventPublisher:
             self._pending.append(BlockRemoved(list(keys), self.medium))
 
     def close(self) -> None:
-        """Send what is pending, then close the socket."""
+        """Send what is pending, then close the sockets."""
         self._stop.set()
         self._thread.join()
         self._send()
+        if self._replay is not None:
+            self._replay.close(linger=0)
         self._socket.close(linger=1000)
         self._context.term()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        while not self._stop.is_set():
+            deadline = time.monotonic() + self.period_s
+            while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+                if self._replay is None:
+                    self._stop.wait(left)
+                elif self._replay.poll(max(1, int(left * 1000))):
+                    self._answer_replay()
             try:
                 self._send()
             except Exception:  # a batch lost, not the ones after it
@@ -105,4 +135,23 @@ class KVEventPublisher:
             events, self._pending = self._pending, []
         if events:
             payload = self._encoder.encode(EventBatch(time.time(), events))
-            self._socket.send_multipart((self._topic, next(self._sequence).to_bytes(8, "big"), payload))
+            sequence = next(self._sequence)
+            self._socket.send_multipart((self._topic, sequence.to_bytes(8, "big"), payload))
+            self._kept.append((sequence, payload))
+
+    def _answer_replay(self) -> None:
+        """One replay request: the kept batches from its sequence number on, then the end marker."""
+        try:
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("KV events: a replay request of %d frames ignored (expected [empty, 8-byte start])",
+                            len(frames) - 1)
+                return
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for sequence, payload in self._kept:
+                if sequence >= first:
+                    self._replay.send_multipart((client, b"", self._topic, sequence.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
+        except zmq.ZMQError:  # a client gone meanwhile: nothing to answer
+            log.exception("KV events: a replay request failed")

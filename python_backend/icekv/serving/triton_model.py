@@ -295,9 +295,12 @@ class TritonModel:
 
         cache = self.engine.cache
         publisher = KVEventPublisher(self.cfg.kv_events_endpoint, self.cfg.kv_events_topic, cache.page_size,
-                                     "GPU" if cache.pool.device.type == "cuda" else "CPU")
+                                     "GPU" if cache.pool.device.type == "cuda" else "CPU",
+                                     replay_endpoint=self.cfg.kv_events_replay_endpoint,
+                                     replay_batches=self.cfg.kv_events_replay_batches)
         cache.prefix.events = publisher  # the engine has served nothing yet
-        log.warning("icekv: prefix cache page events on %s", publisher.endpoint)
+        log.warning("icekv: prefix cache page events on %s%s", publisher.endpoint,
+                    f" (replayed on {publisher.replay_endpoint})" if publisher.replay_endpoint else "")
         return publisher
 
     def finalize(self) -> None:
