@@ -148,6 +148,8 @@ def test_two_replicas_on_one_store_compress_a_new_context_once(smollm2_dir, tmp_
 def test_a_context_another_replica_gives_up_is_compressed_here(loop, document):
     spec = loop.contexts.spec(ContextRequest(document, None, "kv2", 0.25), None)
     assert loop.store.claim(spec.key, "another-replica")  # compressing it elsewhere, renewing its claim
+    gone, _ = _ask(loop, document, cancel=True)  # a waiter that leaves: its wait is dropped
+    assert gone.finished.wait(30) and gone.failure[0] == "cancelled"
     sink, _ = _ask(loop, document)
     assert not sink.finished.wait(1.5) and sink.context_cache == "joined"  # waits on that replica
     loop.store.release(spec.key, "another-replica")  # which failed, and stored nothing
@@ -161,7 +163,7 @@ def test_a_dead_replica_s_claim_lapses_and_the_context_is_compressed_here(smollm
     try:
         spec = replica.contexts.spec(ContextRequest(document, None, "kv2", 0.25), None)
         t0 = time.monotonic()
-        assert replica.store.claim(spec.key, "dead-replica")  # claimed, then never renewed nor given back
+        assert replica.store.claim(spec.key, "dead-replica", ttl_s=2.0)  # then never renewed nor given back
         sink, _ = _ask(replica, document)
         assert sink.finished.wait(300) and sink.failure is None, sink.failure
         assert time.monotonic() - t0 >= 2.0 and sink.context_cache == "joined"

@@ -163,22 +163,23 @@ def test_stale_temporary_files_are_removed(tmp_path):
 
 def test_a_claim_is_one_owner_s_until_given_back_or_lapsed(store):
     key = "ab" * 32
-    assert store.claim(key, "replica-a", ttl_s=0.5)
-    assert not store.claim(key, "replica-b", ttl_s=0.5)
-    assert store.claim(key, "replica-a", ttl_s=0.5)  # renewed by its owner
+    assert store.claim(key, "replica-a", ttl_s=3.0)
+    assert not store.claim(key, "replica-b", ttl_s=3.0)
+    assert store.claim(key, "replica-a", ttl_s=3.0)  # renewed by its owner
     store.release(key, "replica-b")  # not b's to give back
-    assert not store.claim(key, "replica-b", ttl_s=0.5)
+    assert not store.claim(key, "replica-b", ttl_s=3.0)
     store.release(key, "replica-a")
-    assert store.claim(key, "replica-b", ttl_s=0.5)
-    time.sleep(0.2)
-    assert store.claim(key, "replica-b", ttl_s=0.5)  # renewed: its lapse moves
-    time.sleep(0.4)
-    assert not store.claim(key, "replica-a", ttl_s=0.5)  # 0.6 s after it was taken, 0.4 s after renewal
-    time.sleep(0.3)
-    assert store.claim(key, "replica-a", ttl_s=0.5)  # b stopped renewing: lapsed, taken over
+    assert store.claim(key, "replica-b", ttl_s=3.0)  # t = 0
+    time.sleep(1.0)
+    assert store.claim(key, "replica-b", ttl_s=3.0)  # renewed at 1 s: it lapses at 4 s, not 3 s
+    time.sleep(2.5)
+    assert not store.claim(key, "replica-a", ttl_s=3.0)  # 3.5 s
+    time.sleep(1.0)
+    assert store.claim(key, "replica-a", ttl_s=3.0)  # 4.5 s: b stopped renewing, so it lapsed and a took it
     assert store.backend.keys() == [] and not store.has(key) and store.load(key) is None  # a claim is no entry
     store.save(key, _ctx())
     assert store.has(key) and store.backend.keys() == [key]
+    store.release(key, "replica-a")
 
 
 def test_a_dead_replica_s_claim_file_is_removed_at_eviction(tmp_path):

@@ -138,21 +138,25 @@ class ContextService:
         if context is not None:
             return context
         if self.store is not None:
-            try:
-                stored = self.store.load(key)
-            except StoreError as e:
-                if not can_compress:
-                    raise RequestError(f"context_key {key!r}: {e}") from None
-                log.warning("stored context refused, compressing it again: %s", e)
-                stored = None
-            except Exception as e:  # the store itself failed (unreachable Redis, disk error)
-                log.error("context store lookup failed: %s", e)
-                if not can_compress:
-                    raise BusyError("server busy: the context store is unavailable, retry later") from None
-                stored = None
+            stored = self._from_store(key, can_compress)
             if stored is not None:
                 self.stats.hits += 1
                 return self.shared.add(key, stored)
+        return None
+
+    def _from_store(self, key: str, can_compress: bool) -> CompressedContext | None:
+        """The stored entry under ``key``, or None; an unusable entry or a failing store is None
+        too where the context can be compressed here, else a RequestError / BusyError."""
+        try:
+            return self.store.load(key)
+        except StoreError as e:
+            if not can_compress:
+                raise RequestError(f"context_key {key!r}: {e}") from None
+            log.warning("stored context refused, compressing it again: %s", e)
+        except Exception as e:  # the store itself failed (unreachable Redis, disk error)
+            log.error("context store lookup failed: %s", e)
+            if not can_compress:
+                raise BusyError("server busy: the context store is unavailable, retry later") from None
         return None
 
     def find_in_memory(self, key: str) -> CompressedContext | None:
@@ -179,7 +183,7 @@ class ContextService:
             running.waiters.append(waiter)
             self.stats.joined += 1
             return "joined", None
-        if not self._claim(spec.key) or self._stored(spec.key):  # another replica compresses it, or just did
+        if not self._claim_unstored(spec.key):  # another replica compresses it, or just did
             self._waits[spec.key] = _StoreWait(spec, [waiter])
             self.stats.joined += 1
             return "joined", None
@@ -205,16 +209,17 @@ class ContextService:
     def advance(self) -> list[tuple[str, list, CompressedContext | None, BaseException | None]]:
         """One scoring slice of the oldest job that has one; then every finished job, and every
         wait whose context another replica stored, as (key, waiters, context held once per
-        waiter, error)."""
-        finished = self._poll_waits()
+        waiter, error). Waits are looked at no more often than the loop calls this (each engine
+        step, or its idle tick)."""
         self._renew_claims()
         scoring = next((j for j in self._jobs.values() if j.job.scoring), None)
         if scoring is not None:
             scoring.job.advance()
+        finished = []
         for key, entry in [(k, j) for k, j in self._jobs.items() if j.job.done]:
             del self._jobs[key]
             finished.append((key, entry.waiters, *self._finish(entry)))
-        return finished
+        return finished + self._poll_waits()
 
     def _finish(self, entry: _Job) -> tuple[CompressedContext | None, BaseException | None]:
         job = entry.job
@@ -242,11 +247,11 @@ class ContextService:
         finished, now = [], time.monotonic()
         for key, wait in [(k, w) for k, w in self._waits.items() if w.next_poll <= now]:
             wait.next_poll = now + STORE_POLL_S
-            context = self._load(key)
+            context = self._from_store(key, can_compress=True)
             if context is not None:
                 del self._waits[key]
                 finished.append((key, wait.waiters, self.shared.add(key, context, users=len(wait.waiters)), None))
-            elif self._claim(key):
+            elif self._claim_unstored(key):
                 del self._waits[key]
                 try:
                     self._start(wait.spec, wait.waiters)
@@ -280,26 +285,19 @@ class ContextService:
             except Exception as e:  # it lapses on its own
                 log.error("context store claim release failed: %s", e)
 
-    def _stored(self, key: str) -> bool:
-        """Whether the store holds ``key`` (False when it fails); a claim just taken is given back."""
+    def _claim_unstored(self, key: str) -> bool:
+        """Claim ``key`` to compress it, unless another replica holds the claim or has just stored
+        the entry (its claim given back after saving); the store failing is no reason not to."""
+        if not self._claim(key):
+            return False
         try:
             stored = self.store is not None and self.store.has(key)
         except Exception as e:
             log.error("context store lookup failed: %s", e)
-            return False
+            return True
         if stored:
             self._release_claim(key)
-        return stored
-
-    def _load(self, key: str) -> CompressedContext | None:
-        """The stored entry, or None (absent, unusable, or the store failing)."""
-        try:
-            return self.store.load(key)
-        except StoreError as e:
-            log.warning("stored context refused, compressing it again: %s", e)
-        except Exception as e:
-            log.error("context store lookup failed: %s", e)
-        return None
+        return not stored
 
     def drop_waiters(self, cancelled) -> list:
         """Remove waiters for which ``cancelled(waiter)`` holds; a job left without waiters is

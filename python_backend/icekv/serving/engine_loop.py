@@ -211,7 +211,7 @@ class EngineLoop:
         just made it)."""
         try:
             status, context = self.contexts.attach(spec, (request, sink))
-        except IcekvError as e:
+        except Exception as e:  # this request fails (a bug is logged as internal); the others go on
             self._fail(sink, e)
             return
         sink.context_used(spec.key, status)

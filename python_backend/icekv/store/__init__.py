@@ -63,6 +63,7 @@ class ContextStore:
         return self.backend.claim(key, owner, ttl_s)
 
     def release(self, key: str, owner: str) -> None:
+        """Give ``owner``'s claim on ``key`` back (nothing if another holds it now)."""
         self.backend.release(key, owner)
 
     def load(self, key: str) -> CompressedContext | None:

@@ -12,10 +12,12 @@ died) lapses, and another replica takes it over.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 from icekv.store.format import StoreError, StoreUnavailable, check_key
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 STALE_TMP_S = 3600.0  # a temporary file or a claim this old is a crashed writer's: removed at eviction
 SCAN_EVERY = 256  # a local store's puts between two scans of its directory
 LOW_WATER = 0.9  # an eviction frees entries down to this share of max_bytes
+CLAIMS_LOCK = ".claims.lock"  # a local store's lock over its claim files
 _CLAIM = """local held = redis.call('GET', KEYS[1])
 if held == false or held == ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
 return 0"""  # take a free claim or renew one's own, atomically
@@ -99,42 +102,39 @@ class LocalStore:
         return self._path(key).exists()
 
     def claim(self, key: str, owner: str, ttl_s: float) -> bool:
-        """Take ``key``'s claim for ``owner``, or renew it if ``owner`` holds it; False while another
-        holds it and renewed it less than ``ttl_s`` ago. Two replicas taking over one lapsed claim at
-        the same instant may both get it (a file cannot be compared and deleted atomically)."""
-        path = self.root / f".{check_key(key)}.claim"
+        """Take ``key``'s claim for ``owner`` for ``ttl_s`` seconds, or renew it if ``owner`` holds
+        it; False while another holds it. A claim file holds its owner and its deadline; the
+        directory's lock makes reading and writing it one step across processes."""
+        path = self._claim_path(key)
         try:
-            try:
-                held, age = path.read_text(), time.time() - path.stat().st_mtime
-            except FileNotFoundError:
-                held, age = None, 0.0
-            if held == owner:
-                os.utime(path)
-                return True
-            if held is not None:
-                if age < ttl_s:
+            with self._claims_locked():
+                held = _claim_holder(path)
+                if held is not None and held != owner:
                     return False
-                path.unlink(missing_ok=True)  # lapsed: its replica stopped renewing it
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:  # another replica took it first
-                return False
-            with os.fdopen(fd, "w") as f:
-                f.write(owner)
-            return True
+                path.write_text(f"{owner}\n{time.time() + ttl_s}")
+                return True
         except OSError as e:
             raise StoreUnavailable(f"the context store cannot claim an entry: {e.strerror}") from None
 
     def release(self, key: str, owner: str) -> None:
         """Give ``key``'s claim back, if ``owner`` still holds it."""
-        path = self.root / f".{check_key(key)}.claim"
+        path = self._claim_path(key)
         try:
-            if path.read_text() == owner:
-                path.unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
+            with self._claims_locked():
+                if _claim_holder(path) == owner:
+                    path.unlink(missing_ok=True)
         except OSError as e:
             raise StoreUnavailable(f"the context store cannot release a claim: {e.strerror}") from None
+
+    def _claim_path(self, key: str) -> Path:
+        return self.root / f".{check_key(key)}.claim"
+
+    @contextmanager
+    def _claims_locked(self):
+        """The directory's claims lock (``flock``: between the processes of one host)."""
+        with open(self.root / CLAIMS_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield  # unlocked as the file closes
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
@@ -165,6 +165,15 @@ class LocalStore:
                 total -= size
                 victim.unlink(missing_ok=True)
         self._bytes, self._puts_since_scan = total, 0
+
+
+def _claim_holder(path: Path) -> str | None:
+    """The owner of the claim in ``path``; None when there is none, it lapsed, or it is unreadable."""
+    try:
+        owner, deadline = path.read_text().rsplit("\n", 1)
+        return owner if float(deadline) > time.time() else None
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 class RedisStore:
