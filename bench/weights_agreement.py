@@ -1,7 +1,9 @@
 """How far each weight format moves a model's predictions from float32's: over the first --tokens
 tokens of the essays, teacher-forced (every format reads the same text), the share of positions
 whose most likely next token equals float32's, and the mean KL divergence from float32's
-distribution. Full attention, no KV cache (the model's own forward over the whole text).
+distribution. Full attention, no KV cache (the model's own forward over the whole text). A model
+converted from a GGUF whose 4-bit blocks it keeps has int4 twice: quantized from the weights, and
+the GGUF's own blocks (what the engine loads).
 
     .venv/bin/python bench/weights_agreement.py --model qwen2.5-coder-0.5b --out bench/results/weights_agreement
 """
@@ -21,6 +23,7 @@ from icekv.assets import Assets
 from icekv.attention import causal_attention
 from icekv.engine.model_dir import resolve_model_dir
 from icekv.model import Tokenizer, load_model
+from icekv.model.gguf_blocks import load_int4_blocks
 from icekv.model.weights import store_weights
 
 FORMATS = ("bfloat16", "int8", "int4")
@@ -49,13 +52,15 @@ def main() -> int:
     positions = torch.arange(len(ids))
     reference = reference_model(ids, positions, DenseAttention(reference_model.args))  # [T, V]
     rows = []
-    for weights in FORMATS:
+    blocks = load_int4_blocks(model_dir)
+    for weights, int4_codes in [(w, None) for w in FORMATS] + ([("int4", blocks)] if blocks else []):
         model = copy.deepcopy(reference_model)
-        store_weights(model, weights, torch.float32)
+        store_weights(model, weights, torch.float32, int4_codes)
         logits = model(ids, positions, DenseAttention(reference_model.args))  # [T, V]
         agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
         kl = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="batchmean")
-        rows.append({"weights": weights, "top1_agreement": agreement, "mean_kl": kl.item()})
+        rows.append({"weights": weights, "from": "gguf blocks" if int4_codes else "quantized",
+                     "top1_agreement": agreement, "mean_kl": kl.item()})
         print(rows[-1], flush=True)
     result = {"command": " ".join(["bench/weights_agreement.py", *sys.argv[1:]]), "model": str(model_dir),
               "tokens": len(ids), "rows": rows}

@@ -1,7 +1,9 @@
 """Convert a GGUF checkpoint into a safetensors model folder: ``python -m icekv.convert GGUF OUT``.
 
 Runs in its own process (the asset fetcher starts it) so transformers' memory and import cost
-never stay in the serving process. transformers dequantizes the GGUF weights to fp32.
+never stay in the serving process. transformers dequantizes the GGUF weights to fp32; the 4-bit
+linear weights are also kept as they are, for ``--weights int4``
+(:mod:`icekv.model.gguf_blocks`).
 :func:`check_gguf` reads only the file's header, in the caller's process, so that a file icekv
 cannot run is refused by name before any conversion starts.
 """
@@ -67,6 +69,22 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _save_int4_blocks(gguf, model, out)
+
+
+def _save_int4_blocks(gguf: Path, model, out: Path) -> None:
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    from icekv.model.gguf_blocks import BLOCKS_FILE, gguf_int4_blocks
+
+    architecture = GGUFReader(gguf).get_field("general.architecture").contents()
+    config = model.config
+    blocks = gguf_int4_blocks(gguf, model.state_dict(), architecture, config.num_attention_heads,
+                              config.num_key_value_heads)
+    if blocks:
+        (out / BLOCKS_FILE).parent.mkdir(parents=True, exist_ok=True)
+        save_file(blocks, str(out / BLOCKS_FILE))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ def test_int4_equals_its_codes_product(shape, bias):
     dequantized = dequantize_int4(codes, scales, zeros)  # [out, in]
     assert int(codes.max()) <= 15 and (dequantized - weight).abs().max() <= scales.max() / 2 + 1e-6
     for kernel in (True, False):  # the CPU kernel's packed layout, and the nibbles other devices keep
-        layer = Int4Linear(weight, b, nibbles=not kernel)
+        layer = Int4Linear.quantized(weight, b, nibbles=not kernel)
         assert (layer.packed is not None) == kernel
         for rows in ROWS:
             x = torch.randn(rows, shape[1])
@@ -61,7 +61,7 @@ def test_bf16_and_batched_inputs():
     weight, b = _layer(64, 96, True, seed=1)
     x = torch.randn(2, 5, 96)
     want = F.linear(x, weight, b)  # [2, 5, 64]
-    for layer in (BF16Linear(weight, b), Int8Linear(weight, b), Int4Linear(weight, b)):
+    for layer in (BF16Linear(weight, b), Int8Linear(weight, b), Int4Linear.quantized(weight, b)):
         y = layer(x)
         assert y.shape == (2, 5, 64)
         assert _relative_error(y, want) < (0.15 if isinstance(layer, Int4Linear) else 0.02)
@@ -93,11 +93,25 @@ def test_store_weights_replaces_every_linear_and_keeps_the_rest(tied):
     assert model.layers[0].input_layernorm.weight.dtype == torch.float32
 
 
+def test_int4_keeps_the_output_layer_in_int8_and_takes_a_checkpoint_s_own_codes():
+    model = random_model("llama-tiny")
+    q_proj = model.layers[0].self_attn.q_proj
+    codes = torch.randint(0, 16, q_proj.weight.shape, dtype=torch.uint8)  # [out, in]
+    groups = (q_proj.out_features, q_proj.in_features // INT4_GROUP)
+    scales, zeros = torch.rand(groups) / 100, torch.randn(groups) / 100
+    store_weights(model, "int4", torch.float32, {"layers.0.self_attn.q_proj": (codes, scales, zeros)})
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.layers[0].mlp.up_proj, Int4Linear)
+    given = model.layers[0].self_attn.q_proj
+    assert isinstance(given, Int4Linear)
+    want = dequantize_int4(codes, scales.bfloat16().float(), zeros.bfloat16().float())  # the kernel's bf16 scales
+    assert _relative_error(dense_weight(given).float(), want) < BF16_TOLERANCE
+
+
 @pytest.mark.parametrize("kind", [BF16Linear, Int8Linear, Int4Linear])
 def test_dense_weight_is_the_weight_a_product_uses(kind):
     """What KV²'s normalisation reads: the stored form's weight, such that x @ w.T is its product."""
     weight, _ = _layer(32, 64, False, seed=3)
-    layer = kind(weight, None)
+    layer = kind.quantized(weight, None) if kind is Int4Linear else kind(weight, None)
     x = torch.randn(3, 64)
     assert dense_weight(layer).shape == (32, 64)
     assert _relative_error(layer(x), F.linear(x, dense_weight(layer).float())) < BF16_TOLERANCE

@@ -32,6 +32,7 @@ from icekv.errors import CacheFullError, ConfigError
 from icekv.kv import PagedKVCache, PrefixCache
 from icekv.kv.quant import KVFormat
 from icekv.model import ByteTokenizer, Tokenizer, load_model, random_model
+from icekv.model.gguf_blocks import load_int4_blocks
 from icekv.model.weights import store_weights, stored_apart
 from icekv.chat_template import ChatTemplate, require_template
 from icekv.policies import PolicyPlan, resolve
@@ -65,9 +66,10 @@ class Engine:
             self.tokenizer = Tokenizer(self.model_dir)
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)
-        store_weights(self.model, self.weights, dtype)
+        int4_codes = load_int4_blocks(self.model_dir) if self.weights == "int4" and self.model_dir else {}
+        store_weights(self.model, self.weights, dtype, int4_codes)
         if stored_apart(self.weights, dtype_name):  # stored KV (prefix pages, compressed contexts) differs per format
-            self.model_id += f":weights-{self.weights}"
+            self.model_id += f":weights-{self.weights}" + ("-gguf" if int4_codes else "")
         if config.paging.kv_dtype != "auto":  # stored KV (prefix pages, compressed contexts) differs per format
             self.model_id += f":kv-{config.paging.kv_dtype}"
         args = self.model.args

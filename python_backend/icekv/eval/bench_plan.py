@@ -141,16 +141,17 @@ def model_bytes(args: ModelArgs, dtype: str, weights: str = "auto") -> int:
     import torch
 
     from icekv.model.llama import Decoder
-    from icekv.model.weights import stored_apart, stored_bytes
+    from icekv.model.weights import layer_format, stored_apart, stored_bytes
 
     with torch.device("meta"):
         model = Decoder(args)
     if not stored_apart(weights, dtype):
         return sum(p.numel() for p in model.parameters()) * DTYPE_BYTES[dtype]
-    linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    rest = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False) if name not in linears)
-    return rest * DTYPE_BYTES[dtype] + sum(stored_bytes(m.out_features, m.in_features, weights)
-                                           for m in linears.values())
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    rest = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False)
+               if name.removesuffix(".weight") not in linears)
+    return rest * DTYPE_BYTES[dtype] + sum(stored_bytes(m.out_features, m.in_features, layer_format(name, weights))
+                                           for name, m in linears.items())
 
 
 def plan_bench(args: ModelArgs, dtype: str, run: BenchRun, machine: Machine, kv_dtype: str = "auto",

@@ -32,6 +32,7 @@ KERNEL_ROWS = 16  # at most this many rows take the int8 kernel on a CPU; more d
 INT8_KERNEL_IN = 16  # the CPU int8 kernel reads inputs in blocks of this many (others: wrong sums, unchecked)
 INT4_GROUP = 32  # input channels per int4 scale and zero (wider groups lose far more accuracy)
 INT4_KERNEL_OUT = 16  # the CPU int4 kernel packs output channels in blocks of this many
+OUTPUT_LAYER = "lm_head"  # the decoder's output layer, by module name
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +58,12 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     out_features, in_features = codes.shape
     grouped = codes.view(out_features, scales.shape[1], -1).to(scales.dtype)  # [out, G, group]
     return ((grouped - 8) * scales[..., None] + zeros[..., None]).view(out_features, in_features)
+
+
+def layer_format(name: str, weights: str) -> str:
+    """The format the linear layer ``name`` is stored in under ``weights``: the output layer of an
+    int4 model in int8, as llama.cpp's Q4_K_M keeps it in Q6_K (every logit is a product with it)."""
+    return "int8" if weights == "int4" and name == OUTPUT_LAYER else weights
 
 
 def stored_apart(weights: str, dtype: str) -> bool:
@@ -133,19 +140,25 @@ class Int4Linear(WeightOnlyLinear):
     (low nibble first) and the weight is dequantized for each product. The kernel needs torch 2.6
     or newer."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, nibbles: bool = False):
-        """``nibbles``: keep two codes a byte even on a CPU (what other devices hold; for tests)."""
-        super().__init__(weight.shape[1], weight.shape[0], bias)
-        codes, scales, zeros = quantize_int4(weight, INT4_GROUP)
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+                 nibbles: bool = False):
+        """codes [out, in] in 0..15, scales and zeros [out, in / INT4_GROUP] (:func:`dequantize_int4`);
+        ``nibbles``: keep two codes a byte even on a CPU (what other devices hold; for tests)."""
+        super().__init__(codes.shape[1], codes.shape[0], bias)
         self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1)
                              .contiguous().to(PRODUCT_DTYPE))  # [G, out, 2], as the kernel takes them
-        if weight.device.type == "cpu" and not nibbles:
+        if codes.device.type == "cpu" and not nibbles:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
             self.register_buffer("packed", packed)  # [out, in/2] uint8, the kernel's layout
             self.nibbles = None
         else:
             self.register_buffer("nibbles", codes[:, 0::2] | (codes[:, 1::2] << 4))  # [out, in/2] uint8
             self.packed = None
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None, nibbles: bool = False) -> Int4Linear:
+        """``weight`` [out, in] quantized to int4 (:func:`quantize_int4`)."""
+        return cls(*quantize_int4(weight, INT4_GROUP), bias, nibbles)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -178,27 +191,35 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     return layer.dequantized() if isinstance(layer, WeightOnlyLinear) else layer.weight
 
 
-def stored_linear(layer: nn.Linear, weights: str) -> nn.Module:
+def stored_linear(layer: nn.Linear, weights: str, int4_codes: tuple | None = None) -> nn.Module:
     """``layer`` with its weight stored in ``weights`` (bfloat16, int8 or int4; an int4 layer of a
-    shape the kernel cannot take is stored in int8)."""
+    shape the kernel cannot take is stored in int8); ``int4_codes``: the int4 form the checkpoint
+    itself holds (codes, scales, zeros: a GGUF's 4-bit blocks), taken instead of quantizing."""
     weight, bias = layer.weight.detach(), layer.bias
     if weights == "bfloat16":
         return BF16Linear(weight, bias)
     if weights == "int4" and int4_fits(layer.in_features, layer.out_features):
-        return Int4Linear(weight, bias)
+        if int4_codes is None:
+            return Int4Linear.quantized(weight, bias)
+        return Int4Linear(*(t.to(weight.device) for t in int4_codes), bias)
     return Int8Linear(weight, bias)
 
 
-def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype) -> None:
+def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype,
+                  int4_codes: dict[str, tuple] | None = None) -> None:
     """Replace every linear layer of ``model`` by its ``weights`` form, one layer at a time (each
     float weight is freed as its layer is replaced, so the conversion holds at most one converted
     layer beyond the model). Weights stored in the compute dtype (``weights`` is that dtype's name)
-    stay as they are."""
+    stay as they are. ``int4_codes``: the checkpoint's own int4 form of some layers, by module
+    name (:func:`icekv.model.gguf_blocks.load_int4_blocks`)."""
     if not stored_apart(weights, str(compute_dtype).removeprefix("torch.")):
         return
     if weights not in ("bfloat16", "int8", "int4"):  # EngineConfig.weights_on refuses these before a load
         raise ValueError(f"weights {weights!r} cannot be stored under the compute dtype {compute_dtype}")
-    places = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+    int4_codes = int4_codes or {}
+    places = [(parent, prefix, name) for prefix, parent in model.named_modules()
+              for name, child in parent.named_children()
               if isinstance(child, nn.Linear)]  # no reference to the layers themselves: each is freed when replaced
-    for parent, name in places:
-        setattr(parent, name, stored_linear(getattr(parent, name), weights))
+    for parent, prefix, name in places:
+        path = f"{prefix}.{name}" if prefix else name
+        setattr(parent, name, stored_linear(getattr(parent, name), layer_format(path, weights), int4_codes.get(path)))
