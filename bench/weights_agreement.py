@@ -54,12 +54,13 @@ def main() -> int:
     rows = []
     blocks = load_int4_blocks(model_dir)
     for weights, int4_codes in [(w, None) for w in FORMATS] + ([("int4", blocks)] if blocks else []):
+        source = "gguf blocks" if int4_codes else "quantized"
         model = copy.deepcopy(reference_model)
-        store_weights(model, weights, torch.float32, int4_codes)
+        store_weights(model, weights, torch.float32, int4_codes)  # consumes int4_codes
         logits = model(ids, positions, DenseAttention(reference_model.args))  # [T, V]
         agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
         kl = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="batchmean")
-        rows.append({"weights": weights, "from": "gguf blocks" if int4_codes else "quantized",
+        rows.append({"weights": weights, "from": source,
                      "top1_agreement": agreement, "mean_kl": kl.item()})
         print(rows[-1], flush=True)
     result = {"command": " ".join(["bench/weights_agreement.py", *sys.argv[1:]]), "model": str(model_dir),

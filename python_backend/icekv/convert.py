@@ -80,8 +80,12 @@ def _save_int4_blocks(gguf: Path, model, out: Path) -> None:
 
     architecture = GGUFReader(gguf).get_field("general.architecture").contents()
     config = model.config
-    blocks = gguf_int4_blocks(gguf, model.state_dict(), architecture, config.num_attention_heads,
-                              config.num_key_value_heads)
+    try:
+        blocks = gguf_int4_blocks(gguf, model.state_dict(), architecture, config.num_attention_heads,
+                                  config.num_key_value_heads)
+    except Exception as e:  # the weights above are the conversion; int4 then quantizes them at load
+        print(f"icekv.convert: the 4-bit blocks of {gguf.name} are not kept: {e}", file=sys.stderr)
+        return
     if blocks:
         (out / BLOCKS_FILE).parent.mkdir(parents=True, exist_ok=True)
         save_file(blocks, str(out / BLOCKS_FILE))

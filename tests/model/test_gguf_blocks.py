@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from icekv.model.gguf_blocks import (  # noqa: E402
     BLOCKS_FILE, decode_blocks, gguf_int4_blocks, load_int4_blocks, unpermute_rows)
-from icekv.model.weights import dequantize_int4  # noqa: E402
+from icekv.model.weights import dequantize_int4, unpack_nibbles  # noqa: E402
 
 KINDS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256}  # inputs per block
 
@@ -100,13 +100,22 @@ def test_only_4_bit_tensors_that_reproduce_the_converted_weights_are_kept(tmp_pa
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
     raw = {"blk.0.attn_q.weight": (_q4_k(rng, dim, 1), "Q4_K"),  # its rows interleaved, as in the file
+           "blk.0.attn_k.weight": (_q4_k(rng, dim // 2, 1), "Q4_K"),  # two KV heads of four
            "blk.0.ffn_down.weight": (_encode(rng, normal(dim, 96), "Q4_1"), "Q4_1"),
            "blk.0.attn_v.weight": (_encode(rng, normal(dim // 2, dim), "Q8_0"), "Q8_0"),
            "blk.0.attn_output.weight": (_q4_k(rng, dim, 1), "Q4_K")}
     _write_gguf(tmp_path / "m.gguf", raw)
     values = {name: dequantize(r, gguf.GGMLQuantizationType[kind]) for name, (r, kind) in raw.items()}
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    processor = LlamaTensorProcessor({"num_attention_heads": heads, "num_key_value_heads": kv_heads})
+
+    def converted(name):  # transformers' own un-interleaving of q and k
+        return processor.process(values[name], name).weights
+
     dequantized = {  # what transformers' conversion holds
-        "model.layers.0.self_attn.q_proj.weight": unpermute_rows(values["blk.0.attn_q.weight"], heads),
+        "model.layers.0.self_attn.q_proj.weight": converted("blk.0.attn_q.weight"),
+        "model.layers.0.self_attn.k_proj.weight": converted("blk.0.attn_k.weight"),
         "model.layers.0.mlp.down_proj.weight": values["blk.0.ffn_down.weight"],
         "model.layers.0.self_attn.v_proj.weight": values["blk.0.attn_v.weight"],
         "model.layers.0.self_attn.o_proj.weight": values["blk.0.attn_output.weight"] + 0.01,  # not what the file holds
@@ -115,6 +124,7 @@ def test_only_4_bit_tensors_that_reproduce_the_converted_weights_are_kept(tmp_pa
     with caplog.at_level(logging.WARNING):
         blocks = gguf_int4_blocks(tmp_path / "m.gguf", state, "llama", heads, kv_heads)
     assert sorted({k.rsplit(".", 1)[0] for k in blocks}) == ["model.layers.0.mlp.down_proj.weight",
+                                                             "model.layers.0.self_attn.k_proj.weight",
                                                              "model.layers.0.self_attn.q_proj.weight"]
     assert "attn_output" in caplog.text and "not kept" in caplog.text
 
@@ -123,10 +133,11 @@ def test_only_4_bit_tensors_that_reproduce_the_converted_weights_are_kept(tmp_pa
     (tmp_path / "folder" / BLOCKS_FILE).parent.mkdir(parents=True)
     save_file(blocks, str(tmp_path / "folder" / BLOCKS_FILE))
     loaded = load_int4_blocks(tmp_path / "folder")
-    assert sorted(loaded) == ["layers.0.mlp.down_proj", "layers.0.self_attn.q_proj"]
-    for module, name in (("layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj.weight"),
-                         ("layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj.weight")):
+    assert sorted(loaded) == ["layers.0.mlp.down_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.q_proj"]
+    for module in loaded:
+        name = f"model.{module}.weight"
         want = dequantized[name]
-        got = dequantize_int4(*loaded[module]).numpy()
+        nibbles, scales, zeros = loaded[module]
+        got = dequantize_int4(unpack_nibbles(nibbles), scales, zeros).numpy()
         assert np.allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     assert load_int4_blocks(tmp_path) == {}  # a folder without them

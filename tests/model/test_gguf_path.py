@@ -14,7 +14,7 @@ from icekv.engine.model_dir import model_identity, resolve_model_dir
 from icekv.errors import ModelLoadError
 from icekv.model import ModelArgs
 from icekv.model.gguf_blocks import load_int4_blocks
-from icekv.model.weights import dequantize_int4
+from icekv.model.weights import dequantize_int4, unpack_nibbles
 from icekv.registry import SMOLLM2_135M
 from tests.test_cli import icekv
 
@@ -59,7 +59,8 @@ def test_a_gguf_file_converts_once_and_is_found_again_by_hash(smollm2_gguf, smol
     blocks = load_int4_blocks(folder)  # its Q4_1 layers kept as they are, for --weights int4
     assert len(blocks) == 7 * ModelArgs.from_dir(folder).num_layers  # every linear layer but the output
     want = ours["model.layers.3.mlp.down_proj.weight"]
-    assert torch.allclose(dequantize_int4(*blocks["layers.3.mlp.down_proj"]), want, rtol=1e-5, atol=1e-6)
+    nibbles, scales, zeros = blocks["layers.3.mlp.down_proj"]
+    assert torch.allclose(dequantize_int4(unpack_nibbles(nibbles), scales, zeros), want, rtol=1e-5, atol=1e-6)
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted again")

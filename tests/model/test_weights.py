@@ -9,7 +9,8 @@ from icekv.config.engine import EngineConfig
 from icekv.errors import ConfigError
 from icekv.model.random import random_model, shape_args
 from icekv.model.weights import (
-    INT4_GROUP, KERNEL_ROWS, BF16Linear, dense_weight, Int4Linear, Int8Linear, dequantize_int4, int4_fits, quantize_int4,
+    INT4_GROUP, KERNEL_ROWS, BF16Linear, dense_weight, Int4Linear, Int8Linear, dequantize_int4, int4_fits, pack_nibbles,
+    quantize_int4,
     quantize_int8, store_weights,
 )
 
@@ -99,7 +100,7 @@ def test_int4_keeps_the_output_layer_in_int8_and_takes_a_checkpoint_s_own_codes(
     codes = torch.randint(0, 16, q_proj.weight.shape, dtype=torch.uint8)  # [out, in]
     groups = (q_proj.out_features, q_proj.in_features // INT4_GROUP)
     scales, zeros = torch.rand(groups) / 100, torch.randn(groups) / 100
-    store_weights(model, "int4", torch.float32, {"layers.0.self_attn.q_proj": (codes, scales, zeros)})
+    store_weights(model, "int4", torch.float32, {"layers.0.self_attn.q_proj": (pack_nibbles(codes), scales, zeros)})
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.layers[0].mlp.up_proj, Int4Linear)
     given = model.layers[0].self_attn.q_proj
     assert isinstance(given, Int4Linear)

@@ -191,30 +191,44 @@ def _replay(endpoint: str, start: int) -> list[list[bytes]]:
     return scope["replay"](endpoint, start)
 
 
+def _one_batch_each(publisher, subscriber, sends) -> list[list[bytes]]:
+    """Run each of ``sends`` once what the one before it sent has been heard (so each is its own
+    batch); every message heard."""
+    for send in sends:
+        heard = len(subscriber.messages)
+        send()
+        subscriber.until(lambda m: len(m) > heard)
+    return list(subscriber.messages)
+
+
 def test_a_late_subscriber_gets_the_batches_it_missed_from_the_replay_socket(tmp_path):
     publisher = KVEventPublisher(f"ipc://{tmp_path}/kv", "kv@test", P, "CPU", period_s=0.05,
                                  replay_endpoint=f"ipc://{tmp_path}/replay", replay_batches=3)
+    subscriber = Subscriber(connect=publisher.endpoint)  # hears what a late one missed
     cache = PrefixCache("model", P)
     cache.events = publisher
     try:
         ids = list(range(20, 20 + 4 * P))
-        time.sleep(0.3)  # batch 0: AllBlocksCleared alone
-        for page in range(4):  # nobody subscribed: every batch is missed
-            cache.insert(ids[:(page + 1) * P], list(range(page + 1)))
-            time.sleep(0.3)  # its own batch
+        heard = _one_batch_each(publisher, subscriber, [
+            lambda n=n: cache.insert(ids[:n * P], list(range(n))) for n in range(1, 5)])
         answers = _replay(publisher.replay_endpoint, 0)
         assert answers.pop() == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]  # the end marker
-        assert {(a[0], a[1]) for a in answers} == {(b"", b"kv@test")}
-        assert [int.from_bytes(a[2], "big") for a in answers] == [2, 3, 4]  # the last 3 of batches 0-4
+        assert [a[1:] for a in answers] == heard[-3:]  # the last 3 batches, as published: topic, number, events
+        assert {a[0] for a in answers} == {b""}
         keys = page_keys("model", ids, P)
-        assert [e.block_hashes for e in _events([a[1:] for a in answers])] == [[k] for k in keys[1:]]
-        bad = zmq.Context.instance().socket(zmq.DEALER)  # a malformed request is ignored, the next answered
-        bad.connect(publisher.replay_endpoint)
-        bad.send_multipart((b"", b"nope"))
-        bad.close(linger=1000)
-        assert [int.from_bytes(a[2], "big") for a in _replay(publisher.replay_endpoint, 4)[:-1]] == [4]
+        assert [e.block_hashes for e in _events(heard[-3:])] == [[k] for k in keys[1:]]
+        last = int.from_bytes(heard[-1][1], "big")
+        client = zmq.Context.instance().socket(zmq.DEALER)  # a malformed request is ignored, the next answered
+        client.connect(publisher.replay_endpoint)
+        client.send_multipart((b"", b"nope"))
+        client.send_multipart((b"", last.to_bytes(8, "big")))
+        assert client.poll(10_000) and client.recv_multipart()[1:] == heard[-1]
+        assert client.poll(10_000) and client.recv_multipart()[2] == (-1).to_bytes(8, "big", signed=True)
+        assert not client.poll(300)  # nothing for the malformed one
+        client.close(linger=0)
     finally:
         publisher.close()
+        subscriber.close()
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: `make setup-vllm` makes it")
@@ -225,17 +239,15 @@ def test_the_replay_answers_as_vllms_publisher_answers(tmp_path):
     theirs = [[bytes.fromhex(f) for f in answer] for answer in json.loads(run.stdout.strip().splitlines()[-1])]
     publisher = KVEventPublisher(f"ipc://{tmp_path}/kv", "kv@test", P, "CPU", period_s=0.05,
                                  replay_endpoint=f"ipc://{tmp_path}/replay", replay_batches=10)
+    subscriber = Subscriber(connect=publisher.endpoint)
     try:
-        time.sleep(0.3)  # batch 0: AllBlocksCleared alone
-        for _ in range(2):  # batches 1 and 2, as vLLM's three
-            publisher.removed([b"k" * 16])
-            time.sleep(0.3)
-        ours = _replay(publisher.replay_endpoint, 1)
+        heard = _one_batch_each(publisher, subscriber, [lambda: publisher.removed([b"k" * 16])] * 2)
+        ours = _replay(publisher.replay_endpoint, int.from_bytes(heard[-2][1], "big"))
     finally:
         publisher.close()
+        subscriber.close()
     assert [len(a) for a in ours] == [len(a) for a in theirs] == [4, 4, 4]  # two batches and the end marker
-    for mine, vllms in zip(ours, theirs):
-        assert mine[:3] == vllms[:3]  # delimiter, topic, sequence number (payloads: other events)
+    assert [a[:2] for a in ours] == [a[:2] for a in theirs]  # delimiter and topic (numbers: each its own)
     assert ours[-1] == theirs[-1]
 
 
@@ -251,7 +263,9 @@ def test_events_need_the_prefix_cache_and_a_usable_endpoint():
     with pytest.raises(ConfigError, match="kv_events_replay_endpoint must be a ZMQ endpoint"):
         serving_config({"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "5558"})
     with pytest.raises(OSError, match="kv_events_replay_endpoint 'tcp://nowhere'"):
-        KVEventPublisher("tcp://*:0", "", P, "CPU", replay_endpoint="tcp://nowhere")
+        KVEventPublisher("tcp://*:0", "", P, "CPU", replay_endpoint="tcp://nowhere", replay_batches=1)
+    with pytest.raises(ValueError, match="replay_batches >= 1"):
+        KVEventPublisher("tcp://*:0", "", P, "CPU", replay_endpoint="tcp://*:0")
 
 
 @pytest.mark.server

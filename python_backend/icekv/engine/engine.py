@@ -67,9 +67,10 @@ class Engine:
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)
         int4_codes = load_int4_blocks(self.model_dir) if self.weights == "int4" and self.model_dir else {}
-        store_weights(self.model, self.weights, dtype, int4_codes)
+        from_gguf = bool(int4_codes)
+        store_weights(self.model, self.weights, dtype, int4_codes)  # consumes int4_codes
         if stored_apart(self.weights, dtype_name):  # stored KV (prefix pages, compressed contexts) differs per format
-            self.model_id += f":weights-{self.weights}" + ("-gguf" if int4_codes else "")
+            self.model_id += f":weights-{self.weights}" + ("-gguf" if from_gguf else "")
         if config.paging.kv_dtype != "auto":  # stored KV (prefix pages, compressed contexts) differs per format
             self.model_id += f":kv-{config.paging.kv_dtype}"
         args = self.model.args

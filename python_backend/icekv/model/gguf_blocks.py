@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from icekv.model.weights import INT4_GROUP, dequantize_int4, pack_nibbles
+
 log = logging.getLogger(__name__)
 
 BLOCKS_FILE = "gguf-int4/blocks.safetensors"  # in a model folder; a subfolder: not one of its weight files
-GROUP = 32  # inputs per scale and zero, in every 4-bit type read here
-PERMUTED_QK = ("llama", "mistral")  # architectures whose q and k rows llama.cpp's converter interleaved
+PERMUTED_QK = ("llama",)  # architectures whose q and k rows llama.cpp's converter interleaved (Mistral's too)
 
 
 def decode_blocks(data: np.ndarray, kind: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -34,7 +35,7 @@ def decode_blocks(data: np.ndarray, kind: str, shape: tuple[int, int]) -> tuple[
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
     if kind in ("Q4_0", "Q4_1"):
         head = 2 if kind == "Q4_0" else 4  # d, and Q4_1's m: float16 each
-        blocks = raw.reshape(-1, head + GROUP // 2)  # [n, bytes]
+        blocks = raw.reshape(-1, head + INT4_GROUP // 2)  # [n, bytes]
         d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
         qs = blocks[:, head:]  # [n, 16]: inputs 0-15 in the low nibbles, 16-31 in the high ones
         codes = np.concatenate([qs & 15, qs >> 4], axis=1)  # [n, 32]
@@ -55,7 +56,7 @@ def decode_blocks(data: np.ndarray, kind: str, shape: tuple[int, int]) -> tuple[
         zeros = 8 * scales - dmin * mins.astype(np.float32)
     else:
         raise ValueError(f"GGUF type {kind} has no int4 form (Q4_0, Q4_1 and Q4_K have)")
-    groups = in_features // GROUP
+    groups = in_features // INT4_GROUP
     return (codes.reshape(out_features, in_features), scales.reshape(out_features, groups),
             zeros.reshape(out_features, groups))
 
@@ -77,35 +78,37 @@ def gguf_int4_blocks(gguf: Path, state: dict[str, torch.Tensor], architecture: s
 
     reader = GGUFReader(gguf)
     tensors = {t.name: t for t in reader.tensors}
-    arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == architecture)
+    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == architecture), None)
+    if arch is None:
+        return {}
     layers = 1 + max((int(n.split(".")[1]) for n in tensors if n.startswith("blk.")), default=-1)
     names = get_tensor_name_map(arch, layers)
     blocks: dict[str, torch.Tensor] = {}
     for name, weight in state.items():
         gguf_name = names.get_name(name.removesuffix(".weight")) if name.endswith(".weight") else None
-        tensor = tensors.get(f"{gguf_name}.weight")
+        tensor = tensors.get(f"{gguf_name}.weight") if gguf_name is not None else None
         if tensor is None or weight.dim() != 2 or tensor.tensor_type.name not in ("Q4_0", "Q4_1", "Q4_K"):
             continue
         codes, scales, zeros = decode_blocks(tensor.data, tensor.tensor_type.name, tuple(weight.shape))
         if architecture in PERMUTED_QK and gguf_name.endswith(("attn_q", "attn_k")):
             count = heads if gguf_name.endswith("attn_q") else kv_heads
             codes, scales, zeros = (unpermute_rows(a, count) for a in (codes, scales, zeros))
-        values = (codes.reshape(*scales.shape, GROUP).astype(np.float32) - 8) * scales[..., None] + zeros[..., None]
-        expected = weight.float().numpy()
-        tolerance = 1e-6 * float(np.abs(expected).max())
-        if not np.allclose(values.reshape(expected.shape), expected, rtol=1e-5, atol=tolerance):
+        codes, scales, zeros = (torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales, zeros))
+        expected = weight.float()
+        tolerance = 1e-6 * float(expected.abs().max())
+        if not torch.allclose(dequantize_int4(codes, scales, zeros), expected, rtol=1e-5, atol=tolerance):
             log.warning("GGUF tensor %s does not reproduce %s: its 4-bit blocks are not kept", tensor.name, name)
             continue
-        blocks[f"{name}.codes"] = torch.from_numpy(np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4)))
-        blocks[f"{name}.scales"] = torch.from_numpy(np.ascontiguousarray(scales))
-        blocks[f"{name}.zeros"] = torch.from_numpy(np.ascontiguousarray(zeros))
+        blocks[f"{name}.codes"] = pack_nibbles(codes)  # [out, in / 2]
+        blocks[f"{name}.scales"], blocks[f"{name}.zeros"] = scales, zeros
     return blocks
 
 
 def load_int4_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """A converted GGUF's 4-bit weights in ``model_dir`` by module name (as the decoder names its
-    layers: ``layers.0.self_attn.q_proj``): codes [out, in] uint8, scales and zeros [out, in / 32]
-    float32. Empty for a folder without them."""
+    layers: ``layers.0.self_attn.q_proj``): codes two a byte [out, in / 2] uint8
+    (:func:`icekv.model.weights.pack_nibbles`), scales and zeros [out, in / 32] float32. Empty for
+    a folder without them (one converted before they were kept: delete it to convert it again)."""
     path = Path(model_dir) / BLOCKS_FILE
     if not path.is_file():
         return {}
@@ -115,9 +118,7 @@ def load_int4_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Ten
     found = {}
     for key in flat:
         if key.endswith(".codes"):
-            name = key.removesuffix(".weight.codes")
-            nibbles = flat[key]  # [out, in / 2]
-            codes = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(nibbles.shape[0], -1)  # [out, in]
             stem = key.removesuffix(".codes")
-            found[name.removeprefix("model.")] = (codes, flat[f"{stem}.scales"], flat[f"{stem}.zeros"])
+            module = stem.removesuffix(".weight").removeprefix("model.")
+            found[module] = (flat[key], flat[f"{stem}.scales"], flat[f"{stem}.zeros"])
     return found

@@ -53,6 +53,16 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return codes.to(torch.uint8).view(out_features, in_features), scales, low + 8 * scales
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes [out, in] in 0..15 -> [out, in / 2] uint8, two a byte, the even input in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_nibbles` undone: [out, in / 2] uint8 -> codes [out, in]."""
+    return torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(nibbles.shape[0], -1)
+
+
 def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """codes [out, in] (0..15), scales and zeros [out, G] -> weight [out, in] in the scales' dtype."""
     out_features, in_features = codes.shape
@@ -152,7 +162,7 @@ class Int4Linear(WeightOnlyLinear):
             self.register_buffer("packed", packed)  # [out, in/2] uint8, the kernel's layout
             self.nibbles = None
         else:
-            self.register_buffer("nibbles", codes[:, 0::2] | (codes[:, 1::2] << 4))  # [out, in/2] uint8
+            self.register_buffer("nibbles", pack_nibbles(codes))  # [out, in/2] uint8
             self.packed = None
 
     @classmethod
@@ -170,7 +180,7 @@ class Int4Linear(WeightOnlyLinear):
         kernel's product with the identity (in x in x out multiply-adds: for occasional use)."""
         if self.packed is not None:
             return self.product(torch.eye(self.in_features, dtype=PRODUCT_DTYPE)).T  # [out, in]
-        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(self.out_features, -1)
+        codes = unpack_nibbles(self.nibbles)  # [out, in]
         scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [out, G] each
         return dequantize_int4(codes, scales, zeros)  # [out, in]
 
@@ -194,14 +204,19 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
 def stored_linear(layer: nn.Linear, weights: str, int4_codes: tuple | None = None) -> nn.Module:
     """``layer`` with its weight stored in ``weights`` (bfloat16, int8 or int4; an int4 layer of a
     shape the kernel cannot take is stored in int8); ``int4_codes``: the int4 form the checkpoint
-    itself holds (codes, scales, zeros: a GGUF's 4-bit blocks), taken instead of quantizing."""
+    itself holds (packed codes :func:`pack_nibbles`, scales, zeros: a GGUF's 4-bit blocks), taken
+    instead of quantizing."""
     weight, bias = layer.weight.detach(), layer.bias
     if weights == "bfloat16":
         return BF16Linear(weight, bias)
     if weights == "int4" and int4_fits(layer.in_features, layer.out_features):
         if int4_codes is None:
             return Int4Linear.quantized(weight, bias)
-        return Int4Linear(*(t.to(weight.device) for t in int4_codes), bias)
+        nibbles, scales, zeros = (t.to(weight.device) for t in int4_codes)
+        codes = unpack_nibbles(nibbles)  # [out, in]
+        if codes.shape != weight.shape:
+            raise ValueError(f"int4 codes {tuple(codes.shape)} for a weight {tuple(weight.shape)}")
+        return Int4Linear(codes, scales, zeros, bias)
     return Int8Linear(weight, bias)
 
 
@@ -211,15 +226,17 @@ def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype,
     float weight is freed as its layer is replaced, so the conversion holds at most one converted
     layer beyond the model). Weights stored in the compute dtype (``weights`` is that dtype's name)
     stay as they are. ``int4_codes``: the checkpoint's own int4 form of some layers, by module
-    name (:func:`icekv.model.gguf_blocks.load_int4_blocks`)."""
+    name (:func:`icekv.model.gguf_blocks.load_int4_blocks`), consumed: each entry leaves the dict
+    as its layer is stored, so its codes are freed with it."""
     if not stored_apart(weights, str(compute_dtype).removeprefix("torch.")):
         return
     if weights not in ("bfloat16", "int8", "int4"):  # EngineConfig.weights_on refuses these before a load
         raise ValueError(f"weights {weights!r} cannot be stored under the compute dtype {compute_dtype}")
-    int4_codes = int4_codes or {}
+    int4_codes = {} if int4_codes is None else int4_codes
     places = [(parent, prefix, name) for prefix, parent in model.named_modules()
               for name, child in parent.named_children()
               if isinstance(child, nn.Linear)]  # no reference to the layers themselves: each is freed when replaced
     for parent, prefix, name in places:
         path = f"{prefix}.{name}" if prefix else name
-        setattr(parent, name, stored_linear(getattr(parent, name), layer_format(path, weights), int4_codes.get(path)))
+        stored = stored_linear(getattr(parent, name), layer_format(path, weights), int4_codes.pop(path, None))
+        setattr(parent, name, stored)

@@ -70,12 +70,15 @@ class KVEventPublisher:
                  replay_endpoint: str | None = None, replay_batches: int = 0):
         """``replay_endpoint``: where the replay socket binds (None: no replay), answering from the
         last ``replay_batches`` batches (the server's ``kv_events_replay_batches``)."""
+        if replay_endpoint is not None and replay_batches < 1:
+            raise ValueError("a replay socket needs replay_batches >= 1")
         self.page_size, self.medium, self.period_s = page_size, medium, period_s
         self._context = zmq.Context()
         try:
             self._socket = self._open(zmq.PUB, endpoint, "kv_events_endpoint", is_bind_endpoint(endpoint))
             self._replay = (None if replay_endpoint is None
-                            else self._open(zmq.ROUTER, replay_endpoint, "kv_events_replay_endpoint", True))
+                            else self._open(zmq.ROUTER, replay_endpoint, "kv_events_replay_endpoint", True,
+                                            send_limit=replay_batches + 1))  # a ROUTER drops what passes it
         except OSError:
             self._context.destroy(linger=0)  # closes whichever socket opened
             raise
@@ -89,9 +92,12 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="icekv-kv-events", daemon=True)
         self._thread.start()
 
-    def _open(self, kind: int, endpoint: str, setting: str, bind: bool) -> zmq.Socket:
-        """A socket of ``kind`` bound to or connected to ``endpoint``; OSError naming ``setting``."""
+    def _open(self, kind: int, endpoint: str, setting: str, bind: bool, send_limit: int | None = None) -> zmq.Socket:
+        """A socket of ``kind`` bound to or connected to ``endpoint`` (``send_limit``: messages it
+        queues per peer, zmq's SNDHWM); OSError naming ``setting``."""
         socket = self._context.socket(kind)
+        if send_limit is not None:
+            socket.setsockopt(zmq.SNDHWM, send_limit)
         try:
             socket.bind(endpoint) if bind else socket.connect(endpoint)
         except zmq.ZMQError as e:
@@ -123,8 +129,12 @@ class KVEventPublisher:
             while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
                 if self._replay is None:
                     self._stop.wait(left)
-                elif self._replay.poll(max(1, int(left * 1000))):
-                    self._answer_replay()
+                    continue
+                try:
+                    if self._replay.poll(max(1, int(left * 1000))):
+                        self._answer_replay()
+                except Exception:  # one request unanswered, never the events
+                    log.exception("KV events: a replay request failed")
             try:
                 self._send()
             except Exception:  # a batch lost, not the ones after it
@@ -141,17 +151,14 @@ class KVEventPublisher:
 
     def _answer_replay(self) -> None:
         """One replay request: the kept batches from its sequence number on, then the end marker."""
-        try:
-            frames = self._replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("KV events: a replay request of %d frames ignored (expected [empty, 8-byte start])",
-                            len(frames) - 1)
-                return
-            client, _, start = frames
-            first = int.from_bytes(start, "big")
-            for sequence, payload in self._kept:
-                if sequence >= first:
-                    self._replay.send_multipart((client, b"", self._topic, sequence.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
-        except zmq.ZMQError:  # a client gone meanwhile: nothing to answer
-            log.exception("KV events: a replay request failed")
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("KV events: a replay request of %d frames ignored (expected [empty, 8-byte start])",
+                        len(frames) - 1)
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for sequence, payload in self._kept:
+            if sequence >= first:
+                self._replay.send_multipart((client, b"", self._topic, sequence.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
