@@ -1,7 +1,8 @@
 """ReplicaSupervisor's rule, over stand-in replicas and a stand-in clock (the real processes are
 restarted in test_replicas.py): a replica that stops is started again after a wait that doubles
 while it keeps stopping soon after coming up (or fails to come up), and starts from the first wait
-again once it has run stably; a start runs beside the polls; closing stops a start under way."""
+again once it has run stably; a start launches on the polling thread and waits beside the polls;
+closing stops a start under way."""
 
 import threading
 import time
@@ -16,7 +17,7 @@ class StandIn:
 
     def __init__(self, url: str, fails: int = 0, gate: threading.Event | None = None):
         self.url, self.fails, self.gate = url, fails, gate
-        self.up, self.starts, self.closed = True, 0, False
+        self.up, self.starts, self.closed, self.launched_on = True, 0, False, None
 
     def exited(self):
         return None if self.up else "tritonserver exited with -9"
@@ -33,8 +34,12 @@ class StandIn:
         if self.gate is not None:
             self.gate.set()
 
-    def start(self):
+    def launch(self):
         self.starts += 1
+        self.launched_on = threading.current_thread()  # its processes end with this thread
+        return self
+
+    def wait_ready(self):
         if self.gate is not None:
             self.gate.wait(10)
         if self.fails or self.closed:
@@ -75,6 +80,7 @@ def test_a_stopped_replica_waits_then_starts_again():
     clock.now += 0.5
     assert _settle(supervisor) == ["replica http://a started again"] and supervisor.serving == 2
     assert a.starts == 1 and b.starts == 0
+    assert a.launched_on is threading.current_thread()  # not the start's own thread, which ends
 
 
 def test_a_crash_loop_backs_off_up_to_the_cap_and_a_stable_run_resets_it():

@@ -7,6 +7,7 @@ image's ``/opt/tritonserver``. The Python backend's stub runs ``model.py`` with 
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import secrets
@@ -40,6 +41,31 @@ ADMIN_HEADER = "icekv-admin-key"
 ADMIN_KEY_FILE_ENV = "ICEKV_ADMIN_KEY_FILE"  # a mounted secret; without it a random key (admin APIs unusable)
 EXIT_TIMEOUT_S = 30  # Triton's own wait for in-flight requests and the model's unload at shutdown
 STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 10  # then the launcher kills it (the pod's grace period must exceed this)
+
+
+PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal for this process when its launching thread ends
+
+
+def launch(command: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``command`` started as the leader of a process group of its own (:func:`stop_process_group`
+    stops it whole), its output to ``log``. On Linux it gets SIGTERM when the thread that launched
+    it ends, so a launcher that dies, even by SIGKILL, leaves no server behind: launch from a
+    thread that lasts as long as the process should (the main thread, or the caller's loop)."""
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_terminated_with(os.getpid()) if sys.platform == "linux" else None)
+
+
+def _terminated_with(launcher: int) -> Callable[[], None]:
+    """The child's first step after the fork: ask for SIGTERM at its launcher's end, and take it
+    now if the launcher has already gone (then nothing else will send it)."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def stop_process_group(process: subprocess.Popen | None, timeout_s: float) -> None:
@@ -190,22 +216,23 @@ class TritonServer:
         return env
 
     def start(self) -> "TritonServer":
+        return self.launch().wait_ready()
+
+    def launch(self) -> "TritonServer":
+        """Starts tritonserver without waiting for it (see :func:`launch` for the thread to call from)."""
         install = TritonInstall.find(self._work)
         repo = self.model_repository or write_model_repository(self._work / "models", self.parameters)
         log_path = self.log_path or self._work / "tritonserver.log"
         self._log = open(log_path, "ab")  # a restarted server's log follows its predecessor's
-        self.process = subprocess.Popen(
-            self.command(install, repo), env=self.environment(install), stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.process = launch(self.command(install, repo), self._log, self.environment(install))
         self.log_path = log_path
-        self._wait_ready()
         return self
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> "TritonServer":
+        """Returns once the launched server is ready; stops it and raises ServerError if it is not in time."""
         if answers_in_time(self.process, f"http://{self.http_url}/v2/health/ready", self.startup_timeout_s,
                            lambda: f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}", 0.5):
-            return
+            return self
         self.stop()
         raise ServerError(f"tritonserver not ready after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
 

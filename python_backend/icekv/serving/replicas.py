@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from icekv.errors import ConfigError
-from icekv.serving.launcher import ServerError, TritonServer, answers_in_time, free_port, stop_process_group
+from icekv.serving.launcher import (ServerError, TritonServer, answers_in_time, free_port, launch,
+                                    stop_process_group)
 from icekv.serving.openai.config import OpenAIConfig
 from icekv.serving.openai.process import OpenAIFrontendProcess
 
@@ -54,15 +55,27 @@ class Replica:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Replica":
+        return self.launch().wait_ready()
+
+    def launch(self) -> "Replica":
+        """Starts both processes without waiting for them (see :func:`icekv.serving.launcher.launch`
+        for the thread to call from)."""
         logs = {name: self.log_dir / f"replica{self.index}-{name}.log" if self.log_dir else None
                 for name in ("triton", "frontend")}
         self.server = TritonServer(self.parameters, http_host="127.0.0.1", log_path=logs["triton"])
         self.frontend = OpenAIFrontendProcess(OpenAIConfig(
             triton_grpc_url=self.server.grpc_url, triton_metrics_url=self.server.metrics_url, port=self.port,
             idle_timeout_s=self.idle_timeout_s, request_timeout_s=self.request_timeout_s), log_path=logs["frontend"])
+        return self._stopped_on_failure(lambda part: part.launch())
+
+    def wait_ready(self) -> "Replica":
+        """Returns once both answer; stops both and raises ServerError if one does not."""
+        return self._stopped_on_failure(lambda part: part.wait_ready())
+
+    def _stopped_on_failure(self, step: Callable) -> "Replica":
         try:
             for part in (self.server, self.frontend):
-                part.start()
+                step(part)
                 if self.closed:
                     raise ServerError("the replica set is stopping")
         except BaseException:
@@ -114,8 +127,9 @@ class ReplicaSupervisor:
     check takes it back once it answers. A replica that stops within ``stable_s`` of coming up (or
     fails to come up) waits twice as long as the last time before its next start
     (``first_delay_s`` up to ``max_delay_s``), as Kubernetes backs off a crash loop; one that ran
-    longer starts again after ``first_delay_s``. A start runs on a thread of its own, so the
-    caller keeps watching the rest and its signals meanwhile."""
+    longer starts again after ``first_delay_s``. A start launches the processes on the caller's
+    thread (they end with it) and waits for them on a thread of its own, so the caller keeps
+    watching the rest and its signals meanwhile."""
 
     replicas: list[Replica]
     first_delay_s: float = 1.0
@@ -152,7 +166,9 @@ class ReplicaSupervisor:
                               f"{self._wait(watch, now, soon=now - watch.up_since < self.stable_s):.0f} s")
             elif now >= watch.due_at:
                 watch.due_at, watch.start_error = None, None
-                watch.starting = threading.Thread(target=self._start, args=(watch,), daemon=True)
+                self._start(watch, watch.replica.launch)  # on the caller's thread, which its processes end with
+                ready = watch.replica.wait_ready if watch.start_error is None else lambda: None
+                watch.starting = threading.Thread(target=self._start, args=(watch, ready), daemon=True)
                 watch.starting.start()
         return events
 
@@ -163,9 +179,9 @@ class ReplicaSupervisor:
         return watch.delay_s
 
     @staticmethod
-    def _start(watch: _Watch) -> None:
+    def _start(watch: _Watch, step: Callable[[], object]) -> None:
         try:
-            watch.replica.start()
+            step()
         except Exception as e:  # ServerError, OSError: reported by the next poll
             watch.start_error = (str(e).splitlines() or [type(e).__name__])[0]
 
@@ -223,8 +239,7 @@ class RouterProcess:
             raise ConfigError("--router needs the SGLang Model Gateway: pip install 'icekv[router]' "
                               "(the sglang-router package)")
         self._log = open(self.log_path, "ab+") if self.log_path else tempfile.TemporaryFile()
-        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = launch(self.command(), self._log)
         if answers_in_time(self.process, f"{self.url}/readiness", self.startup_timeout_s,
                            lambda: f"the router exited with {self.process.returncode}:\n{self.log_tail()}"):
             return self

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from icekv.serving.openai.config import OpenAIConfig
-from icekv.serving.launcher import ServerError, answers_in_time, stop_process_group
+from icekv.serving.launcher import ServerError, answers_in_time, launch, stop_process_group
 
 
 FRONTEND_STOP_TIMEOUT_S = 10.0  # then it is killed; icekv serve stops it before tritonserver
@@ -36,9 +36,16 @@ class OpenAIFrontendProcess:
                 *([f"--triton-metrics-url={c.triton_metrics_url}"] if c.triton_metrics_url is not None else [])]
 
     def start(self) -> "OpenAIFrontendProcess":
+        return self.launch().wait_ready()
+
+    def launch(self) -> "OpenAIFrontendProcess":
+        """Starts the frontend without waiting for it (see :func:`icekv.serving.launcher.launch`)."""
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = launch(self.command(), self._log)
+        return self
+
+    def wait_ready(self) -> "OpenAIFrontendProcess":
+        """Returns once it answers; stops it and raises ServerError if it does not in time."""
         exited = lambda: (f"the OpenAI frontend exited with {self.process.returncode}"  # noqa: E731
                           + (f" (log: {self.log_path})" if self.log_path else ""))
         if answers_in_time(self.process, f"{self.url}/v1/models", self.startup_timeout_s, exited):
