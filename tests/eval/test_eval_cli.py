@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.test_cli import icekv
+from tests.test_cli import icekv, refused
 
 
 @pytest.mark.model
@@ -38,22 +38,20 @@ def test_small_eval_writes_results_report_and_plot(tmp_path, smollm2_dir):
         (["--task", "niah_multikey", "--num-needles", "45", "--distinct-key-words"], "45 keys need 90 words"),
     ],
 )
-def test_bad_eval_flags(tmp_path, args, message):
-    proc = icekv("eval", "--out", str(tmp_path), "--policies", "full,icecache", *args)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_eval_flags(capsys, tmp_path, args, message):
+    err = refused(capsys, "eval", "--out", str(tmp_path), "--policies", "full,icecache", *args)
+    assert message in err and "Traceback" not in err
 
 
 @pytest.mark.model
-def test_a_length_too_short_for_the_task_is_refused_on_its_own_line(tmp_path, smollm2_dir):
-    proc = icekv("eval", "--lengths", "10", "--samples", "1", "--out", str(tmp_path))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    last = proc.stderr.splitlines()[-1]
+def test_a_length_too_short_for_the_task_is_refused_on_its_own_line(capsys, tmp_path, smollm2_dir):
+    err = refused(capsys, "eval", "--lengths", "10", "--samples", "1", "--out", str(tmp_path))
+    last = err.splitlines()[-1]
     assert last.startswith("icekv: error: length 10 is too short for the task")  # its own line, not after the bar
 
 
 @pytest.mark.model
-def test_a_long_run_logs_each_context_and_resumes(tmp_path, smollm2_dir):
+def test_a_long_run_logs_each_context_and_resumes(capsys, tmp_path, smollm2_dir):
     """Each context's runs are one log line written as it finishes; --resume keeps them and runs
     only what is missing (here the grid grew by a sample), a cut last line runs again, and a
     different grid is refused."""
@@ -78,14 +76,13 @@ def test_a_long_run_logs_each_context_and_resumes(tmp_path, smollm2_dir):
     records = json.loads((out / "results.json").read_text())["records"]
     assert {r["n"] for r in records} == {4} and all(0 <= r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] for r in records)
 
-    proc = icekv("eval", *grid[:-2], "--budgets", "128", "--out", str(out), "--resume")
-    assert proc.returncode == 2 and "different evaluation grid" in proc.stderr, proc.stderr
-    proc = icekv("eval", *grid[:-1], str(tmp_path / "none"), "--resume")
-    assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+    assert "different evaluation grid" in refused(capsys, "eval", *grid[:-2], "--budgets", "128", "--out", str(out),
+                                                  "--resume")
+    assert "does not exist" in refused(capsys, "eval", *grid[:-1], str(tmp_path / "none"), "--resume")
 
 
 @pytest.mark.model
-def test_a_prefix_store_gives_a_later_run_its_contexts_without_prefilling(tmp_path, smollm2_dir):
+def test_a_prefix_store_gives_a_later_run_its_contexts_without_prefilling(capsys, tmp_path, smollm2_dir):
     """With --prefix-store each context's KV pages are kept; a second run over the same grid reads
     them back (it prefills only each context's last page) and answers exactly as the first."""
     store = tmp_path / "prefixes"
@@ -106,8 +103,8 @@ def test_a_prefix_store_gives_a_later_run_its_contexts_without_prefilling(tmp_pa
     assert [e["prefill_cached_tokens"] for e in runs[0]] == [0, 16]  # the second shares the preamble's first page
     assert [e["prefill_cached_tokens"] for e in runs[1]] == [(e["context_tokens"] - 1) // 16 * 16 for e in runs[1]]
 
-    proc = icekv("eval", *grid, "--compress", "kv2", "--out", str(tmp_path / "c"))
-    assert proc.returncode == 2 and "--prefix-store applies to the decode eval" in proc.stderr
+    err = refused(capsys, "eval", *grid, "--compress", "kv2", "--out", str(tmp_path / "c"))
+    assert "--prefix-store applies to the decode eval" in err
 
 
 @pytest.mark.model

@@ -14,6 +14,7 @@ from icekv.config.selection import SelectionConfig
 from icekv.errors import ConfigError
 from icekv.eval.fidelity import divergence, merged, reference, teacher_forced
 from icekv.policies import resolve
+from tests.test_cli import refused
 
 FULL = resolve(SelectionConfig(policy="full"))
 PROMPT = ("The keeper of the northern lighthouse logged every ship that passed. " * 40
@@ -101,7 +102,7 @@ def test_a_peaked_distribution_keeps_a_finite_divergence():
     assert torch.isfinite(part) and 0 <= part <= divergence(p, q) + 1e-15
 
 
-def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(smollm2_dir, tmp_path):
+def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(capsys, smollm2_dir, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT)
     cmd = [sys.executable, "-m", "icekv.cli", "fidelity", "--model", str(smollm2_dir), "--prompt-file", str(prompt),
@@ -115,5 +116,5 @@ def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(smollm2_dir, tmp_
     assert results["records"][0]["agreement"] == 1.0 and results["records"][0]["kl"] == 0.0
     assert "| streaming | 48 |" in (tmp_path / "out" / "report.md").read_text()
     prompt.write_text("  \n")
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 2 and "is empty" in run.stderr and "Traceback" not in run.stderr
+    err = refused(capsys, *cmd[3:])
+    assert "is empty" in err and "Traceback" not in err

@@ -16,7 +16,7 @@ from icekv.model import ModelArgs
 from icekv.model.gguf_blocks import load_int4_blocks
 from icekv.model.weights import dequantize_int4, unpack_nibbles
 from icekv.registry import SMOLLM2_135M
-from tests.test_cli import icekv
+from tests.test_cli import icekv, refused
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +119,11 @@ def test_a_tensor_type_the_conversion_cannot_read_is_refused_by_name(tmp_path, m
         resolve_model_dir(str(gguf))
 
 
-def test_what_is_not_a_gguf_file_is_refused_on_the_command_line(tmp_path):
+def test_what_is_not_a_gguf_file_is_refused_on_the_command_line(capsys, tmp_path):
     (tmp_path / "notes.gguf").write_text("not a model")
     _write_gguf(tmp_path / "mamba.gguf", "mamba")
     for path, message in ((tmp_path / "notes.gguf", "is not a readable GGUF file"),
                           (tmp_path / "missing.gguf", "GGUF file .*missing.gguf does not exist"),
                           (tmp_path / "mamba.gguf", "GGUF architecture 'mamba' is not one icekv runs")):
-        proc = icekv("generate", "--model", str(path), "--prompt", "x", "--max-tokens", "1")
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert re.search(message, proc.stderr), proc.stderr
+        err = refused(capsys, "generate", "--model", str(path), "--prompt", "x", "--max-tokens", "1")
+        assert re.search(message, err) and "Traceback" not in err, err
