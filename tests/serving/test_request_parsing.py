@@ -195,14 +195,24 @@ def _tool_template():
 
 
 def test_tools_are_rendered_and_a_forced_choice_becomes_a_grammar():
+    from icekv.chat_template import ChatTemplate
+
     template = _tool_template()
     auto = parse_request({}, {"messages": ASK, "tools": TOOLS}, CFG, template.render)
     assert auto.text == "[get_weather]user:weather?|" and auto.sampling.grammar is None
     forced = parse_request({}, {"messages": ASK, "tools": TOOLS, "tool_choice": "get_weather",
                                 "parallel_tool_calls": False}, CFG, template.render)
     assert '"const": "get_weather"' in forced.sampling.grammar and "call)*" not in forced.sampling.grammar
-    hidden = parse_request({}, {"messages": ASK, "tools": TOOLS, "tool_choice": "none"}, CFG, template.render)
+    uncalled = {"messages": ASK, "tools": TOOLS, "tool_choice": "none"}
+    hidden = parse_request({}, uncalled, CFG, template.render)
     assert hidden.text == "user:weather?|" and hidden.sampling.grammar is None
+    # shown, not to be called: the prompt is the one the conversation's calling turns share
+    shows = replace(CFG, tools_shown_when_none=True)
+    assert parse_request({}, uncalled, shows, template.render).text == auto.text
+    plain = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}", {})  # shows no tools
+    assert parse_request({}, uncalled, shows, plain.render).text == "user:weather?|"  # nothing to call: no refusal
+    with pytest.raises(RequestError, match="does not render tools"):
+        parse_request({}, {"messages": ASK, "tools": TOOLS}, shows, plain.render)
     called = ('[{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", '
               '"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}]}, '
               '{"role": "tool", "tool_call_id": "c", "content": "18 C"}]')

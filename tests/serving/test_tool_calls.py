@@ -93,12 +93,12 @@ def test_the_forcing_grammar_takes_a_whole_call_and_nothing_else(name, smollm2_d
     assert (tok.token_id("<tool_call>") is not None) == (name == "qwen2.5-coder-0.5b")
     grammars = Grammars(tok.to_json(), list(ModelArgs.from_dir(folder).eos_token_ids))
     first_call = TWO_CALLS.split("\n", 1)[1].split("\n<tool_call>")[0]
-    for choice, parallel in (("required", True), ("get_weather", False)):
+    for choice, parallel in (("required", True), ("get_weather", False), ("get_weather", True)):
         grammar = grammars.for_request(SamplingConfig(grammar=HERMES.grammar([WEATHER, TIME], choice, parallel,
                                                                              tok.token_id)))
         for token in tok.encode(first_call):
             grammar.accept(token)
-        assert grammar.complete == (not parallel)  # parallel: another call may follow
+        assert grammar.complete == (choice != "required")  # required and parallel: another call may follow
     wrong = grammars.for_request(SamplingConfig(grammar=HERMES.grammar([WEATHER, TIME], "get_time", False,
                                                                        tok.token_id)))
     with pytest.raises(RuntimeError, match="refused"):

@@ -60,6 +60,7 @@ class ServingConfig:
     kv_events_replay_endpoint: str | None = None  # ZMQ endpoint replaying missed event batches (bound); None: off
     kv_events_replay_batches: int = 10_000  # event batches kept for replay (vLLM's buffer_steps)
     tool_format: str = "auto"  # TOOL_FORMATS: how the model writes tool calls (auto: read off its chat template)
+    tools_shown_when_none: bool = False  # tool_choice none still shows the tools (the prompt its conversation shares)
 
     def __post_init__(self) -> None:
         if self.tool_format not in TOOL_FORMATS:

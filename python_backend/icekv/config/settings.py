@@ -131,6 +131,10 @@ SETTINGS = (
     Setting("tool_format", ("tool_format",), "how the model writes tool calls: `hermes` (`<tool_call>` blocks: Qwen, "
             "Hermes), `llama3` (a bare call object with `parameters`: Llama 3.x), `mistral` (`[TOOL_CALLS]` and a "
             "list), or `auto` (read off the model's chat template; hermes when it shows none)", str, TOOL_FORMATS),
+    Setting("tools_shown_when_none", ("tools_shown_when_none",), "show a request's tools under `tool_choice: none` "
+            "too (vLLM's default), so that an agent's turns that may not call share one prompt prefix and the prefix "
+            "cache holds across them; off, they are left out, which small models need to answer in text rather "
+            "than write calls", bool),
     Setting("max_active_requests", ("engine.scheduler.max_active_requests",), "requests batched at once (in prefill or "
             "decode)", configmap=True),
     Setting("max_queued_requests", ("engine.scheduler.max_queued_requests",), "requests waiting; beyond it \"server busy\"",

@@ -103,10 +103,12 @@ class Engine:
         return int(DEVICE_SHARE * free)
 
     # ---- requests
-    def chat_prompt(self, messages, tools=None) -> str:
-        """OpenAI-style ``messages`` (and the ``tools`` the model may call) as the prompt text of
-        this model's chat template (ChatTemplateError if none, or if it cannot show tools)."""
-        return require_template(self.chat_template, self.model_name).render(messages, tools)
+    def chat_prompt(self, messages, tools=None, callable_tools: bool = True) -> str:
+        """OpenAI-style ``messages`` (and the ``tools`` the model may call, unless ``callable_tools``
+        is false) as the prompt text of this model's chat template (ChatTemplateError if none, or if
+        it cannot show tools the model may call)."""
+        return require_template(self.chat_template, self.model_name).render(messages, tools,
+                                                                            callable_tools=callable_tools)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse up front a request the KV pool could never hold."""

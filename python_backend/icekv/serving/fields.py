@@ -65,13 +65,15 @@ FIELDS = (
     RequestField("tools", "TYPE_STRING", "with `messages`: a JSON list of OpenAI function tools (`{\"type\": "
                  "\"function\", \"function\": {\"name\", \"description\", \"parameters\"}}`), shown to the model "
                  "through its chat template; a template that cannot show tools (the embedded SmolLM2's) gets a 400"),
-    RequestField("tool_choice", "TYPE_STRING", "`auto` (the default with tools), `none` (tools not shown), "
-                 "`required`, or a function's name: the last two make the output tool calls, held to the model's call "
-                 "format (`tool_format`) with arguments that satisfy the function's `parameters` (a Lark grammar, "
-                 "llguidance; a delimiter the vocabulary holds as one token is written as that token, otherwise as "
-                 "text); the text comes back raw, the OpenAI API parses it"),
-    RequestField("parallel_tool_calls", "TYPE_BOOL", "default true; false: a forced output is one call (and the "
-                 "OpenAI API returns only the first call)"),
+    RequestField("tool_choice", "TYPE_STRING", "`auto` (the default with tools), `none` (no call; the tools are "
+                 "left out of the prompt unless `tools_shown_when_none`), `required`, or a function's name: the "
+                 "last two make the output tool calls, held to the model's call format (`tool_format`) with "
+                 "arguments that satisfy the function's `parameters` (a Lark grammar, llguidance; a delimiter the "
+                 "vocabulary holds as one token is written as that token, otherwise as text); the text comes back "
+                 "raw, the OpenAI API parses it"),
+    RequestField("parallel_tool_calls", "TYPE_BOOL", "default true; false: under `tool_choice: required` the output is "
+                 "one call (and the OpenAI API returns only the first call); a function named by `tool_choice` is "
+                 "always called once"),
     RequestField("logprobs", "TYPE_INT32", "in [0, 20]: report each sampled token's log-probability (an "
                  "end-of-sequence token's too, as vLLM does) and this many likeliest alternatives (the model's own "
                  "distribution, before penalties, bias and temperature) in the last response's `logprobs`"),

@@ -116,14 +116,15 @@ def _bool(name: str, value: Any) -> bool:
 class ToolUse:
     """The functions a chat request offers the model, and how it may call them."""
 
-    tools: list[dict] | None  # shown to the model (None: no tools, or tool_choice none)
+    tools: list[dict] | None  # shown to the model (None: no tools)
     grammar: str | None  # the Lark grammar that makes it call (tool_choice required, or one function)
+    callable: bool = True  # False under tool_choice none: never called, shown where the template can
 
 
-def _tool_use(fields: dict[str, Any], tool_calls: ModelToolCalls) -> ToolUse:
+def _tool_use(fields: dict[str, Any], tool_calls: ModelToolCalls, shown_when_none: bool) -> ToolUse:
     """``tools`` (a JSON list of OpenAI function tools), ``tool_choice`` (none, auto, required or a
     function's name) and ``parallel_tool_calls`` checked together; a forced call's grammar in the
-    model's format (``tool_calls``)."""
+    model's format (``tool_calls``); under none, the tools only if ``shown_when_none``."""
     tools = None
     if "tools" in fields:
         try:
@@ -139,16 +140,16 @@ def _tool_use(fields: dict[str, Any], tool_calls: ModelToolCalls) -> ToolUse:
     except ToolCallError as e:
         raise RequestError(str(e)) from None
     if choice == "none":
-        return ToolUse(None, None)
+        return ToolUse(tools if shown_when_none else None, None, callable=False)
     if choice != "auto" and "json_schema" in fields:
         raise RequestError(f"tool_choice {choice} makes the output a tool call; it cannot also be held to "
                            "json_schema (response_format)")
     return ToolUse(tools, None if choice == "auto" else tool_calls.grammar(tools, choice, parallel))
 
 
-def _prompt(fields: dict[str, Any], chat_prompt: Callable[..., str] | None, tools: list[dict] | None) -> str | None:
+def _prompt(fields: dict[str, Any], chat_prompt: Callable[..., str] | None, tool_use: ToolUse) -> str | None:
     """The prompt text: ``text_input`` as is, or ``messages`` (a JSON list) through the chat
-    template with ``tools``; None for a request that only sends a context to compress."""
+    template with the tools; None for a request that only sends a context to compress."""
     if "text_input" in fields and "messages" in fields:
         raise RequestError("send exactly one of text_input (plain text) and messages (a JSON list of chat messages)")
     if "text_input" not in fields and "messages" not in fields:
@@ -164,7 +165,7 @@ def _prompt(fields: dict[str, Any], chat_prompt: Callable[..., str] | None, tool
     if chat_prompt is None:
         raise RequestError("this server does not accept messages; send text_input")
     try:
-        return chat_prompt(messages, tools)
+        return chat_prompt(messages, tool_use.tools, callable_tools=tool_use.callable)
     except ChatTemplateError as e:
         raise RequestError(str(e)) from None
 
@@ -241,8 +242,8 @@ def parse_request(inputs: dict[str, Any], params: dict[str, Any], cfg: ServingCo
         if size > cfg.max_input_bytes:
             raise RequestError(f"{name} is {size} bytes, above this server's limit of {cfg.max_input_bytes} "
                                "(max_input_bytes)")
-    tool_use = _tool_use(fields, tool_calls)
-    text = _prompt(fields, chat_prompt, tool_use.tools)
+    tool_use = _tool_use(fields, tool_calls, cfg.tools_shown_when_none)
+    text = _prompt(fields, chat_prompt, tool_use)
     max_tokens = _int("max_tokens", fields.get("max_tokens", cfg.default_max_tokens))
     if max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")

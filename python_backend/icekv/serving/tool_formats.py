@@ -110,10 +110,12 @@ class ToolFormat:
 
     def grammar(self, tools: list[dict], choice: str, parallel: bool, token_id: TokenId) -> str:
         """The Lark grammar (llguidance's dialect) of the output ``choice`` forces: one call (or,
-        ``parallel``, one or more) to any of ``tools`` (``required``) or to the function ``choice``
-        names, each call's arguments held to that function's ``parameters`` schema."""
+        ``parallel``, one or more) to any of ``tools`` (``required``), or one call to the function
+        ``choice`` names (as vLLM forces a named function: a small model offered more repeats the
+        call until its token limit), each call's arguments held to that function's ``parameters``
+        schema."""
         chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
-        return self.calls_grammar(chosen, parallel, token_id)
+        return self.calls_grammar(chosen, parallel and choice == "required", token_id)
 
     def calls_grammar(self, functions: list[dict], parallel: bool, token_id: TokenId) -> str:
         raise NotImplementedError
