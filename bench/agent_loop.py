@@ -115,8 +115,8 @@ class Loop:
         self.server = TritonServer({"model_dir": str(model_dir), "policy": policy, "pool_tokens": str(pool_tokens),
                                     "max_active_requests": "1", "tools_shown_when_none": "true"},
                                    log_path=work / f"tritonserver_{policy}.log")
-        self.frontend = OpenAIFrontendProcess(OpenAIConfig(triton_grpc_url=self.server.grpc_url, port=free_port(),
-                                                           idle_timeout_s=600), log_path=work / f"frontend_{policy}.log")
+        config = OpenAIConfig(triton_grpc_url=self.server.grpc_url, port=free_port(), idle_timeout_s=600)
+        self.frontend = OpenAIFrontendProcess(config, log_path=work / f"frontend_{policy}.log")
 
     def run(self, document: str, keys: list[str], answer_tokens: int, forced: list[dict] | None = None) -> list[dict]:
         self.server.start()
@@ -164,8 +164,8 @@ def compare(full: list[dict], other: list[dict], values: dict[str, str], tokeniz
                        full_correct=recorded(f) == int(values[f["key"]]),
                        policy_correct=recorded(o) == int(values[f["key"]]))
         else:
-            row.update(identical=f["content"] == o["content"], shared=shared_tokens(tokenizer, f["content"], o["content"]),
-                       full_tokens=f["completion_tokens"])
+            row.update(identical=f["content"] == o["content"], full_tokens=f["completion_tokens"],
+                       shared=shared_tokens(tokenizer, f["content"], o["content"]))
         rows.append(row)
     return rows
 
