@@ -37,8 +37,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import openai
+import torch
 
 from icekv.assets import Assets
+from icekv.eval.needles import find_needles
 from icekv.eval.tasks import HaystackSampler, make_reusable
 from icekv.model import Tokenizer
 from icekv.serving.launcher import TritonServer, free_port
@@ -79,13 +81,16 @@ def ask(client: openai.OpenAI, messages: list[dict], **extra) -> dict:
                 call_id = call.id or call_id
                 if call.function is not None:
                     name = call.function.name or name
-                    pieces += [call.function.arguments] if call.function.arguments else []
-                    arguments += [call.function.arguments] if call.function.arguments else []
+                    if call.function.arguments:
+                        arguments.append(call.function.arguments)
+                        pieces.append(call.function.arguments)
             if pieces:
                 first = first if first is not None else time.perf_counter() - t0
                 last = time.perf_counter() - t0
                 content += [delta.content] if delta.content else []
     tokens = usage.completion_tokens
+    if first is None:
+        raise RuntimeError(f"the turn streamed no content and no call ({tokens} tokens)")
     return {"content": "".join(content), "call": {"name": name, "arguments": "".join(arguments), "id": call_id}
             if name else None, "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.prompt_tokens_details.cached_tokens, "completion_tokens": tokens,
@@ -136,8 +141,8 @@ class Loop:
             messages.append({"role": "user", "content": head + call_turn(key)})
             turn = ask(client, messages, tool_choice=FORCED, max_tokens=48)
             turns.append({"kind": "call", "key": key, **turn})
-            call = (forced or turns)[len(turns) - 1]["call"] or {"name": "record_number", "arguments": "{}",
-                                                                 "id": f"call_{i}"}
+            call = {"name": "record_number", "arguments": "{}", **((forced or turns)[len(turns) - 1]["call"] or {})}
+            call["id"] = call.get("id") or f"call_{i}"  # a stream that named no id
             messages.append({"role": "assistant", "tool_calls": [
                 {"id": call["id"], "type": "function", "function": {"name": call["name"],
                                                                     "arguments": call["arguments"]}}]})
@@ -180,8 +185,9 @@ def report(result: dict) -> str:
         return sum(r[run][key] for r in later)
 
     def tpot(run: str) -> float:  # over every answer turn's tokens after its first
-        steps = sum(r[run]["completion_tokens"] - 1 for r in answers)
-        return sum(r[run]["tpot_ms"] * (r[run]["completion_tokens"] - 1) for r in answers) / steps
+        timed = [r[run] for r in answers if r[run]["tpot_ms"] is not None]
+        steps = sum(t["completion_tokens"] - 1 for t in timed)
+        return sum(t["tpot_ms"] * (t["completion_tokens"] - 1) for t in timed) / steps if steps else float("nan")
 
     md = [f"# An agent loop over a {result['document_tokens']:,}-token document: full attention and {policy}", "",
           f"`{result['command']}` on {result['machine']}, commit {result['commit']}, {result['date']}.", "",
@@ -235,7 +241,7 @@ def main() -> None:
     tokenizer = Tokenizer(model_dir)
     sample = make_reusable(HaystackSampler(assets.haystack_text("essays"), tokenizer), args.length, args.seed,
                            args.turns // 2)
-    values = {q.split(" for ")[1].split(" mentioned")[0]: v for q, v in sample.questions}
+    values = {m["key"]: m["value"] for m in find_needles(sample.context)}
     keys = list(values)
     out = args.out or Path(f"bench/results/agent_loop_{args.model}_{args.policy}")
     out.mkdir(parents=True, exist_ok=True)
@@ -245,9 +251,10 @@ def main() -> None:
         other = Loop(model_dir, args.policy, pool, Path(logs)).run(sample.context, keys, args.answer_tokens,
                                                                     forced=full)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"  # the servers' (device auto)
     result = {"command": "bench/agent_loop.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                                           if k != "out"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only", "commit": commit,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {device}", "commit": commit,
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "document_tokens": sample.context_tokens,
               "policy": args.policy, "answer_tokens": args.answer_tokens,
               "turns": compare(full, other, values, tokenizer)}

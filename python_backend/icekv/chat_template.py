@@ -184,13 +184,12 @@ class ChatTemplate:
         return "tools" in meta.find_undeclared_variables(_environment().parse(self.source))
 
     def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
-               callable_tools: bool = True) -> str:
+               tools_optional: bool = False) -> str:
         """The prompt text for ``messages`` (validated first), ending with the assistant's header;
-        ``tools``: the functions the model may call, shown as the template shows them. With
-        ``callable_tools`` false (a turn that may not call them, ``tool_choice: none``) they are still
-        shown, so that the turn's prompt is the one its conversation's other turns share, but a
-        template that cannot show tools renders without them rather than refuse. A developer
-        message is a system message to a template that names no developer role."""
+        ``tools``: the functions offered to the model, shown as the template shows them. A template
+        that cannot show tools refuses them (ChatTemplateError), or, ``tools_optional`` (a turn that
+        may not call them), renders without them. A developer message is a system message to a
+        template that names no developer role."""
         from jinja2 import TemplateError
 
         messages = normalize_messages(messages)
@@ -198,7 +197,7 @@ class ChatTemplate:
             # which would drop the message (Qwen2.5's renders only the roles it knows)
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         extra = {}
-        if tools and not self.renders_tools and not callable_tools:
+        if tools and not self.renders_tools and tools_optional:
             tools = None
         if tools:
             if not self.renders_tools:

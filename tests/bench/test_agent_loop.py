@@ -4,6 +4,8 @@ attention's on the same prompt (the loops themselves run against a real server i
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from icekv.model import Tokenizer
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -25,6 +27,7 @@ def test_a_call_records_its_number_or_none():
     assert agent_loop.recorded(_turn("answer", "no call")) is None
 
 
+@pytest.mark.model
 def test_replies_are_scored_against_full_attentions(smollm2_dir):
     tokenizer = Tokenizer(smollm2_dir)
     full = [_turn("call", arguments='{"key": "alpha", "number": 42}'),

@@ -72,13 +72,26 @@ def test_short_prompts_logits_and_greedy_tokens_follow_the_model_dtype_pool(engi
     assert sum(agreed) / len(agreed) >= 8, agreed
 
 
-@pytest.mark.parametrize("kv_dtype", QUANTIZED)
-@pytest.mark.parametrize("policy", ["full", "icecache"])
-def test_a_needle_is_found_as_with_the_model_dtype_pool(engine, engines, essays_text, kv_dtype, policy):
+NEEDLE_POLICIES = ("full", "icecache")
+
+
+@pytest.fixture(scope="module")
+def needle(engine, essays_text):
+    """A needle context, and the model-dtype pool's answer to it under each policy (asked once,
+    compared with every quantized format's)."""
     sample = HaystackSampler(essays_text, engine.tokenizer).make("niah_single", 3000, seed=7, depth=0.4)
-    selection = SelectionConfig(policy=policy, budget=128)
-    ref = engine.generate(sample.prompt, SamplingConfig(max_tokens=12), selection=selection)
-    got = engines[kv_dtype].generate(sample.prompt, SamplingConfig(max_tokens=12), selection=selection)
+    return sample, {policy: engine.generate(sample.prompt, SamplingConfig(max_tokens=12),
+                                            selection=SelectionConfig(policy=policy, budget=128))
+                    for policy in NEEDLE_POLICIES}
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("policy", NEEDLE_POLICIES)
+def test_a_needle_is_found_as_with_the_model_dtype_pool(engines, needle, kv_dtype, policy):
+    sample, refs = needle
+    ref = refs[policy]
+    got = engines[kv_dtype].generate(sample.prompt, SamplingConfig(max_tokens=12),
+                                     selection=SelectionConfig(policy=policy, budget=128))
     assert sample.question.answers[0] in ref.text and sample.question.answers[0] in got.text
     assert got.kv.total_bytes < 0.3 * ref.kv.total_bytes  # 68 bytes a row against fp32's 256
     if policy == "icecache":

@@ -3,8 +3,6 @@ generate body past ~4 MiB (why icekv serve keeps its HTTP on loopback), and its 
 behind, would keep the model's memory until the container ends."""
 
 import json
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -77,37 +75,3 @@ def test_the_model_unloads_after_many_requests_through_the_frontend(smollm2_dir)
         server.stop()
     assert server.process.returncode == 0, server.log_tail(5)
 
-
-LAUNCHER = """
-import subprocess, sys, threading
-from icekv.serving.launcher import launch
-
-on_thread = threading.Thread(target=lambda: print(launch(["sleep", "60"], subprocess.DEVNULL).pid, flush=True))
-on_thread.start()
-on_thread.join()
-print(launch(["sleep", "60"], subprocess.DEVNULL).pid, flush=True)
-threading.Event().wait()
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_a_launched_process_ends_with_the_thread_that_launched_it():
-    """A launcher killed by SIGKILL leaves no child behind (its thread ends with it); a child
-    launched from a thread that ends ends too, which is why the supervisor launches on its own."""
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
-    try:
-        from_thread, from_main = int(launcher.stdout.readline()), int(launcher.stdout.readline())
-        assert _ends_within(from_thread, 10)
-        assert _state(str(from_main)) not in ("Z", "gone")
-        launcher.kill()
-        assert _ends_within(from_main, 10)
-    finally:
-        launcher.kill()
-        launcher.wait()
-
-
-def _ends_within(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _state(str(pid)) not in ("Z", "gone") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return _state(str(pid)) in ("Z", "gone")

@@ -15,8 +15,8 @@ class StandIn:
     """What the supervisor calls on a replica. ``fails``: how many starts raise; ``gate``: a start
     waits for it (a slow model load)."""
 
-    def __init__(self, url: str, fails: int = 0, gate: threading.Event | None = None):
-        self.url, self.fails, self.gate = url, fails, gate
+    def __init__(self, url: str, fails: int = 0, gate: threading.Event | None = None, launch_fails: int = 0):
+        self.url, self.fails, self.gate, self.launch_fails = url, fails, gate, launch_fails
         self.up, self.starts, self.closed, self.launched_on = True, 0, False, None
 
     def exited(self):
@@ -37,6 +37,9 @@ class StandIn:
     def launch(self):
         self.starts += 1
         self.launched_on = threading.current_thread()  # its processes end with this thread
+        if self.launch_fails:
+            self.launch_fails -= 1
+            raise ServerError("no tritonserver found")
         return self
 
     def wait_ready(self):
@@ -127,3 +130,16 @@ def test_a_slow_start_runs_beside_the_polls_and_closing_stops_it():
     supervisor.close(timeout_s=10)
     assert a.closed and b.closed and not a.up
     assert not supervisor._watches[0].starting.is_alive()
+
+
+def test_a_launch_that_fails_is_reported_at_once_and_tried_again_later():
+    a, clock = StandIn("http://a", launch_fails=1), Clock()
+    supervisor = ReplicaSupervisor([a], first_delay_s=1.0, stable_s=60.0, clock=clock)
+    clock.now += 100
+    a.up = False
+    supervisor.poll()
+    clock.now += 1
+    assert supervisor.poll() == ["replica http://a did not start (no tritonserver found); starting it again in 2 s"]
+    assert supervisor._watches[0].starting is None and supervisor.serving == 0
+    clock.now += 2
+    assert _settle(supervisor) == ["replica http://a started again"] and a.starts == 2 and a.up

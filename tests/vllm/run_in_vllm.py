@@ -2,14 +2,15 @@
 plugin on MODEL, the cases of tests/vllm/test_vllm_plugin.py, their tokens and icekv's state as one
 JSON object on one line of stdout (the only one starting with "{").
 
-The cache holds 64 blocks of 32 tokens (vLLM keeps one back): two requests of 960 + 96 tokens fit
-on admission (30 blocks each) and outgrow it while they decode, so vLLM preempts one."""
+The cache holds 64 blocks of 32 tokens (vLLM keeps one back): two requests of 960 + LONG_NEW_TOKENS
+tokens fit on admission (30 blocks each) and outgrow it at their 33rd token, so vLLM preempts one."""
 
 import json
 import os
 import sys
 
 CACHE_BLOCKS, BLOCK_SIZE = 64, 32
+LONG_NEW_TOKENS = 48  # the long requests' answers: past the 33rd token, where one is preempted
 
 
 def main() -> None:
@@ -53,9 +54,9 @@ def main() -> None:
     quest = generate([prompts["extended"]], {"policy": "quest", "budget": 128})[0]
     out["prefix_hit"] = {"cached": shared.num_cached_tokens, "quest": quest, "before": before, "stats": stats()}
     before = stats()
-    together = generate(prompts["long"], max_tokens=96)
+    together = generate(prompts["long"], max_tokens=LONG_NEW_TOKENS)
     out["preempted"] = {"together": together, "before": before, "stats": stats(),
-                        "alone": [generate([p], max_tokens=96)[0] for p in prompts["long"]]}
+                        "alone": [generate([p], max_tokens=LONG_NEW_TOKENS)[0] for p in prompts["long"]]}
     out["aborted"] = aborted(llm, params, TokensPrompt(prompt_token_ids=others[0]), stats)
     print(json.dumps(out), flush=True)
 

@@ -12,6 +12,7 @@ import pytest
 
 from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
+from tests.vllm.run_in_vllm import LONG_NEW_TOKENS
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -88,7 +89,7 @@ def test_a_preempted_request_continues_its_released_index_and_the_other_keeps_it
     # each holds 31 blocks once decoding starts (62 of the 63 usable); at their 33rd token both need
     # one more, and vLLM preempts the later request. Resumed, it recomputes its generated tokens' KV
     # under full attention, so it decodes its own tokens up to there and may part from them after
-    assert len(preempted) == 96 and preempted[:32] == run["alone"][1][:32]
+    assert len(preempted) == LONG_NEW_TOKENS and preempted[:32] == run["alone"][1][:32]
 
 
 def test_an_aborted_request_releases_its_index(vllm_run):

@@ -103,12 +103,12 @@ class Engine:
         return int(DEVICE_SHARE * free)
 
     # ---- requests
-    def chat_prompt(self, messages, tools=None, callable_tools: bool = True) -> str:
-        """OpenAI-style ``messages`` (and the ``tools`` the model may call, unless ``callable_tools``
-        is false) as the prompt text of this model's chat template (ChatTemplateError if none, or if
-        it cannot show tools the model may call)."""
+    def chat_prompt(self, messages, tools=None, tools_optional: bool = False) -> str:
+        """OpenAI-style ``messages`` (and the ``tools`` offered) as the prompt text of this model's
+        chat template; ChatTemplateError if it has none, or if it cannot show tools that are not
+        ``tools_optional`` (ChatTemplate.render)."""
         return require_template(self.chat_template, self.model_name).render(messages, tools,
-                                                                            callable_tools=callable_tools)
+                                                                            tools_optional=tools_optional)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse up front a request the KV pool could never hold."""

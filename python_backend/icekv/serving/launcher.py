@@ -48,19 +48,23 @@ PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal for this process when its
 
 def launch(command: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``command`` started as the leader of a process group of its own (:func:`stop_process_group`
-    stops it whole), its output to ``log``. On Linux it gets SIGTERM when the thread that launched
-    it ends, so a launcher that dies, even by SIGKILL, leaves no server behind: launch from a
-    thread that lasts as long as the process should (the main thread, or the caller's loop)."""
+    stops it whole), its output to ``log``. On Linux it is sent SIGTERM when the thread that
+    launched it ends, so a launcher that dies, even by SIGKILL, leaves no server running on its
+    own: launch from a thread that lasts as long as the process should (the main thread, or the
+    caller's loop)."""
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_terminated_with(os.getpid()) if sys.platform == "linux" else None)
 
 
 def _terminated_with(launcher: int) -> Callable[[], None]:
-    """The child's first step after the fork: ask for SIGTERM at its launcher's end, and take it
+    """The child's first step after the fork: SIGTERM back to its default (a launcher's Python
+    handler, inherited until the exec, would catch it), asked for at its launcher's end, and taken
     now if the launcher has already gone (then nothing else will send it)."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong]
 
     def arm() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
         if os.getppid() != launcher:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -219,7 +223,8 @@ class TritonServer:
         return self.launch().wait_ready()
 
     def launch(self) -> "TritonServer":
-        """Starts tritonserver without waiting for it (see :func:`launch` for the thread to call from)."""
+        """Starts tritonserver without waiting for it (see :func:`icekv.serving.launcher.launch` for
+        the thread to call from)."""
         install = TritonInstall.find(self._work)
         repo = self.model_repository or write_model_repository(self._work / "models", self.parameters)
         log_path = self.log_path or self._work / "tritonserver.log"

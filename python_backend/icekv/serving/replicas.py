@@ -66,15 +66,17 @@ class Replica:
         self.frontend = OpenAIFrontendProcess(OpenAIConfig(
             triton_grpc_url=self.server.grpc_url, triton_metrics_url=self.server.metrics_url, port=self.port,
             idle_timeout_s=self.idle_timeout_s, request_timeout_s=self.request_timeout_s), log_path=logs["frontend"])
-        return self._stopped_on_failure(lambda part: part.launch())
+        return self._stopped_on_failure(lambda part: part.launch(), (self.server, self.frontend))
 
     def wait_ready(self) -> "Replica":
-        """Returns once both answer; stops both and raises ServerError if one does not."""
-        return self._stopped_on_failure(lambda part: part.wait_ready())
+        """Returns once both answer (the frontend first: it answers without tritonserver, so it is
+        not waited on past a failed start of its own); stops both and raises ServerError if one
+        does not."""
+        return self._stopped_on_failure(lambda part: part.wait_ready(), (self.frontend, self.server))
 
-    def _stopped_on_failure(self, step: Callable) -> "Replica":
+    def _stopped_on_failure(self, step: Callable, parts: tuple) -> "Replica":
         try:
-            for part in (self.server, self.frontend):
+            for part in parts:
                 step(part)
                 if self.closed:
                     raise ServerError("the replica set is stopping")
@@ -155,8 +157,7 @@ class ReplicaSupervisor:
                     watch.up_since = now
                     events.append(f"replica {url} started again")
                 else:
-                    events.append(f"replica {url} did not start ({watch.start_error}); starting it again in "
-                                  f"{self._wait(watch, now, soon=True):.0f} s")
+                    events.append(self._not_started(watch, now))
             elif watch.due_at is None:
                 if (why := watch.replica.exited()) is None:
                     continue
@@ -167,10 +168,18 @@ class ReplicaSupervisor:
             elif now >= watch.due_at:
                 watch.due_at, watch.start_error = None, None
                 self._start(watch, watch.replica.launch)  # on the caller's thread, which its processes end with
-                ready = watch.replica.wait_ready if watch.start_error is None else lambda: None
-                watch.starting = threading.Thread(target=self._start, args=(watch, ready), daemon=True)
+                if watch.start_error is not None:  # nothing launched to wait for
+                    events.append(self._not_started(watch, now))
+                    continue
+                watch.starting = threading.Thread(target=self._start, args=(watch, watch.replica.wait_ready),
+                                                  daemon=True)
                 watch.starting.start()
         return events
+
+    def _not_started(self, watch: _Watch, now: float) -> str:
+        """Schedules the next start of a replica whose start failed; the operator's line."""
+        return (f"replica {watch.replica.url} did not start ({watch.start_error}); starting it again in "
+                f"{self._wait(watch, now, soon=True):.0f} s")
 
     def _wait(self, watch: _Watch, now: float, soon: bool) -> float:
         """Schedules the replica's next start; returns the wait."""
@@ -182,7 +191,7 @@ class ReplicaSupervisor:
     def _start(watch: _Watch, step: Callable[[], object]) -> None:
         try:
             step()
-        except Exception as e:  # ServerError, OSError: reported by the next poll
+        except Exception as e:  # ServerError, OSError: reported by the poll that sees it
             watch.start_error = (str(e).splitlines() or [type(e).__name__])[0]
 
     @property

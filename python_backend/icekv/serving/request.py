@@ -116,9 +116,9 @@ def _bool(name: str, value: Any) -> bool:
 class ToolUse:
     """The functions a chat request offers the model, and how it may call them."""
 
-    tools: list[dict] | None  # shown to the model (None: no tools)
+    tools: list[dict] | None  # shown to the model (None: none offered, or none shown under tool_choice none)
     grammar: str | None  # the Lark grammar that makes it call (tool_choice required, or one function)
-    callable: bool = True  # False under tool_choice none: never called, shown where the template can
+    may_call: bool = True  # False under tool_choice none: the tools, if shown, are shown where the template can
 
 
 def _tool_use(fields: dict[str, Any], tool_calls: ModelToolCalls, shown_when_none: bool) -> ToolUse:
@@ -140,7 +140,7 @@ def _tool_use(fields: dict[str, Any], tool_calls: ModelToolCalls, shown_when_non
     except ToolCallError as e:
         raise RequestError(str(e)) from None
     if choice == "none":
-        return ToolUse(tools if shown_when_none else None, None, callable=False)
+        return ToolUse(tools if shown_when_none else None, None, may_call=False)
     if choice != "auto" and "json_schema" in fields:
         raise RequestError(f"tool_choice {choice} makes the output a tool call; it cannot also be held to "
                            "json_schema (response_format)")
@@ -165,7 +165,7 @@ def _prompt(fields: dict[str, Any], chat_prompt: Callable[..., str] | None, tool
     if chat_prompt is None:
         raise RequestError("this server does not accept messages; send text_input")
     try:
-        return chat_prompt(messages, tool_use.tools, callable_tools=tool_use.callable)
+        return chat_prompt(messages, tool_use.tools, tools_optional=not tool_use.may_call)
     except ChatTemplateError as e:
         raise RequestError(str(e)) from None
 
