@@ -196,14 +196,10 @@ class ChatTemplate:
         if "developer" not in self.source:  # OpenAI's newer name of the system role; unknown to the template,
             # which would drop the message (Qwen2.5's renders only the roles it knows)
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-        extra = {}
-        if tools and not self.renders_tools and tools_optional:
-            tools = None
-        if tools:
-            if not self.renders_tools:
-                raise ChatTemplateError("this model's chat template does not render tools, so the model "
-                                        "cannot be offered functions to call; send the request without tools")
-            extra["tools"] = normalize_tools(tools)
+        if tools and not self.renders_tools and not tools_optional:
+            raise ChatTemplateError("this model's chat template does not render tools, so the model "
+                                    "cannot be offered functions to call; send the request without tools")
+        extra = {"tools": normalize_tools(tools)} if tools and self.renders_tools else {}
         try:
             template = _environment().from_string(self.source)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
