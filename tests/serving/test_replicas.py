@@ -110,6 +110,29 @@ def test_each_turn_lands_where_its_conversation_is(fleet, essays_text):
     assert _totals(replicas, "icekv_prefix_cache_reloaded_pages_total") == reloaded
 
 
+def _status(url: str, route: str, body: dict) -> tuple[int, str]:
+    """The status and body of a POST that may be refused."""
+    request = urllib.request.Request(f"{url}{route}", json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=WAIT_S) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_icekv_s_own_fields_pass_the_gateway_on_completions_only(fleet):
+    """The gateway forwards a completion's fields it does not know, and rebuilds a chat completion
+    from its own schema without them (what docs/serving.md tells users): an unknown policy is
+    refused by the replica on the first route and never seen on the second."""
+    _, router = fleet
+    status, text = _status(router.url, "/v1/completions",
+                           {"model": "icekv", "prompt": "Hello", "max_tokens": 2, "policy": "no_such_policy"})
+    assert status == 400 and "no_such_policy" in text
+    status, _ = _status(router.url, "/v1/chat/completions", {
+        "model": "icekv", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "policy": "no_such_policy"})
+    assert status == 200
+
+
 def _samples(text: str) -> dict[str, tuple[str, float]]:
     """name -> (labels, value) of each vLLM-named sample; TYPE lines as name -> ("TYPE", kind)."""
     out = {}
