@@ -97,13 +97,11 @@ def test_a_changed_file_is_a_different_model(smollm2_gguf, tmp_path, monkeypatch
     assert len(calls) == 2 and calls[0] != calls[1]
 
 
-@pytest.mark.parametrize("architecture, refusal", [
-    ("mamba", "is not one icekv runs"), ("gemma2", "is not one icekv runs"),
-    ("gemma3", "drops Gemma 3's RoPE scaling")])
-def test_an_architecture_icekv_does_not_run_is_refused_by_name(architecture, refusal, tmp_path, monkeypatch):
+@pytest.mark.parametrize("architecture", ["mamba", "gemma2"])
+def test_an_architecture_icekv_does_not_run_is_refused_by_name(architecture, tmp_path, monkeypatch):
     monkeypatch.setenv("ICEKV_CACHE", str(tmp_path / "cache"))
     gguf = _write_gguf(tmp_path / "m.gguf", architecture)
-    with pytest.raises(ModelLoadError, match=f"GGUF architecture '{architecture}'.* {refusal}"):
+    with pytest.raises(ModelLoadError, match=f"GGUF architecture '{architecture}' is not one icekv runs"):
         resolve_model_dir(str(gguf))
     assert not (tmp_path / "cache" / "models").exists()  # refused before any conversion
 
