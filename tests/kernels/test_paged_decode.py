@@ -149,3 +149,43 @@ def test_compiled_loops_read_every_fp8_code_as_torch_does():
     got = torch.from_numpy(_fp8_row(codes.numpy(), np.float32(0.375), np.empty(len(codes), np.float32)))
     assert torch.equal(got, want)
     assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+# sliding windows: each request's first visible position, inside a page, on a page's first slot, its
+# last token alone (a window of one), and 0 (the window covers it all)
+WINDOWED = [([9, 30, 5, 17], [3, 8, 4, 0]), ([33, 2], [32, 1]), ([1, 12], [0, 11])]
+
+
+@pytest.mark.parametrize("lengths, first_visible", WINDOWED)
+@pytest.mark.parametrize("hq, hkv", [(6, 2), (8, 1)])
+def test_a_window_is_attention_over_its_tokens_alone(lengths, first_visible, hq, hkv):
+    q, pool, ids, starts, lens = _batch(lengths, hq, hkv)
+    seen = torch.tensor(first_visible)
+    out = paged_decode_reference(q, pool, ids, starts, lens, first_visible=seen)
+    for i, n in enumerate(lens.tolist()):
+        pages = ids[int(starts[i]) : int(starts[i]) + -(-n // 4)]
+        k, v = (pool[j][:, pages].flatten(1, 2)[:, first_visible[i]:n] for j in (0, 1))  # [Hkv, window, D]
+        torch.testing.assert_close(out[i], decode_attention(q[i], k, v))
+    torch.testing.assert_close(paged_decode_cpu(q, pool, ids, starts, lens, first_visible=seen), out,
+                               rtol=1e-5, atol=1e-5)
+    # through the dispatch: the compiled loop over fp32 and over a packed pool
+    torch.testing.assert_close(paged_decode_attention(q, pool, _table(ids, starts, lens), first_visible=seen), out,
+                               rtol=1e-5, atol=1e-5)
+    packed = KVFormat("int8").pack(pool)
+    torch.testing.assert_close(
+        paged_decode_attention(q, packed, _table(ids, starts, lens), kv_format=KVFormat("int8"), first_visible=seen),
+        paged_decode_reference(q, packed, ids, starts, lens, KVFormat("int8"), seen), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths, first_visible", WINDOWED)
+def test_a_window_under_triton_is_the_reference(kdev, lengths, first_visible):
+    """The sparse decode kernel reads pages from their first slot: a window starting past a
+    request's first token takes the reference on triton's device; all zeros stay on the kernel."""
+    q, pool, ids, starts, lens = _batch(lengths)
+    seen = torch.tensor(first_visible)
+    out = paged_decode_attention(q.to(kdev), pool.to(kdev), _table(ids, starts, lens), first_visible=seen.to(kdev))
+    torch.testing.assert_close(out.cpu(), paged_decode_reference(q, pool, ids, starts, lens, first_visible=seen),
+                               rtol=1e-4, atol=1e-4)
+    whole = paged_decode_attention(q.to(kdev), pool.to(kdev), _table(ids, starts, lens),
+                                   first_visible=torch.zeros_like(seen).to(kdev))
+    torch.testing.assert_close(whole.cpu(), paged_decode_reference(q, pool, ids, starts, lens), rtol=1e-4, atol=1e-4)

@@ -103,11 +103,28 @@ def _run_together(engine, prompts, selection=None):
     return [engine.run(seq).token_ids for seq in seqs]
 
 
-def test_chunked_prefill_and_batched_decode_past_the_window_are_the_model(windowed):
+def test_chunked_prefill_and_batched_decode_past_the_window_are_the_model(windowed, monkeypatch):
+    """Both requests decode every layer, local ones past their window too, in the one batched
+    paged decode of each step, each from its own window's first token."""
+    import icekv.engine.decode_plan as decode_plan
+
     hf, path = windowed
     engine = _engine(path)
     prompts = _prompts(2)
+    batches = []
+
+    def batched(q, pool_layer, table, **kwargs):
+        batches.append((table.batch_size, kwargs["first_visible"]))
+        return paged_decode_attention(q, pool_layer, table, **kwargs)
+
+    paged_decode_attention = decode_plan.paged_decode_attention
+    monkeypatch.setattr(decode_plan, "paged_decode_attention", batched)
     assert _run_together(engine, prompts) == [_greedy(hf, ids) for ids in prompts]
+    args = ModelArgs.from_dir(path)
+    local = [seen for size, seen in batches if size == 2 and seen is not None]
+    assert len(local) == (NEW - 1) * len(args.local_layers)  # every decode step after the first token
+    assert all(seen.tolist() == [n - args.sliding_window for n in (PROMPT + k, PROMPT + 9 + k)]
+               for k, seen in enumerate(local[::len(args.local_layers)], start=1))
 
 
 def test_a_prefix_cache_hit_past_the_window_is_the_model(windowed):

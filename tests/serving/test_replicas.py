@@ -128,8 +128,8 @@ def test_icekv_s_own_fields_pass_the_gateway_on_completions_only(fleet):
     status, text = _status(router.url, "/v1/completions",
                            {"model": "icekv", "prompt": "Hello", "max_tokens": 2, "policy": "no_such_policy"})
     assert status == 400 and "no_such_policy" in text
-    status, _ = _status(router.url, "/v1/chat/completions", {
-        "model": "icekv", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "policy": "no_such_policy"})
+    chat = {"model": "icekv", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    status, _ = _status(router.url, "/v1/chat/completions", {**chat, "policy": "no_such_policy"})
     assert status == 200
 
 

@@ -6,8 +6,7 @@ pages, and where each one's new token goes. In each layer (:meth:`DecodePlan.att
 
 1. the decode tokens of the requests attending the layer in full over their own pages (full
    attention, a sparse policy's unlimited layers) are written and attended in one batched paged
-   decode, when the pool is on the compute device (in a local layer, while all their tokens fit
-   its window);
+   decode, when the pool is on the compute device (in a local layer, each over its window);
 2. the requests that select pages in the layer select together: their queries move to where
    they are searched in one copy (one host sync per layer), and the searches run one after
    another or on ``search_threads`` threads (the compiled searches release the GIL);
@@ -26,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import torch
 
+from icekv.attention import first_visible_key
 from icekv.engine.sequence import Phase, Sequence
 from icekv.kernels import paged_decode_attention
 from icekv.kv import PagedKVCache
@@ -89,20 +89,21 @@ class DecodePlan:
         return out
 
     def _pooled_decode(self, layer, q, k, v, out) -> set[int]:
-        """One paged decode for the requests attending ``layer`` in full; the requests it served. In a
-        local layer, those whose tokens still fit its window (the others read only the window)."""
-        window = self.cache.window(layer)
+        """One paged decode for the requests attending ``layer`` in full (in a local layer, each its
+        window); the requests it served."""
         group = tuple(j for j, i in enumerate(self.decoding)
-                      if i not in self.failed and self.seqs[i].backend.attends_all(layer)
-                      and (window is None or int(self.table.lengths[j]) <= window))
+                      if i not in self.failed and self.seqs[i].backend.attends_all(layer))
         if not group or not self.cache.pool_on_compute:  # a host pool: each request moves its pages
             return set()
         index = torch.tensor(group)  # [G]
         rows = self.rows[index]  # [G]
+        window = self.cache.window(layer)
+        first_visible = None if window is None else torch.tensor(  # [G] each one's query is its last token
+            [first_visible_key(int(self.table.lengths[j]) - 1, window) for j in group])
         t0 = time.perf_counter()
         self.cache.write_rows(layer, self.new_pages[index], self.new_slots[index], k[rows], v[rows])
         out[rows] = paged_decode_attention(q[rows], self.cache.pool[layer], self.table.subset(group),
-                                           kv_format=self.cache.kv_format)  # [G, Hq, D]
+                                           kv_format=self.cache.kv_format, first_visible=first_visible)  # [G, Hq, D]
         members = [self.decoding[j] for j in group]
         share = (time.perf_counter() - t0) / len(members)
         for i in members:

@@ -18,8 +18,9 @@ moved into fp16 bits, times the row's scale) into one row of scratch, inside the
 dequantized copy of the pages).
 
 :func:`paged_decode_cpu` serves the requests of an engine step that attend a layer in full, in one
-call: each reads its whole sequence in place, page by page, through the batch's page table
-(FlashInfer's CSR form: request ``b`` owns ``page_ids[starts[b] : starts[b] + pages_b]``); its
+call: each reads its whole sequence (in a sliding-window layer, its window) in place, page by
+page, through the batch's page table (FlashInfer's CSR form: request ``b`` owns
+``page_ids[starts[b] : starts[b] + pages_b]``); its
 reference is :func:`icekv.kernels.reference.paged_decode_reference`. (request, KV head) pairs run
 in parallel, and each pair's arithmetic does not depend on the other requests in the batch.
 
@@ -78,35 +79,40 @@ def sparse_decode_pool_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: 
 
 
 def paged_decode_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.Tensor, starts: torch.Tensor,
-                     lengths: torch.Tensor, kv_format: KVFormat = KVFormat()) -> torch.Tensor:
+                     lengths: torch.Tensor, kv_format: KVFormat = KVFormat(),
+                     first_visible: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; pool_layer [2, Hkv, pool pages, P, W] rows in ``kv_format``; page_ids [total
     pages] and starts [B] (request b's pages begin at ``page_ids[starts[b]]``), lengths [B] >= 1
-    tokens -> [B, Hq, D] in q's dtype."""
+    tokens; first_visible [B] (a sliding window's first position, < lengths; None: 0) -> [B, Hq, D]
+    in q's dtype."""
     out = np.empty(q.shape, dtype=np.float32)  # [B, Hq, D]
+    seen = first_visible if first_visible is not None else torch.zeros_like(lengths)  # [B]
     _paged_decode(_queries(q), _rows(pool_layer, kv_format), _words(pool_layer, kv_format),
-                  page_ids.numpy(), starts.numpy(), lengths.numpy(), q.shape[-1] ** -0.5, out)
+                  page_ids.numpy(), starts.numpy(), lengths.numpy(), seen.numpy(), q.shape[-1] ** -0.5, out)
     return torch.from_numpy(out).to(q.dtype)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"}, parallel=True)
-def _paged_decode(q, pool, pool_w, page_ids, starts, lengths, scale, out):
+def _paged_decode(q, pool, pool_w, page_ids, starts, lengths, first_visible, scale, out):
     b, hq, d = q.shape
     hkv, page_size = pool.shape[1], pool.shape[3]
     group = hq // hkv
     for row in numba.prange(b * hkv):  # each (request, KV head) reads its keys and values once
         i, kv = row // hkv, row % hkv
-        n, first = lengths[i], starts[i]
+        n, first, seen = lengths[i], starts[i], first_visible[i]
         qs = q[i, kv * group : (kv + 1) * group]  # [G, D]
-        scores = np.empty((group, n), dtype=np.float32)  # [G, L]
+        scores = np.empty((group, n - seen), dtype=np.float32)  # [G, L]
         scratch = np.empty(d, dtype=np.float32)  # [D] a decoded row
-        for pos in range(n):
+        for pos in range(seen, n):
             page, slot = page_ids[first + pos // page_size], pos % page_size
-            _score(qs, stored_row(pool[0, kv, page, slot], pool_w, (0, kv, page, slot), scratch), scale, scores, pos)
-        totals = _softmax(scores, n)  # [G]
+            _score(qs, stored_row(pool[0, kv, page, slot], pool_w, (0, kv, page, slot), scratch), scale, scores,
+                   pos - seen)
+        totals = _softmax(scores, n - seen)  # [G]
         acc = np.zeros((group, d), dtype=np.float32)  # [G, D]
-        for pos in range(n):
+        for pos in range(seen, n):
             page, slot = page_ids[first + pos // page_size], pos % page_size
-            _accumulate(scores, pos, stored_row(pool[1, kv, page, slot], pool_w, (1, kv, page, slot), scratch), acc)
+            _accumulate(scores, pos - seen, stored_row(pool[1, kv, page, slot], pool_w, (1, kv, page, slot), scratch),
+                        acc)
         _normalized(acc, totals, out[i, kv * group : (kv + 1) * group])
 
 

@@ -171,21 +171,25 @@ def scatter_pages(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor,
 
 
 def paged_decode_attention(q: torch.Tensor, pool_layer: torch.Tensor, table: PageTable, backend: str | None = None,
-                           kv_format: KVFormat = KVFormat()) -> torch.Tensor:
+                           kv_format: KVFormat = KVFormat(), first_visible: torch.Tensor | None = None) -> torch.Tensor:
     """Full decode attention of a batch of requests (q [B, Hq, D]) over their pages in the pool,
     ``table`` naming request ``b``'s (contract in
-    :func:`icekv.kernels.reference.paged_decode_reference`, rows stored in ``kv_format``): compiled
-    on a CPU for fp32 or bf16 queries (over a pool of their dtype or a packed one), the sparse decode kernel over every
-    page of each request under triton (the table's per-head form, made once per table), the
-    reference elsewhere."""
+    :func:`icekv.kernels.reference.paged_decode_reference`, rows stored in ``kv_format``; in a
+    sliding-window layer each request attends from its ``first_visible`` [B] position on): compiled
+    on a CPU for fp32 or bf16 queries (over a pool of their dtype or a packed one), the sparse decode
+    kernel over every page of each request under triton (the table's per-head form, made once per
+    table), the reference elsewhere. The sparse kernel reads each page from its first slot, so a
+    window that starts past a request's first token takes the reference under triton too."""
     from icekv.kernels.cpu_decode import compiled_reads, paged_decode_cpu
 
     choice = kernel_backend(q.device, backend)
     csr = (table.indices, table.starts, table.lengths)
+    windowed = first_visible is not None and bool(first_visible.any())
     if choice == "numba" and compiled_reads(q.dtype, pool_layer.dtype, kv_format):
-        return paged_decode_cpu(q, pool_layer, *csr, kv_format)
-    if choice != "triton":
-        return reference.paged_decode_reference(q, pool_layer, *csr, kv_format)
+        return paged_decode_cpu(q, pool_layer, *csr, kv_format, first_visible)
+    if choice != "triton" or windowed:
+        seen = first_visible.to(pool_layer.device) if windowed else None
+        return reference.paged_decode_reference(q, pool_layer, *csr, kv_format, seen)
     ids, lens = table.per_head(pool_layer.shape[1])
     out, _ = sparse_decode_attention(q, pool_layer[0], pool_layer[1], ids.to(q.device), lens.to(q.device),
                                      backend=choice, kv_format=kv_format)
