@@ -38,9 +38,12 @@ def check_gguf(gguf: Path) -> str:
     if architecture not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{gguf}: GGUF architecture {architecture!r} is not one icekv runs "
                              f"({', '.join(GGUF_ARCHITECTURES)})")
-    scaling = _field(reader, f"{architecture}.rope.scaling.type")
-    if architecture == "gemma3" and scaling not in (None, "none", "linear"):
-        raise ModelLoadError(f"{gguf}: a Gemma 3 GGUF with RoPE scaling {scaling!r} (icekv reads linear scaling)")
+    if architecture == "gemma3":
+        scaling = _field(reader, "gemma3.rope.scaling.type")
+        if scaling not in (None, "none", "linear"):
+            raise ModelLoadError(f"{gguf}: a Gemma 3 GGUF with RoPE scaling {scaling!r} (icekv reads linear scaling)")
+        if scaling == "linear" and _field(reader, "gemma3.rope.scaling.factor") is None:
+            raise ModelLoadError(f"{gguf}: a Gemma 3 GGUF with linear RoPE scaling and no gemma3.rope.scaling.factor")
     unreadable = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type

@@ -178,14 +178,37 @@ def test_a_window_is_attention_over_its_tokens_alone(lengths, first_visible, hq,
 
 
 @pytest.mark.parametrize("lengths, first_visible", WINDOWED)
-def test_a_window_under_triton_is_the_reference(kdev, lengths, first_visible):
-    """The sparse decode kernel reads pages from their first slot: a window starting past a
-    request's first token takes the reference on triton's device; all zeros stay on the kernel."""
+def test_a_window_under_triton_is_the_reference(kdev, lengths, first_visible, monkeypatch):
+    """The sparse decode kernel reads pages from their first slot: a sliding-window layer takes the
+    reference on triton's device, windows at 0 too, so that a request's path never depends on its
+    batch; a layer without windows stays on the kernel."""
+    import icekv.kernels.reference as reference
+
     q, pool, ids, starts, lens = _batch(lengths)
     seen = torch.tensor(first_visible)
-    out = paged_decode_attention(q.to(kdev), pool.to(kdev), _table(ids, starts, lens), first_visible=seen.to(kdev))
-    torch.testing.assert_close(out.cpu(), paged_decode_reference(q, pool, ids, starts, lens, first_visible=seen),
-                               rtol=1e-4, atol=1e-4)
-    whole = paged_decode_attention(q.to(kdev), pool.to(kdev), _table(ids, starts, lens),
-                                   first_visible=torch.zeros_like(seen).to(kdev))
-    torch.testing.assert_close(whole.cpu(), paged_decode_reference(q, pool, ids, starts, lens), rtol=1e-4, atol=1e-4)
+    want = paged_decode_reference(q, pool, ids, starts, lens, first_visible=seen)
+    calls = []
+    monkeypatch.setattr(reference, "paged_decode_reference",
+                        lambda *args, **kwargs: calls.append(len(args[0])) or paged_decode_reference(*args, **kwargs))
+    table = _table(ids, starts, lens)
+    torch.testing.assert_close(paged_decode_attention(q.to(kdev), pool.to(kdev), table, first_visible=seen).cpu(),
+                               want, rtol=1e-4, atol=1e-4)
+    paged_decode_attention(q.to(kdev), pool.to(kdev), table, first_visible=torch.zeros_like(seen))
+    assert calls == [len(lengths)] * 2
+    paged_decode_attention(q.to(kdev), pool.to(kdev), table)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("backend", ["numba", "triton"])
+def test_a_request_in_a_window_gets_the_same_bits_alone_and_in_a_batch(backend, request):
+    """In a sliding-window layer too, what a request computes does not depend on its batch mates
+    (one still within its window, one past it)."""
+    dev = request.getfixturevalue("kdev") if backend == "triton" else "cpu"
+    q, pool, ids, starts, lens = _batch([9, 30, 5])
+    seen = torch.tensor([0, 7, 0])
+    q, pool = q.to(dev), pool.to(dev)
+    together = paged_decode_attention(q, pool, _table(ids, starts, lens), first_visible=seen)
+    for i in range(3):
+        alone = paged_decode_attention(q[i : i + 1], pool, _table(ids[int(starts[i]):], starts[i : i + 1] * 0,
+                                                                  lens[i : i + 1]), first_visible=seen[i : i + 1])
+        assert torch.equal(alone[0], together[i])

@@ -43,8 +43,9 @@ def tiny_gemma3(layers: int = 6):
     return model
 
 
-def write_gemma3_gguf(path, model, scaling: str = "linear"):
-    """``model`` as a GGUF file of llama.cpp's ``gemma3`` architecture, its weights in F32."""
+def write_gemma3_gguf(path, model, scaling: str = "linear", factor: bool = True):
+    """``model`` as a GGUF file of llama.cpp's ``gemma3`` architecture, its weights in F32 (``factor``
+    False: the scaling's factor left out)."""
     from gguf import GGUFWriter
 
     cfg = model.config
@@ -61,7 +62,8 @@ def write_gemma3_gguf(path, model, scaling: str = "linear"):
     writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
     writer.add_sliding_window(cfg.sliding_window)
     writer.add_string("gemma3.rope.scaling.type", scaling)
-    writer.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
+    if factor:
+        writer.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
     writer.add_tokenizer_model("llama")
     writer.add_token_list(TOKENS)
     writer.add_token_scores([0.0] * len(TOKENS))
@@ -149,9 +151,13 @@ def test_only_the_27b_scales_queries_by_hidden_size_over_heads():
     assert plain["rope_parameters"] == rope
 
 
-def test_a_rope_scaling_icekv_does_not_read_is_refused_before_converting(tmp_path, monkeypatch):
+@pytest.mark.parametrize("scaling, factor, refusal", [
+    ("yarn", True, "a Gemma 3 GGUF with RoPE scaling 'yarn'"),
+    ("linear", False, "linear RoPE scaling and no gemma3.rope.scaling.factor")])
+def test_a_rope_scaling_icekv_cannot_read_is_refused_before_converting(scaling, factor, refusal, tmp_path,
+                                                                       monkeypatch):
     monkeypatch.setenv("ICEKV_CACHE", str(tmp_path / "cache"))
-    gguf = write_gemma3_gguf(tmp_path / "yarn.gguf", tiny_gemma3(layers=1), scaling="yarn")
-    with pytest.raises(ModelLoadError, match="a Gemma 3 GGUF with RoPE scaling 'yarn'"):
+    gguf = write_gemma3_gguf(tmp_path / "m.gguf", tiny_gemma3(layers=1), scaling, factor)
+    with pytest.raises(ModelLoadError, match=refusal):
         resolve_model_dir(str(gguf))
     assert not (tmp_path / "cache" / "models").exists()

@@ -123,14 +123,16 @@ def _status(url: str, route: str, body: dict) -> tuple[int, str]:
 def test_icekv_s_own_fields_pass_the_gateway_on_completions_only(fleet):
     """The gateway forwards a completion's fields it does not know, and rebuilds a chat completion
     from its own schema without them (what docs/serving.md tells users): an unknown policy is
-    refused by the replica on the first route and never seen on the second."""
-    _, router = fleet
+    refused by the replica on the first route; on the second the replica, which refuses it when
+    sent the chat itself, never sees it."""
+    replicas, router = fleet
     status, text = _status(router.url, "/v1/completions",
                            {"model": "icekv", "prompt": "Hello", "max_tokens": 2, "policy": "no_such_policy"})
     assert status == 400 and "no_such_policy" in text
-    chat = {"model": "icekv", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
-    status, _ = _status(router.url, "/v1/chat/completions", {**chat, "policy": "no_such_policy"})
-    assert status == 200
+    chat = {"model": "icekv", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+            "policy": "no_such_policy"}
+    assert _status(replicas[0].url, "/v1/chat/completions", chat)[0] == 400
+    assert _status(router.url, "/v1/chat/completions", chat)[0] == 200
 
 
 def _samples(text: str) -> dict[str, tuple[str, float]]:

@@ -86,7 +86,7 @@ def paged_decode_cpu(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: torch.
     tokens; first_visible [B] (a sliding window's first position, < lengths; None: 0) -> [B, Hq, D]
     in q's dtype."""
     out = np.empty(q.shape, dtype=np.float32)  # [B, Hq, D]
-    seen = first_visible if first_visible is not None else torch.zeros_like(lengths)  # [B]
+    seen = first_visible.to(lengths.dtype) if first_visible is not None else torch.zeros_like(lengths)  # [B]
     _paged_decode(_queries(q), _rows(pool_layer, kv_format), _words(pool_layer, kv_format),
                   page_ids.numpy(), starts.numpy(), lengths.numpy(), seen.numpy(), q.shape[-1] ** -0.5, out)
     return torch.from_numpy(out).to(q.dtype)

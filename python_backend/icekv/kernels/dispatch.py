@@ -179,17 +179,16 @@ def paged_decode_attention(q: torch.Tensor, pool_layer: torch.Tensor, table: Pag
     on a CPU for fp32 or bf16 queries (over a pool of their dtype or a packed one), the sparse decode
     kernel over every page of each request under triton (the table's per-head form, made once per
     table), the reference elsewhere. The sparse kernel reads each page from its first slot, so a
-    window that starts past a request's first token takes the reference under triton too."""
+    sliding-window layer (``first_visible`` given) takes the reference under triton, for every
+    request of the batch alike: a request's arithmetic never depends on the others'."""
     from icekv.kernels.cpu_decode import compiled_reads, paged_decode_cpu
 
     choice = kernel_backend(q.device, backend)
     csr = (table.indices, table.starts, table.lengths)
-    windowed = first_visible is not None and bool(first_visible.any())
     if choice == "numba" and compiled_reads(q.dtype, pool_layer.dtype, kv_format):
         return paged_decode_cpu(q, pool_layer, *csr, kv_format, first_visible)
-    if choice != "triton" or windowed:
-        seen = first_visible.to(pool_layer.device) if windowed else None
-        return reference.paged_decode_reference(q, pool_layer, *csr, kv_format, seen)
+    if choice != "triton" or first_visible is not None:
+        return reference.paged_decode_reference(q, pool_layer, *csr, kv_format, first_visible)
     ids, lens = table.per_head(pool_layer.shape[1])
     out, _ = sparse_decode_attention(q, pool_layer[0], pool_layer[1], ids.to(q.device), lens.to(q.device),
                                      backend=choice, kv_format=kv_format)

@@ -101,16 +101,19 @@ def paged_decode_reference(q: torch.Tensor, pool_layer: torch.Tensor, page_ids: 
     """Full decode attention of each request over its pages in the pool: q [B, Hq, D], pool_layer
     [2, Hkv, pool pages, P, W] rows in ``kv_format`` (quantized: decoded to fp32, the result cast
     to q's dtype), page_ids [total pages], starts [B], lengths [B] -> [B, Hq, D]. With
-    ``first_visible`` [B] (a sliding window's first position, < lengths), request ``b`` attends
-    positions ``first_visible[b] .. lengths[b]-1`` only."""
+    ``first_visible`` [B] (a sliding window's first position, < lengths; host tensors like starts
+    and lengths), request ``b`` attends positions ``first_visible[b] .. lengths[b]-1`` only, reading
+    only their pages."""
     _, hkv, _, page_size, _ = pool_layer.shape
     d = q.shape[-1]
     out = []
     for i in range(q.shape[0]):
         n, first = int(lengths[i]), int(starts[i])
-        seen = int(first_visible[i]) if first_visible is not None else 0
-        pages = page_ids[first : first + -(-n // page_size)].long()  # [pages]
-        kv = kv_format.unpack(pool_layer[:, :, pages].flatten(2, 3)[:, :, seen:n], torch.float32)  # [2, Hkv, n-seen, D]
+        seen = int(first_visible[i]) if first_visible is not None else 0  # the first position attended
+        offset = seen // page_size * page_size  # the first position of its page
+        pages = page_ids[first + offset // page_size : first + -(-n // page_size)].long()  # [pages]
+        kv = pool_layer[:, :, pages].flatten(2, 3)[:, :, seen - offset : n - offset]  # [2, Hkv, n-seen, W]
+        kv = kv_format.unpack(kv, torch.float32)  # [2, Hkv, n-seen, D]
         scores = torch.matmul(q[i].to(kv.dtype).view(hkv, -1, d), kv[0].transpose(1, 2)) * d**-0.5  # [Hkv, G, n-seen]
         out.append(torch.matmul(scores.softmax(-1), kv[1]).reshape(q.shape[1:]).to(q.dtype))  # [Hq, D]
     return torch.stack(out)
