@@ -20,9 +20,9 @@ dequantized copy of the pages).
 :func:`paged_decode_cpu` serves the requests of an engine step that attend a layer in full, in one
 call: each reads its whole sequence (in a sliding-window layer, its window) in place, page by
 page, through the batch's page table (FlashInfer's CSR form: request ``b`` owns
-``page_ids[starts[b] : starts[b] + pages_b]``); its
-reference is :func:`icekv.kernels.reference.paged_decode_reference`. (request, KV head) pairs run
-in parallel, and each pair's arithmetic does not depend on the other requests in the batch.
+``page_ids[starts[b] : starts[b] + pages_b]``); its reference is
+:func:`icekv.kernels.reference.paged_decode_reference`. (request, KV head) pairs run in parallel,
+and each pair's arithmetic does not depend on the other requests in the batch.
 
 :func:`block_rows_decode_cpu` is the vLLM plugin's decode: one request's rows read in place from
 vLLM's CPU cache through its block table, each value at the offset vLLM's cache writer put it
