@@ -110,29 +110,28 @@ def test_each_turn_lands_where_its_conversation_is(fleet, essays_text):
     assert _totals(replicas, "icekv_prefix_cache_reloaded_pages_total") == reloaded
 
 
-def _status(url: str, route: str, body: dict) -> tuple[int, str]:
-    """The status and body of a POST that may be refused."""
+def _cached(url: str, route: str, body: dict) -> int:
+    """The prompt tokens a request found in the prefix cache."""
     request = urllib.request.Request(f"{url}{route}", json.dumps(body).encode(), {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=WAIT_S) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+    with urllib.request.urlopen(request, timeout=WAIT_S) as response:
+        return json.load(response)["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_icekv_s_own_fields_pass_the_gateway_on_completions_only(fleet):
+def test_icekv_s_own_fields_pass_the_gateway_on_completions_only(fleet, essays_text):
     """The gateway forwards a completion's fields it does not know, and rebuilds a chat completion
-    from its own schema without them (what docs/serving.md tells users): an unknown policy is
-    refused by the replica on the first route; on the second the replica, which refuses it when
-    sent the chat itself, never sees it."""
+    from its own schema without them (what docs/serving.md tells users): ``cache_prompt: false``
+    makes a replica prefill a prompt whole on the first route, while on the second it never
+    arrives (the prompt's pages are found), though the replica honours it sent to it directly."""
     replicas, router = fleet
-    status, text = _status(router.url, "/v1/completions",
-                           {"model": "icekv", "prompt": "Hello", "max_tokens": 2, "policy": "no_such_policy"})
-    assert status == 400 and "no_such_policy" in text
-    chat = {"model": "icekv", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
-            "policy": "no_such_policy"}
-    assert _status(replicas[0].url, "/v1/chat/completions", chat)[0] == 400
-    assert _status(router.url, "/v1/chat/completions", chat)[0] == 200
+    text = _document(essays_text, 7, words=120)
+    completion = {"model": "icekv", "prompt": text, "max_tokens": 2, "temperature": 0}
+    _cached(router.url, "/v1/completions", completion)  # its pages cached (and in the store)
+    assert _cached(router.url, "/v1/completions", completion) > 0
+    assert _cached(router.url, "/v1/completions", {**completion, "cache_prompt": False}) == 0
+    chat = {"model": "icekv", "messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0}
+    _cached(router.url, "/v1/chat/completions", chat)
+    assert _cached(router.url, "/v1/chat/completions", {**chat, "cache_prompt": False}) > 0
+    assert _cached(replicas[0].url, "/v1/chat/completions", {**chat, "cache_prompt": False}) == 0
 
 
 def _samples(text: str) -> dict[str, tuple[str, float]]:
