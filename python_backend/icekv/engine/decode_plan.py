@@ -69,6 +69,7 @@ class DecodePlan:
         if self.table is not None:
             self.new_pages, self.new_slots = self.table.last_tokens()  # [B] each: where the new tokens go
             self.rows = torch.tensor([self.bounds[i] for i in self.decoding])  # [B] their rows in the batch
+        self._first_visible: dict[int, torch.Tensor] = {}  # window -> [B] each one's first visible position
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k, v [N, Hkv, D] of the whole batch -> [N, Hq, D]."""
@@ -98,8 +99,7 @@ class DecodePlan:
         index = torch.tensor(group)  # [G]
         rows = self.rows[index]  # [G]
         window = self.cache.window(layer)
-        first_visible = None if window is None else torch.tensor(  # [G] each one's query is its last token
-            [first_visible_key(int(self.table.lengths[j]) - 1, window) for j in group])
+        first_visible = None if window is None else self._window_starts(window)[index]  # [G]
         t0 = time.perf_counter()
         self.cache.write_rows(layer, self.new_pages[index], self.new_slots[index], k[rows], v[rows])
         out[rows] = paged_decode_attention(q[rows], self.cache.pool[layer], self.table.subset(group),
@@ -109,6 +109,14 @@ class DecodePlan:
         for i in members:
             self.seqs[i].backend.timings["attention_s"] += share
         return set(members)
+
+    def _window_starts(self, window: int) -> torch.Tensor:
+        """[B] where each decoding request's query (its last token) starts seeing under ``window``:
+        the same for every layer of that window, so made once per step."""
+        if window not in self._first_visible:
+            self._first_visible[window] = torch.tensor(
+                [first_visible_key(int(n) - 1, window) for n in self.table.lengths])
+        return self._first_visible[window]
 
     def _select(self, layer: int, q: torch.Tensor, pooled: set[int]) -> dict[int, Selection]:
         """The pages of every decoding request selecting in ``layer`` (over its own pages or a
