@@ -41,11 +41,13 @@ def test_each_form_equals_f_linear_on_awkward_shapes(form, shape):
 
 
 def test_a_row_reads_the_same_alone_or_in_a_batch():
-    """The compiled loop computes each row on its own, so a request's row is the same whatever
-    else the step holds (up to the compiled form's row count)."""
-    layer = Linear(96, 200, bias=True)
-    x = torch.randn(COMPILED_ROWS, 96)
-    assert all(torch.equal(layer(x[:n])[:1], layer(x[:1])) for n in range(2, COMPILED_ROWS + 1))
+    """The compiled loop sums each row's products in one order whatever the batch, so a request's
+    row is the same whatever else the step holds (up to the compiled form's row count); 203
+    outputs: the last three weight rows take the loop's tail."""
+    layer = Linear(96, 203, bias=True)
+    x = torch.randn(COMPILED_ROWS, 96)  # [8, 96]
+    alone = [layer(x[r:r + 1]) for r in range(COMPILED_ROWS)]  # each [1, 203]
+    assert all(torch.equal(layer(x[:n])[r:r + 1], alone[r]) for n in range(2, COMPILED_ROWS + 1) for r in range(n))
 
 
 def test_which_inputs_stream():

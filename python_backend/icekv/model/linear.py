@@ -42,32 +42,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [N, in], weight [out, in] (float32, CPU) -> x @ weight.T + bias [N, out], by
-    :func:`_rows_by_four`."""
+    :func:`_weight_rows_by_four`."""
     out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)  # [N, out]
-    _rows_by_four(x.contiguous().numpy(), weight.detach().contiguous().numpy(), out)
+    _weight_rows_by_four(x.contiguous().numpy(), weight.detach().contiguous().numpy(), out)
     y = torch.from_numpy(out)
     return y.add_(bias) if bias is not None else y
 
 
 @numba.njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract"})
-def _rows_by_four(x, w, out):
-    """out [M, O] = x [M, K] @ w [O, K].T: each weight row is read from memory once; its products
-    with every row of x come from it in L1, four rows of x at a time, then the rest one by one."""
+def _weight_rows_by_four(x, w, out):
+    """out [M, O] = x [M, K] @ w [O, K].T: four weight rows at a time are read from memory once
+    and multiplied by every row of x from cache, each row of x in the same loop whatever M is: a
+    row's products are summed in one order, so a request's row is the same alone or in a batch."""
     m, k = x.shape
-    fours = m - m % 4
-    for j in numba.prange(w.shape[0]):
-        wj = w[j]
-        for r in range(0, fours, 4):
-            x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+    fours = w.shape[0] - w.shape[0] % 4
+    for block in numba.prange(fours // 4):
+        j = 4 * block
+        w0, w1, w2, w3 = w[j], w[j + 1], w[j + 2], w[j + 3]
+        for r in range(m):
+            xr = x[r]
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for i in range(k):
-                wi = wj[i]
-                a0 += x0[i] * wi
-                a1 += x1[i] * wi
-                a2 += x2[i] * wi
-                a3 += x3[i] * wi
-            out[r, j], out[r + 1, j], out[r + 2, j], out[r + 3, j] = a0, a1, a2, a3
-        for r in range(fours, m):
+                xi = xr[i]
+                a0 += xi * w0[i]
+                a1 += xi * w1[i]
+                a2 += xi * w2[i]
+                a3 += xi * w3[i]
+            out[r, j], out[r, j + 1], out[r, j + 2], out[r, j + 3] = a0, a1, a2, a3
+    for j in range(fours, w.shape[0]):  # the last out % 4 weight rows, one by one
+        wj = w[j]
+        for r in range(m):
             xr = x[r]
             a = np.float32(0.0)
             for i in range(k):
