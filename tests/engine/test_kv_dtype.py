@@ -29,15 +29,16 @@ def engines(smollm2_dir):
             for kv in QUANTIZED}
 
 
-@pytest.mark.parametrize("kv_dtype,mean_gap,same_share", [("int8", 0.06, 0.96), ("fp8_e4m3", 0.15, 0.92)])
+@pytest.mark.parametrize("kv_dtype,mean_gap,same_share,clear_lead",
+                         [("int8", 0.06, 0.96, 0.5), ("fp8_e4m3", 0.15, 0.92, 0.75)])
 def test_next_token_predictions_follow_the_model_dtype_pool(engine, engines, essays_text, kv_dtype, mean_gap,
-                                                            same_share):
+                                                            same_share, clear_lead):
     """Every position of a 1,000-token prompt scored (its prefill reads back the quantized K/V of
     the chunks before and of its own): the log-probability of the text's next token stays within
     ``mean_gap`` nats on average; the most likely token is the same wherever the model-dtype pool's
-    leads its runner-up by half a nat (quantization noise may only swap near-tied tokens), and at
-    ``same_share`` of all positions (e4m3 keeps 3 mantissa bits against int8's 7 bits per row's
-    scale: it strays more)."""
+    leads its runner-up by ``clear_lead`` nats (quantization noise may only swap near-tied tokens),
+    and at ``same_share`` of all positions (e4m3 keeps 3 mantissa bits against int8's 7 bits per
+    row's scale: it strays more, and moves a few positions' log-probabilities by over half a nat)."""
     ids = engine.tokenizer.encode(essays_text)[:1000]
     scored = SamplingConfig(max_tokens=1, prompt_logprobs=2)
     ref = engine.generate(ids, scored).prompt_logprobs[1:]
@@ -46,7 +47,7 @@ def test_next_token_predictions_follow_the_model_dtype_pool(engine, engines, ess
     assert 0 < gap.mean() <= mean_gap  # above 0: the pool does quantize
     same_top = [a["top_logprobs"][0]["token_id"] == b["top_logprobs"][0]["token_id"] for a, b in zip(ref, got)]
     lead = [a["top_logprobs"][0]["logprob"] - a["top_logprobs"][1]["logprob"] for a in ref]
-    clear = [same for same, nats in zip(same_top, lead) if nats >= 0.5]
+    clear = [same for same, nats in zip(same_top, lead) if nats >= clear_lead]
     assert len(clear) > len(ref) / 2 and all(clear), (sum(clear), len(clear))
     assert sum(same_top) / len(ref) >= same_share, (sum(same_top), float(gap.mean()))
 
