@@ -134,6 +134,34 @@ def test_icekv_s_own_fields_pass_the_gateway_on_completions_only(fleet, essays_t
     assert _cached(replicas[0].url, "/v1/chat/completions", {**chat, "cache_prompt": False}) == 0
 
 
+def _status(url: str, body: dict) -> int:
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=WAIT_S) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_refused_requests_take_no_replica_out_of_the_rotation(fleet, essays_text):
+    """A request each replica refuses (a 400: an unknown policy) leaves both in the gateway's
+    rotation: the next requests are all answered, by both replicas (a gateway whose circuit
+    breaker counted the refusals would answer 503, or send everything to one replica)."""
+    replicas, fleet_router = fleet
+    router = RouterProcess(fleet_router.worker_urls, "round_robin").start()  # each replica in turn
+    try:
+        text = _document(essays_text, 12, words=40)
+        body = {"model": "icekv", "prompt": text, "max_tokens": 1, "temperature": 0}
+        assert [_status(router.url, {**body, "policy": "no_such_policy"}) for _ in replicas] == [400, 400]
+        completed = _totals(replicas, "icekv_requests_completed_total")
+        assert [_status(router.url, body) for _ in range(4)] == [200] * 4
+        served = [b - a for a, b in zip(completed, _totals(replicas, "icekv_requests_completed_total"))]
+        assert served == [2, 2]
+    finally:
+        router.stop()
+
+
 def _samples(text: str) -> dict[str, tuple[str, float]]:
     """name -> (labels, value) of each vLLM-named sample; TYPE lines as name -> ("TYPE", kind)."""
     out = {}
@@ -268,7 +296,7 @@ def test_a_replica_killed_mid_stream_loses_no_turn(fleet, essays_text):
 
     ended, seconds = _stream_until_killed(router.url, body, kill)
     assert ended in ("error event", "connection closed", "done") and seconds < 30
-    try:  # at once: the cut stream has taken the dead replica out of the router's rotation
+    try:  # at once: the gateway retries it on the survivor if the health check has not yet run
         again = _chat(router.url, messages, 48)
     except urllib.error.HTTPError as e:
         pytest.fail(f"the turn after the kill failed: {e.code} {e.read()[:200]!r}")

@@ -213,8 +213,11 @@ class RouterProcess:
     """The SGLang Model Gateway over ``worker_urls``: ``python -m sglang_router launch``.
 
     Health checks every ``health_check_interval_s`` take a replica that stops answering out of
-    the rotation after one miss, and its first failed request opens its circuit: the gateway
-    sends that request, and the next ones, to another replica."""
+    the rotation after one miss. A request whose replica cannot be reached is retried, the waits
+    doubling from a quarter of that interval (five tries span nearly four intervals), so that a
+    request sent to a replica that just died lands on another once the check has seen it. The
+    gateway's circuit breaker stays off: it counts a refused request (a 4xx) as a failure of the
+    replica, so a client's malformed requests would take healthy replicas out of the rotation."""
 
     worker_urls: tuple[str, ...]
     policy: str = "cache_aware"
@@ -241,7 +244,9 @@ class RouterProcess:
                 "--policy", self.policy, "--host", self.host, "--port", str(self.port),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 "--health-check-endpoint", "/health", "--health-check-interval-secs", str(self.health_check_interval_s),
-                "--health-failure-threshold", "1", "--cb-failure-threshold", "1", "--log-level", "warn"]
+                "--health-failure-threshold", "1", "--disable-circuit-breaker", "--retry-max-retries", "5",
+                "--retry-initial-backoff-ms", str(250 * self.health_check_interval_s), "--retry-backoff-multiplier", "2",
+                "--log-level", "warn"]
 
     def start(self) -> "RouterProcess":
         if importlib.util.find_spec("sglang_router") is None:
