@@ -1,6 +1,6 @@
 """icekv against the engines users already run, side by side in one run: vLLM's CPU build (bf16)
 and llama.cpp (the model's own GGUF), each in its own venv (``bash bench/peers/setup.sh``) and its
-own process, one after the other, on the same token ids and threads (every core). Each engine is
+own process, one after the other, on the same token ids and ``--threads`` threads. Each engine is
 timed by ``time_engine.py``: prefill, time per output token, the conversation's next turn's time to
 first token through the engine's prefix cache, and peak memory. The report states each engine's
 weight format.
@@ -46,7 +46,7 @@ def time_one(engine: str, ids_file: Path, model_dir: Path, gguf: Path, args, pol
     command = [str(python), str(Path(__file__).with_name("time_engine.py")), "--engine", engine, "--ids", str(ids_file),
                "--model-dir", str(model_dir), "--gguf", str(gguf), "--tokens", str(args.tokens),
                "--icekv-policy", policy, "--icekv-weights", weights, "--budget", str(args.budget),
-               "--vllm-kv-gib", str(args.vllm_kv_gib)]
+               "--vllm-kv-gib", str(args.vllm_kv_gib), "--threads", str(args.threads)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "python_backend")}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -60,17 +60,21 @@ def report(result: dict) -> str:
     first record, where icekv was not run)."""
     records = result["records"]
     base = next((r for r in records if r["engine"] == "icekv"), records[0])
-    rows = ["| engine (weights) | prefill s | time per output token ms | next turn, time to first token s "
-            f"| peak memory MiB | per token / {base['engine']}'s |", "|---|---|---|---|---|---|"]
+    rows = ["| engine (weights) | prefill s | time per output token ms | next turn: time to first token s "
+            f"(cached tokens) | peak memory MiB | per token / {base['engine']}'s |", "|---|---|---|---|---|---|"]
     for r in records:
         rows.append(f"| {r['label']} | {r['prefill_s']:.1f} | {1e3 * r['tpot_s']:.1f} | {r['next_turn_ttft_s']:.2f} "
-                    f"| {r['peak_rss_mib']:.0f} | {r['tpot_s'] / base['tpot_s']:.2f}x |")
+                    f"({r['next_turn_cached']:,} of {r['next_turn_tokens']:,}) | {r['peak_rss_mib']:.0f} "
+                    f"| {r['tpot_s'] / base['tpot_s']:.2f}x |")
     return "\n".join([
         f"# icekv and its peers: {result['model']}, {result['context']:,}-token prompt", "",
-        f"`{result['command']}` on {result['machine']}, commit {result['commit']}, {result['date']}; one engine at "
-        "a time, every core; the same token ids; greedy, one request at a time. The next turn is the prompt, "
-        f"the engine's own {result['tokens'] + 2}-token answer and {FOLLOW_UP_TOKENS} new tokens. "
-        "Time per output token: the median gap between tokens from the third on.", "", *rows, ""])
+        f"`{result['command']}` on {result['machine']}, commit {result['commit']}, {result['date']}; one engine "
+        f"at a time on {records[0]['threads']} threads; the same token ids; greedy, one request at a time. "
+        "Prefill: the prompt cold, after a warm-up on the prompt reversed. The next turn is the prompt, the "
+        f"engine's own {result['tokens'] + 2}-token answer and {FOLLOW_UP_TOKENS} new tokens. Time per output "
+        "token: the median gap between tokens from the third on. Peak memory: the engine's processes together "
+        f"(vLLM's includes its KV pool, {result['vllm_kv_gib']} GiB allocated at start).",
+        "", *rows, ""])
 
 
 def main() -> int:
@@ -83,6 +87,7 @@ def main() -> int:
     parser.add_argument("--icekv-weights", default="auto", help="icekv's weight formats (icekv --weights)")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV pool (allocated whole at its start)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="every engine's")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     engines = args.engines.split(",")
@@ -102,7 +107,8 @@ def main() -> int:
             print(json.dumps({k: v for k, v in records[-1].items() if k != "decode_gaps_s"}), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     result = {"command": " ".join(["bench/peers/run.py", *sys.argv[1:]]), "model": args.model, "context": args.context,
-              "tokens": args.tokens, "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
+              "tokens": args.tokens, "vllm_kv_gib": args.vllm_kv_gib,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
               "commit": commit.strip(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "records": records}
     print(report(result))
     if args.out:

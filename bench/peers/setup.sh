@@ -12,6 +12,6 @@ if ! .venv-llamacpp/bin/python -c "import llama_cpp" 2>/dev/null; then
     python3 -m venv .venv-llamacpp
     .venv-llamacpp/bin/python -m pip install --disable-pip-version-check -q --upgrade pip
     CMAKE_ARGS="-DGGML_NATIVE=ON" .venv-llamacpp/bin/python -m pip install --disable-pip-version-check -q \
-        "$LLAMACPP_PIN" gguf
+        "$LLAMACPP_PIN" "$(grep '^gguf==' requirements.txt)"
 fi
 .venv-llamacpp/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
