@@ -56,7 +56,8 @@ def arrivals_icekv(args):
         seq = engine.submit(ids, SamplingConfig(max_tokens=n, temperature=0, ignore_eos=True), selection)
         while not seq.done:
             engine.step()
-            times += [time.perf_counter() - start] * (len(seq.stream.token_ids) - len(times))
+            produced = len(seq.stream.token_ids) if seq.stream is not None else 0  # no stream before decoding
+            times += [time.perf_counter() - start] * (produced - len(times))
         out = engine.run(seq)
         return times, out.token_ids, out.cached_tokens
 
