@@ -110,11 +110,12 @@ def main() -> int:
               "tokens": args.tokens, "vllm_kv_gib": args.vllm_kv_gib,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
               "commit": commit.strip(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "records": records}
-    print(report(result))
+    table = report(result)
+    print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(result, indent=1))
-        (args.out / "report.md").write_text(report(result))
+        (args.out / "report.md").write_text(table)
     return 0
 
 
