@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from icekv.model import linear as linear_module
 from icekv.model.linear import COMPILED_ROWS, STREAMED_ROWS, Linear, compiled_linear, streamed_linear, streams_weight
 
 
@@ -50,10 +51,12 @@ def test_a_row_reads_the_same_alone_or_in_a_batch():
     assert all(torch.equal(layer(x[:n])[r:r + 1], alone[r]) for n in range(2, COMPILED_ROWS + 1) for r in range(n))
 
 
-def test_which_inputs_stream():
+@pytest.mark.parametrize("units", [False, True])
+def test_which_inputs_stream(units, monkeypatch):
+    monkeypatch.setattr(linear_module, "bf16_units", lambda device: units)
     assert streams_weight(torch.zeros(STREAMED_ROWS, 8))
     assert not streams_weight(torch.zeros(STREAMED_ROWS + 1, 8))  # a prefill chunk: F.linear
-    assert streams_weight(torch.zeros(2, 8, dtype=torch.bfloat16))  # bf16 weights: the streamed form
+    assert streams_weight(torch.zeros(2, 8, dtype=torch.bfloat16)) == units  # bf16 weights stream on bf16 units
     assert not streams_weight(torch.zeros(2, 8, dtype=torch.float16))
     assert not streams_weight(torch.zeros(2, 3, 8))  # not a flat batch
 

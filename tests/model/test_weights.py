@@ -7,6 +7,7 @@ from torch import nn
 
 from icekv.config.engine import EngineConfig
 from icekv.errors import ConfigError
+from icekv.model import weights
 from icekv.model.random import random_model, shape_args
 from icekv.model.weights import (
     INT4_GROUP, KERNEL_ROWS, BF16Linear, dense_weight, Int4Linear, Int8Linear, dequantize_int4, int4_fits, pack_nibbles,
@@ -157,3 +158,16 @@ def test_planned_bytes_are_the_bytes_held(weights, tied):
     held = {t.data_ptr(): t.numel() * t.element_size()
             for name, t in [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary")}
     assert sum(held.values()) == model_bytes(args, "float32", weights)
+
+
+@pytest.mark.parametrize("units", [False, True])
+@pytest.mark.parametrize("kind", [BF16Linear, Int8Linear, Int4Linear])
+def test_many_rows_multiply_in_bf16_only_on_bf16_units(kind, units, monkeypatch):
+    """A prefill chunk's product runs in float32 on a CPU without bf16 units (exact to float32
+    rounding against the weight the stored form stands for), in bfloat16 where it has them."""
+    monkeypatch.setattr(weights, "bf16_units", lambda device: units)
+    weight, b = _layer(48, 96, True, seed=5)
+    layer = Int4Linear.quantized(weight, b, nibbles=True) if kind is Int4Linear else kind(weight, b)
+    x = torch.randn(KERNEL_ROWS + 50, 96)  # [N, in]: past every few-row form
+    error = _relative_error(layer(x), F.linear(x, layer.dequantized(torch.float32), b))
+    assert (1e-5 < error < BF16_TOLERANCE) if units else error < 1e-6

@@ -7,8 +7,9 @@ it reads the weight well below what memory delivers. So on a CPU:
 
 - up to ``COMPILED_ROWS`` float32 rows (a decode step of up to that many requests) go through a
   compiled loop that reads each weight row once and multiplies it by every row of ``x``;
-- up to ``STREAMED_ROWS`` float32 or bfloat16 rows (a short prompt, a bf16 decode step) take
-  ``(W @ x.T).T``, with at least two columns, which BLAS computes streaming the weight once;
+- up to ``STREAMED_ROWS`` float32 rows (a short prompt), or bfloat16 ones where the CPU has bf16
+  units (:func:`bf16_units`), take ``(W @ x.T).T``, with at least two columns, which BLAS computes
+  streaming the weight once (without bf16 units, BLAS reads a bf16 weight faster in ``F.linear``);
 - more rows (a prefill chunk) are compute-bound, and ``F.linear`` is the faster form there.
 
 CUDA and other dtypes keep ``F.linear``. ``bench/small_batch_linear.py`` measures the forms.
@@ -26,10 +27,20 @@ COMPILED_ROWS = 8  # at most this many rows take the compiled loop
 STREAMED_ROWS = 64  # at most this many rows take the weight-streaming form
 
 
+def bf16_units(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively: CUDA, or a CPU with AVX512-BF16 or AMX-BF16.
+    Other CPUs emulate bf16 matmuls, several times slower than float32 ones once they are
+    compute-bound."""
+    if device.type != "cpu":
+        return True
+    units = torch.cpu.get_capabilities()
+    return bool(units.get("avx512_bf16") or units.get("amx_bf16"))
+
+
 def streams_weight(x: torch.Tensor) -> bool:
     """Whether ``x`` [N, in] is multiplied in one of the forms that read the weight once."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
-            and x.shape[0] <= STREAMED_ROWS)
+    streamed_dtype = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and bf16_units(x.device))
+    return x.device.type == "cpu" and streamed_dtype and x.dim() == 2 and x.shape[0] <= STREAMED_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

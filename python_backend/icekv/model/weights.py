@@ -1,16 +1,17 @@
 """Linear weights stored smaller than the compute dtype: bfloat16, or weight-only int8 / int4.
 
-A decode step reads every weight once, so its time is the weights' bytes over memory bandwidth;
-a prefill chunk is compute-bound, and bfloat16 products run on the CPU's bf16 units (AMX,
-AVX512-BF16) several times faster than float32 ones. So each format stores the weight as small as
-it allows and multiplies in bfloat16 through torch's maintained kernels, while everything else
+A decode step reads every weight once, so its time is the weights' bytes over memory bandwidth:
+each format stores the weight as small as it allows, and few rows multiply in bfloat16 through
+torch's maintained kernels. A prefill chunk is compute-bound, so its products run in bfloat16
+where the hardware has bf16 units (:func:`icekv.model.linear.bf16_units`) and in float32 on a CPU
+without them, whose bf16 matmuls are emulated and several times slower. Everything else
 (norms, rotary, attention, the KV cache, the residual stream) keeps the engine's compute dtype:
 
 - ``bfloat16``: the checkpoint's own bf16 weights (lossless for bf16 checkpoints), few rows on a
-  CPU in the weight-streaming form of :mod:`icekv.model.linear`;
+  CPU through :func:`icekv.model.linear.linear`;
 - ``int8``: symmetric, one scale per output channel; few rows on a CPU go through
   ``_weight_int8pack_mm``, more rows (or input widths the kernel cannot take) dequantize the
-  weight to bf16 for one matmul;
+  weight for one matmul;
 - ``int4``: asymmetric, a scale and a zero per group of input channels, packed for
   ``_weight_int4pack_mm_for_cpu`` on a CPU (its layout is the kernel's own, so every row count goes
   through it), or kept as two codes per byte and dequantized elsewhere.
@@ -25,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from icekv.model.linear import linear
+from icekv.model.linear import bf16_units, linear
 
-PRODUCT_DTYPE = torch.bfloat16  # what quantized and bf16 weights multiply in
-KERNEL_ROWS = 16  # at most this many rows take the int8 kernel on a CPU; more dequantize for one matmul
+PRODUCT_DTYPE = torch.bfloat16  # what the weight-only kernels multiply in, and the dtype of their scales
+KERNEL_ROWS = 16  # at most this many rows take a bf16 product on a CPU without bf16 units (the int8 kernel's too)
 INT8_KERNEL_IN = 16  # the CPU int8 kernel reads inputs in blocks of this many (others: wrong sums, unchecked)
 INT4_GROUP = 32  # input channels per int4 scale and zero (wider groups lose far more accuracy)
 INT4_KERNEL_OUT = 16  # the CPU int4 kernel packs output channels in blocks of this many
@@ -88,8 +89,8 @@ def int4_fits(in_features: int, out_features: int) -> bool:
 
 
 class WeightOnlyLinear(nn.Module):
-    """What the stored formats share: the input flattened to rows, the product in bf16, the output
-    back in the input's dtype plus the bias."""
+    """What the stored formats share: the input flattened to rows, the product in the form that
+    suits the rows, the output back in the input's dtype plus the bias."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -97,18 +98,29 @@ class WeightOnlyLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(PRODUCT_DTYPE).contiguous()  # [N, in]: the kernels' layout
-        y = self.product(rows).to(x.dtype)  # [N, out]
+        y = self.product(x.reshape(-1, self.in_features)).to(x.dtype)  # [N, out]
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N, in] -> rows @ weight.T [N, out], in the dtype of the form that computes it."""
         raise NotImplementedError
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight [out, in] the stored form stands for, in bf16."""
+    def dequantized_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N, in] @ the dequantized weight: one matmul, in bf16 where the hardware has bf16
+        units, in float32 elsewhere."""
+        dtype = PRODUCT_DTYPE if bf16_units(rows.device) else torch.float32
+        return F.linear(rows.to(dtype), self.dequantized(dtype))  # [N, out]
+
+    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE) -> torch.Tensor:
+        """The weight [out, in] the stored form stands for, in ``dtype``."""
         raise NotImplementedError
+
+
+def kernel_rows(rows: torch.Tensor) -> torch.Tensor:
+    """rows [N, in] as torch's weight-only kernels take them: bf16, contiguous."""
+    return rows.to(PRODUCT_DTYPE).contiguous()
 
 
 class BF16Linear(WeightOnlyLinear):
@@ -119,10 +131,12 @@ class BF16Linear(WeightOnlyLinear):
         self.register_buffer("weight", weight.detach().to(PRODUCT_DTYPE))  # [out, in]
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return linear(rows, self.weight, None)
+        if rows.shape[0] <= KERNEL_ROWS or bf16_units(rows.device):
+            return linear(kernel_rows(rows), self.weight, None)
+        return self.dequantized_product(rows)
 
-    def dequantized(self) -> torch.Tensor:
-        return self.weight
+    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE) -> torch.Tensor:
+        return self.weight.to(dtype)
 
 
 class Int8Linear(WeightOnlyLinear):
@@ -136,19 +150,19 @@ class Int8Linear(WeightOnlyLinear):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_ROWS and self.in_features % INT8_KERNEL_IN == 0:
-            return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
-        return linear(rows, self.dequantized(), None)
+            return torch.ops.aten._weight_int8pack_mm(kernel_rows(rows), self.codes, self.scales)
+        return self.dequantized_product(rows)
 
-    def dequantized(self) -> torch.Tensor:
-        return self.codes.to(PRODUCT_DTYPE) * self.scales[:, None]  # [out, in]
+    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE) -> torch.Tensor:
+        return self.codes.to(dtype) * self.scales.to(dtype)[:, None]  # [out, in]
 
 
 class Int4Linear(WeightOnlyLinear):
     """Weight-only int4 in groups of input channels (:func:`int4_fits` says which shapes take it).
 
-    On a CPU the codes live only in the kernel's packed layout; elsewhere two codes share a byte
-    (low nibble first) and the weight is dequantized for each product. The kernel needs torch 2.6
-    or newer."""
+    On a CPU the codes live only in the kernel's packed layout, which every row count goes through;
+    elsewhere two codes share a byte (low nibble first) and the weight is dequantized for each
+    product. The kernel needs torch 2.6 or newer."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                  nibbles: bool = False):
@@ -172,16 +186,17 @@ class Int4Linear(WeightOnlyLinear):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
-        return F.linear(rows, self.dequantized())
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(kernel_rows(rows), self.packed, INT4_GROUP,
+                                                              self.scales_and_zeros)
+        return self.dequantized_product(rows)
 
-    def dequantized(self) -> torch.Tensor:
+    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE) -> torch.Tensor:
         """From the nibbles; from the CPU kernel's packed layout, which has no reader, as the
         kernel's product with the identity (in x in x out multiply-adds: for occasional use)."""
         if self.packed is not None:
-            return self.product(torch.eye(self.in_features, dtype=PRODUCT_DTYPE)).T  # [out, in]
+            return self.product(torch.eye(self.in_features, dtype=PRODUCT_DTYPE)).T.to(dtype)  # [out, in]
         codes = unpack_nibbles(self.nibbles)  # [out, in]
-        scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [out, G] each
+        scales, zeros = self.scales_and_zeros.to(dtype).transpose(0, 1).unbind(-1)  # [out, G] each
         return dequantize_int4(codes, scales, zeros)  # [out, in]
 
 
