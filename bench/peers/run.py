@@ -1,14 +1,14 @@
-"""icekv against the engines users already run, side by side in one run: vLLM's CPU build (bf16)
-and llama.cpp (the model's own GGUF), each in its own venv (``bash bench/peers/setup.sh``) and its
-own process, one after the other, on the same token ids and ``--threads`` threads. Each engine is
-timed by ``time_engine.py``: prefill, time per output token, the conversation's next turn's time to
-first token through the engine's prefix cache, and peak memory. The report states each engine's
-weight format.
+"""icekv against the engines users already run, side by side in one run: vLLM's CPU build
+(``--vllm-dtypes``) and llama.cpp (the model's own GGUF), each in its own venv
+(``bash bench/peers/setup.sh``) and its own process, one after the other, on the same token ids
+and ``--threads`` threads. Each engine is timed by ``time_engine.py``: prefill, time per output
+token, the conversation's next turn's time to first token through the engine's prefix cache, and
+peak memory. The report states each engine's weight format and the CPU's vector units.
 
     bash bench/peers/setup.sh
     .venv/bin/python bench/peers/run.py [--model qwen2.5-coder-0.5b] [--context 16384] [--tokens 32] \\
         [--engines icekv,vllm,llamacpp] [--icekv-policies icecache,full] [--icekv-weights auto,int8] \\
-        [--out bench/results/peers_X]
+        [--vllm-dtypes bfloat16,float32] [--out bench/results/peers_X]
 """
 
 from __future__ import annotations
@@ -39,20 +39,31 @@ def prompt_ids(model_dir: Path, context: int) -> dict:
     return {"prompt": ids[:context], "follow_up": ids[context:context + FOLLOW_UP_TOKENS]}
 
 
-def time_one(engine: str, ids_file: Path, model_dir: Path, gguf: Path, args, policy: str, weights: str) -> dict:
+def time_one(engine: str, variant: list[str], ids_file: Path, model_dir: Path, gguf: Path, args) -> dict:
+    """``engine``'s record from ``time_engine.py``, run with the flags of one ``variant``."""
     python = ROOT / VENVS[engine] / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{python} is missing: run bash bench/peers/setup.sh")
     command = [str(python), str(Path(__file__).with_name("time_engine.py")), "--engine", engine, "--ids", str(ids_file),
                "--model-dir", str(model_dir), "--gguf", str(gguf), "--tokens", str(args.tokens),
-               "--icekv-policy", policy, "--icekv-weights", weights, "--budget", str(args.budget),
-               "--vllm-kv-gib", str(args.vllm_kv_gib), "--threads", str(args.threads)]
+               "--budget", str(args.budget), "--vllm-kv-gib", str(args.vllm_kv_gib), "--threads", str(args.threads),
+               *variant]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "python_backend")}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         raise SystemExit(f"{engine} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def machine() -> str:
+    """The CPU's model, cores and the vector units that decide each engine's fastest dtype."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
+    units = [u for u in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if u in flags]
+    return f"{model}, {os.cpu_count()} cores ({', '.join(units) or 'no AVX2'}), CPU only"
 
 
 def report(result: dict) -> str:
@@ -87,6 +98,8 @@ def main() -> int:
     parser.add_argument("--icekv-weights", default="auto", help="icekv's weight formats (icekv --weights)")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV pool (allocated whole at its start)")
+    parser.add_argument("--vllm-dtypes", default="bfloat16",
+                        help="vLLM runs once per dtype (bfloat16, float32: bf16 is emulated on a CPU without bf16 units)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="every engine's")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -96,19 +109,20 @@ def main() -> int:
     assets = Assets()
     model_dir = assets.model_dir(args.model)
     gguf = assets.model_gguf(args.model) if "llamacpp" in engines else Path("-")
-    icekv_runs = [(p, w) for w in args.icekv_weights.split(",") for p in args.icekv_policies.split(",")]
-    runs = [(e, *run) for e in engines for run in (icekv_runs if e == "icekv" else [("-", "-")])]
+    variants = {"icekv": [["--icekv-policy", p, "--icekv-weights", w] for w in args.icekv_weights.split(",")
+                          for p in args.icekv_policies.split(",")],
+                "vllm": [["--vllm-dtype", d] for d in args.vllm_dtypes.split(",")], "llamacpp": [[]]}
     records = []
     with tempfile.TemporaryDirectory(prefix="icekv-peers-") as scratch:
         ids_file = Path(scratch) / "ids.json"
         ids_file.write_text(json.dumps(prompt_ids(model_dir, args.context)))
-        for engine, policy, weights in runs:
-            records.append(time_one(engine, ids_file, model_dir, gguf, args, policy, weights))
+        for engine, variant in [(e, v) for e in engines for v in variants[e]]:
+            records.append(time_one(engine, variant, ids_file, model_dir, gguf, args))
             print(json.dumps({k: v for k, v in records[-1].items() if k != "decode_gaps_s"}), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     result = {"command": " ".join(["bench/peers/run.py", *sys.argv[1:]]), "model": args.model, "context": args.context,
               "tokens": args.tokens, "vllm_kv_gib": args.vllm_kv_gib,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
+              "machine": machine(),
               "commit": commit.strip(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "records": records}
     table = report(result)
     print(table)

@@ -72,7 +72,7 @@ def arrivals_vllm(args):
     import vllm
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=args.model_dir, dtype="bfloat16", max_model_len=args.max_len, enable_prefix_caching=True)
+    llm = LLM(model=args.model_dir, dtype=args.vllm_dtype, max_model_len=args.max_len, enable_prefix_caching=True)
     engine = llm.llm_engine
 
     def run(ids: list[int], n: int) -> tuple[list[float], list[int], int]:
@@ -86,7 +86,7 @@ def arrivals_vllm(args):
                 tokens, cached = got, output.num_cached_tokens or 0
         return times, tokens, cached
 
-    return run, f"vLLM {vllm.__version__} bf16"
+    return run, f"vLLM {vllm.__version__} {args.vllm_dtype}"
 
 
 def arrivals_llamacpp(args):
@@ -182,6 +182,7 @@ def main() -> int:
     parser.add_argument("--icekv-weights", default="auto")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--vllm-kv-gib", type=int, default=1)
+    parser.add_argument("--vllm-dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = parser.parse_args()
     ids = json.loads(args.ids.read_text())
