@@ -3,7 +3,7 @@
 (``bash bench/peers/setup.sh``) and its own process, one after the other, on the same token ids
 and ``--threads`` threads. Each engine is timed by ``time_engine.py``: prefill, time per output
 token, the conversation's next turn's time to first token through the engine's prefix cache, and
-peak memory. The report states each engine's weight format and the CPU's vector units.
+peak memory. The report states each engine's weight format and whether the CPU has bf16 units.
 
     bash bench/peers/setup.sh
     .venv/bin/python bench/peers/run.py [--model qwen2.5-coder-0.5b] [--context 16384] [--tokens 32] \\
@@ -23,8 +23,11 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+
 from icekv.assets import Assets
 from icekv.model import Tokenizer
+from icekv.model.linear import bf16_units
 
 ROOT = Path(__file__).resolve().parents[2]
 VENVS = {"icekv": ".venv", "vllm": ".venv-vllm", "llamacpp": ".venv-llamacpp"}
@@ -57,13 +60,13 @@ def time_one(engine: str, variant: list[str], ids_file: Path, model_dir: Path, g
 
 
 def machine() -> str:
-    """The CPU's model, cores and the vector units that decide each engine's fastest dtype."""
+    """The CPU's model and cores, and whether it has the bf16 units that decide each engine's
+    fastest dtype."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                  platform.machine())
-    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
-    units = [u for u in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if u in flags]
-    return f"{model}, {os.cpu_count()} cores ({', '.join(units) or 'no AVX2'}), CPU only"
+    units = "with" if bf16_units(torch.device("cpu")) else "without"
+    return f"{model}, {os.cpu_count()} cores, {units} bf16 units, CPU only"
 
 
 def report(result: dict) -> str:
@@ -99,7 +102,7 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV pool (allocated whole at its start)")
     parser.add_argument("--vllm-dtypes", default="bfloat16",
-                        help="vLLM runs once per dtype (bfloat16, float32: bf16 is emulated on a CPU without bf16 units)")
+                        help="vLLM runs once per dtype (bfloat16, float32: a CPU without bf16 units emulates bf16)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="every engine's")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

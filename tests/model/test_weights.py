@@ -8,6 +8,7 @@ from torch import nn
 from icekv.config.engine import EngineConfig
 from icekv.errors import ConfigError
 from icekv.model import weights
+from icekv.model.linear import STREAMED_ROWS
 from icekv.model.random import random_model, shape_args
 from icekv.model.weights import (
     INT4_GROUP, KERNEL_ROWS, BF16Linear, dense_weight, Int4Linear, Int8Linear, dequantize_int4, int4_fits, pack_nibbles,
@@ -168,6 +169,17 @@ def test_many_rows_multiply_in_bf16_only_on_bf16_units(kind, units, monkeypatch)
     monkeypatch.setattr(weights, "bf16_units", lambda device: units)
     weight, b = _layer(48, 96, True, seed=5)
     layer = Int4Linear.quantized(weight, b, nibbles=True) if kind is Int4Linear else kind(weight, b)
-    x = torch.randn(KERNEL_ROWS + 50, 96)  # [N, in]: past every few-row form
+    x = torch.randn(STREAMED_ROWS + 1, 96)  # [N, in]: past every few-row form
     error = _relative_error(layer(x), F.linear(x, layer.dequantized(torch.float32), b))
     assert (1e-5 < error < BF16_TOLERANCE) if units else error < 1e-6
+
+
+@pytest.mark.parametrize("kind", [BF16Linear, Int8Linear])
+def test_few_rows_keep_the_bf16_kernels_without_bf16_units(kind, monkeypatch):
+    """A decode step reads the stored bytes through the bf16 forms, which are memory-bound."""
+    monkeypatch.setattr(weights, "bf16_units", lambda device: False)
+    weight, b = _layer(48, 96, True, seed=6)
+    layer = kind(weight, b)
+    x = torch.randn(KERNEL_ROWS, 96)  # [N, in]
+    error = _relative_error(layer(x), F.linear(x, layer.dequantized(torch.float32), b))
+    assert 1e-5 < error < BF16_TOLERANCE

@@ -28,13 +28,15 @@ STREAMED_ROWS = 64  # at most this many rows take the weight-streaming form
 
 
 def bf16_units(device: torch.device) -> bool:
-    """Whether ``device`` multiplies bfloat16 natively: CUDA, or a CPU with AVX512-BF16 or AMX-BF16.
-    Other CPUs emulate bf16 matmuls, several times slower than float32 ones once they are
-    compute-bound."""
+    """Whether ``device`` multiplies bfloat16 natively: CUDA, or a CPU with bf16 instructions
+    (AVX512-BF16, AMX-BF16; Arm's BF16 or SVE-BF16). Other CPUs emulate bf16 matmuls, several
+    times slower than float32 ones once they are compute-bound."""
     if device.type != "cpu":
         return True
+    if not hasattr(torch.cpu, "get_capabilities"):  # torch before 2.10: the x86 units only
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     units = torch.cpu.get_capabilities()
-    return bool(units.get("avx512_bf16") or units.get("amx_bf16"))
+    return any(units.get(unit) for unit in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"))
 
 
 def streams_weight(x: torch.Tensor) -> bool:

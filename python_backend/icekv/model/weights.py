@@ -23,13 +23,12 @@ The tests compare each kernel with ``F.linear`` on the weight that the quantizer
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from icekv.model.linear import bf16_units, linear
 
 PRODUCT_DTYPE = torch.bfloat16  # what the weight-only kernels multiply in, and the dtype of their scales
-KERNEL_ROWS = 16  # at most this many rows take a bf16 product on a CPU without bf16 units (the int8 kernel's too)
+KERNEL_ROWS = 16  # at most this many rows take the int8 kernel, or a bf16 weight's own product, on a CPU
 INT8_KERNEL_IN = 16  # the CPU int8 kernel reads inputs in blocks of this many (others: wrong sums, unchecked)
 INT4_GROUP = 32  # input channels per int4 scale and zero (wider groups lose far more accuracy)
 INT4_KERNEL_OUT = 16  # the CPU int4 kernel packs output channels in blocks of this many
@@ -111,7 +110,7 @@ class WeightOnlyLinear(nn.Module):
         """rows [N, in] @ the dequantized weight: one matmul, in bf16 where the hardware has bf16
         units, in float32 elsewhere."""
         dtype = PRODUCT_DTYPE if bf16_units(rows.device) else torch.float32
-        return F.linear(rows.to(dtype), self.dequantized(dtype))  # [N, out]
+        return linear(rows.to(dtype), self.dequantized(dtype), None)  # [N, out]
 
     def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE) -> torch.Tensor:
         """The weight [out, in] the stored form stands for, in ``dtype``."""
