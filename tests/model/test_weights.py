@@ -8,7 +8,7 @@ from torch import nn
 from icekv.config.engine import EngineConfig
 from icekv.errors import ConfigError
 from icekv.model import weights
-from icekv.model.linear import STREAMED_ROWS
+from icekv.model.linear import COMPILED_ROWS, STREAMED_ROWS
 from icekv.model.random import random_model, shape_args
 from icekv.model.weights import (
     INT4_GROUP, KERNEL_ROWS, BF16Linear, dense_weight, Int4Linear, Int8Linear, dequantize_int4, int4_fits, pack_nibbles,
@@ -68,6 +68,19 @@ def test_bf16_and_batched_inputs():
         y = layer(x)
         assert y.shape == (2, 5, 64)
         assert _relative_error(y, want) < (0.15 if isinstance(layer, Int4Linear) else 0.02)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (203, 130), (5, 1000)])
+def test_int8_decode_rows_take_the_compiled_loop_exactly_and_batch_invariantly(shape):
+    """Up to COMPILED_ROWS float32 rows: the codes widened in the compiled loop, exact to float32
+    rounding against the weight they stand for; a row is the same alone or in a batch."""
+    weight, b = _layer(*shape, True, seed=7)
+    layer = Int8Linear(weight, b)
+    x = torch.randn(COMPILED_ROWS, shape[1])  # [N, in]
+    want = F.linear(x, layer.dequantized(torch.float32), b)  # [N, out]
+    assert _relative_error(layer(x), want) < 1e-5
+    alone = [layer(x[r:r + 1]) for r in range(COMPILED_ROWS)]
+    assert all(torch.equal(layer(x[:n])[r:r + 1], alone[r]) for n in range(2, COMPILED_ROWS + 1) for r in range(n))
 
 
 def test_int4_shapes_and_fallback():
@@ -180,6 +193,6 @@ def test_few_rows_keep_the_bf16_kernels_without_bf16_units(kind, monkeypatch):
     monkeypatch.setattr(weights, "bf16_units", lambda device: False)
     weight, b = _layer(48, 96, True, seed=6)
     layer = kind(weight, b)
-    x = torch.randn(KERNEL_ROWS, 96)  # [N, in]
+    x = torch.randn(KERNEL_ROWS, 96)  # [N, in]: past the compiled loop's rows
     error = _relative_error(layer(x), F.linear(x, layer.dequantized(torch.float32), b))
     assert 1e-5 < error < BF16_TOLERANCE

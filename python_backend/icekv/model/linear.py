@@ -54,8 +54,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [N, in], weight [out, in] (float32, CPU) -> x @ weight.T + bias [N, out], by
-    :func:`_weight_rows_by_four`."""
+    """x [N, in] float32, weight [out, in] (float32 or int8, CPU) -> x @ weight.T + bias [N, out]
+    in float32, by :func:`_weight_rows_by_four`."""
     out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)  # [N, out]
     _weight_rows_by_four(x.contiguous().numpy(), weight.detach().contiguous().numpy(), out)
     y = torch.from_numpy(out)
@@ -64,9 +64,10 @@ def compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 @numba.njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract"})
 def _weight_rows_by_four(x, w, out):
-    """out [M, O] = x [M, K] @ w [O, K].T: four weight rows at a time are read from memory once
-    and multiplied by every row of x from cache, each row of x in the same loop whatever M is: a
-    row's products are summed in one order, so a request's row is the same alone or in a batch."""
+    """out [M, O] = x [M, K] @ w [O, K].T in float32 (``w`` float32, or int8 codes widened as
+    they are read): four weight rows at a time are read from memory once and multiplied by every
+    row of x from cache, each row of x in the same loop whatever M is: a row's products are summed
+    in one order, so a request's row is the same alone or in a batch."""
     m, k = x.shape
     fours = w.shape[0] - w.shape[0] % 4
     for block in numba.prange(fours // 4):
@@ -77,10 +78,10 @@ def _weight_rows_by_four(x, w, out):
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for i in range(k):
                 xi = xr[i]
-                a0 += xi * w0[i]
-                a1 += xi * w1[i]
-                a2 += xi * w2[i]
-                a3 += xi * w3[i]
+                a0 += xi * np.float32(w0[i])
+                a1 += xi * np.float32(w1[i])
+                a2 += xi * np.float32(w2[i])
+                a3 += xi * np.float32(w3[i])
             out[r, j], out[r, j + 1], out[r, j + 2], out[r, j + 3] = a0, a1, a2, a3
     for j in range(fours, w.shape[0]):  # the last out % 4 weight rows, one by one
         wj = w[j]
@@ -88,7 +89,7 @@ def _weight_rows_by_four(x, w, out):
             xr = x[r]
             a = np.float32(0.0)
             for i in range(k):
-                a += xr[i] * wj[i]
+                a += xr[i] * np.float32(wj[i])
             out[r, j] = a
 
 
