@@ -8,6 +8,7 @@ from icekv.methods.icecache import IceCacheConfig
 from icekv.index import dci_tree, device_rescoring, fused_search, lsh, page_store, tree_walk
 from icekv.kernels import cpu_decode
 from icekv.kv import device_cache, token_rows
+from icekv.model import linear
 
 
 def _signatures() -> dict:
@@ -17,7 +18,7 @@ def _signatures() -> dict:
              "placement": dci_tree.place_tokens, "parents": dci_tree.append_tokens, "rewrite": page_store._rewrite,
              "walk": tree_walk.walk_scores, "positions": page_store._positions,
              "plan": device_cache._plan_slots, "fill": device_cache._fill, "gather": token_rows.copy_rows,
-             "attention": cpu_decode._decode}
+             "attention": cpu_decode._decode, "linear": linear._weight_rows_by_four}
     return {name: list(f.signatures) for name, f in loops.items()}
 
 

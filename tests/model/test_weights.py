@@ -71,9 +71,11 @@ def test_bf16_and_batched_inputs():
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (7, 3), (203, 130), (5, 1000)])
-def test_int8_decode_rows_take_the_compiled_loop_exactly_and_batch_invariantly(shape):
-    """Up to COMPILED_ROWS float32 rows: the codes widened in the compiled loop, exact to float32
-    rounding against the weight they stand for; a row is the same alone or in a batch."""
+def test_int8_decode_rows_take_the_compiled_loop_exactly_and_batch_invariantly(shape, monkeypatch):
+    """Up to COMPILED_ROWS float32 rows on a CPU without bf16 units: the codes widened in the
+    compiled loop, exact to float32 rounding against the weight they stand for; a row is the same
+    alone or in a batch."""
+    monkeypatch.setattr(weights, "bf16_units", lambda device: False)
     weight, b = _layer(*shape, True, seed=7)
     layer = Int8Linear(weight, b)
     x = torch.randn(COMPILED_ROWS, shape[1])  # [N, in]

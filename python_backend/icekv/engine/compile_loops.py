@@ -2,9 +2,9 @@
 
 The CPU paths of the page index (insertion bookkeeping, token placement, page rows, tree walk,
 centroids search, MagicPIG's hashing and collision counts), of the transfer (slot plan, row
-gather, the fused CPU fill) and the sparse decode attention are numba functions compiled on
-first call (after an install, or from numba's disk cache afterwards): too slow for a request's
-first token either way.
+gather, the fused CPU fill), the sparse decode attention and the few-row linear loop are numba
+functions compiled on first call (after an install, or from numba's disk cache afterwards): too
+slow for a request's first token either way.
 Running each once on tiny inputs of the dtypes a request will pass compiles exactly the
 signatures the requests use (tested: a sparse decode after this compiles nothing).
 """
@@ -23,6 +23,7 @@ from icekv.index.lsh import collision_counts, simhash
 from icekv.kernels.cpu_decode import compiled_reads, paged_decode_cpu, sparse_decode_cpu
 from icekv.kv import DevicePageCache, PagedKVCache
 from icekv.kv.quant import KVFormat
+from icekv.model.linear import compiled_linear
 
 
 def compile_loops(kv_dtype: torch.dtype, kv_format: KVFormat = KVFormat()) -> None:
@@ -60,3 +61,5 @@ def compile_loops(kv_dtype: torch.dtype, kv_format: KVFormat = KVFormat()) -> No
                       torch.ones(1, 1, dtype=torch.long), rows, rows, kv_format)
     one_page = torch.zeros(1, dtype=torch.long)
     paged_decode_cpu(torch.zeros(1, 2, 8, dtype=dtype), pool, one_page, one_page, one_page + 1, kv_format)
+    for weight_dtype in (torch.float32, torch.int8):  # a decode step's products: float32 weights, int8 codes
+        compiled_linear(torch.zeros(1, 4), torch.zeros(4, 4, dtype=weight_dtype), None)

@@ -2,17 +2,18 @@
 
 A decode step reads every weight once, so its time is the weights' bytes over memory bandwidth:
 each format stores the weight as small as it allows, and few rows multiply through torch's
-maintained kernels in bfloat16 (int8's float32 rows through a compiled loop). A prefill chunk is compute-bound, so its products run in bfloat16
-where the hardware has bf16 units (:func:`icekv.model.linear.bf16_units`) and in float32 on a CPU
-without them, whose bf16 matmuls are emulated and several times slower. Everything else
+maintained kernels in bfloat16 (or a compiled loop, below). A prefill chunk is compute-bound, so
+its products run in bfloat16 where the hardware has bf16 units
+(:func:`icekv.model.linear.bf16_units`) and in float32 on a CPU without them, whose bf16 matmuls
+are emulated and several times slower. Everything else
 (norms, rotary, attention, the KV cache, the residual stream) keeps the engine's compute dtype:
 
 - ``bfloat16``: the checkpoint's own bf16 weights (lossless for bf16 checkpoints), few rows on a
   CPU through :func:`icekv.model.linear.linear`;
-- ``int8``: symmetric, one scale per output channel; on a CPU a decode step's float32 rows go
-  through the compiled loop of :mod:`icekv.model.linear`, which widens the codes as it reads
-  them, other few rows through ``_weight_int8pack_mm``; more rows (or input widths the kernel
-  cannot take) dequantize the weight for one matmul;
+- ``int8``: symmetric, one scale per output channel; on a CPU without bf16 units a decode step's
+  float32 rows go through the compiled loop of :mod:`icekv.model.linear`, which widens the codes
+  as it reads them, and other few rows through ``_weight_int8pack_mm``; more rows (or input widths
+  the kernel cannot take) dequantize the weight for one matmul;
 - ``int4``: asymmetric, a scale and a zero per group of input channels, packed for
   ``_weight_int4pack_mm_for_cpu`` on a CPU (its layout is the kernel's own, so every row count goes
   through it), or kept as two codes per byte and dequantized elsewhere.
@@ -149,9 +150,11 @@ class Int8Linear(WeightOnlyLinear):
         self.register_buffer("scales", scales.to(PRODUCT_DTYPE))  # [out]
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.shape[0] <= COMPILED_ROWS:
+        if rows.device.type != "cpu":
+            return self.dequantized_product(rows)
+        if rows.dtype == torch.float32 and rows.shape[0] <= COMPILED_ROWS and not bf16_units(rows.device):
             return compiled_linear(rows, self.codes, None).mul_(self.scales.float())  # [N, out]
-        if rows.device.type == "cpu" and rows.shape[0] <= KERNEL_ROWS and self.in_features % INT8_KERNEL_IN == 0:
+        if rows.shape[0] <= KERNEL_ROWS and self.in_features % INT8_KERNEL_IN == 0:
             return torch.ops.aten._weight_int8pack_mm(kernel_rows(rows), self.codes, self.scales)
         return self.dequantized_product(rows)
 
