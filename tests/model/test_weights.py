@@ -85,6 +85,26 @@ def test_int8_decode_rows_take_the_compiled_loop_exactly_and_batch_invariantly(s
     assert all(torch.equal(layer(x[:n])[r:r + 1], alone[r]) for n in range(2, COMPILED_ROWS + 1) for r in range(n))
 
 
+@pytest.mark.parametrize("quantize, args", [(quantize_int8, ()), (quantize_int4, (INT4_GROUP,))])
+def test_row_blocks_quantize_as_one_pass(quantize, args, monkeypatch):
+    monkeypatch.setattr(weights, "QUANTIZED_ROWS", 3)
+    weight, _ = _layer(7, 64, False, seed=8)
+    whole, blocked = quantize(weight, *args), weights.by_row_blocks(quantize, weight, *args)
+    assert len(whole) == len(blocked) and all(torch.equal(a, b) for a, b in zip(whole, blocked))
+
+
+def test_a_stored_model_lets_the_checkpoint_go(smollm2_dir):
+    """The tensors left in the compute dtype are copies: none still points into the loaded
+    checkpoint (mapped from its file), so the mapping is freed with the linear weights."""
+    from icekv.model import load_model
+
+    model = load_model(smollm2_dir)
+    loaded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    store_weights(model, "int8", torch.float32)
+    kept = [t for t in [*model.parameters(), *model.buffers()] if t.dtype == torch.float32]
+    assert kept and not loaded & {t.untyped_storage().data_ptr() for t in kept}
+
+
 def test_int4_shapes_and_fallback():
     assert int4_fits(896, 4864) and int4_fits(576, 1536) and int4_fits(96, 48)
     assert not int4_fits(100, 64) and not int4_fits(128, 20)  # no whole groups / not the kernel's blocks

@@ -24,6 +24,8 @@ The tests compare each kernel with ``F.linear`` on the weight that the quantizer
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
@@ -35,6 +37,7 @@ INT8_KERNEL_IN = 16  # the CPU int8 kernel reads inputs in blocks of this many (
 INT4_GROUP = 32  # input channels per int4 scale and zero (wider groups lose far more accuracy)
 INT4_KERNEL_OUT = 16  # the CPU int4 kernel packs output channels in blocks of this many
 OUTPUT_LAYER = "lm_head"  # the decoder's output layer, by module name
+QUANTIZED_ROWS = 4096  # output channels quantized at a time: bounds a large layer's float temporaries
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +56,14 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     scales = (high - low).clamp(min=1e-12) / 15  # [out, G]
     codes = torch.round((grouped - low[..., None]) / scales[..., None]).clamp(0, 15)  # [out, G, group]
     return codes.to(torch.uint8).view(out_features, in_features), scales, low + 8 * scales
+
+
+def by_row_blocks(quantize, weight: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+    """``quantize(weight, *args)`` (a quantizer of each output channel on its own) run over blocks of
+    ``QUANTIZED_ROWS`` rows of ``weight`` [out, in], its outputs joined along the rows."""
+    starts = range(0, weight.shape[0], QUANTIZED_ROWS)
+    blocks = [quantize(weight[start:start + QUANTIZED_ROWS], *args) for start in starts]
+    return tuple(torch.cat(parts) for parts in zip(*blocks))
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -145,7 +156,7 @@ class Int8Linear(WeightOnlyLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        codes, scales = quantize_int8(weight)
+        codes, scales = by_row_blocks(quantize_int8, weight)
         self.register_buffer("codes", codes)  # [out, in] int8
         self.register_buffer("scales", scales.to(PRODUCT_DTYPE))  # [out]
 
@@ -187,7 +198,7 @@ class Int4Linear(WeightOnlyLinear):
     @classmethod
     def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None, nibbles: bool = False) -> Int4Linear:
         """``weight`` [out, in] quantized to int4 (:func:`quantize_int4`)."""
-        return cls(*quantize_int4(weight, INT4_GROUP), bias, nibbles)
+        return cls(*by_row_blocks(quantize_int4, weight, INT4_GROUP), bias, nibbles)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -247,7 +258,10 @@ def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype,
     layer beyond the model). Weights stored in the compute dtype (``weights`` is that dtype's name)
     stay as they are. ``int4_codes``: the checkpoint's own int4 form of some layers, by module
     name (:func:`icekv.model.gguf_blocks.load_int4_blocks`), consumed: each entry leaves the dict
-    as its layer is stored, so its codes are freed with it."""
+    as its layer is stored, so its codes are freed with it. Each layer is quantized in blocks of
+    rows, the tensors left in the compute dtype are copied off a checkpoint mapped from its file (so
+    that the mapping is let go), and the freed heap is handed back: a stored model holds about its
+    stored bytes."""
     if not stored_apart(weights, str(compute_dtype).removeprefix("torch.")):
         return
     if weights not in ("bfloat16", "int8", "int4"):  # EngineConfig.weights_on refuses these before a load
@@ -260,3 +274,16 @@ def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype,
         path = f"{prefix}.{name}" if prefix else name
         stored = stored_linear(getattr(parent, name), layer_format(path, weights), int4_codes.pop(path, None))
         setattr(parent, name, stored)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.dtype == compute_dtype and tensor.device.type == "cpu":  # embeddings, norms, biases: off
+            tensor.data = tensor.data.clone()  # the checkpoint's file mapping, which the linear weights let go
+    _return_freed_heap()
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap that the conversion freed back to the operating system: glibc keeps freed
+    blocks below its mmap threshold (each layer's temporaries) resident otherwise."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
