@@ -3,6 +3,7 @@ keep unit scale (clear greedy margins), and the engine runs one with a byte toke
 
 import pytest
 import torch
+from torch import nn
 
 from icekv.config.engine import EngineConfig
 from icekv.config.request import SamplingConfig
@@ -10,6 +11,7 @@ from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.model import Decoder, random_model, shape_args
+from icekv.model.weights import Int4Linear, Int8Linear, store_weights
 
 
 def test_llama_31_8b_has_the_real_configs_shapes():
@@ -38,6 +40,22 @@ def test_same_seed_same_weights_and_unit_scale_logits():
     assert 0.05 < float(std) < 0.075  # 1/sqrt(256) = 0.0625
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
+def test_blocks_stored_as_drawn_equal_a_model_stored_whole(weights):
+    """Drawn and stored one block at a time (what lets an 8B shape in int8 fit where its float
+    weights would not), the model is the one drawn whole and then stored, tensor for tensor."""
+    by_block = random_model("llama-tiny", seed=5, weights=weights)
+    whole = random_model("llama-tiny", seed=5)
+    store_weights(whole, weights, torch.float32)
+    assert not any(isinstance(m, nn.Linear) for m in by_block.modules())
+    if weights == "int4":
+        assert isinstance(by_block.layers[1].mlp.down_proj, Int4Linear) and isinstance(by_block.lm_head, Int8Linear)
+    mine, theirs = by_block.state_dict(), whole.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[key], theirs[key]) for key in mine)
+    assert by_block.embed_tokens.weight.dtype == torch.float32
+
+
 def test_engine_decodes_a_random_model_under_full_and_icecache():
     engine = Engine(EngineConfig(random_weights="llama-tiny", device="cpu", dtype="float32"))
     assert engine.model_id == "random:llama-tiny:float32" and engine.chat_template is None
@@ -50,3 +68,11 @@ def test_engine_decodes_a_random_model_under_full_and_icecache():
     assert everything.token_ids == full.token_ids  # a budget above the context attends everything
     assert sparse.kv.bytes_moved > 0
     assert engine.tokenizer.decode(engine.tokenizer.encode("héllo")) == "héllo"
+
+
+def test_engine_stores_a_random_model_in_the_weights_asked_for():
+    engine = Engine(EngineConfig(random_weights="llama-tiny", device="cpu", dtype="float32", weights="int8"))
+    assert engine.model_id == "random:llama-tiny:float32:weights-int8"
+    assert isinstance(engine.model.lm_head, Int8Linear)
+    result = engine.generate(list(range(1, 100)), SamplingConfig(max_tokens=4, ignore_eos=True))
+    assert result.new_tokens == 4

@@ -56,9 +56,10 @@ class Engine:
         self.weights = config.weights_on(self.device.type)  # how the linear weights are stored
         if config.random_weights is not None:
             self.model_dir, self.model_name = None, f"random {config.random_weights}"
-            self.model = random_model(config.random_weights, dtype, self.device)
+            self.model = random_model(config.random_weights, dtype, self.device, weights=self.weights)
             self.tokenizer, self.chat_template = ByteTokenizer(), None
             self.model_id = f"random:{config.random_weights}:{dtype_name}"
+            from_gguf = False
         else:
             self.model_dir = resolve_model_dir(config.model_dir)
             self.model_name = str(self.model_dir)
@@ -66,9 +67,9 @@ class Engine:
             self.tokenizer = Tokenizer(self.model_dir)
             self.chat_template = ChatTemplate.load(self.model_dir)
             self.model_id = model_identity(self.model_dir, dtype_name)
-        int4_codes = load_int4_blocks(self.model_dir) if self.weights == "int4" and self.model_dir else {}
-        from_gguf = bool(int4_codes)
-        store_weights(self.model, self.weights, dtype, int4_codes)  # consumes int4_codes
+            int4_codes = load_int4_blocks(self.model_dir) if self.weights == "int4" else {}
+            from_gguf = bool(int4_codes)
+            store_weights(self.model, self.weights, dtype, int4_codes)  # consumes int4_codes
         if stored_apart(self.weights, dtype_name):  # stored KV (prefix pages, compressed contexts) differs per format
             self.model_id += f":weights-{self.weights}" + ("-gguf" if from_gguf else "")
         if config.paging.kv_dtype != "auto":  # stored KV (prefix pages, compressed contexts) differs per format

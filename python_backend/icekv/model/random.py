@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from icekv.errors import ConfigError
 from icekv.model.args import ModelArgs
 from icekv.model.llama import Decoder, Rotary
+from icekv.model.weights import return_freed_heap, store_linears, stored_apart
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -42,23 +44,45 @@ def shape_args(name: str) -> ModelArgs:
 
 
 def random_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 seed: int = 0) -> Decoder:
+                 seed: int = 0, weights: str | None = None) -> Decoder:
     """The named shape with weights drawn on ``device`` from ``seed`` (the same seed and device
-    give the same weights)."""
+    give the same weights, whichever ``weights``). ``weights``: the form its linear layers are
+    stored in (:func:`store_linears`; by default ``dtype``), each block stored as soon as it is
+    drawn, so that an 8B shape in int8 never holds more than one block in float."""
     args = shape_args(name)
     with torch.device("meta"):
         model = Decoder(args)
     generator = torch.Generator(device).manual_seed(seed)
-    state = {}
-    for key, param in model.state_dict().items():
-        value = torch.empty(param.shape, dtype=torch.float32, device=device)
-        if key.endswith("norm.weight"):
-            value.fill_(1.0)
-        else:
-            std = 1.0 if key == "embed_tokens.weight" else 1 / math.sqrt(param.shape[-1])
-            value.normal_(0.0, std, generator=generator)
-        state[key] = value.to(dtype)
-    model.load_state_dict(state, assign=True)
+    stored = weights is not None and stored_apart(weights, str(dtype).removeprefix("torch."))
+    for parent, name, path in _blocks(model):
+        block = getattr(parent, name)
+        state = {key: _drawn(f"{path}.{key}", param.shape, device, generator).to(dtype)
+                 for key, param in block.state_dict().items()}
+        block.load_state_dict(state, assign=True)
+        if stored:
+            setattr(parent, name, store_linears(block, weights, path))
+    if stored:
+        return_freed_heap()
     with torch.device(device):
         model.rotary = Rotary(args)  # its buffer was created on the meta device
     return model.eval()
+
+
+def _blocks(model: Decoder):
+    """(parent, attribute, name in the model) of each of the model's parts that hold weights, in
+    the state dict's order, the decoder layers one at a time."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            yield from ((child, str(i), f"{name}.{i}") for i in range(len(child)))
+        elif name != "rotary":  # no weights: rebuilt on the device
+            yield model, name, name
+
+
+def _drawn(key: str, shape: torch.Size, device, generator: torch.Generator) -> torch.Tensor:
+    """The float32 value of the weight ``key``: norms 1, embeddings N(0, 1), linear layers
+    N(0, 1/fan_in)."""
+    value = torch.empty(shape, dtype=torch.float32, device=device)
+    if key.endswith("norm.weight"):
+        return value.fill_(1.0)
+    std = 1.0 if key == "embed_tokens.weight" else 1 / math.sqrt(shape[-1])
+    return value.normal_(0.0, std, generator=generator)

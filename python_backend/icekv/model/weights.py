@@ -251,36 +251,46 @@ def stored_linear(layer: nn.Linear, weights: str, int4_codes: tuple | None = Non
     return Int8Linear(weight, bias)
 
 
-def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype,
-                  int4_codes: dict[str, tuple] | None = None) -> None:
-    """Replace every linear layer of ``model`` by its ``weights`` form, one layer at a time (each
-    float weight is freed as its layer is replaced, so the conversion holds at most one converted
-    layer beyond the model). Weights stored in the compute dtype (``weights`` is that dtype's name)
-    stay as they are. ``int4_codes``: the checkpoint's own int4 form of some layers, by module
+def store_linears(module: nn.Module, weights: str, prefix: str = "",
+                  int4_codes: dict[str, tuple] | None = None) -> nn.Module:
+    """``module`` (named ``prefix`` in its model) with every linear layer in its ``weights`` form
+    (bfloat16, int8 or int4): its own children replaced one layer at a time (each float weight is
+    freed as its layer is replaced, so the conversion holds at most one converted layer beyond the
+    model), or, where ``module`` is itself a linear layer, its stored form. Each layer is quantized
+    in blocks of rows. ``int4_codes``: the checkpoint's own int4 form of some layers, by module
     name (:func:`icekv.model.gguf_blocks.load_int4_blocks`), consumed: each entry leaves the dict
-    as its layer is stored, so its codes are freed with it. Each layer is quantized in blocks of
-    rows, the tensors left in the compute dtype are copied off a checkpoint mapped from its file (so
-    that the mapping is let go), and the freed heap is handed back: a stored model holds about its
-    stored bytes."""
-    if not stored_apart(weights, str(compute_dtype).removeprefix("torch.")):
-        return
+    as its layer is stored, so its codes are freed with it."""
     if weights not in ("bfloat16", "int8", "int4"):  # EngineConfig.weights_on refuses these before a load
-        raise ValueError(f"weights {weights!r} cannot be stored under the compute dtype {compute_dtype}")
+        raise ValueError(f"linear weights cannot be stored in {weights!r}")
     int4_codes = {} if int4_codes is None else int4_codes
-    places = [(parent, prefix, name) for prefix, parent in model.named_modules()
+    if isinstance(module, nn.Linear):
+        return stored_linear(module, layer_format(prefix, weights), int4_codes.pop(prefix, None))
+    places = [(parent, path, name) for path, parent in module.named_modules(prefix=prefix)
               for name, child in parent.named_children()
               if isinstance(child, nn.Linear)]  # no reference to the layers themselves: each is freed when replaced
-    for parent, prefix, name in places:
-        path = f"{prefix}.{name}" if prefix else name
-        stored = stored_linear(getattr(parent, name), layer_format(path, weights), int4_codes.pop(path, None))
+    for parent, path, name in places:
+        full_name = f"{path}.{name}" if path else name
+        stored = stored_linear(getattr(parent, name), layer_format(full_name, weights), int4_codes.pop(full_name, None))
         setattr(parent, name, stored)
+    return module
+
+
+def store_weights(model: nn.Module, weights: str, compute_dtype: torch.dtype,
+                  int4_codes: dict[str, tuple] | None = None) -> None:
+    """Store ``model``'s linear layers in ``weights`` (:func:`store_linears`); weights stored in the
+    compute dtype (``weights`` is that dtype's name) stay as they are. The tensors left in the
+    compute dtype are then copied off a checkpoint mapped from its file (so that the mapping is let
+    go), and the freed heap is handed back: a stored model holds about its stored bytes."""
+    if not stored_apart(weights, str(compute_dtype).removeprefix("torch.")):
+        return
+    store_linears(model, weights, int4_codes=int4_codes)
     for tensor in [*model.parameters(), *model.buffers()]:
         if tensor.dtype == compute_dtype and tensor.device.type == "cpu":  # embeddings, norms, biases: off
             tensor.data = tensor.data.clone()  # the checkpoint's file mapping, which the linear weights let go
-    _return_freed_heap()
+    return_freed_heap()
 
 
-def _return_freed_heap() -> None:
+def return_freed_heap() -> None:
     """Hand the heap that the conversion freed back to the operating system: glibc keeps freed
     blocks below its mmap threshold (each layer's temporaries) resident otherwise."""
     try:
