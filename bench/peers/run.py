@@ -9,6 +9,11 @@ peak memory. The report states each engine's weight format and whether the CPU h
     .venv/bin/python bench/peers/run.py [--model qwen2.5-coder-0.5b] [--context 16384] [--tokens 32] \\
         [--engines icekv,vllm,llamacpp] [--icekv-policies icecache,full] [--icekv-weights auto,int8] \\
         [--vllm-dtypes bfloat16,float32] [--out bench/results/peers_X]
+
+``--shape llama-3.1-8b`` runs a model of that shape with random weights instead of ``--model``
+(latency does not depend on the values): icekv's random-weight model, vLLM's dummy weights on the
+shape's ``config.json``, and for llama.cpp a GGUF of random Q8_0 blocks written by
+``random_gguf.py``. The prompt is then random token ids.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pathlib import Path
 import torch
 
 from icekv.assets import Assets
-from icekv.model import Tokenizer
+from icekv.model import ModelArgs, Tokenizer, shape_args
 from icekv.model.linear import bf16_units
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,15 +47,53 @@ def prompt_ids(model_dir: Path, context: int) -> dict:
     return {"prompt": ids[:context], "follow_up": ids[context:context + FOLLOW_UP_TOKENS]}
 
 
-def time_one(engine: str, variant: list[str], ids_file: Path, model_dir: Path, gguf: Path, args) -> dict:
-    """``engine``'s record from ``time_engine.py``, run with the flags of one ``variant``."""
+def random_prompt_ids(args: ModelArgs, context: int, seed: int = 0) -> dict:
+    """Random ids of a shape's vocabulary, for a model of random weights (``--shape``)."""
+    ids = torch.randint(args.vocab_size, (context + FOLLOW_UP_TOKENS,), generator=torch.Generator().manual_seed(seed))
+    return {"prompt": ids[:context].tolist(), "follow_up": ids[context:].tolist()}
+
+
+def hf_config(args: ModelArgs, name: str) -> dict:
+    """A Hugging Face ``config.json`` of a Llama shape: what vLLM builds its dummy-weight model
+    from, and ``random_gguf.py`` its GGUF."""
+    return {"_name_or_path": name, "architectures": [args.architecture], "model_type": "llama",
+            "vocab_size": args.vocab_size, "hidden_size": args.hidden_size,
+            "intermediate_size": args.intermediate_size, "num_hidden_layers": args.num_layers,
+            "num_attention_heads": args.num_heads, "num_key_value_heads": args.num_kv_heads,
+            "head_dim": args.head_dim, "rms_norm_eps": args.rms_norm_eps, "rope_theta": args.rope_theta,
+            "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_position_embeddings,
+            "tie_word_embeddings": args.tie_word_embeddings, "attention_bias": args.qkv_bias, "mlp_bias": False,
+            "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+
+
+def random_shape_files(shape: str, scratch: Path, engines: list[str]) -> tuple[Path, Path]:
+    """The shape's ``config.json`` folder (vLLM's dummy weights) and, where llama.cpp runs, its
+    random GGUF, written in ``scratch``."""
+    model_dir = scratch / shape
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(hf_config(shape_args(shape), shape), indent=1))
+    gguf = scratch / f"{shape}-random-q8_0.gguf"
+    if "llamacpp" in engines:
+        python = _venv_python("llamacpp")
+        subprocess.run([str(python), str(Path(__file__).with_name("random_gguf.py")), str(model_dir / "config.json"),
+                        str(gguf)], check=True, cwd=ROOT)
+    return model_dir, gguf
+
+
+def _venv_python(engine: str) -> Path:
     python = ROOT / VENVS[engine] / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{python} is missing: run bash bench/peers/setup.sh")
-    command = [str(python), str(Path(__file__).with_name("time_engine.py")), "--engine", engine, "--ids", str(ids_file),
-               "--model-dir", str(model_dir), "--gguf", str(gguf), "--tokens", str(args.tokens),
+    return python
+
+
+def time_one(engine: str, variant: list[str], ids_file: Path, model_dir: Path, gguf: Path, args) -> dict:
+    """``engine``'s record from ``time_engine.py``, run with the flags of one ``variant``."""
+    shape = ["--random-weights", args.shape] if args.shape else []
+    command = [str(_venv_python(engine)), str(Path(__file__).with_name("time_engine.py")), "--engine", engine,
+               "--ids", str(ids_file), "--model-dir", str(model_dir), "--gguf", str(gguf), "--tokens", str(args.tokens),
                "--budget", str(args.budget), "--vllm-kv-gib", str(args.vllm_kv_gib), "--threads", str(args.threads),
-               *variant]
+               *shape, *variant]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "python_backend")}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -94,6 +137,8 @@ def report(result: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--shape", default=None,
+                        help="instead of --model, a model of this shape with random weights (icekv.model.random)")
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--tokens", type=int, default=32, help="timed decode tokens")
     parser.add_argument("--engines", default="icekv,vllm,llamacpp")
@@ -109,21 +154,26 @@ def main() -> int:
     engines = args.engines.split(",")
     if unknown := set(engines) - set(VENVS):
         raise SystemExit(f"unknown engines {sorted(unknown)}; known: {', '.join(VENVS)}")
-    assets = Assets()
-    model_dir = assets.model_dir(args.model)
-    gguf = assets.model_gguf(args.model) if "llamacpp" in engines else Path("-")
     variants = {"icekv": [["--icekv-policy", p, "--icekv-weights", w] for w in args.icekv_weights.split(",")
                           for p in args.icekv_policies.split(",")],
                 "vllm": [["--vllm-dtype", d] for d in args.vllm_dtypes.split(",")], "llamacpp": [[]]}
     records = []
     with tempfile.TemporaryDirectory(prefix="icekv-peers-") as scratch:
+        if args.shape:
+            model_dir, gguf = random_shape_files(args.shape, Path(scratch), engines)
+            ids = random_prompt_ids(shape_args(args.shape), args.context)
+        else:
+            model_dir = Assets().model_dir(args.model)
+            gguf = Assets().model_gguf(args.model) if "llamacpp" in engines else Path("-")
+            ids = prompt_ids(model_dir, args.context)
         ids_file = Path(scratch) / "ids.json"
-        ids_file.write_text(json.dumps(prompt_ids(model_dir, args.context)))
+        ids_file.write_text(json.dumps(ids))
         for engine, variant in [(e, v) for e in engines for v in variants[e]]:
             records.append(time_one(engine, variant, ids_file, model_dir, gguf, args))
             print(json.dumps({k: v for k, v in records[-1].items() if k != "decode_gaps_s"}), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    result = {"command": " ".join(["bench/peers/run.py", *sys.argv[1:]]), "model": args.model, "context": args.context,
+    model = f"{args.shape} (random weights)" if args.shape else args.model
+    result = {"command": " ".join(["bench/peers/run.py", *sys.argv[1:]]), "model": model, "context": args.context,
               "tokens": args.tokens, "vllm_kv_gib": args.vllm_kv_gib,
               "machine": machine(),
               "commit": commit.strip(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "records": records}

@@ -48,7 +48,8 @@ def arrivals_icekv(args):
 
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model_dir=args.model_dir, weights=args.icekv_weights))
+    model = {"random_weights": args.random_weights} if args.random_weights else {"model_dir": args.model_dir}
+    engine = Engine(EngineConfig(**model, weights=args.icekv_weights))
     selection = SelectionConfig(policy=args.icekv_policy, budget=args.budget)
 
     def run(ids: list[int], n: int) -> tuple[list[float], list[int], int]:
@@ -72,13 +73,16 @@ def arrivals_vllm(args):
     import vllm
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=args.model_dir, dtype=args.vllm_dtype, max_model_len=args.max_len, enable_prefix_caching=True)
+    dummy = {"load_format": "dummy", "skip_tokenizer_init": True} if args.random_weights else {}
+    llm = LLM(model=args.model_dir, dtype=args.vllm_dtype, max_model_len=args.max_len, enable_prefix_caching=True,
+              **dummy)
     engine = llm.llm_engine
 
     def run(ids: list[int], n: int) -> tuple[list[float], list[int], int]:
         start, times, tokens, cached = time.perf_counter(), [], [], 0
         engine.add_request(f"peer-{time.perf_counter_ns()}", TokensPrompt(prompt_token_ids=ids),
-                           SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                           SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                          detokenize=not args.random_weights))  # a dummy model has no tokenizer
         while engine.has_unfinished_requests():
             for output in engine.step():
                 got = list(output.outputs[0].token_ids)
@@ -86,7 +90,7 @@ def arrivals_vllm(args):
                 tokens, cached = got, output.num_cached_tokens or 0
         return times, tokens, cached
 
-    return run, f"vLLM {vllm.__version__} {args.vllm_dtype}"
+    return run, f"vLLM {vllm.__version__} {args.vllm_dtype}" + (" (dummy weights)" if args.random_weights else "")
 
 
 def arrivals_llamacpp(args):
@@ -175,7 +179,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=sorted(ENGINES), required=True)
     parser.add_argument("--ids", type=Path, required=True, help="JSON: {prompt: [...], follow_up: [...]}")
-    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--model-dir", required=True, help="with --random-weights: the shape's config.json folder")
+    parser.add_argument("--random-weights", default=None, metavar="SHAPE",
+                        help="a model of this shape with random weights (icekv.model.random; run.py --shape)")
     parser.add_argument("--gguf", default=None)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--icekv-policy", default="icecache")
