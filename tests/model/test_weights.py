@@ -209,6 +209,21 @@ def test_many_rows_multiply_in_bf16_only_on_bf16_units(kind, units, monkeypatch)
     assert (1e-5 < error < BF16_TOLERANCE) if units else error < 1e-6
 
 
+@pytest.mark.parametrize("kind", [BF16Linear, Int8Linear, Int4Linear])
+@pytest.mark.parametrize("block_rows", [1, 7, 16, 47, 48, 100])
+def test_a_weight_dequantized_by_blocks_gives_the_whole_weight_s_product(kind, block_rows, monkeypatch):
+    """A large weight's product of many rows is taken a block of output channels at a time (odd
+    blocks, a last one cut short, one block of all): each column is the whole weight's."""
+    monkeypatch.setattr(weights, "bf16_units", lambda device: False)
+    weight, _ = _layer(48, 96, False, seed=7)
+    layer = Int4Linear.quantized(weight, None, nibbles=True) if kind is Int4Linear else kind(weight, None)
+    x = torch.randn(STREAMED_ROWS + 3, 96)  # [N, in]
+    whole = F.linear(x, layer.dequantized(torch.float32))  # [N, out]
+    assert torch.equal(layer.dequantized(torch.float32, 7, 30), layer.dequantized(torch.float32)[7:30])
+    by_blocks = layer.dequantized_product(x, block_rows)
+    assert by_blocks.shape == whole.shape and _relative_error(by_blocks, whole) < 1e-6
+
+
 @pytest.mark.parametrize("kind", [BF16Linear, Int8Linear])
 def test_few_rows_keep_the_bf16_kernels_without_bf16_units(kind, monkeypatch):
     """A decode step reads the stored bytes through the bf16 forms, which are memory-bound."""

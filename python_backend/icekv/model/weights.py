@@ -37,6 +37,10 @@ INT8_KERNEL_IN = 16  # the CPU int8 kernel reads inputs in blocks of this many (
 INT4_GROUP = 32  # input channels per int4 scale and zero (wider groups lose far more accuracy)
 INT4_KERNEL_OUT = 16  # the CPU int4 kernel packs output channels in blocks of this many
 OUTPUT_LAYER = "lm_head"  # the decoder's output layer, by module name
+# A CPU product of many rows dequantizes a weight of at most DEQUANTIZED_WHOLE_BYTES whole (glibc's heap reuses
+# such a block; a larger one is mapped afresh and faulted in for every chunk of rows), a larger one
+# DEQUANTIZED_BLOCK_BYTES at a time.
+DEQUANTIZED_WHOLE_BYTES, DEQUANTIZED_BLOCK_BYTES = 32 << 20, 8 << 20
 QUANTIZED_ROWS = 4096  # output channels quantized at a time: bounds a large layer's float temporaries
 
 
@@ -119,14 +123,25 @@ class WeightOnlyLinear(nn.Module):
         """rows [N, in] -> rows @ weight.T [N, out], in the dtype of the form that computes it."""
         raise NotImplementedError
 
-    def dequantized_product(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [N, in] @ the dequantized weight: one matmul, in bf16 where the hardware has bf16
-        units, in float32 elsewhere."""
+    def dequantized_product(self, rows: torch.Tensor, block_rows: int | None = None) -> torch.Tensor:
+        """rows [N, in] @ the dequantized weight, in bf16 where the hardware has bf16 units, in
+        float32 elsewhere. On a CPU a large weight is dequantized ``block_rows`` output channels at
+        a time (by default DEQUANTIZED_BLOCK_BYTES), each block multiplied before the next is made:
+        the whole of it in float would be mapped, written and read back for every chunk of rows,
+        which costs more than the product itself in a large model."""
         dtype = PRODUCT_DTYPE if bf16_units(rows.device) else torch.float32
-        return linear(rows.to(dtype), self.dequantized(dtype), None)  # [N, out]
+        rows = rows.to(dtype)
+        if block_rows is None:
+            row_bytes = self.in_features * dtype.itemsize
+            small = rows.device.type != "cpu" or self.out_features * row_bytes <= DEQUANTIZED_WHOLE_BYTES
+            block_rows = self.out_features if small else max(DEQUANTIZED_BLOCK_BYTES // row_bytes, 1)
+        if block_rows >= self.out_features:
+            return linear(rows, self.dequantized(dtype), None)  # [N, out]
+        return torch.cat([linear(rows, self.dequantized(dtype, first, first + block_rows), None)  # [N, block]
+                          for first in range(0, self.out_features, block_rows)], dim=1)  # [N, out]
 
-    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE) -> torch.Tensor:
-        """The weight [out, in] the stored form stands for, in ``dtype``."""
+    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE, first: int = 0, last: int | None = None) -> torch.Tensor:
+        """Rows [first, last) of the weight [out, in] the stored form stands for, in ``dtype``."""
         raise NotImplementedError
 
 
@@ -147,8 +162,8 @@ class BF16Linear(WeightOnlyLinear):
             return linear(kernel_rows(rows), self.weight, None)
         return self.dequantized_product(rows)
 
-    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE) -> torch.Tensor:
-        return self.weight.to(dtype)
+    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE, first: int = 0, last: int | None = None) -> torch.Tensor:
+        return self.weight[first:last].to(dtype)
 
 
 class Int8Linear(WeightOnlyLinear):
@@ -169,8 +184,8 @@ class Int8Linear(WeightOnlyLinear):
             return torch.ops.aten._weight_int8pack_mm(kernel_rows(rows), self.codes, self.scales)
         return self.dequantized_product(rows)
 
-    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE) -> torch.Tensor:
-        return self.codes.to(dtype) * self.scales.to(dtype)[:, None]  # [out, in]
+    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE, first: int = 0, last: int | None = None) -> torch.Tensor:
+        return torch.mul(self.codes[first:last], self.scales[first:last].to(dtype)[:, None])  # [rows, in], one pass
 
 
 class Int4Linear(WeightOnlyLinear):
@@ -206,14 +221,14 @@ class Int4Linear(WeightOnlyLinear):
                                                               self.scales_and_zeros)
         return self.dequantized_product(rows)
 
-    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE) -> torch.Tensor:
+    def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE, first: int = 0, last: int | None = None) -> torch.Tensor:
         """From the nibbles; from the CPU kernel's packed layout, which has no reader, as the
         kernel's product with the identity (in x in x out multiply-adds: for occasional use)."""
         if self.packed is not None:
-            return self.product(torch.eye(self.in_features, dtype=PRODUCT_DTYPE)).T.to(dtype)  # [out, in]
-        codes = unpack_nibbles(self.nibbles)  # [out, in]
-        scales, zeros = self.scales_and_zeros.to(dtype).transpose(0, 1).unbind(-1)  # [out, G] each
-        return dequantize_int4(codes, scales, zeros)  # [out, in]
+            return self.product(torch.eye(self.in_features, dtype=PRODUCT_DTYPE)).T[first:last].to(dtype)  # [rows, in]
+        codes = unpack_nibbles(self.nibbles[first:last])  # [rows, in]
+        scales, zeros = self.scales_and_zeros[:, first:last].to(dtype).transpose(0, 1).unbind(-1)  # [rows, G] each
+        return dequantize_int4(codes, scales, zeros)  # [rows, in]
 
 
 def stored_bytes(out_features: int, in_features: int, weights: str) -> int:
