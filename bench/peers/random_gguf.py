@@ -63,6 +63,7 @@ def vocabulary(size: int) -> tuple[list[str], list[int]]:
 
 
 def write(config: dict, path: Path, seed: int = 0) -> None:
+    """The GGUF of ``config``'s shape at ``path``: metadata, then each tensor drawn from ``seed``."""
     writer = gguf.GGUFWriter(str(path), "llama")
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     writer.add_name("random " + config.get("_name_or_path", "llama"))

@@ -56,6 +56,8 @@ def random_prompt_ids(args: ModelArgs, context: int, seed: int = 0) -> dict:
 def hf_config(args: ModelArgs, name: str) -> dict:
     """A Hugging Face ``config.json`` of a Llama shape: what vLLM builds its dummy-weight model
     from, and ``random_gguf.py`` its GGUF."""
+    if args.architecture != "LlamaForCausalLM" or args.qkv_bias or args.qk_norm:
+        raise SystemExit(f"--shape {name}: only plain Llama shapes have a config.json and a GGUF here")
     return {"_name_or_path": name, "architectures": [args.architecture], "model_type": "llama",
             "vocab_size": args.vocab_size, "hidden_size": args.hidden_size,
             "intermediate_size": args.intermediate_size, "num_hidden_layers": args.num_layers,
@@ -163,8 +165,9 @@ def main() -> int:
             model_dir, gguf = random_shape_files(args.shape, Path(scratch), engines)
             ids = random_prompt_ids(shape_args(args.shape), args.context)
         else:
-            model_dir = Assets().model_dir(args.model)
-            gguf = Assets().model_gguf(args.model) if "llamacpp" in engines else Path("-")
+            assets = Assets()
+            model_dir = assets.model_dir(args.model)
+            gguf = assets.model_gguf(args.model) if "llamacpp" in engines else Path("-")
             ids = prompt_ids(model_dir, args.context)
         ids_file = Path(scratch) / "ids.json"
         ids_file.write_text(json.dumps(ids))

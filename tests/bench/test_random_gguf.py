@@ -6,11 +6,12 @@ import importlib.util
 import json
 from pathlib import Path
 
-import gguf
 import numpy as np
+import pytest
 
 from icekv.model import shape_args
 
+gguf = pytest.importorskip("gguf")
 PEERS = Path(__file__).resolve().parents[2] / "bench" / "peers"
 
 

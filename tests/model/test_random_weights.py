@@ -11,6 +11,7 @@ from icekv.config.selection import SelectionConfig
 from icekv.engine import Engine
 from icekv.errors import ConfigError
 from icekv.model import Decoder, random_model, shape_args
+from icekv.model import random
 from icekv.model.weights import Int4Linear, Int8Linear, store_weights
 
 
@@ -38,6 +39,18 @@ def test_same_seed_same_weights_and_unit_scale_logits():
     assert torch.equal(a.layers[0].input_layernorm.weight, torch.ones(256))
     std = a.lm_head.weight.detach().std()
     assert 0.05 < float(std) < 0.075  # 1/sqrt(256) = 0.0625
+
+
+def test_weights_are_drawn_in_the_state_dict_s_order():
+    """One generator draws every weight in the state dict's order, so a seed names the same
+    weights however the model is built and stored."""
+    model = random_model("llama-tiny", seed=2)
+    with torch.device("meta"):
+        meta = Decoder(shape_args("llama-tiny"))
+    generator = torch.Generator().manual_seed(2)
+    for key, param in meta.state_dict().items():
+        want = random._drawn(key, param.shape, "cpu", generator)
+        assert torch.equal(model.state_dict()[key], want), key
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])

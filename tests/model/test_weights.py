@@ -224,6 +224,29 @@ def test_a_weight_dequantized_by_blocks_gives_the_whole_weight_s_product(kind, b
     assert by_blocks.shape == whole.shape and _relative_error(by_blocks, whole) < 1e-6
 
 
+def test_only_a_large_weight_is_dequantized_by_blocks(monkeypatch):
+    """By default the blocks are DEQUANTIZED_BLOCK_BYTES of a weight larger than
+    DEQUANTIZED_WHOLE_BYTES in float."""
+    monkeypatch.setattr(weights, "bf16_units", lambda device: False)
+    layer = Int8Linear(_layer(48, 96, False, seed=8)[0], None)
+    x = torch.randn(STREAMED_ROWS + 3, 96)  # [N, in]
+    made, dequantized = [], Int8Linear.dequantized
+
+    def recorded(self, dtype, first=0, last=None):  # the real dequantization, each row range it is asked for noted
+        made.append((first, last))
+        return dequantized(self, dtype, first, last)
+
+    monkeypatch.setattr(Int8Linear, "dequantized", recorded)
+    layer.dequantized_product(x)
+    assert made == [(0, None)]  # 48 x 96 floats: under DEQUANTIZED_WHOLE_BYTES
+    monkeypatch.setattr(weights, "DEQUANTIZED_WHOLE_BYTES", 48 * 96 * 4 - 1)
+    monkeypatch.setattr(weights, "DEQUANTIZED_BLOCK_BYTES", 96 * 4 * 20)  # 20 rows
+    made.clear()
+    by_blocks = layer.dequantized_product(x)
+    assert made == [(0, 20), (20, 40), (40, 60)]
+    assert _relative_error(by_blocks, F.linear(x, layer.dequantized(torch.float32))) < 1e-6
+
+
 @pytest.mark.parametrize("kind", [BF16Linear, Int8Linear])
 def test_few_rows_keep_the_bf16_kernels_without_bf16_units(kind, monkeypatch):
     """A decode step reads the stored bytes through the bf16 forms, which are memory-bound."""

@@ -54,12 +54,12 @@ class Engine:
         dtype_name = config.dtype_on(self.device.type)
         dtype = getattr(torch, dtype_name)
         self.weights = config.weights_on(self.device.type)  # how the linear weights are stored
+        from_gguf = False  # int4 codes taken from the checkpoint's GGUF blocks
         if config.random_weights is not None:
             self.model_dir, self.model_name = None, f"random {config.random_weights}"
             self.model = random_model(config.random_weights, dtype, self.device, weights=self.weights)
             self.tokenizer, self.chat_template = ByteTokenizer(), None
             self.model_id = f"random:{config.random_weights}:{dtype_name}"
-            from_gguf = False
         else:
             self.model_dir = resolve_model_dir(config.model_dir)
             self.model_name = str(self.model_dir)

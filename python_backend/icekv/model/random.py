@@ -54,13 +54,13 @@ def random_model(name: str, dtype: torch.dtype = torch.float32, device: str | to
         model = Decoder(args)
     generator = torch.Generator(device).manual_seed(seed)
     stored = weights is not None and stored_apart(weights, str(dtype).removeprefix("torch."))
-    for parent, name, path in _blocks(model):
-        block = getattr(parent, name)
+    for parent, attribute, path in _blocks(model):  # a tied output layer is drawn apart, as any other
+        block = getattr(parent, attribute)
         state = {key: _drawn(f"{path}.{key}", param.shape, device, generator).to(dtype)
                  for key, param in block.state_dict().items()}
         block.load_state_dict(state, assign=True)
         if stored:
-            setattr(parent, name, store_linears(block, weights, path))
+            setattr(parent, attribute, store_linears(block, weights, path))
     if stored:
         return_freed_heap()
     with torch.device(device):

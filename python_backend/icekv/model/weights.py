@@ -125,10 +125,12 @@ class WeightOnlyLinear(nn.Module):
 
     def dequantized_product(self, rows: torch.Tensor, block_rows: int | None = None) -> torch.Tensor:
         """rows [N, in] @ the dequantized weight, in bf16 where the hardware has bf16 units, in
-        float32 elsewhere. On a CPU a large weight is dequantized ``block_rows`` output channels at
-        a time (by default DEQUANTIZED_BLOCK_BYTES), each block multiplied before the next is made:
-        the whole of it in float would be mapped, written and read back for every chunk of rows,
-        which costs more than the product itself in a large model."""
+        float32 elsewhere. ``block_rows`` output channels are dequantized at a time, each block
+        multiplied before the next is made; by default, on a CPU, DEQUANTIZED_BLOCK_BYTES of a
+        weight whose float form exceeds DEQUANTIZED_WHOLE_BYTES, else the whole weight: a large
+        one whole would be mapped, written and read back for every chunk of rows, which costs
+        more than the product itself in a large model. The blocks' products are joined into a new
+        [N, out] tensor."""
         dtype = PRODUCT_DTYPE if bf16_units(rows.device) else torch.float32
         rows = rows.to(dtype)
         if block_rows is None:
@@ -185,7 +187,7 @@ class Int8Linear(WeightOnlyLinear):
         return self.dequantized_product(rows)
 
     def dequantized(self, dtype: torch.dtype = PRODUCT_DTYPE, first: int = 0, last: int | None = None) -> torch.Tensor:
-        return torch.mul(self.codes[first:last], self.scales[first:last].to(dtype)[:, None])  # [rows, in], one pass
+        return self.codes[first:last].to(dtype).mul_(self.scales[first:last].to(dtype)[:, None])  # [rows, in]
 
 
 class Int4Linear(WeightOnlyLinear):
