@@ -33,6 +33,7 @@ import torch
 from icekv.assets import Assets
 from icekv.model import ModelArgs, Tokenizer, shape_args
 from icekv.model.linear import bf16_units
+from icekv.model.random import SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 VENVS = {"icekv": ".venv", "vllm": ".venv-vllm", "llamacpp": ".venv-llamacpp"}
@@ -139,7 +140,7 @@ def report(result: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--shape", default=None,
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
                         help="instead of --model, a model of this shape with random weights (icekv.model.random)")
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--tokens", type=int, default=32, help="timed decode tokens")
