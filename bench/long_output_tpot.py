@@ -5,7 +5,8 @@ other ``--early``; then their steps alternate one for one (every other pair in r
 ``--pairs`` pairs, so the machine's drift, which on a shared VM exceeds the effect, falls on both
 alike. Each decode is a single request under one policy. The report gives both sides' mean and
 median step time, the stage split of the paired steps (page search, transfer, attention,
-insertion, the rest), and the ratio late / early: of the means, and the median of the pairs' ratios.
+insertion, the rest), and the ratio late / early: of the means, and the pairs' ratios' median and
+mean with its 95% interval.
 
     .venv/bin/python bench/long_output_tpot.py [--model qwen2.5-coder-0.5b] [--context 16384]
         [--early 100] [--late 4000] [--pairs 256] [--policy icecache] [--budget 256] [--out DIR]
@@ -29,57 +30,55 @@ from icekv.config.paging import PagingConfig
 from icekv.config.request import SamplingConfig
 from icekv.engine import Engine
 from icekv.engine.model_dir import resolve_model_dir
-from icekv.eval.decode_bench import SPLIT, DecodeBenchConfig, plans_for, synthesize
+from icekv.eval.decode_bench import SPLIT, DecodeBenchConfig, plans_for, stage_split, step_until, synthesize
 
 
 def measure(engines: dict[str, Engine], positions: dict[str, int], plan, context: int, pairs: int, seed_text: str,
             seed_tokens: int, progress=lambda line: None) -> dict[str, dict]:
     """Per side (``engines`` and ``positions`` share their names): a ``context``-token request decoded
     under ``plan`` to its position, then the sides' paired steps (:func:`paired_steps`). Every
-    request is released at the end."""
-    sides, requests = {}, {}
+    request is released at the end, whatever happened."""
+    requests, seqs = {}, {}
     try:
         for name, engine in engines.items():
             requests[name] = synthesize(engine, engine.tokenizer.encode(seed_text)[:seed_tokens], context)
-            sides[name] = (engine, decode_to(engine, requests[name], plan, positions[name], pairs, progress))
-        return paired_steps(sides, pairs)
+            sampling = SamplingConfig(max_tokens=positions[name] + pairs + 2, ignore_eos=True)
+            seqs[name] = engine.submit_decode(requests[name], sampling, plan)
+            t0 = time.perf_counter()
+            step_until(engine, seqs[name], positions[name])
+            if len(seqs[name].step_s) < positions[name]:
+                raise RuntimeError(f"the {name} decode ended at step {len(seqs[name].step_s)}: {seqs[name].error}")
+            progress(f"{name}: {positions[name]} tokens decoded in {time.perf_counter() - t0:.0f} s")
+        return paired_steps({name: (engines[name], seq) for name, seq in seqs.items()}, pairs)
     finally:
-        for name, (engine, seq) in sides.items():
-            engine.run(seq)  # its last few tokens: the decode ends and frees its pages
+        for name, seq in seqs.items():
+            seq.cancel()
+            while not seq.done:  # the cancel takes effect at the next step, which frees its pages
+                engines[name].step()
         for name, req in requests.items():
             engines[name].release(req)
 
 
-def decode_to(engine: Engine, req, plan, position: int, pairs: int, progress):
-    """A decode of ``req`` under ``plan`` stepped until it has taken ``position`` steps; room is left
-    for ``pairs`` more."""
-    seq = engine.submit_decode(req, SamplingConfig(max_tokens=position + pairs + 2, ignore_eos=True), plan)
-    t0 = time.perf_counter()
-    while len(seq.step_s) < position:
-        engine.step()
-        if len(seq.step_s) % 500 == 0 and seq.step_s:
-            progress(f"step {len(seq.step_s)} of {position}: {seq.step_s[-1] * 1e3:.1f} ms")
-    progress(f"decoded {position} tokens in {time.perf_counter() - t0:.0f} s")
-    return seq
-
-
 def paired_steps(sides: dict[str, tuple[Engine, object]], pairs: int) -> dict[str, dict]:
-    """Step each side's engine once per pair, alternating which goes first: per side, its output
-    position before the pairs, each paired step's time and the stage times over them."""
+    """Step each side's engine once per pair, every other pair in reverse order: per side, the
+    output tokens its paired steps produced (first, last), each step's time and its stage split."""
     before = {name: dict(seq.backend.timings) for name, (_, seq) in sides.items()}
     times: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(pairs):
         for name in (list(sides) if i % 2 == 0 else list(reversed(sides))):
             engine, seq = sides[name]
+            steps = len(seq.step_s)
             engine.step()
+            if len(seq.step_s) != steps + 1:
+                raise RuntimeError(f"the {name} decode took no step: {seq.error}")
             times[name].append(seq.step_s[-1])
     out = {}
     for name, (_, seq) in sides.items():
-        after = seq.backend.timings
-        split = {k: (after.get(k, 0.0) - before[name].get(k, 0.0)) / pairs for k in SPLIT}
+        split = stage_split(before[name], seq.backend.timings, pairs)
         mean = sum(times[name]) / pairs
-        out[name] = {"position": len(seq.step_s) - pairs, "step_s": times[name], "tpot_s": mean,
-                     "tpot_median_s": statistics.median(times[name]), **split,
+        # output token n comes from decode step n (the first token from the prefill's logits)
+        out[name] = {"tokens": [len(seq.step_s) - pairs + 1, len(seq.step_s)], "step_s": times[name],
+                     "tpot_s": mean, "tpot_median_s": statistics.median(times[name]), **split,
                      "other_s": max(mean - sum(split.values()), 0.0)}
     return out
 
@@ -87,20 +86,33 @@ def paired_steps(sides: dict[str, tuple[Engine, object]], pairs: int) -> dict[st
 def report(result: dict) -> str:
     early, late = result["sides"]["early"], result["sides"]["late"]
     ratios = [b / a for a, b in zip(early["step_s"], late["step_s"])]
-    rows = [f"| {name} ({side['position']:,}) | {side['tpot_s'] * 1e3:.1f} | {side['tpot_median_s'] * 1e3:.1f} | "
-            + " | ".join(f"{side[k] * 1e3:.1f}" for k in (*SPLIT, "other_s")) + " |"
-            for name, side in (("early", early), ("late", late))]
+    mean, sem = statistics.mean(ratios), statistics.stdev(ratios) / len(ratios) ** 0.5
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    rows = [f"| {name}: tokens {side['tokens'][0]:,}-{side['tokens'][1]:,} | {side['tpot_s'] * 1e3:.1f} | "
+            f"{side['tpot_median_s'] * 1e3:.1f} | " + " | ".join(f"{side[k] * 1e3:.1f}" for k in (*SPLIT, "other_s"))
+            + " |" for name, side in (("early", early), ("late", late))]
     return "\n".join([
-        f"# Time per token at output token {late['position']:,} against {early['position']:,}", "",
+        f"# Time per token around output token {late['tokens'][0]:,} against {early['tokens'][0]:,}", "",
         "```", result["command"], "```", "",
         f"{result['model']}, a synthesized {result['context']:,}-token context, `{result['policy']}` at budget "
         f"{result['budget']}; {result['pairs']} paired steps; {result['machine']}; commit {result['commit']}, "
-        f"{result['date']}.", "",
-        "| side (output position) | mean ms | median ms | page search | transfer | attention | insertion | the rest |",
+        f"{result['date']}. Milliseconds per step (the forward, the index inserts, the sampling).", "",
+        "| side, output tokens | mean | median | page search | transfer | attention | insertion | the rest |",
         "|---|---|---|---|---|---|---|---|", *rows, "",
-        f"- late / early, the means: {late['tpot_s'] / early['tpot_s']:.3f}x; the median of the pairs' ratios: "
-        f"{statistics.median(ratios):.3f}x (quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-"
-        f"{statistics.quantiles(ratios, n=4)[2]:.3f}x).", ""])
+        f"- late / early, the means: {late['tpot_s'] / early['tpot_s']:.3f}x; the pairs' ratios: median "
+        f"{statistics.median(ratios):.3f}x (quartiles {q1:.3f}-{q3:.3f}x), mean {mean:.3f}x "
+        f"(95% interval {mean - 1.96 * sem:.3f}-{mean + 1.96 * sem:.3f}x).", ""])
+
+
+def cpu_model() -> str:
+    """The processor's name as Linux reports it (else the machine type)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def main() -> None:
@@ -128,7 +140,7 @@ def main() -> None:
     command = "bench/long_output_tpot.py " + " ".join(sys.argv[1:])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"command": command, "model": Path(model_dir).name, "context": args.context, "policy": args.policy,
-              "budget": args.budget, "pairs": args.pairs, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "budget": args.budget, "pairs": args.pairs, "machine": f"{cpu_model()}, {os.cpu_count()} cores",
               "commit": commit, "date": time.strftime("%Y-%m-%d"), "sides": sides}
     text = report(result)
     print(text)

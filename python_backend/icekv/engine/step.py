@@ -67,17 +67,23 @@ class StepRunner:
             for seq in ready:
                 seq.fail(e)
             return
-        step_s = time.perf_counter() - t0
         rows = dict(zip(wanted, logits.split([len(rs) for rs in wanted.values()])))  # i -> [rows, V]
+        decoded = []  # the sequences that took a decode step: each waited the whole step for its token
         for i, seq in enumerate(ready):
             if i in batch.failed:
                 seq.fail(batch.failed[i])
                 continue
             try:
+                decoding = seq.phase is Phase.DECODE
                 seq.backend.end_step()
-                self._advance(seq, sizes[i], rows.get(i), step_s)
+                self._advance(seq, sizes[i], rows.get(i))
+                if decoding:
+                    decoded.append(seq)
             except Exception as e:
                 seq.fail(e)
+        step_s = time.perf_counter() - t0  # the forward, the index inserts and the sampling
+        for seq in decoded:
+            seq.step_s.append(step_s)
 
     def _prepare(self, seq: Sequence, n: int) -> list[int] | None:
         """The token ids ``seq`` feeds this step (its backend set up); None: nothing to feed."""
@@ -106,10 +112,9 @@ class StepRunner:
             seq.t_decode += time.perf_counter() - t0
         return [seq.next_token]
 
-    def _advance(self, seq: Sequence, n: int, logits: torch.Tensor | None, step_s: float) -> None:
+    def _advance(self, seq: Sequence, n: int, logits: torch.Tensor | None) -> None:
         """``logits`` [rows, V]: the rows ``seq`` asked for this step (None: none)."""
         if seq.phase is Phase.DECODE:
-            seq.step_s.append(step_s)
             seq.accept(logits[-1])
             return
         if seq.request.sampling.prompt_logprobs is not None:

@@ -170,13 +170,13 @@ def time_policy(engine: Engine, req: Prefilled, cfg: DecodeBenchConfig, plan: Po
     prebuilt = req.prebuilt_index(plan) is not None  # this decode takes prefill's index
     with DevicePeak(engine.device) as peak:
         seq = engine.submit_decode(req, sampling, plan)
-        warm = _step_until(engine, seq, cfg.warmup_steps)  # stage times after the warm-up
+        warm = step_until(engine, seq, cfg.warmup_steps)  # stage times after the warm-up
         with LinearClock(engine.model) as linears:
             marks = [_mark(seq, 0), *_window_marks(engine, seq, cfg.warmup_steps, cfg.window)] if cfg.window else []
             gen = engine.run(seq)
     timed = seq.step_s[cfg.warmup_steps:] or seq.step_s[-1:]  # each timed step's wall time
     steps = len(timed)
-    split = {k: (gen.timings.get(k, 0.0) - warm.get(k, 0.0)) / steps for k in SPLIT}
+    split = stage_split(warm, gen.timings, steps)
     if engine.device.type == "cpu":  # on a GPU the layers' calls return before their kernels end
         split["weights_s"] = linears.seconds / steps
     tpot = sum(timed) / steps
@@ -232,13 +232,18 @@ def _windows(step_s: list[float], marks: list[tuple[int, dict, object]]) -> list
     for (start, before, kv0), (end, after, kv1) in zip(marks, marks[1:]):
         times, n = step_s[start:end], end - start
         out.append({"start": start, "steps": n, "tpot_s": sum(times) / n, "tpot_median_s": statistics.median(times),
-                    "step_max_s": max(times), **{k: (after.get(k, 0.0) - before.get(k, 0.0)) / n for k in SPLIT},
+                    "step_max_s": max(times), **stage_split(before, after, n),
                     "kv_bytes_per_token": (kv1.total_bytes - kv0.total_bytes) / n,
                     "index_bytes_per_token": (kv1.index_bytes - kv0.index_bytes) / n, "index_bytes": kv1.index_bytes})
     return out
 
 
-def _step_until(engine: Engine, seq: Sequence, steps: int) -> dict:
+def stage_split(before: dict, after: dict, steps: int) -> dict:
+    """Seconds per step of each stage of :data:`SPLIT` between two reads of a decode's stage times."""
+    return {k: (after.get(k, 0.0) - before.get(k, 0.0)) / steps for k in SPLIT}
+
+
+def step_until(engine: Engine, seq: Sequence, steps: int) -> dict:
     """Step the engine until ``seq`` has decoded ``steps`` steps (or is done); its stage times then."""
     while not seq.done and len(seq.step_s) < steps:
         engine.step()
