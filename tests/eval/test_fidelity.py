@@ -12,7 +12,7 @@ import torch
 from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.errors import ConfigError
-from icekv.eval.fidelity import divergence, merged, reference, teacher_forced
+from icekv.eval.fidelity import Reference, divergence, merged, reference, teacher_forced
 from icekv.policies import resolve
 from tests.test_cli import refused
 
@@ -102,6 +102,19 @@ def test_a_peaked_distribution_keeps_a_finite_divergence():
     assert torch.isfinite(part) and 0 <= part <= divergence(p, q) + 1e-15
 
 
+def test_the_repeated_share_counts_positions_that_end_a_run_seen_before():
+    def share(tokens, size, n=3):
+        empty = torch.empty(len(tokens), 1)
+        return Reference(tuple(tokens), empty.long(), empty).repeated(size, n)
+
+    assert share(range(12), 4) == [0.0, 0.0, 0.0]  # nothing repeats
+    # a 4-token cycle: the runs ending at 4 and 5 cross the first cycle's end (new), from 6 on all repeat
+    assert share([1, 2, 3, 4] * 3, 4) == [0.0, 0.5, 1.0]
+    assert share([5, 1, 2, 3, 9, 1, 2, 3], 4) == [0.0, 0.25]  # only (1, 2, 3) ends twice
+    assert share([7, 7], 4) == [0.0]  # shorter than a run: nothing counted
+    assert share([7] * 6, 2, n=1) == [0.5, 1.0, 1.0]  # every token after the first repeats
+
+
 def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(capsys, smollm2_dir, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT)
@@ -115,6 +128,7 @@ def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(capsys, smollm2_d
                                                                          ("streaming", 64)]
     assert results["records"][0]["agreement"] == 1.0 and results["records"][0]["kl"] == 0.0
     assert "| streaming | 48 |" in (tmp_path / "out" / "report.md").read_text()
+    assert len(results["meta"]["reference_repeated"]) == 3  # 24 positions in windows of 8
     prompt.write_text("  \n")
     err = refused(capsys, *cmd[3:])
     assert "is empty" in err

@@ -36,7 +36,8 @@ def _cmd_fidelity(args) -> int:
         prefilled = engine.prefill(ids)
         try:
             ref = reference(engine, prefilled, args.new_tokens, full, args.top)
-            meta.update(prompt_tokens=len(ids), output_tokens=len(ref.tokens), top=args.top, window=args.window)
+            meta.update(prompt_tokens=len(ids), output_tokens=len(ref.tokens), top=args.top, window=args.window,
+                        reference_repeated=ref.repeated(args.window))
             records = []
             for (policy, budget), plan in plans.items():
                 found = teacher_forced(engine, prefilled, ref, plan)

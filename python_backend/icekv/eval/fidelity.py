@@ -40,6 +40,18 @@ class Reference:
     top_ids: torch.Tensor  # [N, top] the most likely tokens at each position, most likely first
     top_logprobs: torch.Tensor  # [N, top + 1] their log-probabilities, then the rest's
 
+    def repeated(self, size: int, n: int = 8) -> list[float]:
+        """Per window of ``size`` positions: the share whose token ends an ``n``-token run that
+        already ended earlier in the output. Near 1, the output repeats itself there, and any
+        policy that keeps recent tokens follows it (a window's agreement then says little)."""
+        seen, repeats = set(), [False] * min(n - 1, len(self.tokens))  # the first runs are not whole
+        for end in range(n - 1, len(self.tokens)):
+            run = self.tokens[end - n + 1:end + 1]
+            repeats.append(run in seen)
+            seen.add(run)
+        return [sum(repeats[start:start + size]) / len(repeats[start:start + size])
+                for start in range(0, len(repeats), size)]
+
 
 @dataclass(frozen=True)
 class Fidelity:
