@@ -45,4 +45,3 @@ def test_the_sides_alternate_from_their_own_positions_and_are_freed(smollm2_dir,
     assert "| early: tokens 4-9 |" in text and "| late: tokens 71-76 |" in text
     ratios = [b / a for a, b in zip(sides["early"]["step_s"], sides["late"]["step_s"])]
     assert f"median {statistics.median(ratios):.3f}x" in text
-

@@ -129,6 +129,7 @@ def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(capsys, smollm2_d
     assert results["records"][0]["agreement"] == 1.0 and results["records"][0]["kl"] == 0.0
     assert "| streaming | 48 |" in (tmp_path / "out" / "report.md").read_text()
     assert len(results["meta"]["reference_repeated"]) == 3  # 24 positions in windows of 8
+    assert "ends a run of 8 tokens that" in (tmp_path / "out" / "report.md").read_text()
     prompt.write_text("  \n")
     err = refused(capsys, *cmd[3:])
     assert "is empty" in err

@@ -12,7 +12,7 @@ def _cmd_fidelity(args) -> int:
     from icekv.config.paging import PagingConfig
     from icekv.config.selection import SelectionConfig
     from icekv.engine import Engine
-    from icekv.eval.fidelity import reference, teacher_forced
+    from icekv.eval.fidelity import REPEAT_RUN_TOKENS, reference, teacher_forced
     from icekv.eval.report import fidelity_line, write_fidelity_report
     from icekv.policies import resolve
 
@@ -37,7 +37,7 @@ def _cmd_fidelity(args) -> int:
         try:
             ref = reference(engine, prefilled, args.new_tokens, full, args.top)
             meta.update(prompt_tokens=len(ids), output_tokens=len(ref.tokens), top=args.top, window=args.window,
-                        reference_repeated=ref.repeated(args.window))
+                        reference_repeat_run=REPEAT_RUN_TOKENS, reference_repeated=ref.repeated(args.window))
             records = []
             for (policy, budget), plan in plans.items():
                 found = teacher_forced(engine, prefilled, ref, plan)

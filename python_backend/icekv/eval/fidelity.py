@@ -32,6 +32,9 @@ from icekv.engine.results import Prefilled
 from icekv.policies import PolicyPlan
 
 
+REPEAT_RUN_TOKENS = 8  # the run length :meth:`Reference.repeated` looks for
+
+
 @dataclass(frozen=True)
 class Reference:
     """The full cache's greedy output and, per position, its most likely tokens."""
@@ -40,7 +43,7 @@ class Reference:
     top_ids: torch.Tensor  # [N, top] the most likely tokens at each position, most likely first
     top_logprobs: torch.Tensor  # [N, top + 1] their log-probabilities, then the rest's
 
-    def repeated(self, size: int, n: int = 8) -> list[float]:
+    def repeated(self, size: int, n: int = REPEAT_RUN_TOKENS) -> list[float]:
         """Per window of ``size`` positions: the share whose token ends an ``n``-token run that
         already ended earlier in the output. Near 1, the output repeats itself there, and any
         policy that keeps recent tokens follows it (a window's agreement then says little)."""

@@ -212,9 +212,10 @@ def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
             lines.append(f"| {r['policy']} | {budget} | {_first_divergence(r)} | " + " | ".join(cells) + " |")
         lines.append("")
     if meta.get("reference_repeated"):
-        lines += ["The full cache's output, per window: the share of positions whose token ends an 8-token run "
-                  "that already ended earlier in it (near 1: the output repeats itself, and any policy that keeps "
-                  "recent tokens follows it): " + ", ".join(f"{v:.2f}" for v in meta["reference_repeated"]) + ".", ""]
+        lines += ["The full cache's output, per window: the share of positions whose token ends a run of "
+                  f"{meta['reference_repeat_run']} tokens that already ended earlier in it (near 1: the output "
+                  "repeats itself, and any policy that keeps recent tokens follows it): "
+                  + ", ".join(f"{v:.2f}" for v in meta["reference_repeated"]) + ".", ""]
     (out / "report.md").write_text("\n".join(lines))
 
 
