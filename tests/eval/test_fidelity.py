@@ -54,8 +54,8 @@ def test_teacher_forcing_under_the_full_cache_reproduces_the_free_running_logits
                       on_logits=forced.append)
         assert len(forced) == len(tokens) and all(torch.equal(a, b) for a, b in zip(free, forced))
         with pytest.raises(ConfigError, match="top must be in 1.."):
-            reference(engine, prompt, 40, FULL, top=engine.model.args.vocab_size + 1)
-        ref = reference(engine, prompt, 40, FULL, top=16)
+            reference(engine, prompt, SamplingConfig(max_tokens=40), FULL, top=engine.model.args.vocab_size + 1)
+        ref = reference(engine, prompt, SamplingConfig(max_tokens=40), FULL, top=16)
         assert ref.tokens == tokens and ref.top_ids[:, 0].tolist() == list(tokens)  # greedy: the most likely
         same = teacher_forced(engine, prompt, ref, FULL)
         assert same.agrees.all() and torch.equal(same.kl, torch.zeros(len(tokens), dtype=torch.float64))
@@ -64,10 +64,27 @@ def test_teacher_forcing_under_the_full_cache_reproduces_the_free_running_logits
         engine.release(prompt)
 
 
+def test_a_sampled_reference_is_seeded_and_agreement_compares_the_most_likely_tokens(engine):
+    prompt = engine.prefill(engine.tokenizer.encode(PROMPT))
+    try:
+        hot = SamplingConfig(max_tokens=40, temperature=1.5, seed=3)
+        ref = reference(engine, prompt, hot, FULL, top=16)
+        assert reference(engine, prompt, hot, FULL, top=16).tokens == ref.tokens  # the seed fixes the text
+        off_top = [t != int(top) for t, top in zip(ref.tokens, ref.top_ids[:, 0])]
+        assert any(off_top)  # sampled: some tokens are not the full cache's most likely
+        same = teacher_forced(engine, prompt, ref, FULL)
+        assert same.agrees.all() and same.first_divergence is None  # the full cache agrees with itself there too
+        assert torch.equal(same.kl, torch.zeros(len(ref.tokens), dtype=torch.float64))
+        recent = teacher_forced(engine, prompt, ref, resolve(SelectionConfig(policy="streaming", budget=48)))
+        assert not recent.agrees.all()
+    finally:
+        engine.release(prompt)
+
+
 def test_a_policy_that_keeps_only_recent_tokens_parts_from_the_full_cache(engine):
     prompt = engine.prefill(engine.tokenizer.encode(PROMPT))
     try:
-        ref = reference(engine, prompt, 48, FULL, top=32)
+        ref = reference(engine, prompt, SamplingConfig(max_tokens=48), FULL, top=32)
         recent = teacher_forced(engine, prompt, ref, resolve(SelectionConfig(policy="streaming", budget=48)))
         assert recent.kl.mean() > 0.01 and len(recent.kl) == len(ref.tokens)
         windows = recent.windows(16)
@@ -130,6 +147,15 @@ def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(capsys, smollm2_d
     assert "| streaming | 48 |" in (tmp_path / "out" / "report.md").read_text()
     assert len(results["meta"]["reference_repeated"]) == 3  # 24 positions in windows of 8
     assert "ends a run of 8 tokens that" in (tmp_path / "out" / "report.md").read_text()
+    sampled = cmd[:-1] + [str(tmp_path / "sampled"), "--policies", "full", "--temperature", "0.8", "--top-p", "0.9",
+                          "--seed", "5"]
+    run = subprocess.run(sampled, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    results = json.loads((tmp_path / "sampled" / "results.json").read_text())
+    assert results["meta"]["sampled"] == {"temperature": 0.8, "top_p": 0.9, "seed": 5}
+    assert results["records"][0]["agreement"] == 1.0
+    assert "sampled (temperature 0.8, top-p 0.9, seed 5) output" in (tmp_path / "sampled" / "report.md").read_text()
+    assert "temperature must be in" in refused(capsys, *cmd[3:], "--temperature", "-1")
     prompt.write_text("  \n")
     err = refused(capsys, *cmd[3:])
     assert "is empty" in err

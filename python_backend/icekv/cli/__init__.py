@@ -132,7 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --haystack: the request after the context")
     fid.add_argument("--chat-template", action="store_true", help="send it as a user turn of the model's chat template")
     fid.add_argument("--new-tokens", type=_positive_int("--new-tokens"), default=1024,
-                     help="the full cache's greedy output, at most this long, fed back under each policy")
+                     help="the full cache's output, at most this long, fed back under each policy")
+    fid.add_argument("--temperature", type=float, default=0.0,
+                     help="the full cache's output: greedy at 0, else sampled at this temperature (an output that "
+                          "greedy decoding sends round a loop stays fresh text)")
+    fid.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: nucleus sampling's mass")
+    fid.add_argument("--seed", type=int, default=0, help="with --temperature > 0: the sampler's seed")
     fid.add_argument("--policies", default="icecache")
     fid.add_argument("--budgets", default=str(SelectionConfig.budget))
     fid.add_argument("--window", type=_positive_int("--window"), default=128, help="output positions per report column")

@@ -10,6 +10,7 @@ from icekv.errors import IcekvError
 def _cmd_fidelity(args) -> int:
     from icekv.config.engine import EngineConfig
     from icekv.config.paging import PagingConfig
+    from icekv.config.request import SamplingConfig
     from icekv.config.selection import SelectionConfig
     from icekv.engine import Engine
     from icekv.eval.fidelity import REPEAT_RUN_TOKENS, reference, teacher_forced
@@ -23,7 +24,9 @@ def _cmd_fidelity(args) -> int:
         for budget in _csv("--budgets", args.budgets, int):
             plan = resolve(SelectionConfig(policy=policy, budget=budget, icecache=icecache))
             plans[plan.name, plan.budget if plan.sparse else None] = plan
-    text = _text(args)  # before the model loads: a bad file or haystack fails at once
+    sampling = SamplingConfig(max_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed)
+    text = _text(args)  # before the model loads: a bad file, haystack or setting fails at once
     paging = PagingConfig(kv_dtype=_kv_dtype(args))
     engine = Engine(EngineConfig(model_dir=args.model, paging=paging, **_device_settings(args)))
     prompt = text if args.prompt_file is not None else _long_context(args, text, engine.tokenizer)
@@ -35,8 +38,10 @@ def _cmd_fidelity(args) -> int:
     def run(meta: dict) -> list[dict]:
         prefilled = engine.prefill(ids)
         try:
-            ref = reference(engine, prefilled, args.new_tokens, full, args.top)
+            ref = reference(engine, prefilled, sampling, full, args.top)
             meta.update(prompt_tokens=len(ids), output_tokens=len(ref.tokens), top=args.top, window=args.window,
+                        sampled=None if sampling.greedy else {"temperature": sampling.temperature,
+                                                              "top_p": sampling.top_p, "seed": sampling.seed},
                         reference_repeat_run=REPEAT_RUN_TOKENS, reference_repeated=ref.repeated(args.window))
             records = []
             for (policy, budget), plan in plans.items():

@@ -1,17 +1,20 @@
 """Teacher-forced fidelity: how closely a policy's decode follows the full cache's, position by
 position, over a long output.
 
-The full cache decodes a prompt greedily (the reference). Each policy then decodes with exactly
-the reference's tokens fed back (teacher forcing, :attr:`SamplingConfig.forced_tokens`), so at
-every output position both caches see the same text, and the policy's next-token distribution is
-compared with the full cache's there:
+The full cache decodes a prompt (the reference): greedily, or sampled at a temperature with a seed,
+so that an output which greedy decoding would send round a loop stays text the model writes
+afresh. Each policy then decodes with exactly the reference's tokens fed back (teacher forcing,
+:attr:`SamplingConfig.forced_tokens`), so at every output position both caches see the same
+text, and the policy's next-token distribution is compared with the full cache's there:
 
-- ``agrees``: the policy's most likely token is the full cache's (the reference's token);
+- ``agrees``: the policy's most likely token is the full cache's (under a greedy reference, the
+  reference's token);
 - ``kl``: KL(full || policy) over the full cache's ``top`` most likely tokens at that position,
   with the rest of the vocabulary as one more outcome: a lower bound of the exact divergence
   (merging outcomes never raises it), tight where those tokens hold the probability;
-- ``first_divergence``: the first position where greedy decoding under the policy would leave the
-  reference's text (None: it never would).
+- ``first_divergence``: the first position where the two most likely tokens differ (under a
+  greedy reference: where greedy decoding under the policy would leave the reference's text;
+  None: nowhere).
 
 The reference keeps ``top`` log-probabilities per position, not the full distributions, so an
 output of thousands of tokens over a large vocabulary stays small. Position 0 is the prompt's own
@@ -37,9 +40,9 @@ REPEAT_RUN_TOKENS = 8  # the run length :meth:`Reference.repeated` looks for
 
 @dataclass(frozen=True)
 class Reference:
-    """The full cache's greedy output and, per position, its most likely tokens."""
+    """The full cache's output and, per position, its most likely tokens."""
 
-    tokens: tuple[int, ...]  # [N] the output (an end-of-sequence token not included)
+    tokens: tuple[int, ...]  # [N] the output (an end-of-sequence token not included), greedy or sampled
     top_ids: torch.Tensor  # [N, top] the most likely tokens at each position, most likely first
     top_logprobs: torch.Tensor  # [N, top + 1] their log-probabilities, then the rest's
 
@@ -89,10 +92,11 @@ def divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return terms.sum(-1)
 
 
-def reference(engine: Engine, prompt: Prefilled, max_tokens: int, full: PolicyPlan, top: int = 64) -> Reference:
-    """The full cache's greedy decode of up to ``max_tokens`` tokens after ``prompt``, keeping
-    each position's ``top`` most likely tokens. IcekvError when it is empty (an end-of-sequence
-    token first)."""
+def reference(engine: Engine, prompt: Prefilled, sampling: SamplingConfig, full: PolicyPlan,
+              top: int = 64) -> Reference:
+    """The full cache's decode after ``prompt`` as ``sampling`` asks (greedy at temperature 0, else
+    sampled from its seed; at most its ``max_tokens``), keeping each position's ``top`` most likely
+    tokens. IcekvError when it is empty (an end-of-sequence token first)."""
     vocab = engine.model.args.vocab_size
     if not 1 <= top <= vocab:
         raise ConfigError(f"top must be in 1..{vocab} (this model's vocabulary), got {top}")
@@ -103,7 +107,7 @@ def reference(engine: Engine, prompt: Prefilled, max_tokens: int, full: PolicyPl
         ids.append(whole.topk(top).indices)  # [top]
         logprobs.append(merged(whole, ids[-1]))  # [top + 1]
 
-    out = engine.decode(prompt, SamplingConfig(max_tokens=max_tokens), full, on_logits=keep)
+    out = engine.decode(prompt, sampling, full, on_logits=keep)
     n = len(out.token_ids)  # an end-of-sequence step saw logits too: not a position of the output
     if not n:
         raise IcekvError("the full cache's output is empty (an end-of-sequence token first): nothing to compare")
@@ -117,7 +121,7 @@ def teacher_forced(engine: Engine, prompt: Prefilled, ref: Reference, plan: Poli
     def compare(logits: torch.Tensor) -> None:
         at = len(agrees)
         logprobs = torch.log_softmax(logits.double(), -1)  # [V]
-        agrees.append(int(logprobs.argmax()) == ref.tokens[at])
+        agrees.append(int(logprobs.argmax()) == int(ref.top_ids[at, 0]))
         kl.append(divergence(ref.top_logprobs[at], merged(logprobs, ref.top_ids[at])))
 
     engine.decode(prompt, SamplingConfig(max_tokens=len(ref.tokens), forced_tokens=ref.tokens), plan,

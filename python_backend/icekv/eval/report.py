@@ -187,8 +187,8 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
 
 def fidelity_line(r: dict) -> str:
     """One policy's fidelity record in a line."""
-    return (f"{_policy_at(r)}: top-1 agreement {r['agreement']:.3f}, KL {r['kl']:.4f} nats, greedy would part at "
-            f"{_first_divergence(r)}")
+    return (f"{_policy_at(r)}: top-1 agreement {r['agreement']:.3f}, KL {r['kl']:.4f} nats, first top-1 "
+            f"difference at {_first_divergence(r)}")
 
 
 def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
@@ -198,8 +198,10 @@ def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     starts = [w["start"] for w in records[0]["windows"]] if records else []
     lines = ["# Teacher-forced fidelity against the full cache", "", "```", meta.get("command", ""), "```", "",
-             f"{meta['model']}: a {meta['prompt_tokens']}-token prompt, the full cache's greedy output of "
-             f"{meta['output_tokens']} tokens fed back under each policy. KL(full || policy) over the full cache's "
+             f"{meta['model']}: a {meta['prompt_tokens']}-token prompt, the full cache's {_decoding(meta)} output of "
+             f"{meta['output_tokens']} tokens fed back under each policy. Agreement: the policy's most likely "
+             "token is the full cache's; first divergence: the first position where they differ. "
+             "KL(full || policy) over the full cache's "
              f"top {meta['top']} tokens and the rest (a lower bound of the exact KL). Position 0 comes from the "
              "prefill under every policy.", ""]
     for measure, unit, digits in (("agreement", "top-1 agreement", 3), ("kl", "mean KL, nats", 4)):
@@ -217,6 +219,12 @@ def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
                   "repeats itself, and any policy that keeps recent tokens follows it): "
                   + ", ".join(f"{v:.2f}" for v in meta["reference_repeated"]) + ".", ""]
     (out / "report.md").write_text("\n".join(lines))
+
+
+def _decoding(meta: dict) -> str:
+    """How the full cache's output was decoded: greedy, or sampled with its settings."""
+    s = meta.get("sampled")
+    return "greedy" if s is None else f"sampled (temperature {s['temperature']}, top-p {s['top_p']}, seed {s['seed']})"
 
 
 def _policy_at(r: dict) -> str:
