@@ -3,7 +3,9 @@ prefix is, and does a conversation survive its replica dying mid-turn?
 
 Two icekv replicas (``Replica``: tritonserver + OpenAI frontend each) over one real
 redis-server with ``prefix_cache_spill`` (so each can read the other's prefix pages), behind the
-gateway (``RouterProcess``). Clients send plain OpenAI chat bodies (greedy, streamed, usage asked
+gateway (``RouterProcess``). With ``--store none`` they share nothing: a turn finds only what its
+replica cached itself, which is what routing alone keeps (with ``--pool-tokens`` too small for
+every conversation, what a replica can hold). Clients send plain OpenAI chat bodies (greedy, streamed, usage asked
 with ``stream_options``) to the gateway, never to a replica.
 
 1. Routing, run twice in one invocation: ``cache_aware``, then ``round_robin`` (``--baseline``),
@@ -46,6 +48,8 @@ in both routing runs alike.
 
     .venv/bin/python bench/replicas_routing.py [--model smollm2-135m] [--turns 10] [--conversations 8]
         [--doc-tokens 3000] [--max-tokens 16] [--out bench/results/replicas_routing.json]
+    .venv/bin/python bench/replicas_routing.py --store none --pool-tokens 16384 --skip failover \
+        --out bench/results/replicas_routing_no_store.json
     .venv/bin/python bench/replicas_routing.py --quick --out /tmp/replicas_quick.json   # a smoke
 
 Saves the json at ``--out`` (with the command line) and a table beside it (same stem, ``.md``).
@@ -193,7 +197,8 @@ def delta(before: list[dict], after: list[dict], name: str) -> list[float]:
 # ------------------------------------------------------------------------------------- one fleet
 
 class Fleet:
-    """A fresh redis-server, two replicas over it (each behind a tap) and the gateway over the taps."""
+    """A fresh redis-server (unless ``--store none``), two replicas over it (each behind a tap) and
+    the gateway over the taps."""
 
     def __init__(self, name: str, policy: str, args, work: Path, keys: dict[str, int]):
         self.name, self.policy, self.args, self.keys = name, policy, args, keys
@@ -207,21 +212,9 @@ class Fleet:
         self.router: RouterProcess | None = None
 
     def start(self) -> "Fleet":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            redis_port = s.getsockname()[1]
-        self.redis = start_redis(redis_port, str(self.dir))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", redis_port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.redis.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {redis_port}")
-                time.sleep(0.1)
-        params = {"model_dir": self.args.model_dir, "store": f"redis://127.0.0.1:{redis_port}/0",
-                  "prefix_cache_spill": "true"}
+        params = {"model_dir": self.args.model_dir}
+        if self.args.store == "redis":
+            params.update(store=f"redis://127.0.0.1:{self.start_redis()}/0", prefix_cache_spill="true")
         for name in ("policy", "pool_tokens", "num_threads"):
             if getattr(self.args, name) is not None:
                 params[name] = str(getattr(self.args, name))
@@ -237,6 +230,22 @@ class Fleet:
         self.router = RouterProcess(tuple(t.url for t in self.taps), self.policy,
                                     log_path=self.dir / "router.log").start()
         return self
+
+    def start_redis(self) -> int:
+        """A fresh redis-server on a free loopback port: the port."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.redis = start_redis(port, str(self.dir))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                return port
+            except OSError:
+                if time.monotonic() > deadline or self.redis.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {port}")
+                time.sleep(0.1)
 
     def stop(self) -> None:
         if self.router is not None:
@@ -456,8 +465,11 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     lines = ["# Replicas behind the SGLang Model Gateway: routing and failover", "",
              f"`{result['command']}` on {result['machine']}, commit {result['commit']}, {result['date']}.", "",
-             f"Two replicas ({s['model']}, engine policy {s['policy'] or 'default'}) over one redis-server with "
-             f"prefix_cache_spill; {s['conversations']} concurrent conversations x {s['turns']} turns over "
+             f"Two replicas ({s['model']}, engine policy {s['policy'] or 'default'}, "
+             + (f"{s['pool_tokens']}-token pools" if s["pool_tokens"] else "the server's default pools") + ") "
+             + ("over one redis-server with prefix_cache_spill" if s.get("store", "redis") == "redis"
+                else "with no shared store (each replica's own prefix cache only)")
+             + f"; {s['conversations']} concurrent conversations x {s['turns']} turns over "
              f"{result['document_tokens_mean']:.0f}-token documents (one each), at most {s['max_tokens']} new tokens "
              "per answer, greedy, streamed. Turns 2.. only:", "",
              "| router | hit rate | TTFT median s | TTFT p90 s | stayed on previous replica | turn-1 TTFT median s "
@@ -508,6 +520,9 @@ def main() -> None:
     ap.add_argument("--failover-timeout", type=float, default=120.0, help="the longest the resend may keep trying")
     ap.add_argument("--baseline", choices=("round_robin", "random", "power_of_two"), default="round_robin",
                     help="the policy cache_aware is compared with")
+    ap.add_argument("--store", choices=("redis", "none"), default="redis",
+                    help="the replicas' shared prefix store: a fresh redis-server with prefix_cache_spill, or none "
+                         "(a turn on the other replica finds only what that replica cached itself)")
     ap.add_argument("--skip", choices=("routing", "failover"), default=None, help="leave one part out")
     ap.add_argument("--quick", action="store_true", help="a smoke: 2 conversations, 2 turns, ~300-token documents")
     ap.add_argument("--out", type=Path, default=Path("bench/results/replicas_routing.json"))
