@@ -134,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--new-tokens", type=_positive_int("--new-tokens"), default=1024,
                      help="the full cache's output, at most this long, fed back under each policy")
     fid.add_argument("--temperature", type=float, default=0.0,
-                     help="the full cache's output: greedy at 0, else sampled at this temperature (an output that "
-                          "greedy decoding sends round a loop stays fresh text)")
+                     help="the full cache's output: greedy at 0, else sampled at this temperature (less likely "
+                          "than a greedy one to end in a loop that repeats itself)")
     fid.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: nucleus sampling's mass")
     fid.add_argument("--seed", type=int, default=0, help="with --temperature > 0: the sampler's seed")
     fid.add_argument("--policies", default="icecache")

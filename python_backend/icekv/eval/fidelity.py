@@ -1,9 +1,9 @@
 """Teacher-forced fidelity: how closely a policy's decode follows the full cache's, position by
 position, over a long output.
 
-The full cache decodes a prompt (the reference): greedily, or sampled at a temperature with a seed,
-so that an output which greedy decoding would send round a loop stays text the model writes
-afresh. Each policy then decodes with exactly the reference's tokens fed back (teacher forcing,
+The full cache decodes a prompt (the reference): greedily, or sampled at a temperature with a seed
+(a long greedy answer often ends in a loop that repeats itself, which any policy keeping recent
+tokens follows; sampling makes that less likely). Each policy then decodes with exactly the reference's tokens fed back (teacher forcing,
 :attr:`SamplingConfig.forced_tokens`), so at every output position both caches see the same
 text, and the policy's next-token distribution is compared with the full cache's there:
 
