@@ -12,7 +12,7 @@ import torch
 from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.errors import ConfigError
-from icekv.eval.fidelity import Reference, divergence, merged, reference, teacher_forced
+from icekv.eval.fidelity import DECISIVE_PROBABILITY, Fidelity, Reference, divergence, merged, reference, teacher_forced
 from icekv.policies import resolve
 from tests.test_cli import refused
 
@@ -75,6 +75,8 @@ def test_a_sampled_reference_is_seeded_and_agreement_compares_the_most_likely_to
         same = teacher_forced(engine, prompt, ref, FULL)
         assert same.agrees.all() and same.first_divergence is None  # the full cache agrees with itself there too
         assert torch.equal(same.kl, torch.zeros(len(ref.tokens), dtype=torch.float64))
+        sure = ref.top_logprobs[:, 0].exp() >= DECISIVE_PROBABILITY  # [N]
+        assert torch.equal(same.decisive, sure) and same.summary()["decisive_agreement"] == 1.0
         recent = teacher_forced(engine, prompt, ref, resolve(SelectionConfig(policy="streaming", budget=48)))
         assert not recent.agrees.all()
     finally:
@@ -119,6 +121,14 @@ def test_a_peaked_distribution_keeps_a_finite_divergence():
     assert torch.isfinite(part) and 0 <= part <= divergence(p, q) + 1e-15
 
 
+def test_agreement_at_decisive_positions_counts_only_where_the_full_cache_has_a_clear_favourite():
+    found = Fidelity(agrees=torch.tensor([True, False, False, True]), kl=torch.tensor([0.0, 1.0, 2.0, 3.0]),
+                     decisive=torch.tensor([True, True, False, False]))
+    assert found.summary() == {"agreement": 0.5, "kl": 1.5, "decisive_share": 0.5, "decisive_agreement": 0.5}
+    assert found.summary(2) == {"agreement": 0.5, "kl": 2.5, "decisive_share": 0.0, "decisive_agreement": None}
+    assert [w["decisive_agreement"] for w in found.windows(2)] == [0.5, None]
+
+
 def test_the_repeated_share_counts_positions_that_end_a_run_seen_before():
     def share(tokens, size, n=3):
         empty = torch.empty(len(tokens), 1)
@@ -147,6 +157,8 @@ def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(capsys, smollm2_d
     assert "| streaming | 48 |" in (tmp_path / "out" / "report.md").read_text()
     assert len(results["meta"]["reference_repeated"]) == 3  # 24 positions in windows of 8
     assert "ends a run of 8 tokens that" in (tmp_path / "out" / "report.md").read_text()
+    assert results["records"][0]["decisive_agreement"] == 1.0 and 0 < results["records"][0]["decisive_share"] <= 1
+    assert "## top-1 agreement at the decisive positions" in (tmp_path / "out" / "report.md").read_text()
     sampled = cmd[:-1] + [str(tmp_path / "sampled"), "--policies", "full", "--temperature", "0.8", "--top-p", "0.9",
                           "--seed", "5"]
     run = subprocess.run(sampled, capture_output=True, text=True, timeout=600)

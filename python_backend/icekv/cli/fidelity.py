@@ -13,7 +13,7 @@ def _cmd_fidelity(args) -> int:
     from icekv.config.request import SamplingConfig
     from icekv.config.selection import SelectionConfig
     from icekv.engine import Engine
-    from icekv.eval.fidelity import REPEAT_RUN_TOKENS, reference, teacher_forced
+    from icekv.eval.fidelity import DECISIVE_PROBABILITY, REPEAT_RUN_TOKENS, reference, teacher_forced
     from icekv.eval.report import fidelity_line, write_fidelity_report
     from icekv.policies import resolve
 
@@ -42,13 +42,13 @@ def _cmd_fidelity(args) -> int:
             meta.update(prompt_tokens=len(ids), output_tokens=len(ref.tokens), top=args.top, window=args.window,
                         sampled=None if sampling.greedy else {"temperature": sampling.temperature,
                                                               "top_p": sampling.top_p, "seed": sampling.seed},
-                        reference_repeat_run=REPEAT_RUN_TOKENS, reference_repeated=ref.repeated(args.window))
+                        reference_repeat_run=REPEAT_RUN_TOKENS, reference_repeated=ref.repeated(args.window),
+                        decisive_probability=DECISIVE_PROBABILITY)
             records = []
             for (policy, budget), plan in plans.items():
                 found = teacher_forced(engine, prefilled, ref, plan)
                 records.append({"policy": policy, "budget": budget, "first_divergence": found.first_divergence,
-                                "agreement": float(found.agrees.double().mean()), "kl": float(found.kl.mean()),
-                                "windows": found.windows(args.window)})
+                                **found.summary(), "windows": found.windows(args.window)})
                 print(fidelity_line(records[-1]), flush=True)
                 write_fidelity_report(records, args.out, meta)  # a long run's finished rows are kept as they come
             return records

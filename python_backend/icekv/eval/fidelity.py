@@ -3,9 +3,10 @@ position, over a long output.
 
 The full cache decodes a prompt (the reference): greedily, or sampled at a temperature with a seed
 (a long greedy answer often ends in a loop that repeats itself, which any policy keeping recent
-tokens follows; sampling makes that less likely). Each policy then decodes with exactly the reference's tokens fed back (teacher forcing,
-:attr:`SamplingConfig.forced_tokens`), so at every output position both caches see the same
-text, and the policy's next-token distribution is compared with the full cache's there:
+tokens follows; sampling makes that less likely). Each policy then decodes with exactly the
+reference's tokens fed back (teacher forcing, :attr:`SamplingConfig.forced_tokens`), so at every
+output position both caches see the same text, and the policy's next-token distribution is
+compared with the full cache's there:
 
 - ``agrees``: the policy's most likely token is the full cache's (under a greedy reference, the
   reference's token);
@@ -14,7 +15,11 @@ text, and the policy's next-token distribution is compared with the full cache's
   (merging outcomes never raises it), tight where those tokens hold the probability;
 - ``first_divergence``: the first position where the two most likely tokens differ (under a
   greedy reference: where greedy decoding under the policy would leave the reference's text;
-  None: nowhere).
+  None: nowhere);
+- ``decisive``: the positions where the full cache's most likely token holds at least
+  ``DECISIVE_PROBABILITY``. Where no token is clearly favoured (common in a sampled answer), a
+  small change in what is attended swaps the top two; agreement over the decisive positions
+  alone tells that apart from a policy that misses what the text needs.
 
 The reference keeps ``top`` log-probabilities per position, not the full distributions, so an
 output of thousands of tokens over a large vocabulary stays small. Position 0 is the prompt's own
@@ -24,6 +29,7 @@ each policy's decode starts at position 1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +42,7 @@ from icekv.policies import PolicyPlan
 
 
 REPEAT_RUN_TOKENS = 8  # the run length :meth:`Reference.repeated` looks for
+DECISIVE_PROBABILITY = 0.5  # the full cache's favourite holds at least this at a decisive position
 
 
 @dataclass(frozen=True)
@@ -65,17 +72,24 @@ class Fidelity:
 
     agrees: torch.Tensor  # [N] bool
     kl: torch.Tensor  # [N] float64, nats
+    decisive: torch.Tensor  # [N] bool: the full cache's favourite holds >= DECISIVE_PROBABILITY
 
     @property
     def first_divergence(self) -> int | None:
         parted = torch.nonzero(~self.agrees)
         return int(parted[0]) if len(parted) else None
 
+    def summary(self, start: int = 0, end: int | None = None) -> dict:
+        """Over positions ``start .. end-1``: the agreement rate, mean KL, the share of decisive
+        positions and the agreement over them (None where there are none)."""
+        agrees, decisive = self.agrees[start:end], self.decisive[start:end]
+        return {"agreement": float(agrees.double().mean()), "kl": float(self.kl[start:end].mean()),
+                "decisive_share": float(decisive.double().mean()),
+                "decisive_agreement": float(agrees[decisive].double().mean()) if decisive.any() else None}
+
     def windows(self, size: int) -> list[dict]:
-        """Per window of ``size`` positions: its start, agreement rate and mean KL."""
-        return [{"start": start, "agreement": float(self.agrees[start:start + size].double().mean()),
-                 "kl": float(self.kl[start:start + size].mean())}
-                for start in range(0, len(self.agrees), size)]
+        """:meth:`summary` per window of ``size`` positions, with the window's start."""
+        return [{"start": start, **self.summary(start, start + size)} for start in range(0, len(self.agrees), size)]
 
 
 def merged(logprobs: torch.Tensor, named: torch.Tensor) -> torch.Tensor:
@@ -128,4 +142,5 @@ def teacher_forced(engine: Engine, prompt: Prefilled, ref: Reference, plan: Poli
                   on_logits=compare)
     if len(agrees) != len(ref.tokens):
         raise RuntimeError(f"a forced decode of {len(ref.tokens)} tokens saw {len(agrees)} steps' logits")
-    return Fidelity(torch.tensor(agrees, dtype=torch.bool), torch.stack(kl))
+    decisive = ref.top_logprobs[:, 0] >= math.log(DECISIVE_PROBABILITY)  # [N]
+    return Fidelity(torch.tensor(agrees, dtype=torch.bool), torch.stack(kl), decisive)

@@ -187,8 +187,8 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
 
 def fidelity_line(r: dict) -> str:
     """One policy's fidelity record in a line."""
-    return (f"{_policy_at(r)}: top-1 agreement {r['agreement']:.3f}, KL {r['kl']:.4f} nats, first top-1 "
-            f"difference at {_first_divergence(r)}")
+    return (f"{_policy_at(r)}: top-1 agreement {r['agreement']:.3f} ({_number(r['decisive_agreement'])} where the "
+            f"full cache is decisive), KL {r['kl']:.4f} nats, first top-1 difference at {_first_divergence(r)}")
 
 
 def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
@@ -204,12 +204,16 @@ def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
              "KL(full || policy) over the full cache's "
              f"top {meta['top']} tokens and the rest (a lower bound of the exact KL). Position 0 comes from the "
              "prefill under every policy.", ""]
-    for measure, unit, digits in (("agreement", "top-1 agreement", 3), ("kl", "mean KL, nats", 4)):
+    decisive = (f"top-1 agreement at the decisive positions (the full cache's favourite holds >= "
+                f"{meta['decisive_probability']})")
+    measures = (("agreement", "top-1 agreement", 3), ("kl", "mean KL, nats", 4), ("decisive_agreement", decisive, 3),
+                ("decisive_share", "share of decisive positions", 3))
+    for measure, unit, digits in measures:
         lines += [f"## {unit}, per window of {meta['window']} output positions", "",
                   "| policy | budget | first divergence | all | " + " | ".join(f"{s}-" for s in starts) + " |",
                   "|---|---|---|---|" + "---|" * len(starts)]
         for r in records:
-            cells = [f"{v:.{digits}f}" for v in [r[measure]] + [w[measure] for w in r["windows"]]]
+            cells = [_number(v, digits) for v in [r[measure]] + [w[measure] for w in r["windows"]]]
             budget = "-" if r["budget"] is None else r["budget"]
             lines.append(f"| {r['policy']} | {budget} | {_first_divergence(r)} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -219,6 +223,10 @@ def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
                   "repeats itself, and any policy that keeps recent tokens follows it): "
                   + ", ".join(f"{v:.2f}" for v in meta["reference_repeated"]) + ".", ""]
     (out / "report.md").write_text("\n".join(lines))
+
+
+def _number(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _decoding(meta: dict) -> str:
