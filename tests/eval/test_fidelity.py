@@ -147,26 +147,20 @@ def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(capsys, smollm2_d
     prompt.write_text(PROMPT)
     cmd = [sys.executable, "-m", "icekv.cli", "fidelity", "--model", str(smollm2_dir), "--prompt-file", str(prompt),
            "--new-tokens", "24", "--policies", "full,streaming", "--budgets", "48,64", "--window", "8",
-           "--out", str(tmp_path / "out")]
+           "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--out", str(tmp_path / "out")]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     results = json.loads((tmp_path / "out" / "results.json").read_text())
+    report = (tmp_path / "out" / "report.md").read_text()
     assert [(r["policy"], r["budget"]) for r in results["records"]] == [("full", None), ("streaming", 48),
                                                                          ("streaming", 64)]
     assert results["records"][0]["agreement"] == 1.0 and results["records"][0]["kl"] == 0.0
-    assert "| streaming | 48 |" in (tmp_path / "out" / "report.md").read_text()
-    assert len(results["meta"]["reference_repeated"]) == 3  # 24 positions in windows of 8
-    assert "ends a run of 8 tokens that" in (tmp_path / "out" / "report.md").read_text()
     assert results["records"][0]["decisive_agreement"] == 1.0 and 0 < results["records"][0]["decisive_share"] <= 1
-    assert "## top-1 agreement at the decisive positions" in (tmp_path / "out" / "report.md").read_text()
-    sampled = cmd[:-1] + [str(tmp_path / "sampled"), "--policies", "full", "--temperature", "0.8", "--top-p", "0.9",
-                          "--seed", "5"]
-    run = subprocess.run(sampled, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    results = json.loads((tmp_path / "sampled" / "results.json").read_text())
     assert results["meta"]["sampled"] == {"temperature": 0.8, "top_p": 0.9, "seed": 5}
-    assert results["records"][0]["agreement"] == 1.0
-    assert "sampled (temperature 0.8, top-p 0.9, seed 5) output" in (tmp_path / "sampled" / "report.md").read_text()
+    assert len(results["meta"]["reference_repeated"]) == 3  # 24 positions in windows of 8
+    assert "| streaming | 48 |" in report and "ends a run of 8 tokens that" in report
+    assert "## top-1 agreement at the decisive positions" in report
+    assert "sampled (temperature 0.8, top-p 0.9, seed 5) output" in report
     assert "temperature must be in" in refused(capsys, *cmd[3:], "--temperature", "-1")
     prompt.write_text("  \n")
     err = refused(capsys, *cmd[3:])
