@@ -87,8 +87,15 @@ def test_a_policy_that_keeps_only_recent_tokens_parts_from_the_full_cache(engine
     prompt = engine.prefill(engine.tokenizer.encode(PROMPT))
     try:
         ref = reference(engine, prompt, SamplingConfig(max_tokens=48), FULL, top=32)
-        recent = teacher_forced(engine, prompt, ref, resolve(SelectionConfig(policy="streaming", budget=48)))
+        streaming = resolve(SelectionConfig(policy="streaming", budget=48))
+        recent = teacher_forced(engine, prompt, ref, streaming)
         assert recent.kl.mean() > 0.01 and len(recent.kl) == len(ref.tokens)
+        assert recent.recall is None and teacher_forced(engine, prompt, ref, FULL, probe=True).recall is None
+        probed = teacher_forced(engine, prompt, ref, streaming, probe=True)
+        assert torch.equal(probed.agrees, recent.agrees) and torch.allclose(probed.kl, recent.kl)  # probing only reads
+        assert probed.recall[0].isnan() and ((probed.recall[1:] > 0) & (probed.recall[1:] <= 1 + 1e-6)).all()
+        assert probed.recall[1:].mean() < 0.99  # the prompt's middle is out of its window: mass missed
+        assert probed.summary(0, 16)["recall"] == pytest.approx(float(probed.recall[1:16].mean()))
         windows = recent.windows(16)
         assert [w["start"] for w in windows] == list(range(0, len(ref.tokens), 16))
         assert windows[0]["agreement"] == float(recent.agrees[:16].double().mean())
@@ -124,8 +131,10 @@ def test_a_peaked_distribution_keeps_a_finite_divergence():
 def test_agreement_at_decisive_positions_counts_only_where_the_full_cache_has_a_clear_favourite():
     found = Fidelity(agrees=torch.tensor([True, False, False, True]), kl=torch.tensor([0.0, 1.0, 2.0, 3.0]),
                      decisive=torch.tensor([True, True, False, False]))
-    assert found.summary() == {"agreement": 0.5, "kl": 1.5, "decisive_share": 0.5, "decisive_agreement": 0.5}
-    assert found.summary(2) == {"agreement": 0.5, "kl": 2.5, "decisive_share": 0.0, "decisive_agreement": None}
+    assert found.summary() == {"agreement": 0.5, "kl": 1.5, "decisive_share": 0.5, "decisive_agreement": 0.5,
+                               "recall": None}  # not probed
+    assert found.summary(2) == {"agreement": 0.5, "kl": 2.5, "decisive_share": 0.0, "decisive_agreement": None,
+                                "recall": None}
     assert [w["decisive_agreement"] for w in found.windows(2)] == [0.5, None]
 
 
@@ -147,7 +156,7 @@ def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(capsys, smollm2_d
     prompt.write_text(PROMPT)
     cmd = [sys.executable, "-m", "icekv.cli", "fidelity", "--model", str(smollm2_dir), "--prompt-file", str(prompt),
            "--new-tokens", "24", "--policies", "full,streaming", "--budgets", "48,64", "--window", "8",
-           "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--out", str(tmp_path / "out")]
+           "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--recall", "--out", str(tmp_path / "out")]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -159,7 +168,8 @@ def test_the_cli_writes_its_report_and_refuses_an_empty_prompt(capsys, smollm2_d
     assert results["meta"]["sampled"] == {"temperature": 0.8, "top_p": 0.9, "seed": 5}
     assert len(results["meta"]["reference_repeated"]) == 3  # 24 positions in windows of 8
     assert "| streaming | 48 |" in report and "ends a run of 8 tokens that" in report
-    assert "## top-1 agreement at the decisive positions" in report
+    assert "## top-1 agreement at the decisive positions" in report and "## selection recall" in report
+    assert results["records"][0]["recall"] is None and 0 < results["records"][1]["recall"] <= 1 + 1e-6
     assert "sampled (temperature 0.8, top-p 0.9, seed 5) output" in report
     assert "temperature must be in" in refused(capsys, *cmd[3:], "--temperature", "-1")
     prompt.write_text("  \n")

@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--policies", default="icecache")
     fid.add_argument("--budgets", default=str(SelectionConfig.budget))
     fid.add_argument("--window", type=_positive_int("--window"), default=128, help="output positions per report column")
+    fid.add_argument("--recall", action="store_true",
+                     help="also measure each sparse policy's selection recall per position (full attention's mass "
+                          "on the tokens it attended; slower)")
     fid.add_argument("--top", type=_positive_int("--top"), default=64,
                      help="the full cache's most likely tokens kept per position, over which KL is measured")
     _icecache_flags(fid)

@@ -46,7 +46,7 @@ def _cmd_fidelity(args) -> int:
                         decisive_probability=DECISIVE_PROBABILITY)
             records = []
             for (policy, budget), plan in plans.items():
-                found = teacher_forced(engine, prefilled, ref, plan)
+                found = teacher_forced(engine, prefilled, ref, plan, probe=args.recall)
                 records.append({"policy": policy, "budget": budget, "first_divergence": found.first_divergence,
                                 **found.summary(), "windows": found.windows(args.window)})
                 print(fidelity_line(records[-1]), flush=True)

@@ -40,6 +40,7 @@ class Generation:
     budget: int | None = None
     timings: dict = field(default_factory=dict)  # select_s, transfer_s, attention_s, index_build_s
     layer_stats: dict = field(default_factory=dict)  # probe: layer -> {"recall", "cosine"}
+    step_recall: list[float] = field(default_factory=list)  # probe: per decode step, recall over the probed layers
     step_max_s: float = 0.0  # the slowest decode step (a window flush inserts into every layer's index)
     first_step_s: float = 0.0  # the first decode step: caches cold after prefill, slots filled from empty
     cached_tokens: int = 0  # prompt tokens the prefix cache held, not prefilled

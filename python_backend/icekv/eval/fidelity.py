@@ -19,7 +19,10 @@ compared with the full cache's there:
 - ``decisive``: the positions where the full cache's most likely token holds at least
   ``DECISIVE_PROBABILITY``. Where no token is clearly favoured (common in a sampled answer), a
   small change in what is attended swaps the top two; agreement over the decisive positions
-  alone tells that apart from a policy that misses what the text needs.
+  alone tells that apart from a policy that misses what the text needs;
+- ``recall`` (when probed): the share of full attention's softmax mass on the tokens the policy
+  attended, averaged over heads and budgeted layers, per decode position: what the selection
+  missed there.
 
 The reference keeps ``top`` log-probabilities per position, not the full distributions, so an
 output of thousands of tokens over a large vocabulary stays small. Position 0 is the prompt's own
@@ -73,6 +76,7 @@ class Fidelity:
     agrees: torch.Tensor  # [N] bool
     kl: torch.Tensor  # [N] float64, nats
     decisive: torch.Tensor  # [N] bool: the full cache's favourite holds >= DECISIVE_PROBABILITY
+    recall: torch.Tensor | None = None  # [N] float64 when probed; NaN at position 0 (the prefill's)
 
     @property
     def first_divergence(self) -> int | None:
@@ -83,9 +87,11 @@ class Fidelity:
         """Over positions ``start .. end-1``: the agreement rate, mean KL, the share of decisive
         positions and the agreement over them (None where there are none)."""
         agrees, decisive = self.agrees[start:end], self.decisive[start:end]
+        recall = None if self.recall is None else self.recall[start:end].nanmean()
         return {"agreement": float(agrees.double().mean()), "kl": float(self.kl[start:end].mean()),
                 "decisive_share": float(decisive.double().mean()),
-                "decisive_agreement": float(agrees[decisive].double().mean()) if decisive.any() else None}
+                "decisive_agreement": float(agrees[decisive].double().mean()) if decisive.any() else None,
+                "recall": None if recall is None or recall.isnan() else float(recall)}
 
     def windows(self, size: int) -> list[dict]:
         """:meth:`summary` per window of ``size`` positions, with the window's start."""
@@ -128,8 +134,10 @@ def reference(engine: Engine, prompt: Prefilled, sampling: SamplingConfig, full:
     return Reference(tuple(out.token_ids), torch.stack(ids[:n]), torch.stack(logprobs[:n]))
 
 
-def teacher_forced(engine: Engine, prompt: Prefilled, ref: Reference, plan: PolicyPlan) -> Fidelity:
-    """``plan``'s decode of the reference's tokens after ``prompt``, compared position by position."""
+def teacher_forced(engine: Engine, prompt: Prefilled, ref: Reference, plan: PolicyPlan,
+                   probe: bool = False) -> Fidelity:
+    """``plan``'s decode of the reference's tokens after ``prompt``, compared position by position;
+    ``probe``: with its selection recall per position (a sparse plan's; slower)."""
     agrees, kl = [], []
 
     def compare(logits: torch.Tensor) -> None:
@@ -138,9 +146,14 @@ def teacher_forced(engine: Engine, prompt: Prefilled, ref: Reference, plan: Poli
         agrees.append(int(logprobs.argmax()) == int(ref.top_ids[at, 0]))
         kl.append(divergence(ref.top_logprobs[at], merged(logprobs, ref.top_ids[at])))
 
-    engine.decode(prompt, SamplingConfig(max_tokens=len(ref.tokens), forced_tokens=ref.tokens), plan,
-                  on_logits=compare)
+    out = engine.decode(prompt, SamplingConfig(max_tokens=len(ref.tokens), forced_tokens=ref.tokens), plan,
+                        on_logits=compare, probe=probe)
     if len(agrees) != len(ref.tokens):
         raise RuntimeError(f"a forced decode of {len(ref.tokens)} tokens saw {len(agrees)} steps' logits")
     decisive = ref.top_logprobs[:, 0] >= math.log(DECISIVE_PROBABILITY)  # [N]
-    return Fidelity(torch.tensor(agrees, dtype=torch.bool), torch.stack(kl), decisive)
+    recall = None
+    if out.step_recall:  # decode step i produces position i + 1
+        if len(out.step_recall) != len(ref.tokens) - 1:
+            raise RuntimeError(f"{len(out.step_recall)} probed steps for {len(ref.tokens)} positions")
+        recall = torch.tensor([math.nan, *out.step_recall], dtype=torch.float64)  # [N]
+    return Fidelity(torch.tensor(agrees, dtype=torch.bool), torch.stack(kl), decisive, recall)

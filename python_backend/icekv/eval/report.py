@@ -208,6 +208,8 @@ def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
                 f"{meta['decisive_probability']})")
     measures = (("agreement", "top-1 agreement", 3), ("kl", "mean KL, nats", 4), ("decisive_agreement", decisive, 3),
                 ("decisive_share", "share of decisive positions", 3))
+    if any(r.get("recall") is not None for r in records):
+        measures += (("recall", "selection recall (full attention's mass on the attended tokens)", 3),)
     for measure, unit, digits in measures:
         lines += [f"## {unit}, per window of {meta['window']} output positions", "",
                   "| policy | budget | first divergence | all | " + " | ".join(f"{s}-" for s in starts) + " |",
