@@ -9,8 +9,8 @@ every conversation, what a replica can hold). Clients send plain OpenAI chat bod
 with ``stream_options``) to the gateway, never to a replica.
 
 1. Routing, run twice in one invocation: ``cache_aware``, then ``round_robin`` (``--baseline``),
-   each on fresh replicas and a fresh redis-server (neither starts warm). ``--conversations`` concurrent
-   conversations of ``--turns`` turns, each over its own ``--doc-tokens`` document (the essays
+   each on fresh replicas and a fresh redis-server, if any (neither starts warm).
+   ``--conversations`` concurrent conversations of ``--turns`` turns, each over its own ``--doc-tokens`` document (the essays
    haystack with keyed needles, ``make_reusable`` with seed ``--seed + c``; turn k asks for the
    k-th needle and every turn resends the whole conversation). Measured over turns 2..T: the
    prefix-cache hit rate (sum of ``usage.prompt_tokens_details.cached_tokens`` / sum of
@@ -527,6 +527,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke: 2 conversations, 2 turns, ~300-token documents")
     ap.add_argument("--out", type=Path, default=Path("bench/results/replicas_routing.json"))
     args = ap.parse_args()
+    if args.store == "none" and args.skip != "failover":
+        ap.error("--store none measures routing alone: add --skip failover (failover reads the store)")
     if args.quick:
         args.conversations, args.turns, args.doc_tokens = 2, 2, 300
         args.failover_max_tokens = min(args.failover_max_tokens, 64)

@@ -12,7 +12,7 @@ import torch
 from icekv.config.request import SamplingConfig
 from icekv.config.selection import SelectionConfig
 from icekv.errors import ConfigError
-from icekv.eval.fidelity import DECISIVE_PROBABILITY, Fidelity, Reference, divergence, merged, reference, teacher_forced
+from icekv.eval.fidelity import Fidelity, Reference, divergence, merged, reference, teacher_forced
 from icekv.policies import resolve
 from tests.test_cli import refused
 
@@ -75,8 +75,8 @@ def test_a_sampled_reference_is_seeded_and_agreement_compares_the_most_likely_to
         same = teacher_forced(engine, prompt, ref, FULL)
         assert same.agrees.all() and same.first_divergence is None  # the full cache agrees with itself there too
         assert torch.equal(same.kl, torch.zeros(len(ref.tokens), dtype=torch.float64))
-        sure = ref.top_logprobs[:, 0].exp() >= DECISIVE_PROBABILITY  # [N]
-        assert torch.equal(same.decisive, sure) and same.summary()["decisive_agreement"] == 1.0
+        assert torch.equal(same.decisive, ref.decisive) and same.decisive.any()
+        assert same.summary()["decisive_agreement"] == 1.0
         recent = teacher_forced(engine, prompt, ref, resolve(SelectionConfig(policy="streaming", budget=48)))
         assert not recent.agrees.all()
     finally:
@@ -136,6 +136,8 @@ def test_agreement_at_decisive_positions_counts_only_where_the_full_cache_has_a_
     assert found.summary(2) == {"agreement": 0.5, "kl": 2.5, "decisive_share": 0.0, "decisive_agreement": None,
                                 "recall": None}
     assert [w["decisive_agreement"] for w in found.windows(2)] == [0.5, None]
+    top = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.3, 0.7]]).log()  # [N, top + 1]: the favourite, then the rest
+    assert Reference((1, 2, 3), torch.zeros(3, 1).long(), top).decisive.tolist() == [True, True, False]
 
 
 def test_the_repeated_share_counts_positions_that_end_a_run_seen_before():

@@ -8,12 +8,12 @@ reference's tokens fed back (teacher forcing, :attr:`SamplingConfig.forced_token
 output position both caches see the same text, and the policy's next-token distribution is
 compared with the full cache's there:
 
-- ``agrees``: the policy's most likely token is the full cache's (under a greedy reference, the
-  reference's token);
+- ``agrees``: the full cache's most likely token is also the policy's (under a greedy reference:
+  the reference's token);
 - ``kl``: KL(full || policy) over the full cache's ``top`` most likely tokens at that position,
   with the rest of the vocabulary as one more outcome: a lower bound of the exact divergence
   (merging outcomes never raises it), tight where those tokens hold the probability;
-- ``first_divergence``: the first position where the two most likely tokens differ (under a
+- ``first_divergence``: the first position where the two caches' most likely tokens differ (under a
   greedy reference: where greedy decoding under the policy would leave the reference's text;
   None: nowhere);
 - ``decisive``: the positions where the full cache's most likely token holds at least
@@ -56,6 +56,11 @@ class Reference:
     top_ids: torch.Tensor  # [N, top] the most likely tokens at each position, most likely first
     top_logprobs: torch.Tensor  # [N, top + 1] their log-probabilities, then the rest's
 
+    @property
+    def decisive(self) -> torch.Tensor:
+        """[N] bool: where the full cache's most likely token holds >= ``DECISIVE_PROBABILITY``."""
+        return self.top_logprobs[:, 0] >= math.log(DECISIVE_PROBABILITY)
+
     def repeated(self, size: int, n: int = REPEAT_RUN_TOKENS) -> list[float]:
         """Per window of ``size`` positions: the share whose token ends an ``n``-token run that
         already ended earlier in the output. Near 1, the output repeats itself there, and any
@@ -85,7 +90,8 @@ class Fidelity:
 
     def summary(self, start: int = 0, end: int | None = None) -> dict:
         """Over positions ``start .. end-1``: the agreement rate, mean KL, the share of decisive
-        positions and the agreement over them (None where there are none)."""
+        positions and the agreement over them, and the mean selection recall (each None where
+        there is nothing to average)."""
         agrees, decisive = self.agrees[start:end], self.decisive[start:end]
         recall = None if self.recall is None else self.recall[start:end].nanmean()
         return {"agreement": float(agrees.double().mean()), "kl": float(self.kl[start:end].mean()),
@@ -143,17 +149,16 @@ def teacher_forced(engine: Engine, prompt: Prefilled, ref: Reference, plan: Poli
     def compare(logits: torch.Tensor) -> None:
         at = len(agrees)
         logprobs = torch.log_softmax(logits.double(), -1)  # [V]
-        agrees.append(int(logprobs.argmax()) == int(ref.top_ids[at, 0]))
+        agrees.append(bool(logprobs[ref.top_ids[at, 0]] == logprobs.max()))  # a tie for the top agrees
         kl.append(divergence(ref.top_logprobs[at], merged(logprobs, ref.top_ids[at])))
 
     out = engine.decode(prompt, SamplingConfig(max_tokens=len(ref.tokens), forced_tokens=ref.tokens), plan,
                         on_logits=compare, probe=probe)
     if len(agrees) != len(ref.tokens):
         raise RuntimeError(f"a forced decode of {len(ref.tokens)} tokens saw {len(agrees)} steps' logits")
-    decisive = ref.top_logprobs[:, 0] >= math.log(DECISIVE_PROBABILITY)  # [N]
     recall = None
     if out.step_recall:  # decode step i produces position i + 1
         if len(out.step_recall) != len(ref.tokens) - 1:
             raise RuntimeError(f"{len(out.step_recall)} probed steps for {len(ref.tokens)} positions")
         recall = torch.tensor([math.nan, *out.step_recall], dtype=torch.float64)  # [N]
-    return Fidelity(torch.tensor(agrees, dtype=torch.bool), torch.stack(kl), decisive, recall)
+    return Fidelity(torch.tensor(agrees, dtype=torch.bool), torch.stack(kl), ref.decisive, recall)

@@ -187,8 +187,9 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
 
 def fidelity_line(r: dict) -> str:
     """One policy's fidelity record in a line."""
+    recall = "" if r["recall"] is None else f", selection recall {r['recall']:.3f}"
     return (f"{_policy_at(r)}: top-1 agreement {r['agreement']:.3f} ({_number(r['decisive_agreement'])} where the "
-            f"full cache is decisive), KL {r['kl']:.4f} nats, first top-1 difference at {_first_divergence(r)}")
+            f"full cache is decisive), KL {r['kl']:.4f} nats{recall}, first divergence at {_first_divergence(r)}")
 
 
 def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
