@@ -13,8 +13,8 @@ with ``stream_options``) to the gateway, never to a replica.
    ``--conversations`` concurrent conversations of ``--turns`` turns, each over its own
    ``--doc-tokens`` document (the essays haystack with keyed needles, ``make_reusable`` with seed
    ``--seed + c``; turn k asks for the k-th needle and every turn resends the whole
-   conversation). Measured over turns 2..T: the prefix-cache hit rate (sum of ``usage.prompt_tokens_details.cached_tokens`` / sum of
-   ``prompt_tokens``), time to the first streamed content (median and p90), and how many turns
+   conversation). Measured over turns 2..T: the prefix-cache hit rate (sum of
+   ``usage.prompt_tokens_details.cached_tokens`` / sum of ``prompt_tokens``), time to the first streamed content (median and p90), and how many turns
    landed on the replica that served the conversation's previous turn. Round robin alternates
    over all requests, not per conversation: conversations that keep in step with an even number
    of them send an even number of requests between one conversation's turns, which brings each
