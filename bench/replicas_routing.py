@@ -14,12 +14,13 @@ with ``stream_options``) to the gateway, never to a replica.
    ``--doc-tokens`` document (the essays haystack with keyed needles, ``make_reusable`` with seed
    ``--seed + c``; turn k asks for the k-th needle and every turn resends the whole
    conversation). Measured over turns 2..T: the prefix-cache hit rate (sum of
-   ``usage.prompt_tokens_details.cached_tokens`` / sum of ``prompt_tokens``), time to the first streamed content (median and p90), and how many turns
-   landed on the replica that served the conversation's previous turn. Round robin alternates
-   over all requests, not per conversation: conversations that keep in step with an even number
-   of them send an even number of requests between one conversation's turns, which brings each
-   turn back to its previous replica by arithmetic. The landings measured say how often that
-   happened; ``--baseline random`` is the comparison free of it.
+   ``usage.prompt_tokens_details.cached_tokens`` / sum of ``prompt_tokens``), time to the first
+   streamed content (median and p90), and how many turns landed on the replica that served the
+   conversation's previous turn. Round robin alternates over all requests, not per
+   conversation: conversations that keep in step with an even number of them send an even
+   number of requests between one conversation's turns, which brings each turn back to its
+   previous replica by arithmetic. The landings measured say how often that happened;
+   ``--baseline random`` is the comparison free of it.
 2. Failover, on a third fresh set (``cache_aware``): one conversation, a few turns, then a
    streamed turn (a long answer asked) during which the replica serving it is SIGKILLed
    (``os.killpg`` on its tritonserver's and its frontend's process groups) as soon as the client
