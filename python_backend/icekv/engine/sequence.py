@@ -233,9 +233,8 @@ class Sequence:
         new = self.stream.token_ids
         backend = self.backend if self.decoder_ready else None
         probed = list(backend.layer_stats.values()) if backend else []  # per layer: (recall, cosine) per step
-        steps = {len(v) for v in probed}
-        if len(steps) > 1:
-            raise RuntimeError(f"probed layers recorded different numbers of steps: {sorted(steps)}")
+        if len({len(v) for v in probed}) > 1:
+            raise RuntimeError(f"probed layers recorded different numbers of steps: {[len(v) for v in probed]}")
         return Generation(
             text=self.stream.text, token_ids=new, prompt_tokens=len(self.request.prompt_ids), new_tokens=len(new),
             finish_reason=self.finish_reason, prefill_s=self.prefill_s, decode_s=decode_s,
@@ -247,5 +246,5 @@ class Sequence:
             cached_tokens=self.cached_tokens, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
             layer_stats={layer: {"recall": sum(r for r, _ in v) / len(v), "cosine": sum(c for _, c in v) / len(v)}
                          for layer, v in (backend.layer_stats.items() if backend else ())},
-            step_recall=[sum(v[step][0] for v in probed) / len(probed) for step in range(max(steps, default=0))],
+            step_recall=[sum(r for r, _ in step) / len(step) for step in zip(*probed)],  # step: each layer's pair
         )

@@ -7,8 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def _fmt(x, pct=True):
-    return "-" if x is None else (f"{100 * x:.0f}%" if pct else f"{x:.3f}")
+def _fmt(x, pct=True, digits=3):
+    return "-" if x is None else (f"{100 * x:.0f}%" if pct else f"{x:.{digits}f}")
 
 
 def write_report(records: list[dict], out: Path, meta: dict) -> None:
@@ -188,8 +188,9 @@ def write_decode_report(records: list[dict], out: Path, meta: dict) -> None:
 def fidelity_line(r: dict) -> str:
     """One policy's fidelity record in a line."""
     recall = "" if r["recall"] is None else f", selection recall {r['recall']:.3f}"
-    return (f"{_policy_at(r)}: top-1 agreement {r['agreement']:.3f} ({_number(r['decisive_agreement'])} where the "
-            f"full cache is decisive), KL {r['kl']:.4f} nats{recall}, first divergence at {_first_divergence(r)}")
+    decisive = _fmt(r["decisive_agreement"], pct=False)
+    return (f"{_policy_at(r)}: top-1 agreement {r['agreement']:.3f} ({decisive} where the full cache is decisive), "
+            f"KL {r['kl']:.4f} nats{recall}, first divergence at {_first_divergence(r)}")
 
 
 def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
@@ -209,14 +210,14 @@ def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
                 f"{meta['decisive_probability']})")
     measures = (("agreement", "top-1 agreement", 3), ("kl", "mean KL, nats", 4), ("decisive_agreement", decisive, 3),
                 ("decisive_share", "share of decisive positions", 3))
-    if any(r.get("recall") is not None for r in records):
+    if any(r["recall"] is not None for r in records):
         measures += (("recall", "selection recall (full attention's mass on the attended tokens)", 3),)
     for measure, unit, digits in measures:
         lines += [f"## {unit}, per window of {meta['window']} output positions", "",
                   "| policy | budget | first divergence | all | " + " | ".join(f"{s}-" for s in starts) + " |",
                   "|---|---|---|---|" + "---|" * len(starts)]
         for r in records:
-            cells = [_number(v, digits) for v in [r[measure]] + [w[measure] for w in r["windows"]]]
+            cells = [_fmt(v, pct=False, digits=digits) for v in [r[measure]] + [w[measure] for w in r["windows"]]]
             budget = "-" if r["budget"] is None else r["budget"]
             lines.append(f"| {r['policy']} | {budget} | {_first_divergence(r)} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -226,10 +227,6 @@ def write_fidelity_report(records: list[dict], out: Path, meta: dict) -> None:
                   "repeats itself, and any policy that keeps recent tokens follows it): "
                   + ", ".join(f"{v:.2f}" for v in meta["reference_repeated"]) + ".", ""]
     (out / "report.md").write_text("\n".join(lines))
-
-
-def _number(x: float | None, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _decoding(meta: dict) -> str:
